@@ -1,0 +1,111 @@
+"""The kernel registry: which implementation runs each node.
+
+A kernel is a plain function `fn(node, *args) -> list of outputs` registered for
+a primitive or fused-op name with `@register_kernel`. `select_kernel` picks the
+highest-priority candidate whose backend, platform and dtypes fit the node and,
+when none fits, raises KernelSelectError listing every candidate and why it was
+rejected (MindSpore's kernel-select report).
+"""
+import dataclasses
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+
+from jaxsession.errors import KernelSelectError
+
+BACKENDS = ("xla", "host", "pallas")
+ANY_PRIMITIVE = "*"  # registered under this name: fits every primitive node
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBuildInfo:
+  """What SelectKernel writes on a node: the kernel and what it accepts."""
+  name: str
+  op: str
+  fn: Callable
+  backend: str = "xla"
+  platforms: Optional[Tuple[str, ...]] = None   # None: every platform
+  dtypes: Optional[Tuple[str, ...]] = None      # input dtypes; None: any
+  priority: int = 0
+
+  def rejects(self, node, platform):
+    """Why this kernel cannot run `node` on `platform`, or None if it can."""
+    if self.platforms is not None and platform not in self.platforms:
+      return f"platform {platform} not in {list(self.platforms)}"
+    if self.op == ANY_PRIMITIVE and node.prim is None:
+      return f"{node.op} is a fused op with no primitive to bind"
+    if self.dtypes is not None:
+      for i, value in enumerate(node.inputs):
+        dtype = str(np.dtype(value.aval.dtype)) if _is_numpy_dtype(value.aval) else str(
+            value.aval.dtype)
+        if dtype not in self.dtypes:
+          return f"input {i} dtype {dtype} not in {list(self.dtypes)}"
+    return None
+
+
+def _is_numpy_dtype(aval):
+  try:
+    np.dtype(aval.dtype)
+    return True
+  except TypeError:
+    return False
+
+
+_REGISTRY = {}
+
+
+def register_kernel(op, backend="xla", platforms=None, dtypes=None, priority=0, name=None):
+  """Decorator: registers `fn(node, *args) -> list` as a kernel for `op`.
+
+  op: a primitive name (e.g. "dot_general"), a fused-op name, or ANY_PRIMITIVE.
+  backend: "xla" (jax-traceable, runs inside an executable), "host" (numpy,
+  runs between executables) or "pallas".
+  Higher priority wins among the kernels that fit.
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+  def decorate(fn):
+    info = KernelBuildInfo(
+        name=name or f"{backend}:{fn.__name__}", op=op, fn=fn, backend=backend,
+        platforms=tuple(platforms) if platforms is not None else None,
+        dtypes=tuple(str(np.dtype(d)) for d in dtypes) if dtypes is not None else None,
+        priority=priority)
+    unregister_kernel(info.name, op)
+    _REGISTRY.setdefault(op, []).append(info)
+    _REGISTRY[op].sort(key=lambda k: -k.priority)
+    return fn
+  return decorate
+
+
+def unregister_kernel(name, op=None):
+  """Removes the kernel called `name` (from `op` only, when given)."""
+  for key in ([op] if op is not None else list(_REGISTRY)):
+    _REGISTRY[key] = [k for k in _REGISTRY.get(key, []) if k.name != name]
+
+
+def candidates(op, backends=None):
+  """Registered kernels for `op`, then the any-primitive ones, best first."""
+  found = _REGISTRY.get(op, []) + _REGISTRY.get(ANY_PRIMITIVE, [])
+  if backends is not None:
+    found = [k for k in found if k.backend in backends]
+  return sorted(found, key=lambda k: -k.priority)
+
+
+def select_kernel(node, platform, backends=("xla",)):
+  """The best kernel for `node` on `platform` among `backends`.
+
+  Raises KernelSelectError listing every candidate and why it was rejected.
+  """
+  rejected = []
+  for kernel in candidates(node.op):
+    reason = (f"backend {kernel.backend} not in {list(backends)}"
+              if kernel.backend not in backends else kernel.rejects(node, platform))
+    if reason is None:
+      return kernel
+    rejected.append(f"  {kernel.name} (priority {kernel.priority}): {reason}")
+  where = f" at {node.source}" if node.source else ""
+  listing = "\n".join(rejected) if rejected else "  (no kernel is registered for it)"
+  raise KernelSelectError(
+      f"no kernel fits node {node.id} '{node.op}'{where} on platform {platform} "
+      f"(input dtypes {[str(v.aval.dtype) for v in node.inputs]}); candidates:\n{listing}")

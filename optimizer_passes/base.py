@@ -1,0 +1,126 @@
+"""Pass infrastructure: Pass, PassResult, PassContext, PassManager.
+
+A pass is small and pure: it rewrites the graph it is given and reports whether
+it changed it. The manager owns everything around the passes: timing, node
+counts, verification after every pass that reports a change, and the
+instruments (IR dumps) that watch the pipeline from outside.
+"""
+import abc
+import dataclasses
+import time
+from typing import Any, Callable, List, NamedTuple, Optional
+
+from jaxsession.errors import PassError, SessionError
+
+
+@dataclasses.dataclass
+class PassResult:
+  changed: bool
+
+
+class PassRecord(NamedTuple):
+  """One pass run, as `report.passes` lists it."""
+  name: str
+  changed: bool
+  seconds: float
+  nodes_before: int
+  nodes_after: int
+  stage: str = ""
+
+
+@dataclasses.dataclass
+class PassContext:
+  """What passes may read besides the graph, and where the records go."""
+  platform: str = "cpu"
+  options: Any = None
+  verify: bool = True
+  records: List[PassRecord] = dataclasses.field(default_factory=list)
+  # instruments: fn(stage, pass_name, graph, record) called after each pass
+  instruments: List[Callable] = dataclasses.field(default_factory=list)
+  history: List[str] = dataclasses.field(default_factory=list)
+
+
+class Pass(abc.ABC):
+  """A graph pass. Subclasses set `name`, document what they rewrite and what
+  must run before them, and implement `run(graph, ctx) -> PassResult`."""
+  name = "pass"
+
+  @abc.abstractmethod
+  def run(self, graph, ctx) -> PassResult:
+    """Rewrites `graph` in place; says whether anything changed."""
+
+  def __repr__(self):
+    return f"<pass {self.name}>"
+
+
+class FunctionPass(Pass):
+  """A pass made from a plain function `fn(graph, ctx) -> bool`."""
+
+  def __init__(self, name, fn, doc=None):
+    self.name = name
+    self._fn = fn
+    self.__doc__ = doc or fn.__doc__
+
+  def run(self, graph, ctx):
+    return PassResult(bool(self._fn(graph, ctx)))
+
+
+class PassManager:
+  """A named, flat, ordered list of passes for one stage."""
+
+  def __init__(self, stage, passes):
+    self.stage = stage
+    self.passes = list(passes)
+
+  def names(self):
+    return [p.name for p in self.passes]
+
+  def run(self, graph, ctx, disabled=()):
+    changed_any = False
+    for pass_ in self.passes:
+      if pass_.name in disabled:
+        continue
+      changed_any |= run_one(pass_, graph, ctx, self.stage)
+    return changed_any
+
+
+def run_one(pass_, graph, ctx, stage):
+  """Runs one pass with timing, verification and instruments around it."""
+  before = len(graph.nodes)
+  start = time.perf_counter()
+  try:
+    result = pass_.run(graph, ctx)
+  except SessionError:  # KernelSelectError, PartitionError, PassError: already precise
+    raise
+  except Exception as exc:
+    raise _pass_error(f"pass {pass_.name} raised {type(exc).__name__}: {exc}",
+                      stage, pass_, ctx) from exc
+  seconds = time.perf_counter() - start
+  if result.changed and ctx.verify:
+    try:
+      graph.verify()
+    except ValueError as exc:
+      raise _pass_error(f"pass {pass_.name} left an invalid graph: {exc}",
+                        stage, pass_, ctx) from exc
+  record = PassRecord(pass_.name, bool(result.changed), seconds, before,
+                      len(graph.nodes), stage)
+  ctx.records.append(record)
+  ctx.history.append(f"{stage}/{pass_.name}")
+  for instrument in ctx.instruments:
+    instrument(stage, pass_.name, graph, record)
+  return result.changed
+
+
+def _pass_error(message, stage, pass_, ctx):
+  before = ", ".join(ctx.history) or "none"
+  return PassError(f"{message} (stage {stage}; passes before it: {before})")
+
+
+def run_to_fixed_point(manager, graph, ctx, max_iterations=10, disabled=()):
+  """Runs `manager` until no pass changes the graph; raises PassError when the
+  iteration limit is hit instead of quietly giving up."""
+  for _ in range(max_iterations):
+    if not manager.run(graph, ctx, disabled):
+      return
+  raise PassError(f"stage {manager.stage} did not reach a fixed point in "
+                  f"{max_iterations} iterations (passes: {manager.names()})")

@@ -1,0 +1,51 @@
+"""CSE: merges nodes that compute the same op with the same params on the same
+inputs, keeping the first. Effectful nodes are never merged.
+
+Run after DCE (fewer nodes to hash); DCE again afterwards is not needed since
+the merged node's outputs are redirected, not left dead.
+"""
+from jaxsession.ir import Literal
+from jaxsession.optimizer_passes.base import Pass, PassResult
+
+
+def _hashable(value):
+  """A hashable stand-in for a param value, or raise TypeError."""
+  if isinstance(value, (list, tuple)):
+    return tuple(_hashable(v) for v in value)
+  if isinstance(value, dict):
+    return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+  hash(value)
+  return value
+
+
+def node_key(node):
+  """(op, params, inputs) of `node`, or None when it cannot be hashed."""
+  try:
+    params = tuple(sorted((k, _hashable(v)) for k, v in node.params.items()))
+  except TypeError:
+    return None
+  inputs = tuple(v.key() if isinstance(v, Literal) else v.id for v in node.inputs)
+  return (node.op, params, inputs)
+
+
+class CommonSubexpressionElimination(Pass):
+  name = "cse"
+
+  def run(self, graph, ctx):
+    seen = {}
+    merged = []
+    for node in graph.nodes:
+      if node.effects:
+        continue
+      key = node_key(node)
+      if key is None:
+        continue
+      first = seen.setdefault(key, node)
+      if first is node:
+        continue
+      for old, new in zip(node.outputs, first.outputs):
+        graph.replace_uses(old, new)
+      merged.append(node)
+    for node in merged:
+      graph.remove_node(node)
+    return PassResult(bool(merged))

@@ -1,0 +1,104 @@
+"""Build: each device partition -> one compiled XLA executable; each host
+partition -> a numpy function. Nothing here runs op by op in steady state."""
+import dataclasses
+from typing import Callable, List
+
+import jax
+
+from jaxsession.errors import HostOpError
+from jaxsession.ir import Literal
+from jaxsession.lowering import kernel_fn, lower_nodes
+
+
+def shape_struct(aval):
+  """The ShapeDtypeStruct an executable is compiled for (weak type kept)."""
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                              weak_type=getattr(aval, "weak_type", False))
+
+
+def compile_fn(fn, arg_structs, donate_argnums=()):
+  """jit + lower + compile, ahead of time, for exactly these argument types."""
+  return jax.jit(fn, donate_argnums=donate_argnums).lower(*arg_structs).compile()
+
+
+@dataclasses.dataclass
+class Step:
+  """One partition ready to run: fn(*arrays) -> list of arrays."""
+  partition: object
+  fn: Callable
+  in_ids: List[int]
+  out_ids: List[int]
+  free_after: List[int] = dataclasses.field(default_factory=list)
+
+
+def where(node):
+  return f"node {node.id} '{node.op}'" + (f" at {node.source}" if node.source else "")
+
+
+def host_callable(nodes, in_values, out_values):
+  """Runs host kernels on numpy arrays; a raising kernel becomes HostOpError."""
+  fns = [kernel_fn(n) for n in nodes]
+
+  def read(env, value):
+    return value.value if isinstance(value, Literal) else env[value.id]
+
+  def run_host(*arrays):
+    env = {v.id: a for v, a in zip(in_values, arrays)}
+    for node, fn in zip(nodes, fns):
+      try:
+        outs = fn(node, *[read(env, v) for v in node.inputs])
+      except Exception as exc:
+        raise HostOpError(f"host kernel {node.kernel.name} of {where(node)} raised "
+                          f"{type(exc).__name__}: {exc}") from exc
+      env.update((o.id, r) for o, r in zip(node.outputs, outs))
+    return [read(env, v) for v in out_values]
+  return run_host
+
+
+def build_device_step(part, donated_ids):
+  """Compiles one device partition; its donated inputs are the state leaves
+  the memory plan gave to this partition."""
+  body = lower_nodes(part.nodes, part.inputs, part.outputs)
+  donate = tuple(i for i, v in enumerate(part.inputs) if v.id in donated_ids)
+  exe = compile_fn(lambda *xs: body(*xs), [shape_struct(v.aval) for v in part.inputs],
+                   donate)
+  return exe
+
+
+def build_steps(graph, partitions, plan):
+  """Every partition as a Step, with the values to forget after each."""
+  donated = {d.state.id for d in plan.donations if d.donated}
+  donated_to = {d.state.id: d.partition for d in plan.donations if d.donated}
+  steps = []
+  for part in partitions:
+    mine = {vid for vid in donated if donated_to[vid] == part.index}
+    if part.place == "host":
+      fn = host_callable(part.nodes, part.inputs, part.outputs)
+    else:
+      fn = wrap_device_errors(build_device_step(part, mine), part)
+    steps.append(Step(part, fn, [v.id for v in part.inputs], [v.id for v in part.outputs]))
+  keep = {v.id for v in graph.outputs if not isinstance(v, Literal)}
+  last = {}
+  for i, step in enumerate(steps):
+    for vid in step.in_ids:
+      last[vid] = i
+  for vid, i in last.items():
+    if vid not in keep:
+      steps[i].free_after.append(vid)
+  return steps
+
+
+def wrap_device_errors(exe, part):
+  """A device executable; if it contains callbacks, their failures name them."""
+  if not part.may_fail:
+    return exe
+  culprits = ", ".join(where(n) for n in part.nodes if n.op.endswith("callback")) or (
+      "an effectful node")
+
+  def run_device(*arrays):
+    try:
+      return exe(*arrays)
+    except jax.errors.JaxRuntimeError as exc:
+      raise HostOpError(f"a callback in device partition #{part.index} ({culprits}) "
+                        f"raised: {str(exc).splitlines()[0]}") from exc
+  return run_device

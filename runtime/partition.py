@@ -1,0 +1,80 @@
+"""Partitioning: split the placed node list into runs that execute together.
+
+Proposes partitions in one step (maximal runs of nodes with the same place, in
+execution order) and then computes what crosses each boundary. Each partition
+remembers why it was split off, for the report and the dump.
+"""
+import dataclasses
+from typing import List, Optional
+
+from jaxsession.ir import Literal
+
+
+@dataclasses.dataclass
+class Partition:
+  index: int
+  place: str                       # "device" or "host"
+  nodes: list
+  reason: str
+  stream: Optional[int] = None     # AssignStream
+  inputs: List = dataclasses.field(default_factory=list)   # Values read from outside
+  outputs: List = dataclasses.field(default_factory=list)  # Values read after it
+  may_fail: bool = False           # can raise after it consumed its inputs
+
+  def describe(self):
+    return (f"#{self.index} {self.place} nodes={len(self.nodes)} stream={self.stream} "
+            f"in={len(self.inputs)} out={len(self.outputs)}"
+            f"{' may_fail' if self.may_fail else ''}: {self.reason}")
+
+
+# Ops that run user Python from inside an executable: a Python exception there
+# fails the executable after its inputs were consumed.
+CALLBACK_OPS = frozenset({"pure_callback", "io_callback", "debug_callback"})
+
+
+def node_may_fail(node):
+  """Whether running `node` can raise after its inputs were consumed."""
+  return node.place == "host" or node.op in CALLBACK_OPS or bool(node.effects)
+
+
+def propose_partitions(graph):
+  """Maximal runs of same-place nodes, in execution order."""
+  partitions = []
+  for node in graph.nodes:
+    if partitions and partitions[-1].place == node.place:
+      partitions[-1].nodes.append(node)
+      continue
+    if not partitions:
+      reason = "first partition"
+    else:
+      where = f" at {node.source}" if node.source else ""
+      reason = (f"placement changes {partitions[-1].place} -> {node.place} at node "
+                f"{node.id} '{node.op}'{where}")
+    partitions.append(Partition(len(partitions), node.place, [node], reason))
+  return partitions
+
+
+def compute_boundaries(graph, partitions):
+  """Fills each partition's inputs (defined outside it) and outputs (read by a
+  later partition or by the graph's outputs), in a deterministic order."""
+  part_of = {node.id: part.index for part in partitions for node in part.nodes}
+  graph_outs = {v.id for v in graph.outputs if not isinstance(v, Literal)}
+  for part in partitions:
+    seen = set()
+    part.inputs = []
+    for node in part.nodes:
+      for value in node.inputs:
+        if isinstance(value, Literal) or value.id in seen:
+          continue
+        if value.producer is None or part_of[value.producer.id] != part.index:
+          seen.add(value.id)
+          part.inputs.append(value)
+    part.outputs = [out for node in part.nodes for out in node.outputs
+                    if out.id in graph_outs
+                    or any(part_of[user.id] != part.index for user in out.users)]
+    part.may_fail = any(node_may_fail(n) for n in part.nodes)
+  return partitions
+
+
+def partition_graph(graph):
+  return compute_boundaries(graph, propose_partitions(graph))

@@ -1,0 +1,12 @@
+"""jaxsession: a graph-mode session for JAX programs."""
+from jaxsession import errors  # first: every other module raises these
+from jaxsession.errors import (HostOpError, InputError, KernelSelectError, PartitionError,
+                               PassError, SessionError, UnknownGraphError)
+from jaxsession.ir import KernelGraph, Literal, Node, Value
+from jaxsession.options import SessionOptions
+from jaxsession.session import Session
+
+__all__ = ["Session", "SessionOptions", "KernelGraph", "Node", "Value", "Literal",
+           "errors", "SessionError", "InputError", "UnknownGraphError",
+           "KernelSelectError", "PartitionError", "HostOpError", "PassError"]
+__version__ = "0.1.0"

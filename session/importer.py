@@ -1,0 +1,119 @@
+"""Import a ClosedJaxpr into a KernelGraph.
+
+Call primitives whose body is an ordinary function (`jit`, `closed_call`,
+`custom_jvp_call`, `custom_vjp_call`, `remat`) are inlined: the session executes
+the program and never differentiates it again, so their custom derivative rules
+and rematerialisation hints have nothing left to say. Control flow (`scan`,
+`while`, `cond`) stays as single nodes that carry their sub-jaxprs. Consts of
+the jaxpr (at any depth) become `const` inputs; literals stay literals.
+"""
+import jax
+from jax.extend import core as jcore
+
+from jaxsession.ir import KernelGraph, Literal
+
+
+def _inner_jit(params):
+  return params["jaxpr"]
+
+
+def _inner_call(params):
+  return params["call_jaxpr"]
+
+
+# primitive name -> how to find the body to inline (a Jaxpr or ClosedJaxpr)
+INLINE_RULES = {
+    "jit": _inner_jit,
+    "pjit": _inner_jit,
+    "closed_call": _inner_call,
+    "core_call": _inner_call,
+    "custom_jvp_call": _inner_call,
+    "custom_vjp_call": _inner_call,
+    "custom_vjp_call_jaxpr": lambda params: params["fun_jaxpr"],
+    "remat2": _inner_jit,
+    "checkpoint": _inner_jit,
+}
+
+
+def source_of(eqn):
+  """`file:line (function)` of the user frame that emitted `eqn`, or None."""
+  info = getattr(eqn, "source_info", None)
+  if info is None:
+    return None
+  try:
+    from jax._src import source_info_util  # no public API for frames
+    frame = source_info_util.user_frame(info.traceback)
+  except Exception:  # source info is decoration; never fail an import on it
+    return None
+  if frame is None:
+    return None
+  return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line} ({frame.function_name})"
+
+
+def import_jaxpr(closed_jaxpr, name="graph", input_kinds=None, input_names=None):
+  """Builds a KernelGraph from `closed_jaxpr`.
+
+  input_kinds/input_names: per jaxpr invar, its kind ("input" or "state") and a
+  readable name (argument index and pytree path) for dumps and errors.
+  """
+  jaxpr = closed_jaxpr.jaxpr
+  graph = KernelGraph(name)
+  n = len(jaxpr.invars)
+  kinds = input_kinds or ["input"] * n
+  names = input_names or [None] * n
+  env = {}
+  for var, kind, label in zip(jaxpr.invars, kinds, names):
+    env[var] = graph.add_input(var.aval, kind=kind, name=label)
+  _bind_consts(graph, env, jaxpr.constvars, closed_jaxpr.consts)
+  _import_eqns(graph, env, jaxpr.eqns)
+  graph.outputs = [_read(env, v) for v in jaxpr.outvars]
+  return graph
+
+
+def _bind_consts(graph, env, constvars, consts):
+  for var, value in zip(constvars, consts):
+    env[var] = graph.add_input(var.aval, kind="const", name=f"const {var}",
+                               const_value=value)
+
+
+def _read(env, atom):
+  if isinstance(atom, jcore.Literal):
+    return Literal(atom.val, atom.aval)
+  return env[atom]
+
+
+def _import_eqns(graph, env, eqns):
+  for eqn in eqns:
+    inputs = [_read(env, v) for v in eqn.invars]
+    inner = INLINE_RULES.get(eqn.primitive.name)
+    if inner is not None:
+      outs = _inline(graph, inner(eqn.params), inputs)
+      for var, value in zip(eqn.outvars, outs):
+        env[var] = value
+      continue
+    node = graph.add_node(eqn.primitive.name, eqn.primitive, eqn.params, inputs,
+                          [v.aval for v in eqn.outvars], eqn.effects, source_of(eqn))
+    for var, value in zip(eqn.outvars, node.outputs):
+      env[var] = value  # DropVars are harmless keys: nobody reads them
+
+
+def _inline(graph, body, inputs):
+  """Imports `body` (Jaxpr or ClosedJaxpr) with its invars bound to `inputs`."""
+  if isinstance(body, jcore.ClosedJaxpr):
+    jaxpr, consts = body.jaxpr, body.consts
+  else:
+    jaxpr, consts = body, ()
+  env = {}
+  _bind_consts(graph, env, jaxpr.constvars, consts)
+  # A body's invars may be fewer than its call's operands only for
+  # custom_jvp/vjp with num_consts, where the consts lead the operands.
+  for var, value in zip(jaxpr.invars, inputs[len(inputs) - len(jaxpr.invars):]):
+    env[var] = value
+  _import_eqns(graph, env, jaxpr.eqns)
+  return [_read(env, v) for v in jaxpr.outvars]
+
+
+def trace(fn, args):
+  """make_jaxpr over positional `args`; returns (ClosedJaxpr, out_tree)."""
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  return closed, jax.tree_util.tree_structure(out_shape)

@@ -1,0 +1,86 @@
+"""Argument specs: what `run` expects at each position, and the errors that
+name exactly what is wrong (argument index, pytree path, expected and actual)."""
+import jax
+import numpy as np
+from jax import tree_util
+
+from jaxsession.errors import InputError
+from jaxsession.ir import aval_str
+
+_PY_SCALARS = (bool, int, float, complex)
+
+
+def leaf_aval(x):
+  """The aval jax would see for leaf `x` (dtype canonicalised)."""
+  try:
+    return jax.api_util.shaped_abstractify(x)
+  except TypeError as exc:
+    raise InputError(f"{type(x).__name__} is not an array type: {exc}") from None
+
+
+def paths_of(tree):
+  return [tree_util.keystr(path) for path, _ in tree_util.tree_flatten_with_path(tree)[0]]
+
+
+class ArgSpec:
+  """The positional arguments a graph's `run` takes: one pytree each."""
+
+  def __init__(self, where, positions, example_args):
+    self.where = where                  # "run(graph 'name')"
+    self.positions = list(positions)    # each argument's position in fn
+    self.treedefs = []
+    self.avals = []
+    self.paths = []
+    for arg in example_args:
+      leaves, treedef = tree_util.tree_flatten(arg)
+      self.treedefs.append(treedef)
+      self.avals.append([leaf_aval(x) for x in leaves])
+      self.paths.append(paths_of(arg))
+
+  def flat_avals(self):
+    return [a for avals in self.avals for a in avals]
+
+  def _arg_name(self, i):
+    return f"argument {i} (position {self.positions[i]} of the function)"
+
+  def check_arity(self, args):
+    if len(args) != len(self.treedefs):
+      raise InputError(
+          f"{self.where}: expected {len(self.treedefs)} positional argument(s) "
+          f"(the function's positions {self.positions}; state and static arguments "
+          f"are not passed to run), got {len(args)}")
+
+  def conform(self, args, leading=None):
+    """Returns `args` with Python scalars converted where that is exact; raises
+    InputError naming the first argument that does not fit. With `leading`,
+    every leaf must carry that many steps on a new leading axis."""
+    self.check_arity(args)
+    fixed = []
+    for i, arg in enumerate(args):
+      leaves, treedef = tree_util.tree_flatten(arg)
+      if treedef != self.treedefs[i]:
+        raise InputError(f"{self.where}: {self._arg_name(i)} has pytree structure "
+                         f"{treedef}, expected {self.treedefs[i]}")
+      new_leaves = [self._conform_leaf(i, j, x, leading) for j, x in enumerate(leaves)]
+      fixed.append(tree_util.tree_unflatten(treedef, new_leaves))
+    return tuple(fixed)
+
+  def _conform_leaf(self, i, j, x, leading):
+    want = self.avals[i][j]
+    shape = tuple(want.shape) if leading is None else (leading,) + tuple(want.shape)
+    place = f"{self.where}: {self._arg_name(i)} at path {self.paths[i][j] or '(root)'}"
+    if isinstance(x, _PY_SCALARS) and leading is None and shape == ():
+      converted = np.asarray(x, dtype=want.dtype)
+      if converted.item() != x:
+        raise InputError(f"{place}: Python scalar {x!r} does not fit {aval_str(want)}")
+      return converted
+    try:
+      got = leaf_aval(x)
+    except InputError as exc:
+      raise InputError(f"{place}: {exc}") from None
+    if tuple(got.shape) != shape or got.dtype != want.dtype:
+      expect = f"{aval_str(want)}" if leading is None else (
+          f"{want.str_short(short_dtypes=True).split('[')[0]}{list(shape)} "
+          f"(steps={leading} on a leading axis of {aval_str(want)})")
+      raise InputError(f"{place}: expected {expect}, got {aval_str(got)}")
+    return x

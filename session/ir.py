@@ -1,0 +1,287 @@
+"""KernelGraph: jaxsession's graph IR.
+
+Nodes are kept in execution order. Every value has an aval, exactly one producer
+(a node, or the graph itself for inputs) and a list of user nodes. Each pipeline
+stage writes its decision on the node (`kernel`, `place`, `stream`) or on the
+graph (`memory`, `partitions`), so `dump()` after any stage shows everything
+decided so far.
+"""
+import itertools
+
+import numpy as np
+
+INPUT_KINDS = ("input", "state", "const")
+
+
+def aval_str(aval):
+  """`f32[3,4]`-style text for an aval, with `~` marking weak types."""
+  fn = getattr(aval, "str_short", None)
+  text = fn(short_dtypes=True) if fn else str(aval)
+  return text + ("~" if getattr(aval, "weak_type", False) else "")
+
+
+def aval_bytes(aval):
+  """Bytes one value of this aval occupies (0 for tokens and other non-arrays)."""
+  shape = getattr(aval, "shape", None)
+  dtype = getattr(aval, "dtype", None)
+  if shape is None or dtype is None:
+    return 0
+  return int(np.prod(shape, dtype=np.int64)) * int(getattr(dtype, "itemsize", 0))
+
+
+class Value:
+  """A value of the graph: a graph input or a node output."""
+  __slots__ = ("id", "aval", "producer", "users", "kind", "name", "index")
+
+  def __init__(self, vid, aval, producer=None, kind="node", name=None, index=0):
+    self.id = vid
+    self.aval = aval
+    self.producer = producer  # the Node defining it, None for graph inputs
+    self.users = []           # Nodes reading it, one entry per reading node
+    self.kind = kind          # "node" or one of INPUT_KINDS
+    self.name = name          # for inputs: the argument and pytree path
+    self.index = index        # position among the producer's outputs
+
+  def __repr__(self):
+    return f"%{self.id}"
+
+
+class Literal:
+  """A constant scalar written inline in an equation (a jaxpr Literal)."""
+  __slots__ = ("value", "aval")
+
+  def __init__(self, value, aval):
+    self.value = value
+    self.aval = aval
+
+  def key(self):
+    """Hashable identity of the constant (for CSE)."""
+    arr = np.asarray(self.value)
+    return ("lit", str(self.aval), arr.tobytes(), str(arr.dtype))
+
+  def __repr__(self):
+    return f"{np.asarray(self.value).item()!r}:{aval_str(self.aval)}"
+
+
+class Node:
+  """One operation: a JAX primitive, or a fused op made by a pass."""
+  __slots__ = ("id", "op", "prim", "params", "inputs", "outputs", "effects",
+               "source", "kernel", "place", "stream", "notes")
+
+  def __init__(self, nid, op, prim, params, inputs, effects=(), source=None):
+    self.id = nid
+    self.op = op              # primitive name or fused-op name
+    self.prim = prim          # the jax Primitive (None for fused ops)
+    self.params = dict(params)
+    self.inputs = list(inputs)  # Values and Literals
+    self.outputs = []
+    self.effects = effects
+    self.source = source      # "file:line (function)" of the user code
+    self.kernel = None        # SelectKernel: a KernelBuildInfo
+    self.place = None         # HardwareOptimize: "device" or "host"
+    self.stream = None        # AssignStream: the queue number
+    self.notes = []           # why a pass did what it did to this node
+
+  def __repr__(self):
+    return f"Node({self.id}, {self.op})"
+
+
+def _param_str(value):
+  if hasattr(value, "jaxpr") or type(value).__name__ in ("Jaxpr", "ClosedJaxpr"):
+    return "{jaxpr}"
+  if isinstance(value, (tuple, list)) and value and hasattr(value[0], "jaxpr"):
+    return "{%d jaxprs}" % len(value)
+  if callable(value):
+    return getattr(value, "__name__", type(value).__name__)
+  text = str(value)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+class KernelGraph:
+  """The graph IR. Build with `add_input` / `add_node`; rewrite with
+  `replace_uses` / `remove_node`; check with `verify()`."""
+
+  def __init__(self, name="graph"):
+    self.name = name
+    self.inputs = []    # Values of kind input/state/const, in parameter order
+    self.outputs = []   # Values or Literals
+    self.nodes = []     # in execution order
+    self.const_values = {}  # Value.id -> the constant array of a const input
+    self.memory = None      # AllocateMemory: a runtime.memory.MemoryPlan
+    self.partitions = None  # HardwareOptimize: list of runtime.partition.Partition
+    # outputs[:len(state inputs)] are the new values of the state inputs, in order
+    self.updates_state = False
+    self._ids = itertools.count()
+
+  # -- construction -------------------------------------------------------
+  def new_value(self, aval, producer=None, kind="node", name=None, index=0):
+    return Value(next(self._ids), aval, producer, kind, name, index)
+
+  def add_input(self, aval, kind="input", name=None, const_value=None):
+    assert kind in INPUT_KINDS, kind
+    value = self.new_value(aval, kind=kind, name=name)
+    self.inputs.append(value)
+    if kind == "const":
+      self.const_values[value.id] = const_value
+    return value
+
+  def make_node(self, op, prim, params, inputs, out_avals, effects=(), source=None):
+    """Creates a node with fresh output values; the caller places it."""
+    node = Node(next(self._ids), op, prim, params, inputs, effects, source)
+    node.outputs = [self.new_value(a, node, index=i) for i, a in enumerate(out_avals)]
+    return node
+
+  def add_node(self, op, prim, params, inputs, out_avals, effects=(), source=None):
+    """Appends a node at the end of the execution order."""
+    node = self.make_node(op, prim, params, inputs, out_avals, effects, source)
+    self.insert_node(len(self.nodes), node)
+    return node
+
+  def insert_node(self, position, node):
+    self.nodes.insert(position, node)
+    for value in node.inputs:
+      if isinstance(value, Value):
+        value.users.append(node)
+
+  # -- rewriting ----------------------------------------------------------
+  def remove_node(self, node):
+    """Removes a node whose outputs are no longer used."""
+    for out in node.outputs:
+      if out.users or any(o is out for o in self.outputs):
+        raise ValueError(f"{node} still has users of {out}")
+    self.nodes.remove(node)
+    for value in node.inputs:
+      if isinstance(value, Value):
+        value.users.remove(node)
+
+  def replace_uses(self, old, new):
+    """Makes every reader of `old` (nodes and graph outputs) read `new`."""
+    for user in old.users:
+      user.inputs = [new if v is old else v for v in user.inputs]
+      if isinstance(new, Value):
+        new.users.append(user)
+    old.users = []
+    self.outputs = [new if v is old else v for v in self.outputs]
+
+  # -- queries ------------------------------------------------------------
+  def values(self):
+    """Every value: inputs, then node outputs in execution order."""
+    yield from self.inputs
+    for node in self.nodes:
+      yield from node.outputs
+
+  def inputs_of_kind(self, kind):
+    return [v for v in self.inputs if v.kind == kind]
+
+  def state_updates(self):
+    """[(state input, value holding its new value)] when the graph updates state."""
+    if not self.updates_state:
+      return []
+    states = self.inputs_of_kind("state")
+    return list(zip(states, self.outputs[:len(states)]))
+
+  def verify(self):
+    """Checks the invariants; raises ValueError naming the first violation."""
+    defined = set()
+    for value in self.inputs:
+      _check(value.producer is None, f"input {value} has a producer")
+      _check(value.id not in defined, f"{value} defined twice")
+      defined.add(value.id)
+    readers = {}
+    for node in self.nodes:
+      for value in node.inputs:
+        if isinstance(value, Literal):
+          continue
+        _check(value.id in defined,
+               f"{node} reads {value} before it is defined (not in topological order)")
+        readers.setdefault(value.id, []).append(node)
+      for i, out in enumerate(node.outputs):
+        _check(out.id not in defined, f"{out} defined twice")
+        _check(out.producer is node and out.index == i,
+               f"{out} does not name {node} output {i} as its producer")
+        defined.add(out.id)
+      _check_avals(node)
+    for value in self.values():
+      expect = sorted(n.id for n in readers.get(value.id, []))
+      _check(sorted(n.id for n in value.users) == expect,
+             f"users of {value} out of sync: recorded {value.users}, actual {expect}")
+    for value in self.outputs:
+      _check(isinstance(value, Literal) or value.id in defined,
+             f"graph output {value} is not defined")
+    return True
+
+  # -- text and Graphviz ----------------------------------------------------
+  def dump(self):
+    """The graph as text: inputs, one node a line with every decision, outputs."""
+    lines = [f"graph {self.name} ({len(self.nodes)} nodes)"]
+    for value in self.inputs:
+      lines.append(f"  {value.kind:5s} {value}: {aval_str(value.aval)}"
+                   + (f"  # {value.name}" if value.name else ""))
+    for node in self.nodes:
+      outs = ", ".join(f"{o}: {aval_str(o.aval)}" for o in node.outputs)
+      params = " ".join(f"{k}={_param_str(v)}" for k, v in node.params.items()
+                        if v is not None)
+      decided = []
+      if node.kernel is not None:
+        decided.append(f"kernel={node.kernel.name}")
+      if node.place is not None:
+        decided.append(f"place={node.place}")
+      if node.stream is not None:
+        decided.append(f"stream={node.stream}")
+      line = f"  {outs} = {node.op}"
+      if params:
+        line += f"[{params}]"
+      line += " " + ", ".join(map(repr, node.inputs))
+      if decided:
+        line += "  {" + ", ".join(decided) + "}"
+      if node.source:
+        line += f"  @ {node.source}"
+      lines.append(line)
+      lines.extend(f"      # {note}" for note in node.notes)
+    lines.append("  return " + ", ".join(map(repr, self.outputs)))
+    if self.partitions is not None:
+      lines.append("partitions:")
+      lines.extend(f"  {p.describe()}" for p in self.partitions)
+    if self.memory is not None:
+      lines.append("memory:")
+      lines.extend("  " + line for line in self.memory.describe())
+    return "\n".join(lines) + "\n"
+
+  def to_dot(self):
+    """The graph in Graphviz form: a box per node, an edge per value read."""
+    colors = {"device": "lightblue", "host": "khaki"}
+    lines = [f'digraph "{self.name}" {{', "  rankdir=TB;"]
+    for value in self.inputs:
+      lines.append(f'  v{value.id} [shape=ellipse,label="{value.kind} {value}\\n'
+                   f'{aval_str(value.aval)}"];')
+    for node in self.nodes:
+      label = node.op + (f"\\n{node.kernel.name}" if node.kernel else "")
+      color = colors.get(node.place, "white")
+      lines.append(f'  n{node.id} [shape=box,style=filled,fillcolor={color},'
+                   f'label="{label}"];')
+      for value in node.inputs:
+        if isinstance(value, Value):
+          src = f"n{value.producer.id}" if value.producer else f"v{value.id}"
+          lines.append(f'  {src} -> n{node.id} [label="{aval_str(value.aval)}"];')
+    lines.append('  out [shape=doublecircle,label="return"];')
+    for value in self.outputs:
+      if isinstance(value, Value):
+        src = f"n{value.producer.id}" if value.producer else f"v{value.id}"
+        lines.append(f"  {src} -> out;")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+  def __repr__(self):
+    return f"KernelGraph({self.name!r}, {len(self.nodes)} nodes)"
+
+
+def _check(condition, message):
+  if not condition:
+    raise ValueError(message)
+
+
+def _check_avals(node):
+  for value in node.inputs:
+    _check(getattr(value, "aval", None) is not None, f"{node} input {value} has no aval")
+  for out in node.outputs:
+    _check(out.aval is not None, f"{node} output {out} has no aval")

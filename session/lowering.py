@@ -1,0 +1,55 @@
+"""Lowering: a list of KernelGraph nodes back to a jax-traceable callable.
+
+The loop is `eval_jaxpr`'s: read the inputs from an environment, call each
+node's kernel, write the outputs, forget values after their last use. Traced
+under `jax.jit` this yields one XLA computation for the whole node list.
+"""
+from jaxsession.ir import Literal
+from jaxsession.kernels import xla as xla_kernels
+
+
+def kernel_fn(node):
+  """The kernel function chosen for `node` (the XLA bind kernel if none yet)."""
+  return node.kernel.fn if node.kernel is not None else xla_kernels.bind_primitive
+
+
+def last_uses(nodes, out_values):
+  """For each node index, the value ids whose last reader it is."""
+  keep = {v.id for v in out_values if not isinstance(v, Literal)}
+  last = {}
+  for i, node in enumerate(nodes):
+    for value in node.inputs:
+      if not isinstance(value, Literal) and value.id not in keep:
+        last[value.id] = i
+  frees = [[] for _ in nodes]
+  for vid, i in last.items():
+    frees[i].append(vid)
+  return frees
+
+
+def lower_nodes(nodes, in_values, out_values):
+  """Returns fn(*arrays) -> list, computing `out_values` from `in_values`."""
+  nodes = list(nodes)
+  in_ids = [v.id for v in in_values]
+  frees = last_uses(nodes, out_values)
+  fns = [kernel_fn(n) for n in nodes]
+
+  def read(env, value):
+    return value.value if isinstance(value, Literal) else env[value.id]
+
+  def run_nodes(*arrays):
+    env = dict(zip(in_ids, arrays))
+    for node, fn, free in zip(nodes, fns, frees):
+      outs = fn(node, *[read(env, v) for v in node.inputs])
+      for value, out in zip(node.outputs, outs):
+        env[value.id] = out
+      for vid in free:
+        del env[vid]
+    return [read(env, v) for v in out_values]
+
+  return run_nodes
+
+
+def lower_graph(graph):
+  """The whole graph as fn(*inputs in graph.inputs order) -> list of outputs."""
+  return lower_nodes(graph.nodes, graph.inputs, graph.outputs)

@@ -1,0 +1,52 @@
+"""CompileReport: what compile decided and why, in one printable object."""
+import collections
+import dataclasses
+from typing import List, NamedTuple
+
+from jaxsession.ir import aval_str
+
+
+class PartitionInfo(NamedTuple):
+  """`report.partitions` rows."""
+  place: str
+  num_nodes: int
+  stream: int
+  reason: str
+
+
+@dataclasses.dataclass
+class CompileReport:
+  graph_name: str
+  passes: List            # PassRecord: (name, changed, seconds, nodes before, after)
+  partitions: List[PartitionInfo]
+  memory: tuple           # MemoryReport: (peak bytes, donated bytes, lower bound)
+  donations: List         # DonationDecision per state leaf
+  kernels: dict           # kernel name -> node count
+  nodes_imported: int
+  nodes_final: int
+  compile_seconds: float = 0.0
+
+  def __str__(self):
+    lines = [f"compile report for graph '{self.graph_name}': {self.nodes_imported} "
+             f"nodes imported, {self.nodes_final} after the pipeline, "
+             f"{self.compile_seconds * 1e3:.1f} ms"]
+    lines.append("  passes (stage/pass  changed  ms  nodes before -> after):")
+    for rec in self.passes:
+      lines.append(f"    {rec.stage + '/' + rec.name:32s} {'yes' if rec.changed else 'no ':4s}"
+                   f" {rec.seconds * 1e3:8.2f}  {rec.nodes_before} -> {rec.nodes_after}")
+    lines.append("  kernels: " + ", ".join(f"{k} x{n}" for k, n in
+                                           sorted(self.kernels.items())))
+    lines.append("  partitions:")
+    for i, p in enumerate(self.partitions):
+      lines.append(f"    #{i} {p.place:6s} {p.num_nodes} nodes, stream {p.stream}: {p.reason}")
+    peak, donated, bound = self.memory
+    lines.append(f"  memory: planned peak {peak} B, donated {donated} B, "
+                 f"lower bound {bound} B")
+    for d in self.donations:
+      lines.append(f"    {d.state.name} {aval_str(d.state.aval)}: "
+                   f"{'donated' if d.donated else 'kept'} ({d.reason})")
+    return "\n".join(lines)
+
+
+def count_kernels(graph):
+  return dict(collections.Counter(n.kernel.name for n in graph.nodes))

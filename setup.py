@@ -1,0 +1,34 @@
+"""Install jaxsession: the repository's top-level folders become one import namespace.
+
+The folders keep generic names (``kernels``, ``runtime``); ``package_dir`` maps them
+under ``jaxsession`` so that nothing generic lands at the top of site-packages.
+"""
+from setuptools import setup
+
+PACKAGES = {
+    "jaxsession": "session",
+    "jaxsession.optimizer_passes": "optimizer_passes",
+    "jaxsession.kernels": "kernels",
+    "jaxsession.runtime": "runtime",
+    # The demo (`jaxsession demo`) trains a bundled example, so examples ship too.
+    "jaxsession.examples": "examples",
+}
+
+setup(
+    name="jaxsession",
+    version="0.1.0",
+    description="A graph-mode session for JAX programs (MindSpore GPUSession style).",
+    python_requires=">=3.10",
+    packages=list(PACKAGES),
+    package_dir=PACKAGES,
+    # Tested with jax/jaxlib 0.10.x; the importer reads jaxpr primitive params,
+    # which are internal and change between minor releases.
+    install_requires=[
+        "jax>=0.10.0,<0.11",
+        "jaxlib>=0.10.0,<0.11",
+        "numpy>=1.26",
+        "absl-py>=1.0",
+    ],
+    extras_require={"test": ["pytest>=7"]},
+    entry_points={"console_scripts": ["jaxsession=jaxsession.cli:run_main"]},
+)
