@@ -1,11 +1,10 @@
 """The executor: runs the built steps in order and commits state at the end.
 
-Two runners share one contract, `runner(state_leaves, args) -> (new state
-leaves or None per state leaf, user outputs)`, and neither touches session
-state: the Session commits what they return only after the whole run
-succeeded, so a failed run leaves the state as it was.
-  * FastRunner: one device partition - a single compiled call, pytree checks
-    done by the executable itself (the fast path);
+Every runner is called as `runner(args) -> user outputs`. It reads the state
+leaves from the slots it is bound to and writes the new ones back only after
+the whole run succeeded, so a failed run leaves the state as it was.
+  * FastRunner: one device partition - a single compiled call whose argument
+    checks are done by the executable itself (the fast path);
   * PlanRunner: several partitions - eval_jaxpr's loop over steps.
 """
 import jax
@@ -15,24 +14,50 @@ from jax import tree_util
 from jaxsession.errors import HostOpError
 from jaxsession.ir import Literal
 from jaxsession.lowering import lower_graph
-from jaxsession.runtime.build import compile_fn, shape_struct
+from jaxsession.runtime.build import compile_fn, dispatch_fn, shape_struct
+from jaxsession.runtime.state import owned_copy
 
 
 class StateLayout:
-  """How state leaves travel: which are donated, kept, updated."""
+  """How state leaves travel: which are donated, kept and updated, and the
+  (slot, leaf index) each flat state leaf lives in."""
 
-  def __init__(self, graph, plan):
-    updates = graph.state_updates()
+  def __init__(self, graph, plan, leaf_slots):
+    states = graph.inputs_of_kind("state")
     donated = plan.donated_ids()
-    self.num_state = len(updates)
-    self.donated_idx = [i for i, (s, _) in enumerate(updates) if s.id in donated]
-    self.kept_idx = [i for i, (s, _) in enumerate(updates) if s.id not in donated]
-    self.updated_idx = [i for i, (s, new) in enumerate(updates) if new is not s]
-    self.state_avals = [s.aval for s, _ in updates]
+    self.leaf_slots = leaf_slots
+    self.num_state = len(states)
+    # outputs[:num_outputs] hold new state values (0 for a graph that only reads)
+    self.num_outputs = len(graph.state_updates())
+    self.donated_idx = [i for i, s in enumerate(states) if s.id in donated]
+    self.kept_idx = [i for i, s in enumerate(states) if s.id not in donated]
+    self.updated_idx = [i for i, (s, new) in enumerate(graph.state_updates())
+                        if new is not s]
+    self.state_avals = [s.aval for s in states]
+    self._donated_refs = [leaf_slots[i] for i in self.donated_idx]
+    self._kept_refs = [leaf_slots[i] for i in self.kept_idx]
+    self._updated_refs = [leaf_slots[i] for i in self.updated_idx]
+    self.slots = list(dict.fromkeys(slot for slot, _ in leaf_slots))
+    # The usual training step: every leaf donated and updated. Then whole slots
+    # travel as tuples and are replaced whole, the cheapest way in and out.
+    everything = list(range(self.num_state))
+    self.slotwise = bool(everything) and self.donated_idx == everything == self.updated_idx
 
-  def split(self, leaves):
-    return (tuple(leaves[i] for i in self.donated_idx),
-            tuple(leaves[i] for i in self.kept_idx))
+  def gather(self):
+    """The current (donated, kept) state leaves, read from the slots."""
+    return (tuple(slot.leaves[j] for slot, j in self._donated_refs),
+            tuple(slot.leaves[j] for slot, j in self._kept_refs))
+
+  def gather_all(self):
+    return [slot.leaves[j] for slot, j in self.leaf_slots]
+
+  def commit(self, updated):
+    """Writes the new values of the updated leaves (in updated_idx order)."""
+    changed = {}
+    for (slot, j), value in zip(self._updated_refs, updated):
+      changed.setdefault(slot, list(slot.leaves))[j] = value
+    for slot, leaves in changed.items():
+      slot.leaves = tuple(leaves)
 
   def merge(self, donated, kept):
     leaves = [None] * self.num_state
@@ -42,77 +67,170 @@ class StateLayout:
       leaves[i] = x
     return leaves
 
-  def structs(self, consts):
+  def structs(self):
     return (tuple(shape_struct(self.state_avals[i]) for i in self.donated_idx),
-            tuple(shape_struct(self.state_avals[i]) for i in self.kept_idx),
-            tuple(jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts))
+            tuple(shape_struct(self.state_avals[i]) for i in self.kept_idx))
+
+
+def const_structs(consts):
+  return tuple(jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts)
+
+
+def arg_structs(spec, leading=None):
+  """ShapeDtypeStruct pytrees for the run arguments (optionally with a leading
+  steps axis)."""
+  lead = () if leading is None else (leading,)
+  out, offset = [], 0
+  for treedef, avals in zip(spec.treedefs, spec.avals):
+    leaves = [jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype,
+                                   weak_type=getattr(a, "weak_type", False)) for a in avals]
+    out.append(tree_util.tree_unflatten(treedef, leaves))
+    offset += len(avals)
+  return out
+
+
+def _split(items, sizes):
+  it = iter(items)
+  return tuple(tuple(next(it) for _ in range(n)) for n in sizes)
+
+
+def graph_body(graph, layout, rest_tree):
+  """fn(state_leaves, consts, args) -> (updated state leaves, user outputs)."""
+  body = lower_graph(graph)
+  k = layout.num_outputs
+
+  def step(state, consts, args):
+    outs = body(*state, *tree_util.tree_leaves(args), *consts)
+    return ([outs[i] for i in layout.updated_idx],
+            tree_util.tree_unflatten(rest_tree, outs[k:]))
+  return step
 
 
 class FastRunner:
-  """A graph that is one device partition: one executable call per run."""
+  """A graph that is one device partition: one executable call per run.
 
-  def __init__(self, graph, plan, spec, rest_tree, consts, partition):
-    self.layout = layout = StateLayout(graph, plan)
-    self.consts = consts
+  The executable takes (donated state, kept state, consts, *args) with the
+  empty groups left out, so a stateless graph's call is the bare executable.
+  """
+
+  def __init__(self, graph, plan, spec, rest_tree, consts, partition, layout,
+               example_args):
+    self.layout = layout
     self.spec = spec
-    self.partition = partition
-    body = lower_graph(graph)
-    k = layout.num_state
+    self.may_fail = bool(partition and partition.may_fail)
+    step = graph_body(graph, layout, rest_tree)
+    groups = [g for g, present in (("donated", layout.donated_idx),
+                                   ("kept", layout.kept_idx),
+                                   ("consts", consts)) if len(present)]
 
-    def whole_step(donated, kept, consts, *args):
-      outs = body(*layout.merge(donated, kept), *tree_util.tree_leaves(args), *consts)
-      new_state = tuple(outs[i] for i in layout.updated_idx)
-      return new_state, tree_util.tree_unflatten(rest_tree, outs[k:])
+    self._updates = bool(layout.updated_idx)
 
-    structs = [shape_struct(a) for a in spec.flat_avals()]
-    arg_structs = [tree_util.tree_unflatten(t, structs[o:o + len(a)])
-                   for t, a, o in _offsets(spec)]
-    self.exe = compile_fn(whole_step, (*layout.structs(consts), *arg_structs),
-                          donate_argnums=(0,) if layout.donated_idx else ())
+    def whole_step(*xs):
+      given = dict(zip(groups, xs))
+      state = layout.merge(given.get("donated", ()), given.get("kept", ()))
+      new, out = step(state, given.get("consts", ()), xs[len(groups):])
+      return (tuple(new), out) if self._updates else out
 
-  def __call__(self, state_leaves, args):
-    layout = self.layout
-    donated, kept = layout.split(state_leaves)
+    donated_s, kept_s = layout.structs()
+    structs = {"donated": donated_s, "kept": kept_s, "consts": const_structs(consts)}
+    self._groups = groups
+    self._consts = consts
+    self._bare = not groups  # no state, no consts: args go straight in
+    self._slots = layout.slots if layout.slotwise else None
+    if self._slots:
+      # group 0 is then a tuple of per-slot leaf tuples, and so is the new state
+      sizes = [len(slot.leaves) for slot in self._slots]
+      flat_step = whole_step
+
+      def whole_step(slot_leaves, *xs):
+        new, out = flat_step(tuple(x for leaves in slot_leaves for x in leaves), *xs)
+        it = iter(new)
+        return tuple(tuple(next(it) for _ in range(n)) for n in sizes), out
+      structs["donated"] = _split(donated_s, sizes)
+    all_structs = [structs[g] for g in groups] + arg_structs(spec)
+    donate = (0,) if layout.donated_idx else ()
+    if self.may_fail:  # a warm-up would run the user's callbacks: compile ahead
+      self.exe = compile_fn(whole_step, all_structs, donate)
+    else:
+      self.exe = dispatch_fn(whole_step, all_structs, donate,
+                             self._warm_args(example_args))
+
+  def _warm_args(self, example_args):
+    """Copies of the state (the warm-up may donate them), consts, examples."""
+    donated, kept = self.layout.gather()
+    copies = {"donated": tuple(owned_copy(x) for x in donated), "kept": kept,
+              "consts": self._consts}
+    if self._slots:
+      copies["donated"] = tuple(tuple(owned_copy(x) for x in slot.leaves)
+                                for slot in self._slots)
+    return [copies[g] for g in self._groups] + list(example_args)
+
+  def _prefix(self):
+    donated, kept = self.layout.gather()
+    given = {"donated": donated, "kept": kept, "consts": self._consts}
+    return [given[g] for g in self._groups]
+
+  def __call__(self, args):
+    slots = self._slots
+    if slots is not None:  # the training-step fast path
+      prefix = [tuple([slot.leaves for slot in slots])]
+      if len(self._groups) > 1:
+        prefix.append(self._consts)
+      try:
+        new, out = self.exe(*prefix, *args)
+      except TypeError:
+        new, out = self._retry(prefix, args)
+      except jax.errors.JaxRuntimeError as exc:
+        raise self._explain(exc)
+      for slot, leaves in zip(slots, new):
+        slot.leaves = leaves
+      return out
+    if self._bare:
+      try:
+        return self.exe(*args)
+      except TypeError:
+        return self._retry((), args)
+      except jax.errors.JaxRuntimeError as exc:
+        raise self._explain(exc)
+    prefix = self._prefix()
     try:
-      new, out = self.exe(donated, kept, self.consts, *args)
+      result = self.exe(*prefix, *args)
     except TypeError:
-      # The executable checks argument types before it consumes anything, so
-      # nothing was donated; find what is wrong (InputError) or convert
-      # Python scalars and try once more.
-      new, out = self.exe(donated, kept, self.consts, *self.spec.conform(args))
+      result = self._retry(prefix, args)
     except jax.errors.JaxRuntimeError as exc:
-      if not self.partition.may_fail:
-        raise
-      raise HostOpError(f"a callback in the graph raised: "
-                        f"{str(exc).splitlines()[0]}") from exc
-    updated = [None] * layout.num_state
-    for i, x in zip(layout.updated_idx, new):
-      updated[i] = x
-    return updated, out
+      raise self._explain(exc)
+    if not self._updates:
+      return result
+    self.layout.commit(result[0])
+    return result[1]
 
+  def _retry(self, prefix, args):
+    """The executable checks argument types before it consumes anything, so
+    nothing was donated: find what is wrong (InputError) or convert Python
+    scalars, and try once more."""
+    return self.exe(*prefix, *self.spec.conform(args))
 
-def _offsets(spec):
-  offset = 0
-  for treedef, avals in zip(spec.treedefs, spec.avals):
-    yield treedef, avals, offset
-    offset += len(avals)
+  def _explain(self, exc):
+    if not self.may_fail:
+      return exc
+    error = HostOpError(f"a callback in the graph raised: {str(exc).splitlines()[0]}")
+    error.__cause__ = exc
+    return error
 
 
 class PlanRunner:
   """Several partitions: device executables with host steps between them."""
 
-  def __init__(self, graph, steps, spec, rest_tree, consts):
+  def __init__(self, graph, steps, spec, rest_tree, consts, layout):
     self.steps = steps
     self.spec = spec
     self.rest_tree = rest_tree
     self.consts = consts
-    self.num_state = len(graph.inputs_of_kind("state"))
+    self.layout = layout
     self.state_ids = [v.id for v in graph.inputs_of_kind("state")]
     self.input_ids = [v.id for v in graph.inputs_of_kind("input")]
     self.const_ids = [v.id for v in graph.inputs_of_kind("const")]
     self.outputs = list(graph.outputs)
-    updates = graph.state_updates()
-    self.updated = [i for i, (s, new) in enumerate(updates) if new is not s]
 
   def run_flat(self, state_leaves, user_leaves):
     env = dict(zip(self.state_ids, state_leaves))
@@ -126,11 +244,18 @@ class PlanRunner:
     return [jax.numpy.asarray(v.value, v.aval.dtype) if isinstance(v, Literal)
             else env[v.id] for v in self.outputs]
 
-  def __call__(self, state_leaves, args):
-    args = self.spec.conform(args)
+  def step_once(self, state_leaves, args):
+    """One run on the given state leaves; returns (new state leaves, outputs)
+    without committing anything."""
     outs = self.run_flat(state_leaves, tree_util.tree_leaves(args))
-    k = self.num_state
-    updated = [None] * k
-    for i in self.updated:
-      updated[i] = outs[i]
-    return updated, tree_util.tree_unflatten(self.rest_tree, outs[k:])
+    new_state = list(state_leaves)
+    for i in self.layout.updated_idx:
+      new_state[i] = outs[i]
+    return new_state, tree_util.tree_unflatten(self.rest_tree,
+                                               outs[self.layout.num_outputs:])
+
+  def __call__(self, args):
+    args = self.spec.conform(args)
+    new_state, out = self.step_once(self.layout.gather_all(), args)
+    self.layout.commit([new_state[i] for i in self.layout.updated_idx])
+    return out

@@ -11,53 +11,41 @@ import jax
 from jax import lax, tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.lowering import lower_graph
-from jaxsession.runtime.build import compile_fn, shape_struct
-from jaxsession.runtime.executor import StateLayout, _offsets
+from jaxsession.runtime.build import compile_fn
+from jaxsession.runtime.executor import arg_structs, const_structs, graph_body
 from jaxsession.runtime.state import owned_copy
-
-
-def _stacked_structs(spec, steps):
-  structs = [jax.ShapeDtypeStruct((steps,) + tuple(a.shape), a.dtype,
-                                  weak_type=getattr(a, "weak_type", False))
-             for a in spec.flat_avals()]
-  return [tree_util.tree_unflatten(t, structs[o:o + len(a)]) for t, a, o in _offsets(spec)]
 
 
 class SunkRunner:
   """One executable that runs `steps` steps of a single-partition graph."""
 
-  def __init__(self, graph, plan, spec, rest_tree, consts, steps):
-    self.layout = layout = StateLayout(graph, plan)
+  def __init__(self, graph, spec, rest_tree, consts, layout, steps):
+    self.layout = layout
     self.spec = spec
     self.consts = consts
     self.steps = steps
-    body = lower_graph(graph)
-    k = layout.num_state
+    step = graph_body(graph, layout, rest_tree)
 
     def sunk(donated, kept, consts, *stacked):
       def one_step(state, xs):
-        outs = body(*state, *tree_util.tree_leaves(xs), *consts)
-        new = list(state)
-        for i in layout.updated_idx:
-          new[i] = lax.convert_element_type(outs[i], state[i].dtype)
-        return tuple(new), tuple(outs[k:])
+        new, out = step(list(state), consts, xs)
+        state = list(state)
+        for i, x in zip(layout.updated_idx, new):
+          state[i] = lax.convert_element_type(x, state[i].dtype)
+        return tuple(state), out
       state = tuple(layout.merge(donated, kept))
-      final, ys = lax.scan(one_step, state, stacked, length=steps)
-      return (tuple(final[i] for i in layout.updated_idx),
-              tree_util.tree_unflatten(rest_tree, list(ys)))
+      final, ys = lax.scan(one_step, state, tuple(stacked), length=steps)
+      return tuple(final[i] for i in layout.updated_idx), ys
 
-    self.exe = compile_fn(sunk, (*layout.structs(consts), *_stacked_structs(spec, steps)),
-                          donate_argnums=(0,) if layout.donated_idx else ())
+    self.exe = compile_fn(
+        sunk, (*layout.structs(), const_structs(consts), *arg_structs(spec, steps)),
+        donate_argnums=(0,) if layout.donated_idx else ())
 
-  def __call__(self, state_leaves, args):
+  def __call__(self, args):
     args = self.spec.conform(args, leading=self.steps)
-    donated, kept = self.layout.split(state_leaves)
-    new, out = self.exe(donated, kept, self.consts, *args)
-    updated = [None] * self.layout.num_state
-    for i, x in zip(self.layout.updated_idx, new):
-      updated[i] = x
-    return updated, out
+    new, out = self.exe(*self.layout.gather(), self.consts, *args)
+    self.layout.commit(new)
+    return out
 
 
 class SteppedRunner:
@@ -67,17 +55,17 @@ class SteppedRunner:
     self.inner = plan_runner
     self.steps = steps
 
-  def __call__(self, state_leaves, args):
-    args = self.inner.spec.conform(args, leading=self.steps)
-    state = [owned_copy(x) for x in state_leaves]  # the plan may donate these
+  def __call__(self, args):
+    inner = self.inner
+    args = inner.spec.conform(args, leading=self.steps)
+    # The plan may donate the leaves it is given: run on a private copy.
+    state = [owned_copy(x) for x in inner.layout.gather_all()]
     outs = []
     for t in range(self.steps):
-      step_args = tree_util.tree_map(lambda x: x[t], args)
-      updated, out = self.inner(state, step_args)
-      state = [new if new is not None else old for new, old in zip(updated, state)]
+      state, out = inner.step_once(state, tree_util.tree_map(lambda x: x[t], args))
       outs.append(out)
-    stacked = tree_util.tree_map(lambda *xs: jax.numpy.stack(xs), *outs) if outs else None
-    return state, stacked
+    inner.layout.commit([state[i] for i in inner.layout.updated_idx])
+    return tree_util.tree_map(lambda *xs: jax.numpy.stack(xs), *outs)
 
 
 def check_steps(steps):

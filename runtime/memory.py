@@ -98,10 +98,14 @@ def decide_donations(graph, partitions, allow=True):
   that would lose it on a failure or buys nothing. The reason is recorded."""
   part_of = {n.id: p.index for p in partitions for n in p.nodes}
   decisions = []
-  for state, new_value in graph.state_updates():
+  updates = dict((s.id, new) for s, new in graph.state_updates())
+  for state in graph.inputs_of_kind("state"):
+    new_value = updates.get(state.id, state)
     readers = sorted({part_of[u.id] for u in state.users})
     last = readers[-1] if readers else -1
-    if new_value is state:
+    if not graph.updates_state:
+      reason, donate = "the graph only reads the state (no new value returned)", False
+    elif new_value is state:
       reason, donate = "read-only: the step returns it unchanged, no copy is made", False
     elif not allow:
       reason, donate = "donation switched off (SessionOptions.donate_state=False)", False

@@ -26,7 +26,7 @@ class StateSlot:
     self.name = name
     self.treedef = treedef
     self.avals = list(avals)
-    self.leaves = list(leaves)
+    self.leaves = tuple(leaves)  # replaced whole on every update, never mutated
 
   def value(self):
     return jax.tree_util.tree_unflatten(self.treedef, self.leaves)

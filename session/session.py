@@ -30,17 +30,8 @@ class _Entry:
   runner: Any
   spec: ArgSpec
   slots: List[StateSlot]
-  leaf_slots: list          # flat state leaf i -> (slot, leaf index)
   make_sunk: Any            # steps -> runner
   sunk: Dict[int, Any] = dataclasses.field(default_factory=dict)
-
-  def state_leaves(self):
-    return [x for slot in self.slots for x in slot.leaves]
-
-  def commit(self, updated):
-    for (slot, j), value in zip(self.leaf_slots, updated):
-      if value is not None:
-        slot.leaves[j] = value
 
 
 def _as_tuple(nums, what, nargs):
@@ -93,14 +84,16 @@ class Session:
     dyn_nums = [i for i in range(nargs) if i not in state_nums and i not in static_nums]
     state_args = [example_args[i] for i in state_nums]
     dyn_args = [example_args[i] for i in dyn_nums]
-    wrapped = _stateful_fn(fn, example_args, state_nums, dyn_nums)
+    mode = {}
+    wrapped = _stateful_fn(fn, example_args, state_nums, dyn_nums, mode)
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
                                                                   *dyn_args)
-    _check_new_state(name, state_nums, state_args, out_shape[0])
+    if mode.get("updates"):
+      _check_new_state(name, state_nums, state_args, out_shape[0])
     rest_tree = tree_util.tree_structure(out_shape[1])
     kinds, labels = _input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
-    graph.updates_state = bool(state_nums)
+    graph.updates_state = bool(mode.get("updates"))
     nodes_imported = len(graph.nodes)
 
     slots = self._bind_state(name, state_nums, state_args, state_from)
@@ -119,7 +112,8 @@ class Session:
     self._hardware_optimize(graph, ctx)
     self._assign_stream(graph, ctx)
     self._allocate_memory(graph, ctx)
-    runner, make_sunk = self._build(graph, spec, rest_tree)
+    leaf_slots = [(slot, j) for slot in slots for j in range(len(slot.leaves))]
+    runner, make_sunk = self._build(graph, spec, rest_tree, leaf_slots, dyn_args)
 
     if dumper:
       dumper.write_execution_order(graph)
@@ -130,9 +124,7 @@ class Session:
         memory=memory.MemoryReport(graph.memory), donations=graph.memory.donations,
         kernels=count_kernels(graph), nodes_imported=nodes_imported,
         nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start)
-    leaf_slots = [(slot, j) for slot in slots for j in range(len(slot.leaves))]
-    self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, leaf_slots,
-                               make_sunk)
+    self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk)
     return gid
 
   def _optimize(self, graph, ctx):
@@ -155,20 +147,22 @@ class Session:
     """Liveness, donation of session-owned state, peak estimate."""
     pipeline.stage_manager("AllocateMemory").run(graph, ctx)
 
-  def _build(self, graph, spec, rest_tree):
+  def _build(self, graph, spec, rest_tree, leaf_slots, example_args):
     """One executable per device partition; the runner for `run` and a factory
     of loop-sunk runners for `run(..., steps=N)`."""
     consts = tuple(owned_copy(graph.const_values[v.id])
                    for v in graph.inputs_of_kind("const"))
+    layout = executor.StateLayout(graph, graph.memory, leaf_slots)
     parts = graph.partitions
     if len(parts) <= 1 and all(p.place == "device" for p in parts):
       part = parts[0] if parts else None
-      runner = executor.FastRunner(graph, graph.memory, spec, rest_tree, consts, part)
-      make_sunk = lambda steps: loop_sink.SunkRunner(graph, graph.memory, spec,
-                                                     rest_tree, consts, steps)
+      runner = executor.FastRunner(graph, graph.memory, spec, rest_tree, consts, part,
+                                   layout, example_args)
+      make_sunk = lambda steps: loop_sink.SunkRunner(graph, spec, rest_tree, consts,
+                                                     layout, steps)
       return runner, make_sunk
     steps = build.build_steps(graph, parts, graph.memory)
-    runner = executor.PlanRunner(graph, steps, spec, rest_tree, consts)
+    runner = executor.PlanRunner(graph, steps, spec, rest_tree, consts, layout)
     return runner, lambda n: loop_sink.SteppedRunner(runner, n)
 
   def _bind_state(self, name, state_nums, state_args, state_from):
@@ -195,16 +189,16 @@ class Session:
   def run(self, graph_id, *args, steps=None):
     """Runs one step (or `steps` steps, loop-sunk) and returns fn's non-state
     outputs. State advances only if the whole call succeeds."""
-    entry = self._entry(graph_id)
+    try:
+      entry = self._graphs[graph_id]
+    except (KeyError, TypeError):
+      entry = self._entry(graph_id)  # raises UnknownGraphError
     if steps is None:
-      runner = entry.runner
-    else:
-      runner = entry.sunk.get(steps)
-      if runner is None:
-        runner = entry.sunk[loop_sink.check_steps(steps)] = entry.make_sunk(steps)
-    updated, out = runner(entry.state_leaves(), args)
-    entry.commit(updated)
-    return out
+      return entry.runner(args)
+    runner = entry.sunk.get(steps)
+    if runner is None:
+      runner = entry.sunk[loop_sink.check_steps(steps)] = entry.make_sunk(steps)
+    return runner(args)
 
   # -- state --------------------------------------------------------------
   def get_state(self, graph_id):
@@ -231,7 +225,7 @@ class Session:
         if got.shape != aval.shape or got.dtype != aval.dtype:
           raise InputError(f"{where} at path {path or '(root)'}: expected "
                            f"{aval_str(aval)}, got {aval_str(got)}")
-      new.append([owned_copy(x) for x in leaves])
+      new.append(tuple(owned_copy(x) for x in leaves))
     for slot, leaves in zip(entry.slots, new):
       slot.leaves = leaves
 
@@ -262,9 +256,15 @@ def _closed_jaxpr_fn(closed):
   return closed_jaxpr
 
 
-def _stateful_fn(fn, example_args, state_nums, dyn_nums):
-  """fn as f(state_tuple, *dynamic) -> (new_state_tuple, rest)."""
+def _stateful_fn(fn, example_args, state_nums, dyn_nums, mode):
+  """fn as f(state_tuple, *dynamic) -> (new_state_tuple, rest).
+
+  With state args, fn either updates them (returns a tuple whose first k items
+  have the state args' pytree structures) or only reads them (an eval step
+  that shares a train step's state); `mode["updates"]` records which.
+  """
   k = len(state_nums)
+  state_trees = [tree_util.tree_structure(example_args[i]) for i in state_nums]
 
   def session_step(state, *dyn):
     full = list(example_args)  # static args stay as given
@@ -273,13 +273,10 @@ def _stateful_fn(fn, example_args, state_nums, dyn_nums):
     for i, x in zip(dyn_nums, dyn):
       full[i] = x
     out = fn(*full)
-    if not k:
+    mode["updates"] = bool(k) and isinstance(out, (tuple, list)) and len(out) >= k and (
+        tree_util.tree_structure(out[0]) == state_trees[0])
+    if not mode["updates"]:
       return (), out
-    if not isinstance(out, (tuple, list)) or len(out) < k:
-      raise InputError(f"compile: with {k} state arg(s) the function must return a "
-                       f"tuple whose first {k} items are their new values; it returned "
-                       f"{type(out).__name__}"
-                       + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
     rest = tuple(out[k:])
     return tuple(out[:k]), (None if not rest else rest[0] if len(rest) == 1 else rest)
   return session_step

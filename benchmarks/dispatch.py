@@ -1,0 +1,78 @@
+"""Dispatch overhead of Session.run against plain jax.jit, measured in one run.
+
+Prints a table of per-call times and ratios (session / jit):
+  * a tiny stateless graph                 (target <= 1.3x jit)
+  * a tiny stateful step, jit with donation (target <= 1.3x jit)
+  * 100 steps sunk into one run vs 100 jit calls (target <= 0.05x)
+
+    python benchmarks/dispatch.py [--repeats 7]
+"""
+import sys
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import common  # noqa: E402
+import jaxsession as js  # noqa: E402
+
+flags.DEFINE_integer("repeats", 7, "repeats per measurement; the median is reported")
+flags.DEFINE_integer("calls", 5000, "calls per repeat for per-call timings")
+FLAGS = flags.FLAGS
+
+
+def tiny(x):
+  return x * 2.0 + 1.0
+
+
+def tiny_step(state, x):
+  new = state * 0.9 + x
+  return new, jnp.sum(new)
+
+
+def main(argv):
+  del argv
+  r, n = FLAGS.repeats, FLAGS.calls
+  key = jax.random.key(0)
+  x = jax.random.normal(key, (16,))
+  sess = js.Session()
+  rows = []
+
+  jit_tiny = jax.jit(tiny)
+  gid = sess.compile(tiny, x)
+  t_jit = common.per_call_us(lambda: jit_tiny(x), n, r)
+  t_sess = common.per_call_us(lambda: sess.run(gid, x), n, r)
+  rows.append(("tiny stateless graph", t_jit, t_sess, t_sess / t_jit, "<= 1.3"))
+
+  jit_step = jax.jit(tiny_step, donate_argnums=0)
+  holder = [jax.random.normal(jax.random.key(1), (16,))]
+
+  def jit_call():
+    holder[0], out = jit_step(holder[0], x)
+    return out
+  sid = sess.compile(tiny_step, holder[0] + 0, x, state_argnums=0)
+  t_jit = common.per_call_us(jit_call, n, r)
+  t_sess = common.per_call_us(lambda: sess.run(sid, x), n, r)
+  rows.append(("tiny stateful step (jit donates)", t_jit, t_sess, t_sess / t_jit, "<= 1.3"))
+
+  xs = jax.random.normal(jax.random.key(2), (100, 16))
+  rows_x = [xs[i] for i in range(100)]
+
+  def jit_100():
+    out = None
+    for xi in rows_x:
+      holder[0], out = jit_step(holder[0], xi)
+    return out
+  t_jit = common.per_call_us(jit_100, max(n // 100, 20), r)
+  t_sess = common.per_call_us(lambda: sess.run(sid, xs, steps=100), max(n // 100, 20), r)
+  rows.append(("100 steps: one sunk run vs 100 jit calls", t_jit, t_sess,
+               t_sess / t_jit, "<= 0.05"))
+
+  print(f"machine: {common.machine()}")
+  common.print_table("dispatch (µs per call, median of %d repeats)" % r, rows,
+                     ["case", "jax.jit µs", "Session.run µs", "ratio", "target"])
+
+
+if __name__ == "__main__":
+  app.run(main)
