@@ -1,6 +1,6 @@
 """The executor: runs the built steps in order and commits state at the end.
 
-Every runner is called as `runner(args) -> user outputs`. It reads the state
+Every runner has `call(args) -> user outputs`. It reads the state
 leaves from the slots it is bound to and writes the new ones back only after
 the whole run succeeded, so a failed run leaves the state as it was.
   * FastRunner: one device partition - a single compiled call whose argument
@@ -89,6 +89,13 @@ def arg_structs(spec, leading=None):
   return out
 
 
+class Runner:
+  """Base of the runners: `runner(args)` is `runner.call(args)`."""
+
+  def __call__(self, args):
+    return self.call(args)
+
+
 def _split(items, sizes):
   it = iter(items)
   return tuple(tuple(next(it) for _ in range(n)) for n in sizes)
@@ -106,7 +113,7 @@ def graph_body(graph, layout, rest_tree):
   return step
 
 
-class FastRunner:
+class FastRunner(Runner):
   """A graph that is one device partition: one executable call per run.
 
   The executable takes (donated state, kept state, consts, *args) with the
@@ -154,6 +161,9 @@ class FastRunner:
     else:
       self.exe = dispatch_fn(whole_step, all_structs, donate,
                              self._warm_args(example_args))
+    # the call that `run` makes, chosen once for this graph's shape of state
+    self.call = (self._call_slotwise if self._slots else
+                 self._call_bare if self._bare else self._call_general)
 
   def _warm_args(self, example_args):
     """Copies of the state (the warm-up may donate them), consts, examples."""
@@ -170,28 +180,33 @@ class FastRunner:
     given = {"donated": donated, "kept": kept, "consts": self._consts}
     return [given[g] for g in self._groups]
 
-  def __call__(self, args):
+
+  def _call_slotwise(self, args):
+    """The usual training step: whole slots in, whole slots out."""
     slots = self._slots
-    if slots is not None:  # the training-step fast path
-      prefix = [tuple([slot.leaves for slot in slots])]
-      if len(self._groups) > 1:
-        prefix.append(self._consts)
-      try:
-        new, out = self.exe(*prefix, *args)
-      except TypeError:
-        new, out = self._retry(prefix, args)
-      except jax.errors.JaxRuntimeError as exc:
-        raise self._explain(exc)
-      for slot, leaves in zip(slots, new):
-        slot.leaves = leaves
-      return out
-    if self._bare:
-      try:
-        return self.exe(*args)
-      except TypeError:
-        return self._retry((), args)
-      except jax.errors.JaxRuntimeError as exc:
-        raise self._explain(exc)
+    prefix = [tuple([slot.leaves for slot in slots])]
+    if len(self._groups) > 1:
+      prefix.append(self._consts)
+    try:
+      new, out = self.exe(*prefix, *args)
+    except TypeError:
+      new, out = self._retry(prefix, args)
+    except jax.errors.JaxRuntimeError as exc:
+      raise self._explain(exc)
+    for slot, leaves in zip(slots, new):
+      slot.leaves = leaves
+    return out
+
+  def _call_bare(self, args):
+    """No state, no consts: the arguments go straight to the executable."""
+    try:
+      return self.exe(*args)
+    except TypeError:
+      return self._retry((), args)
+    except jax.errors.JaxRuntimeError as exc:
+      raise self._explain(exc)
+
+  def _call_general(self, args):
     prefix = self._prefix()
     try:
       result = self.exe(*prefix, *args)
@@ -218,7 +233,7 @@ class FastRunner:
     return error
 
 
-class PlanRunner:
+class PlanRunner(Runner):
   """Several partitions: device executables with host steps between them."""
 
   def __init__(self, graph, steps, spec, rest_tree, consts, layout):
@@ -254,7 +269,7 @@ class PlanRunner:
     return new_state, tree_util.tree_unflatten(self.rest_tree,
                                                outs[self.layout.num_outputs:])
 
-  def __call__(self, args):
+  def call(self, args):
     args = self.spec.conform(args)
     new_state, out = self.step_once(self.layout.gather_all(), args)
     self.layout.commit([new_state[i] for i in self.layout.updated_idx])

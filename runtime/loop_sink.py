@@ -12,11 +12,11 @@ from jax import lax, tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.runtime.build import compile_fn
-from jaxsession.runtime.executor import arg_structs, const_structs, graph_body
+from jaxsession.runtime.executor import Runner, arg_structs, const_structs, graph_body
 from jaxsession.runtime.state import owned_copy
 
 
-class SunkRunner:
+class SunkRunner(Runner):
   """One executable that runs `steps` steps of a single-partition graph."""
 
   def __init__(self, graph, spec, rest_tree, consts, layout, steps):
@@ -41,21 +41,21 @@ class SunkRunner:
         sunk, (*layout.structs(), const_structs(consts), *arg_structs(spec, steps)),
         donate_argnums=(0,) if layout.donated_idx else ())
 
-  def __call__(self, args):
+  def call(self, args):
     args = self.spec.conform(args, leading=self.steps)
     new, out = self.exe(*self.layout.gather(), self.consts, *args)
     self.layout.commit(new)
     return out
 
 
-class SteppedRunner:
+class SteppedRunner(Runner):
   """`steps` runs of a multi-partition plan, stacked; all-or-nothing."""
 
   def __init__(self, plan_runner, steps):
     self.inner = plan_runner
     self.steps = steps
 
-  def __call__(self, args):
+  def call(self, args):
     inner = self.inner
     args = inner.spec.conform(args, leading=self.steps)
     # The plan may donate the leaves it is given: run on a private copy.

@@ -42,9 +42,14 @@ class CompileReport:
     peak, donated, bound = self.memory
     lines.append(f"  memory: planned peak {peak} B, donated {donated} B, "
                  f"lower bound {bound} B")
+    groups = collections.defaultdict(list)
     for d in self.donations:
-      lines.append(f"    {d.state.name} {aval_str(d.state.aval)}: "
-                   f"{'donated' if d.donated else 'kept'} ({d.reason})")
+      groups[(d.donated, d.reason)].append(f"{d.state.name} {aval_str(d.state.aval)}")
+    for (donated, reason), names in groups.items():
+      shown = ", ".join(names[:3]) + (f", ... (+{len(names) - 3} more)" if len(names) > 3
+                                      else "")
+      lines.append(f"    {len(names)} state leaves {'donated' if donated else 'kept'} "
+                   f"({reason}): {shown}")
     return "\n".join(lines)
 
 
