@@ -1,4 +1,6 @@
-"""Timing helpers shared by the benchmarks: medians of repeats, a table printer."""
+"""Timing helpers shared by the benchmarks: interleaved repeats, medians, a
+table printer. These machines are shared and noisy: every comparison runs its
+contenders alternately, repeat after repeat, and reports medians."""
 import platform
 import statistics
 import time
@@ -6,31 +8,38 @@ import time
 import jax
 
 
-def per_call_us(fn, calls, repeats=7, warmup=200):
-  """Median over `repeats` of the mean time of one call of `fn()` (µs).
-  Blocks on the last result of each repeat, so async dispatch is paid for."""
+def _time_once(fn, calls):
+  start = time.perf_counter()
   out = None
-  for _ in range(warmup):
+  for _ in range(calls):
     out = fn()
   jax.block_until_ready(out)
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
+  return (time.perf_counter() - start) / calls * 1e6
+
+
+def compare_us(fns, calls, repeats=7, warmup=100):
+  """Median µs per call of each fn in `fns`, measured in interleaved repeats."""
+  for fn in fns:
+    for _ in range(warmup):
       out = fn()
     jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls * 1e6)
-  return statistics.median(times)
+  samples = [[] for _ in fns]
+  for _ in range(repeats):
+    for fn, times in zip(fns, samples):
+      times.append(_time_once(fn, calls))
+  return [statistics.median(times) for times in samples]
 
 
 def machine():
   dev = jax.devices()[0]
-  return (f"{platform.node()} / {platform.processor() or platform.machine()} / "
-          f"jax {jax.__version__} / {dev.platform}: {dev.device_kind}")
+  import os
+  return (f"{platform.machine()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}, jax {jax.__version__}, "
+          f"device {dev.platform}: {dev.device_kind}")
 
 
 def print_table(title, rows, headers):
-  print(f"\n## {title}\n")
+  print(f"\n### {title}\n")
   print("| " + " | ".join(headers) + " |")
   print("|" + "|".join("---" for _ in headers) + "|")
   for row in rows:

@@ -119,17 +119,28 @@ def build_steps(graph, partitions, plan):
   return steps
 
 
+def callback_failure(part, exc):
+  """The HostOpError for a callback that failed inside device partition `part`:
+  names the callback nodes and the user's exception, keeps `exc` as the cause."""
+  culprits = ", ".join(where(n) for n in part.nodes if n.op.endswith("callback")) or (
+      "an effectful node")
+  lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+  user_error = next((ln for ln in reversed(lines) if not ln.startswith(("File", "^"))),
+                    lines[0] if lines else type(exc).__name__)
+  error = HostOpError(f"a callback in device partition #{part.index} ({culprits}) "
+                      f"raised: {user_error}")
+  error.__cause__ = exc
+  return error
+
+
 def wrap_device_errors(exe, part):
   """A device executable; if it contains callbacks, their failures name them."""
   if not part.may_fail:
     return exe
-  culprits = ", ".join(where(n) for n in part.nodes if n.op.endswith("callback")) or (
-      "an effectful node")
 
   def run_device(*arrays):
     try:
       return exe(*arrays)
     except jax.errors.JaxRuntimeError as exc:
-      raise HostOpError(f"a callback in device partition #{part.index} ({culprits}) "
-                        f"raised: {str(exc).splitlines()[0]}") from exc
+      raise callback_failure(part, exc) from exc
   return run_device

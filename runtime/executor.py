@@ -11,10 +11,9 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from jaxsession.errors import HostOpError
 from jaxsession.ir import Literal
 from jaxsession.lowering import lower_graph
-from jaxsession.runtime.build import compile_fn, dispatch_fn, shape_struct
+from jaxsession.runtime.build import callback_failure, compile_fn, dispatch_fn, shape_struct
 from jaxsession.runtime.state import owned_copy
 
 
@@ -124,6 +123,7 @@ class FastRunner(Runner):
                example_args):
     self.layout = layout
     self.spec = spec
+    self.partition = partition
     self.may_fail = bool(partition and partition.may_fail)
     step = graph_body(graph, layout, rest_tree)
     groups = [g for g, present in (("donated", layout.donated_idx),
@@ -226,11 +226,7 @@ class FastRunner(Runner):
     return self.exe(*prefix, *self.spec.conform(args))
 
   def _explain(self, exc):
-    if not self.may_fail:
-      return exc
-    error = HostOpError(f"a callback in the graph raised: {str(exc).splitlines()[0]}")
-    error.__cause__ = exc
-    return error
+    return callback_failure(self.partition, exc) if self.may_fail else exc
 
 
 class PlanRunner(Runner):

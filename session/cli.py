@@ -119,12 +119,17 @@ def main(argv):
   return demo()
 
 
+def usage():
+  return __doc__ + "\nFlags:\n" + FLAGS.module_help(__name__).split("\n", 1)[-1]
+
+
 def run_main():
-  """Console-script entry point. absl's --help prints the main module's
-  docstring, which for a console script is a generated stub: give it ours,
-  with this module's flags."""
-  sys.modules["__main__"].__doc__ = (
-      __doc__ + "\nFlags:\n" + FLAGS.module_help(__name__).split("\n", 1)[-1])
+  """Console-script entry point. Help is answered here, with this module's
+  docstring and flags and exit status 0 (absl's own --help would print the
+  console-script stub's docstring and exit 1)."""
+  if any(arg in ("-h", "--help", "--helpshort", "-?") for arg in sys.argv[1:]):
+    print(usage())
+    sys.exit(0)
   app.run(main)
 
 

@@ -181,32 +181,33 @@ class KernelGraph:
     return list(zip(states, self.outputs[:len(states)]))
 
   def verify(self):
-    """Checks the invariants; raises ValueError naming the first violation."""
+    """Checks the invariants; raises ValueError naming the first violation.
+    Values are compared by identity, so a value of another graph is caught."""
     defined = set()
     for value in self.inputs:
       _check(value.producer is None, f"input {value} has a producer")
-      _check(value.id not in defined, f"{value} defined twice")
-      defined.add(value.id)
+      _check(value not in defined, f"{value} defined twice")
+      defined.add(value)
     readers = {}
     for node in self.nodes:
       for value in node.inputs:
         if isinstance(value, Literal):
           continue
-        _check(value.id in defined,
+        _check(value in defined,
                f"{node} reads {value} before it is defined (not in topological order)")
-        readers.setdefault(value.id, []).append(node)
+        readers.setdefault(value, []).append(node)
       for i, out in enumerate(node.outputs):
-        _check(out.id not in defined, f"{out} defined twice")
+        _check(out not in defined, f"{out} defined twice")
         _check(out.producer is node and out.index == i,
                f"{out} does not name {node} output {i} as its producer")
-        defined.add(out.id)
+        defined.add(out)
       _check_avals(node)
-    for value in self.values():
-      expect = sorted(n.id for n in readers.get(value.id, []))
+    for value in defined:
+      expect = sorted(n.id for n in readers.get(value, []))
       _check(sorted(n.id for n in value.users) == expect,
              f"users of {value} out of sync: recorded {value.users}, actual {expect}")
     for value in self.outputs:
-      _check(isinstance(value, Literal) or value.id in defined,
+      _check(isinstance(value, Literal) or value in defined,
              f"graph output {value} is not defined")
     return True
 

@@ -1,0 +1,221 @@
+"""Every row of DESIGN.md's error table, and the state unchanged after each."""
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from jaxsession.ir import KernelGraph
+from jaxsession.kernels import registry
+from jaxsession.optimizer_passes.base import (FunctionPass, PassContext, PassManager,
+                                              run_to_fixed_point)
+
+
+def _faulty(x):
+  """A host op that fails on demand: raises when x[0] > 100."""
+  if x[0] > 100:
+    raise RuntimeError("injected fault")
+  return (x * 2).astype(x.dtype)
+
+
+def step_with_fault(state, x):
+  y = jax.pure_callback(_faulty, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+  new = {"w": state["w"] + y, "n": state["n"] + 1}
+  return new, y.sum()
+
+
+def train_step(state, batch):
+  new = {"w": state["w"] - 0.1 * batch["x"].mean(0), "n": state["n"] + 1}
+  return new, (new["w"] ** 2).sum()
+
+
+class BadInputTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    rng = np.random.default_rng(7)
+    self.state = {"w": jnp.asarray(rng.standard_normal(4), jnp.float32), "n": jnp.int32(3)}
+    self.batch = {"x": jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)}
+    self.sess = js.Session()
+    self.gid = self.sess.compile(train_step, self.state, self.batch, state_argnums=0)
+    self.sess.run(self.gid, self.batch)
+    self.before = self.sess.get_state(self.gid)
+
+  def assert_state_unchanged(self):
+    after = self.sess.get_state(self.gid)
+    self.assertEqual(jax.tree.structure(after), jax.tree.structure(self.before))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(self.before)):
+      np.testing.assert_array_equal(a, b)
+
+  def assert_input_error(self, regex, *args, **kwargs):
+    with self.assertRaisesRegex(js.InputError, regex):
+      self.sess.run(self.gid, *args, **kwargs)
+    self.assert_state_unchanged()
+
+  def test_wrong_arity(self):
+    self.assert_input_error(r"expected 1 positional argument.*got 2", self.batch, self.batch)
+    self.assert_input_error(r"expected 1 positional argument.*got 0")
+
+  def test_wrong_shape_names_argument_and_path(self):
+    bad = {"x": self.batch["x"][:5]}
+    self.assert_input_error(r"argument 0 \(position 1.*at path \['x'\]: expected "
+                            r"f32\[8,4\], got f32\[5,4\]", bad)
+
+  def test_wrong_dtype(self):
+    bad = {"x": self.batch["x"].astype(jnp.int32)}
+    self.assert_input_error(r"\['x'\]: expected f32\[8,4\], got i32\[8,4\]", bad)
+
+  def test_wrong_pytree_structure(self):
+    self.assert_input_error(r"pytree structure", {"y": self.batch["x"]})
+    self.assert_input_error(r"pytree structure", (self.batch["x"],))
+
+  def test_wrong_steps_axis(self):
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), self.batch)
+    self.assert_input_error(r"steps=3 on a leading axis", stacked, steps=3)
+    self.assert_input_error(r"steps must be a positive int", stacked, steps=0)
+
+  def test_set_state_errors_change_nothing(self):
+    with self.assertRaisesRegex(js.InputError, r"expected 1 value"):
+      self.sess.set_state(self.gid)
+    with self.assertRaisesRegex(js.InputError, r"value 0 at path \['w'\]: expected f32\[4\]"):
+      self.sess.set_state(self.gid, {"w": jnp.ones(5) * 0.5, "n": jnp.int32(1)})
+    with self.assertRaisesRegex(js.InputError, r"\['n'\]: expected i32\[\], got f32\[\]"):
+      self.sess.set_state(self.gid, {"w": jnp.ones(4) * 0.5, "n": jnp.float32(1)})
+    with self.assertRaisesRegex(js.InputError, r"pytree structure"):
+      self.sess.set_state(self.gid, {"w": jnp.ones(4) * 0.5})
+    self.assert_state_unchanged()
+
+  def test_python_scalar_is_accepted_where_exact(self):
+    sess = js.Session()
+    gid = sess.compile(lambda x, s: x * s, jnp.arange(3.0), 2.5)
+    np.testing.assert_allclose(sess.run(gid, jnp.arange(3.0) + 1, 2), [2.0, 4.0, 6.0])
+    gi = sess.compile(lambda x, k: x + k, jnp.arange(3), jnp.int32(2))
+    with self.assertRaisesRegex(js.InputError, r"Python scalar 2.5 does not fit i32"):
+      sess.run(gi, jnp.arange(3), 2.5)
+
+  def test_bad_compile_arguments(self):
+    with self.assertRaisesRegex(js.InputError, r"state_argnums entry 5"):
+      self.sess.compile(train_step, self.state, self.batch, state_argnums=5)
+    with self.assertRaisesRegex(js.InputError, r"both state_argnums and static_argnums"):
+      self.sess.compile(train_step, self.state, self.batch, state_argnums=0,
+                        static_argnums=0)
+    with self.assertRaisesRegex(js.InputError, r"new value of state arg 0.*\['w'\]"):
+      self.sess.compile(lambda s, b: ({"w": s["w"][:2], "n": s["n"]}, 1.0),
+                        self.state, self.batch, state_argnums=0)
+    self.assert_state_unchanged()
+
+
+class UnknownGraphTest(absltest.TestCase):
+
+  def test_every_entry_point(self):
+    sess = js.Session()
+    gid = sess.compile(jnp.sin, jnp.ones(2) * 0.3)
+    for call in (lambda: sess.run(gid + 1, jnp.ones(2)), lambda: sess.get_state("x"),
+                 lambda: sess.set_state(None), lambda: sess.graph(99),
+                 lambda: sess.report([1])):
+      with self.assertRaisesRegex(js.UnknownGraphError, r"was not returned by this session"):
+        call()
+    self.assertTrue(issubclass(js.UnknownGraphError, KeyError))
+
+
+class HostOpErrorTest(absltest.TestCase):
+
+  def _check(self, options):
+    rng = np.random.default_rng(11)
+    state = {"w": jnp.asarray(rng.standard_normal(3), jnp.float32), "n": jnp.int32(0)}
+    x = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    sess = js.Session(options)
+    gid = sess.compile(step_with_fault, state, x, state_argnums=0)
+    sess.run(gid, x)
+    before = sess.get_state(gid)
+    with self.assertRaises(js.HostOpError) as caught:
+      sess.run(gid, x.at[0].set(500.0))  # the fault, injected mid-run
+    self.assertIn("pure_callback", str(caught.exception))
+    self.assertIsNotNone(caught.exception.__cause__)
+    after = sess.get_state(gid)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+      np.testing.assert_array_equal(a, b)
+    sess.run(gid, x)  # and the session goes on from the old state
+    self.assertEqual(int(sess.get_state(gid)[0]["n"]), 2)
+    return sess.report(gid)
+
+  def test_host_placed_callback(self):
+    report = self._check(js.SessionOptions())
+    self.assertIn("host", [p.place for p in report.partitions])
+
+  def test_callback_inside_executable(self):
+    report = self._check(js.SessionOptions(host_callbacks=False))
+    self.assertEqual([p.place for p in report.partitions], ["device"])
+    self.assertFalse(any(d.donated for d in report.donations))
+    self.assertIn("can fail", report.donations[0].reason)
+
+
+class PartitionErrorTest(absltest.TestCase):
+
+  def test_partition_or_error(self):
+    def f(x):
+      y = jax.pure_callback(_faulty, jax.ShapeDtypeStruct(x.shape, x.dtype), jnp.sin(x))
+      return jnp.cos(y)
+    sess = js.Session(js.SessionOptions(partition_or_error=True))
+    with self.assertRaisesRegex(js.PartitionError,
+                                r"2 device partitions[\s\S]*placement changes device -> host"):
+      sess.compile(f, jnp.ones(3) * 0.5)
+    self.assertTrue(issubclass(js.PartitionError, js.SessionError))
+
+
+class KernelSelectErrorTest(absltest.TestCase):
+
+  def test_lists_every_candidate_and_why(self):
+    graph = KernelGraph("g")
+    x = graph.add_input(jax.core.ShapedArray((3,), jnp.int32))
+    node = graph.add_node("test_fused_op", None, {}, [x],
+                          [jax.core.ShapedArray((3,), jnp.int32)])
+
+    @registry.register_kernel("test_fused_op", dtypes=["float32"], name="xla:f32_only")
+    def f32_only(node, x):
+      return [x]
+
+    @registry.register_kernel("test_fused_op", platforms=["gpu"], name="xla:gpu_only")
+    def gpu_only(node, x):
+      return [x]
+
+    try:
+      with self.assertRaises(js.KernelSelectError) as caught:
+        registry.select_kernel(node, "cpu")
+      message = str(caught.exception)
+      self.assertIn("input 0 dtype int32 not in ['float32']", message)
+      self.assertIn("platform cpu not in ['gpu']", message)
+      self.assertIn("xla:bind", message)  # the any-primitive kernel, and why not
+      self.assertIn("fused op with no primitive", message)
+      self.assertEqual(registry.select_kernel(node, "gpu").name, "xla:gpu_only")
+    finally:
+      registry.unregister_kernel("xla:f32_only")
+      registry.unregister_kernel("xla:gpu_only")
+
+
+class PassErrorTest(absltest.TestCase):
+
+  def _graph(self):
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3))
+    from jaxsession.importer import import_jaxpr
+    return import_jaxpr(closed)
+
+  def test_names_the_pass_and_the_passes_before(self):
+    def break_users(graph, ctx):
+      graph.nodes[1].inputs = list(reversed(graph.nodes[1].inputs))
+      graph.nodes[1].inputs[0] = graph.nodes[1].outputs[0]  # reads itself
+      return True
+    manager = PassManager("Optimize", [FunctionPass("harmless", lambda g, c: False),
+                                       FunctionPass("break_users", break_users)])
+    with self.assertRaisesRegex(js.PassError, r"pass break_users left an invalid graph.*"
+                                r"passes before it: Optimize/harmless"):
+      manager.run(self._graph(), PassContext())
+
+  def test_fixed_point_limit_raises(self):
+    manager = PassManager("Optimize", [FunctionPass("always_changes", lambda g, c: True)])
+    with self.assertRaisesRegex(js.PassError, r"did not reach a fixed point in 3"):
+      run_to_fixed_point(manager, self._graph(), PassContext(), max_iterations=3)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,166 @@
+"""Partitioning, placement, streams, the memory plan, IR dumps, and user
+kernels - each checked on a tiny program that also still matches jax.jit."""
+import os
+import tempfile
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from jaxsession.importer import import_jaxpr
+from jaxsession.kernels import registry
+from jaxsession.runtime import memory, partition
+
+RNG = np.random.default_rng(9)
+
+
+def _x(*shape):
+  return jnp.asarray(RNG.standard_normal(shape), jnp.float32)
+
+
+def _host_square(x):
+  return jax.pure_callback(lambda a: (a * a).astype(a.dtype),
+                           jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def two_device_partitions(x):
+  return jnp.cos(_host_square(jnp.sin(x))) + x
+
+
+class PartitionTest(absltest.TestCase):
+
+  def test_host_callback_splits_device_host_device(self):
+    sess = js.Session()
+    x = _x(4)
+    gid = sess.compile(two_device_partitions, x)
+    report = sess.report(gid)
+    self.assertEqual([p.place for p in report.partitions], ["device", "host", "device"])
+    self.assertEqual([p.stream for p in report.partitions], [0, 1, 0])
+    self.assertIn("placement changes device -> host", report.partitions[1].reason)
+    graph = sess.graph(gid)
+    host = graph.partitions[1]
+    self.assertEqual([n.op for n in host.nodes], ["pure_callback"])
+    self.assertEqual(host.nodes[0].kernel.name, "host:pure_callback")
+    self.assertEqual(len(host.inputs), 1)
+    self.assertEqual(len(host.outputs), 1)
+    # the last partition reads the graph input x directly
+    self.assertIn(graph.inputs[0], graph.partitions[2].inputs)
+    y = _x(4)
+    np.testing.assert_allclose(sess.run(gid, y), jax.jit(two_device_partitions)(y), rtol=1e-6)
+
+  def test_host_callbacks_off_keeps_one_partition(self):
+    sess = js.Session(js.SessionOptions(host_callbacks=False))
+    gid = sess.compile(two_device_partitions, _x(4))
+    self.assertEqual([p.place for p in sess.report(gid).partitions], ["device"])
+    y = _x(4)
+    np.testing.assert_allclose(sess.run(gid, y), jax.jit(two_device_partitions)(y), rtol=1e-6)
+
+  def test_loop_sink_over_host_partitions(self):
+    def step(s, x):
+      return s + _host_square(x).sum(), s * 2
+    sess = js.Session()
+    s0 = jnp.float32(0.5)
+    xs = _x(3, 2)
+    gid = sess.compile(step, s0, xs[0], state_argnums=0)
+    outs = sess.run(gid, xs, steps=3)
+    want_s, want = s0, []
+    for i in range(3):
+      want.append(want_s * 2)
+      want_s = want_s + (xs[i] ** 2).sum()
+    np.testing.assert_allclose(outs, np.stack(want), rtol=1e-6)
+    np.testing.assert_allclose(sess.get_state(gid)[0], want_s, rtol=1e-6)
+
+  def test_boundaries_in_execution_order(self):
+    graph = import_jaxpr(jax.make_jaxpr(two_device_partitions)(_x(3)))
+    for node in graph.nodes:
+      node.place = "host" if node.op == "pure_callback" else "device"
+    parts = partition.partition_graph(graph)
+    self.assertEqual([p.index for p in parts], [0, 1, 2])
+    produced = set()
+    for part in parts:
+      for value in part.inputs:
+        self.assertTrue(value.producer is None or value in produced)
+      produced.update(part.outputs)
+    self.assertTrue(parts[1].may_fail)
+    self.assertFalse(parts[0].may_fail)
+
+
+class MemoryPlanTest(absltest.TestCase):
+
+  def test_liveness_and_peak_on_a_chain(self):
+    graph = import_jaxpr(jax.make_jaxpr(lambda x: jnp.exp(jnp.sin(x)) * 2)(_x(256)))
+    ranges = memory.live_ranges(graph)
+    sin, exp, mul = graph.nodes
+    self.assertEqual(ranges[graph.inputs[0].id], (-1, 0))
+    self.assertEqual(ranges[sin.outputs[0].id], (0, 1))
+    self.assertEqual(ranges[mul.outputs[0].id], (2, 3))
+    # at most two 1 KiB buffers are live at once along a unary chain
+    self.assertEqual(memory.peak_bytes(graph, ranges), 2048)
+    self.assertEqual(memory.lower_bound(graph), 2048)
+
+  def test_donation_reasons(self):
+    def step(params, counter, x):
+      return params, counter + x.sum(), x * 2
+    sess = js.Session()
+    gid = sess.compile(step, {"w": _x(3)}, jnp.float32(0.5), _x(3), state_argnums=(0, 1))
+    decisions = {d.state.name: d for d in sess.report(gid).donations}
+    self.assertFalse(decisions["state 0 (arg 0)['w']"].donated)
+    self.assertIn("read-only", decisions["state 0 (arg 0)['w']"].reason)
+    self.assertTrue(decisions["state 1 (arg 1)"].donated)
+    self.assertEqual(sess.report(gid).memory.donated_bytes, 4)
+    off = js.Session(js.SessionOptions(donate_state=False))
+    gid2 = off.compile(step, {"w": _x(3)}, jnp.float32(0.5), _x(3), state_argnums=(0, 1))
+    self.assertEqual(off.report(gid2).memory.donated_bytes, 0)
+    x = _x(3)
+    np.testing.assert_allclose(sess.run(gid, x), off.run(gid2, x), rtol=1e-6)
+    np.testing.assert_allclose(sess.get_state(gid)[1], off.get_state(gid2)[1], rtol=1e-6)
+
+
+class DumpTest(absltest.TestCase):
+
+  def test_save_graphs_writes_every_changed_pass_and_the_order(self):
+    with tempfile.TemporaryDirectory() as folder:
+      sess = js.Session(js.SessionOptions(save_graphs=folder))
+      fn = jax.grad(lambda x: jnp.sum(jnp.sin(x) * jnp.sin(x)))
+      gid = sess.compile(fn, _x(3), name="grad_sin")
+      (sub,) = os.listdir(folder)
+      files = sorted(os.listdir(os.path.join(folder, sub)))
+      self.assertEqual(files[0], "000_import.ir")
+      self.assertTrue(files[-1].endswith("_execution_order.ir"))
+      changed = [f"{r.stage}_{r.name}" for r in sess.report(gid).passes if r.changed]
+      self.assertEqual([f[4:-3] for f in files[1:-1]], changed)
+      self.assertIn("Optimize_dce", files[1])
+      with open(os.path.join(folder, sub, files[-1])) as f:
+        order = f.read()
+      self.assertIn("kernel=xla:bind", order)
+      self.assertIn("#0 device", order)
+
+
+class UserKernelTest(absltest.TestCase):
+
+  def test_user_kernel_wins_by_priority(self):
+    calls = []
+
+    @registry.register_kernel("sin", priority=10, name="xla:user_sin")
+    def user_sin(node, x):
+      calls.append(node.id)
+      return [jnp.cos(x - np.float32(np.pi / 2))]  # sin(x) = cos(x - pi/2)
+
+    try:
+      sess = js.Session()
+      gid = sess.compile(lambda x: jnp.sin(x) * 2, _x(5))
+      node = next(n for n in sess.graph(gid).nodes if n.op == "sin")
+      self.assertEqual(node.kernel.name, "xla:user_sin")
+      self.assertTrue(calls)
+      y = _x(5)
+      np.testing.assert_allclose(sess.run(gid, y), jax.jit(lambda x: jnp.sin(x) * 2)(y),
+                                 rtol=1e-5, atol=1e-6)
+    finally:
+      registry.unregister_kernel("xla:user_sin")
+    self.assertEqual(registry.candidates("sin")[0].name, "xla:bind")
+
+
+if __name__ == "__main__":
+  absltest.main()

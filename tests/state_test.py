@@ -1,0 +1,169 @@
+"""Device-resident state: training through the session equals the plain loop;
+shared state across graphs; loop sink equals separate runs; get/set_state."""
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from jaxsession.examples import mlp_adam
+
+
+def _data(seed, steps, batch=16):
+  return mlp_adam.make_data(jax.random.key(seed), steps, batch)
+
+
+def _at(data, i):
+  return jax.tree.map(lambda a: a[i], data)
+
+
+def _init(seed):
+  params = mlp_adam.init_params(jax.random.key(seed), (32, 24, 1))
+  return params, mlp_adam.adam_init(params)
+
+
+def _assert_trees_close(test, a, b, rtol=1e-6):
+  test.assertEqual(jax.tree.structure(a), jax.tree.structure(b))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=1e-7)
+
+
+class TrainingTest(absltest.TestCase):
+
+  def test_fifty_steps_equal_the_plain_jax_loop(self):
+    params, opt = _init(1)
+    data = _data(2, 50)
+    sess = js.Session()
+    gid = sess.compile(mlp_adam.train_step, params, opt, _at(data, 0), state_argnums=(0, 1))
+    step = jax.jit(mlp_adam.train_step)
+    p, o = params, opt
+    for i in range(50):
+      loss = sess.run(gid, _at(data, i))
+      p, o, want = step(p, o, _at(data, i))
+      np.testing.assert_allclose(loss, want, rtol=1e-6)
+    got_p, got_o = sess.get_state(gid)
+    _assert_trees_close(self, got_p, p)
+    _assert_trees_close(self, got_o, o)
+    self.assertEqual(int(got_o["t"]), 50)
+
+  def test_callers_arrays_are_never_donated(self):
+    params, opt = _init(3)
+    data = _data(4, 3)
+    sess = js.Session()
+    gid = sess.compile(mlp_adam.train_step, params, opt, _at(data, 0), state_argnums=(0, 1))
+    held = sess.get_state(gid)
+    for i in range(3):
+      sess.run(gid, _at(data, i))
+    for leaf in jax.tree.leaves((params, opt, held, data)):
+      self.assertFalse(leaf.is_deleted())
+    self.assertEqual(int(held[1]["t"]), 0)  # a copy, not the live slot
+    self.assertEqual(sum(d.donated for d in sess.report(gid).donations),
+                     len(jax.tree.leaves((params, opt))))
+
+  def test_loop_sink_equals_separate_runs(self):
+    params, opt = _init(5)
+    data = _data(6, 7)
+    a, b = js.Session(), js.Session()
+    ga = a.compile(mlp_adam.train_step, params, opt, _at(data, 0), state_argnums=(0, 1))
+    gb = b.compile(mlp_adam.train_step, params, opt, _at(data, 0), state_argnums=(0, 1))
+    sunk = a.run(ga, data, steps=7)
+    one_by_one = [b.run(gb, _at(data, i)) for i in range(7)]
+    self.assertEqual(sunk.shape, (7,))
+    np.testing.assert_allclose(sunk, np.stack(one_by_one), rtol=1e-6)
+    _assert_trees_close(self, a.get_state(ga), b.get_state(gb))
+    again = a.run(ga, data, steps=7)  # reuses the sunk executable, state moves on
+    self.assertFalse(np.allclose(again, sunk))
+
+  def test_loop_sink_stacks_pytree_outputs(self):
+    def step(count, x):
+      return count + x.sum(), {"x2": x * 2, "n": count}
+    sess = js.Session()
+    rng = np.random.default_rng(0)
+    xs = jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)
+    gid = sess.compile(step, jnp.float32(0.5), xs[0], state_argnums=0)
+    out = sess.run(gid, xs, steps=4)
+    np.testing.assert_allclose(out["x2"], xs * 2, rtol=1e-6)
+    np.testing.assert_allclose(out["n"], 0.5 + np.concatenate([[0], np.cumsum(xs.sum(1))[:-1]]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(sess.get_state(gid)[0], 0.5 + xs.sum(), rtol=1e-5)
+
+
+class SharedStateTest(absltest.TestCase):
+
+  def test_eval_graph_sees_train_updates(self):
+    params, opt = _init(7)
+    data = _data(8, 5)
+    sess = js.Session()
+    train = sess.compile(mlp_adam.train_step, params, opt, _at(data, 0), state_argnums=(0, 1))
+    evaluate = sess.compile(mlp_adam.eval_step, params, _at(data, 0), state_argnums=0,
+                            state_from=train)
+    before = sess.run(evaluate, _at(data, 0))
+    np.testing.assert_allclose(before, mlp_adam.eval_step(params, _at(data, 0)), rtol=1e-6)
+    for i in range(5):
+      sess.run(train, _at(data, i))
+    trained = sess.get_state(train)[0]
+    after = sess.run(evaluate, _at(data, 0))
+    np.testing.assert_allclose(after, jax.jit(mlp_adam.eval_step)(trained, _at(data, 0)),
+                               rtol=1e-6)
+    self.assertLess(float(after), float(before))
+    _assert_trees_close(self, sess.get_state(evaluate)[0], trained)
+
+  def test_both_graphs_update_one_slot(self):
+    def add(s, x):
+      return (s + x,)
+    def scale(s, k):
+      return s * k, s.sum()
+    sess = js.Session()
+    rng = np.random.default_rng(1)
+    s0 = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    x = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    a = sess.compile(add, s0, x, state_argnums=0)
+    b = sess.compile(scale, s0, 2.0, state_argnums=0, state_from=a)
+    sess.run(a, x)
+    total = sess.run(b, 3.0)
+    np.testing.assert_allclose(total, (s0 + x).sum(), rtol=1e-6)
+    np.testing.assert_allclose(sess.get_state(a)[0], (s0 + x) * 3.0, rtol=1e-6)
+
+  def test_mismatched_shared_state_is_an_input_error(self):
+    sess = js.Session()
+    a = sess.compile(lambda s, x: (s + x,), jnp.ones(3) * 0.5, jnp.ones(3) * 2,
+                     state_argnums=0)
+    with self.assertRaisesRegex(js.InputError, r"leaf 0 is f32\[4\].*holds f32\[3\]"):
+      sess.compile(lambda s: s.sum(), jnp.ones(4) * 0.5, state_argnums=0, state_from=a)
+
+
+class SetStateTest(absltest.TestCase):
+
+  def test_set_state_then_run(self):
+    sess = js.Session()
+    rng = np.random.default_rng(2)
+    w = {"a": jnp.asarray(rng.standard_normal(3), jnp.float32), "b": jnp.float32(0.25)}
+    gid = sess.compile(lambda w, x: ({"a": w["a"] + x, "b": w["b"] * 2}, w["a"].sum()),
+                       w, w["a"], state_argnums=0)
+    new = {"a": np.asarray(rng.standard_normal(3), np.float32), "b": np.float32(1.5)}
+    sess.set_state(gid, new)
+    x = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    np.testing.assert_allclose(sess.run(gid, x), new["a"].sum(), rtol=1e-6)
+    got = sess.get_state(gid)[0]
+    np.testing.assert_allclose(got["a"], new["a"] + x, rtol=1e-6)
+    self.assertEqual(float(got["b"]), 3.0)
+
+  def test_static_argnums_are_baked_in(self):
+    sess = js.Session()
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal(5), jnp.float32)
+    gid = sess.compile(lambda x, n: x ** n, x, 3, static_argnums=1)
+    np.testing.assert_allclose(sess.run(gid, x), x ** 3, rtol=1e-6)
+
+  def test_closed_jaxpr_input(self):
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((2, 3)), jnp.float32)
+    closed = jax.make_jaxpr(lambda a: jnp.tanh(a) @ a.T)(x)
+    sess = js.Session()
+    gid = sess.compile(closed, x)
+    y = jnp.asarray(rng.standard_normal((2, 3)), jnp.float32)
+    np.testing.assert_allclose(sess.run(gid, y), jnp.tanh(y) @ y.T, rtol=1e-6)
+
+
+if __name__ == "__main__":
+  absltest.main()
