@@ -1,7 +1,6 @@
 """Session: compile a JAX function through the stage pipeline, then run it
 step after step with its state resident on the device."""
 import dataclasses
-import itertools
 import time
 from typing import Any, Dict, List
 
@@ -62,8 +61,12 @@ class Session:
                        f"{sorted(unknown)}; passes that can be disabled: "
                        f"{pipeline.optimize_pass_names()}")
     self.platform = self.options.platform or jax.default_backend()
+    try:
+      jax.devices(self.platform)
+    except RuntimeError as exc:
+      raise InputError(f"SessionOptions.platform={self.platform!r} is not available "
+                       f"here: {exc}") from None
     self._graphs = {}
-    self._ids = itertools.count()
 
   # -- compile ------------------------------------------------------------
   def compile(self, fn, *example_args, state_argnums=(), static_argnums=(),
@@ -83,7 +86,7 @@ class Session:
       raise InputError(f"compile: positions {sorted(set(state_nums) & set(static_nums))} "
                        "are in both state_argnums and static_argnums")
     name = name or getattr(fn, "__name__", "graph")
-    gid = next(self._ids)
+    gid = len(self._graphs)  # graphs are never removed; a failed compile uses no id
     dyn_nums = [i for i in range(nargs) if i not in state_nums and i not in static_nums]
     state_args = [example_args[i] for i in state_nums]
     dyn_args = [example_args[i] for i in dyn_nums]

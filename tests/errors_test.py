@@ -103,6 +103,12 @@ class BadInputTest(absltest.TestCase):
       self.sess.compile(lambda s, b: ({"w": s["w"][:2], "n": s["n"]}, 1.0),
                         self.state, self.batch, state_argnums=0)
     self.assert_state_unchanged()
+    # the failed compiles registered nothing: the next graph gets the next id
+    self.assertEqual(self.sess.compile(jnp.sin, self.batch["x"]), self.gid + 1)
+
+  def test_unavailable_platform(self):
+    with self.assertRaisesRegex(js.InputError, r"platform='no_such_platform'"):
+      js.Session(js.SessionOptions(platform="no_such_platform"))
 
 
 class UnknownGraphTest(absltest.TestCase):

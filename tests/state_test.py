@@ -22,6 +22,15 @@ def _init(seed):
   return params, mlp_adam.adam_init(params)
 
 
+def _train_session(seed, steps):
+  """A session with the MLP+Adam step compiled; its params, opt state, data."""
+  params, opt = _init(seed)
+  data = _data(seed + 1, steps)
+  sess = js.Session()
+  gid = sess.compile(mlp_adam.train_step, params, opt, _at(data, 0), state_argnums=(0, 1))
+  return sess, gid, params, opt, data
+
+
 def _assert_trees_close(test, a, b, rtol=1e-6):
   test.assertEqual(jax.tree.structure(a), jax.tree.structure(b))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -31,10 +40,7 @@ def _assert_trees_close(test, a, b, rtol=1e-6):
 class TrainingTest(absltest.TestCase):
 
   def test_fifty_steps_equal_the_plain_jax_loop(self):
-    params, opt = _init(1)
-    data = _data(2, 50)
-    sess = js.Session()
-    gid = sess.compile(mlp_adam.train_step, params, opt, _at(data, 0), state_argnums=(0, 1))
+    sess, gid, params, opt, data = _train_session(1, 50)
     step = jax.jit(mlp_adam.train_step)
     p, o = params, opt
     for i in range(50):
@@ -47,10 +53,7 @@ class TrainingTest(absltest.TestCase):
     self.assertEqual(int(got_o["t"]), 50)
 
   def test_callers_arrays_are_never_donated(self):
-    params, opt = _init(3)
-    data = _data(4, 3)
-    sess = js.Session()
-    gid = sess.compile(mlp_adam.train_step, params, opt, _at(data, 0), state_argnums=(0, 1))
+    sess, gid, params, opt, data = _train_session(3, 3)
     held = sess.get_state(gid)
     for i in range(3):
       sess.run(gid, _at(data, i))
@@ -91,10 +94,7 @@ class TrainingTest(absltest.TestCase):
 class SharedStateTest(absltest.TestCase):
 
   def test_eval_graph_sees_train_updates(self):
-    params, opt = _init(7)
-    data = _data(8, 5)
-    sess = js.Session()
-    train = sess.compile(mlp_adam.train_step, params, opt, _at(data, 0), state_argnums=(0, 1))
+    sess, train, params, opt, data = _train_session(7, 5)
     evaluate = sess.compile(mlp_adam.eval_step, params, _at(data, 0), state_argnums=0,
                             state_from=train)
     before = sess.run(evaluate, _at(data, 0))
