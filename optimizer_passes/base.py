@@ -42,8 +42,10 @@ class PassContext:
 
 class Pass(abc.ABC):
   """A graph pass. Subclasses set `name`, document what they rewrite and what
-  must run before them, and implement `run(graph, ctx) -> PassResult`."""
+  must run before them, and implement `run(graph, ctx) -> PassResult`.
+  `required` passes make decisions every graph needs and cannot be disabled."""
   name = "pass"
+  required = False
 
   @abc.abstractmethod
   def run(self, graph, ctx) -> PassResult:
@@ -56,8 +58,9 @@ class Pass(abc.ABC):
 class FunctionPass(Pass):
   """A pass made from a plain function `fn(graph, ctx) -> bool`."""
 
-  def __init__(self, name, fn, doc=None):
+  def __init__(self, name, fn, doc=None, required=False):
     self.name = name
+    self.required = required
     self._fn = fn
     self.__doc__ = doc or fn.__doc__
 
@@ -66,22 +69,45 @@ class FunctionPass(Pass):
 
 
 class PassManager:
-  """A named, flat, ordered list of passes for one stage."""
+  """A named, flat, ordered list of passes for one stage.
 
-  def __init__(self, stage, passes):
+  With `fixed_point`, the list runs again until a whole sweep changes nothing;
+  hitting `max_iterations` raises PassError rather than giving up quietly.
+  """
+
+  def __init__(self, stage, passes, fixed_point=False, max_iterations=10):
     self.stage = stage
     self.passes = list(passes)
+    self.fixed_point = fixed_point
+    self.max_iterations = max_iterations
 
   def names(self):
     return [p.name for p in self.passes]
 
   def run(self, graph, ctx, disabled=()):
+    if self.fixed_point:
+      return run_to_fixed_point(self, graph, ctx, self.max_iterations, disabled)
+    return self.sweep(graph, ctx, disabled)
+
+  def sweep(self, graph, ctx, disabled=()):
+    """Runs every enabled pass once, in order; whether any changed the graph."""
     changed_any = False
     for pass_ in self.passes:
       if pass_.name in disabled:
         continue
       changed_any |= run_one(pass_, graph, ctx, self.stage)
     return changed_any
+
+
+class GraphOptimizer:
+  """Runs the pass managers of the graph stages, one stage at a time."""
+
+  def __init__(self, managers, disabled=()):
+    self.managers = {m.stage: m for m in managers}
+    self.disabled = frozenset(disabled)
+
+  def run_stage(self, stage, graph, ctx):
+    return self.managers[stage].run(graph, ctx, self.disabled)
 
 
 def run_one(pass_, graph, ctx, stage):
@@ -117,10 +143,13 @@ def _pass_error(message, stage, pass_, ctx):
 
 
 def run_to_fixed_point(manager, graph, ctx, max_iterations=10, disabled=()):
-  """Runs `manager` until no pass changes the graph; raises PassError when the
-  iteration limit is hit instead of quietly giving up."""
+  """Sweeps `manager` until no pass changes the graph; returns whether the
+  first sweep changed it. Raises PassError when the iteration limit is hit
+  instead of quietly giving up."""
+  changed = False
   for _ in range(max_iterations):
-    if not manager.run(graph, ctx, disabled):
-      return
+    if not manager.sweep(graph, ctx, disabled):
+      return changed
+    changed = True
   raise PassError(f"stage {manager.stage} did not reach a fixed point in "
                   f"{max_iterations} iterations (passes: {manager.names()})")

@@ -1,7 +1,8 @@
 """DCE: removes nodes none of whose outputs is used.
 
 Runs first in Optimize: jaxprs of `jax.grad` keep the forward's dead equations.
-Nodes with side effects (callbacks with effects, ordered I/O) are kept.
+Nodes with side effects (callbacks with effects, ordered I/O) are kept. Const
+inputs that nothing reads are dropped too.
 Needs nothing before it.
 """
 from jaxsession.optimizer_passes.base import Pass, PassResult
@@ -21,4 +22,10 @@ class DeadCodeElimination(Pass):
         continue
       graph.remove_node(node)
       removed += 1
-    return PassResult(removed > 0)
+    # Const inputs nobody reads (folded away, or dead) are not worth passing.
+    unused = [v for v in graph.inputs_of_kind("const")
+              if not v.users and v.id not in live_outputs]
+    for value in unused:
+      graph.inputs.remove(value)
+      del graph.const_values[value.id]
+    return PassResult(removed > 0 or bool(unused))

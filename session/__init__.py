@@ -4,9 +4,10 @@ from jaxsession.errors import (HostOpError, InputError, KernelSelectError, Parti
                                PassError, SessionError, UnknownGraphError)
 from jaxsession.ir import KernelGraph, Literal, Node, Value
 from jaxsession.options import SessionOptions
+from jaxsession.pipeline import register_pass, unregister_pass
 from jaxsession.session import Session
 
-__all__ = ["Session", "SessionOptions", "KernelGraph", "Node", "Value", "Literal",
+__all__ = ["Session", "SessionOptions", "register_pass", "unregister_pass", "KernelGraph", "Node", "Value", "Literal",
            "errors", "SessionError", "InputError", "UnknownGraphError",
            "KernelSelectError", "PartitionError", "HostOpError", "PassError"]
 __version__ = "0.1.0"

@@ -139,9 +139,22 @@ class KernelGraph:
 
   def insert_node(self, position, node):
     self.nodes.insert(position, node)
+    self.link(node)
+
+  @staticmethod
+  def link(node):
+    """Records `node` as a user of its inputs (for nodes placed by a pass
+    that rebuilds the node list itself)."""
     for value in node.inputs:
       if isinstance(value, Value):
         value.users.append(node)
+
+  @staticmethod
+  def unlink(node):
+    """Forgets `node` as a user of its inputs (it is being dropped)."""
+    for value in node.inputs:
+      if isinstance(value, Value):
+        value.users.remove(node)
 
   # -- rewriting ----------------------------------------------------------
   def remove_node(self, node):
@@ -150,9 +163,7 @@ class KernelGraph:
       if out.users or any(o is out for o in self.outputs):
         raise ValueError(f"{node} still has users of {out}")
     self.nodes.remove(node)
-    for value in node.inputs:
-      if isinstance(value, Value):
-        value.users.remove(node)
+    self.unlink(node)
 
   def replace_uses(self, old, new):
     """Makes every reader of `old` (nodes and graph outputs) read `new`."""

@@ -17,6 +17,9 @@ class SessionOptions:
     callbacks from inside them.
   partition_or_error: raise PartitionError instead of splitting a graph into
     more than one device partition.
+  disabled_passes: names of optional passes (see `pipeline.optional_pass_names()`)
+    to skip.
+  fold_limit_bytes: constant folding does not materialise larger results.
   """
   save_graphs: Optional[str] = None
   verify_graphs: bool = True
@@ -25,3 +28,4 @@ class SessionOptions:
   host_callbacks: bool = True
   partition_or_error: bool = False
   disabled_passes: Sequence[str] = ()
+  fold_limit_bytes: int = 1 << 16

@@ -8,10 +8,13 @@ pass - it turns the final graph into executables (runtime.build).
 """
 from jaxsession.errors import PartitionError
 from jaxsession.kernels import registry
-from jaxsession.optimizer_passes.base import FunctionPass, PassManager
+from jaxsession.optimizer_passes.base import FunctionPass, GraphOptimizer, PassManager
 from jaxsession.optimizer_passes.cse import CommonSubexpressionElimination
 from jaxsession.optimizer_passes.dce import DeadCodeElimination
+from jaxsession.optimizer_passes.fold import FoldConstants
+from jaxsession.optimizer_passes.nops import RemoveNops
 from jaxsession.optimizer_passes.placement import PlaceNodes
+from jaxsession.optimizer_passes.simplify import Simplify
 from jaxsession.runtime import memory, partition, streams
 
 STAGES = ("Optimize", "SelectKernel", "HardwareOptimize", "AssignStream",
@@ -51,28 +54,78 @@ def plan_memory(graph, ctx):
   return False  # annotates the graph; no node changes
 
 
-def stage_managers():
-  """The passes of every graph stage, in order."""
-  return [
-      PassManager("Optimize", [
+def default_passes():
+  """The built-in passes of every graph stage, in order."""
+  return {
+      # Swept to a fixed point: each pass can expose work for another.
+      "Optimize": [
           DeadCodeElimination(),             # grad jaxprs carry dead forward eqns
           CommonSubexpressionElimination(),  # after DCE: fewer nodes to hash
-      ]),
-      PassManager("SelectKernel", [FunctionPass("select_kernels", select_kernels)]),
-      PassManager("HardwareOptimize", [
-          PlaceNodes(),                                          # needs kernels
-          FunctionPass("partition_nodes", partition_nodes),      # needs places
-      ]),
-      PassManager("AssignStream", [FunctionPass("assign_streams", assign_streams)]),
-      PassManager("AllocateMemory", [FunctionPass("plan_memory", plan_memory)]),
-  ]
+          FoldConstants(),
+          Simplify(),
+          RemoveNops(),
+      ],
+      "SelectKernel": [FunctionPass("select_kernels", select_kernels, required=True)],
+      "HardwareOptimize": [
+          PlaceNodes(),                                                    # needs kernels
+          FunctionPass("partition_nodes", partition_nodes, required=True),  # needs places
+      ],
+      "AssignStream": [FunctionPass("assign_streams", assign_streams, required=True)],
+      "AllocateMemory": [FunctionPass("plan_memory", plan_memory, required=True)],
+  }
 
 
-def stage_manager(stage):
-  return next(m for m in stage_managers() if m.stage == stage)
+GRAPH_STAGES = STAGES[:-1]  # Build makes executables, not graph changes
+_USER_PASSES = []  # (stage, pass, before, after), in registration order
 
 
-def optimize_pass_names():
-  """The passes SessionOptions.disabled_passes may name: the Optimize stage's.
-  The other stages' passes make the decisions every graph needs."""
-  return stage_manager("Optimize").names()
+def _insert(passes, pass_, before, after, stage):
+  names = [p.name for p in passes]
+  if pass_.name in names:
+    raise ValueError(f"stage {stage} already has a pass named {pass_.name!r}")
+  anchor = before or after
+  if anchor is None:
+    passes.append(pass_)
+    return
+  if anchor not in names:
+    raise ValueError(f"stage {stage} has no pass {anchor!r} to put {pass_.name!r} "
+                     f"{'before' if before else 'after'}; its passes: {names}")
+  passes.insert(names.index(anchor) + (0 if before else 1), pass_)
+
+
+def stage_passes():
+  """Built-in and user passes of every graph stage, in order."""
+  stages = default_passes()
+  for stage, pass_, before, after in _USER_PASSES:
+    _insert(stages[stage], pass_, before, after, stage)
+  return stages
+
+
+def register_pass(pass_, stage="Optimize", before=None, after=None):
+  """Adds a user pass (an optimizer_passes.Pass) to a stage: at the end, or
+  `before=` / `after=` a named pass of that stage. Every Session compiled
+  afterwards runs it; `unregister_pass(name)` takes it out again."""
+  if stage not in GRAPH_STAGES:
+    raise ValueError(f"stage must be one of {list(GRAPH_STAGES)}, got {stage!r}")
+  if before is not None and after is not None:
+    raise ValueError("give before= or after=, not both")
+  _insert(stage_passes()[stage], pass_, before, after, stage)  # validates
+  _USER_PASSES.append((stage, pass_, before, after))
+  return pass_
+
+
+def unregister_pass(name):
+  _USER_PASSES[:] = [entry for entry in _USER_PASSES if entry[1].name != name]
+
+
+def graph_optimizer(disabled=()):
+  """A GraphOptimizer over every graph stage (Optimize to a fixed point)."""
+  stages = stage_passes()
+  return GraphOptimizer([PassManager(stage, stages[stage], fixed_point=(stage == "Optimize"))
+                         for stage in GRAPH_STAGES], disabled)
+
+
+def optional_pass_names():
+  """The passes SessionOptions.disabled_passes may name. The required ones
+  (kernels, placement, partitions, streams, memory) decide what every graph needs."""
+  return [p.name for passes in stage_passes().values() for p in passes if not p.required]

@@ -55,11 +55,11 @@ class Session:
 
   def __init__(self, options=None):
     self.options = options or SessionOptions()
-    unknown = set(self.options.disabled_passes) - set(pipeline.optimize_pass_names())
+    unknown = set(self.options.disabled_passes) - set(pipeline.optional_pass_names())
     if unknown:
       raise InputError(f"SessionOptions.disabled_passes: unknown pass(es) "
                        f"{sorted(unknown)}; passes that can be disabled: "
-                       f"{pipeline.optimize_pass_names()}")
+                       f"{pipeline.optional_pass_names()}")
     self.platform = self.options.platform or jax.default_backend()
     try:
       jax.devices(self.platform)
@@ -106,6 +106,7 @@ class Session:
     spec = ArgSpec(f"run(graph {gid} '{name}')", dyn_nums, dyn_args)
     ctx = PassContext(platform=self.platform, options=self.options,
                       verify=self.options.verify_graphs)
+    optimizer = pipeline.graph_optimizer(self.options.disabled_passes)
     dumper = None
     if self.options.save_graphs:
       dumper = GraphDumper(self.options.save_graphs, f"{gid:03d}_{name}")
@@ -113,11 +114,11 @@ class Session:
       ctx.instruments.append(dumper)
 
     # The pipeline, in MindSpore GPUSession's order.
-    self._optimize(graph, ctx)
-    self._select_kernel(graph, ctx)
-    self._hardware_optimize(graph, ctx)
-    self._assign_stream(graph, ctx)
-    self._allocate_memory(graph, ctx)
+    self._optimize(optimizer, graph, ctx)
+    self._select_kernel(optimizer, graph, ctx)
+    self._hardware_optimize(optimizer, graph, ctx)
+    self._assign_stream(optimizer, graph, ctx)
+    self._allocate_memory(optimizer, graph, ctx)
     leaf_slots = [(slot, j) for slot in slots for j in range(len(slot.leaves))]
     runner, make_sunk = self._build(graph, spec, rest_tree, leaf_slots, dyn_args)
 
@@ -133,25 +134,26 @@ class Session:
     self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk)
     return gid
 
-  def _optimize(self, graph, ctx):
-    """Graph passes that keep semantics: DCE, CSE (later: folding, fusions)."""
-    pipeline.stage_manager("Optimize").run(graph, ctx, self.options.disabled_passes)
+  def _optimize(self, optimizer, graph, ctx):
+    """Graph passes that keep semantics (DCE, CSE, folding, simplification,
+    nop removal, user passes), swept to a fixed point."""
+    optimizer.run_stage("Optimize", graph, ctx)
 
-  def _select_kernel(self, graph, ctx):
+  def _select_kernel(self, optimizer, graph, ctx):
     """One kernel per node, by backend, platform and dtype."""
-    pipeline.stage_manager("SelectKernel").run(graph, ctx)
+    optimizer.run_stage("SelectKernel", graph, ctx)
 
-  def _hardware_optimize(self, graph, ctx):
+  def _hardware_optimize(self, optimizer, graph, ctx):
     """Placement (device or host) and partitioning."""
-    pipeline.stage_manager("HardwareOptimize").run(graph, ctx)
+    optimizer.run_stage("HardwareOptimize", graph, ctx)
 
-  def _assign_stream(self, graph, ctx):
+  def _assign_stream(self, optimizer, graph, ctx):
     """The queue of each partition and node."""
-    pipeline.stage_manager("AssignStream").run(graph, ctx)
+    optimizer.run_stage("AssignStream", graph, ctx)
 
-  def _allocate_memory(self, graph, ctx):
+  def _allocate_memory(self, optimizer, graph, ctx):
     """Liveness, donation of session-owned state, peak estimate."""
-    pipeline.stage_manager("AllocateMemory").run(graph, ctx)
+    optimizer.run_stage("AllocateMemory", graph, ctx)
 
   def _build(self, graph, spec, rest_tree, leaf_slots, example_args):
     """One executable per device partition; the runner for `run` and a factory

@@ -1,0 +1,245 @@
+"""The pattern DSL: match subgraphs by primitive, capture values by name,
+check params, and rewrite - one rule a line, tinygrad style:
+
+    Rule(Pat("mul", Pat.var("x"), Pat.lit(1)), lambda r, x: x),   # x*1 -> x
+
+A rule's rewrite gets a Rewriter (to emit new nodes) and the captures, and
+returns the replacement for the matched root's output, or None for "no match".
+A match is accepted only if every matched node other than the root is used
+inside the match alone: a fusion must not swallow a value someone else reads
+(MindSpore's MatMulBiasAdd bails out then; so do we).
+"""
+import jax
+from jax.core import ShapedArray
+import numpy as np
+
+from jaxsession.ir import Literal, Value
+from jaxsession.optimizer_passes.base import Pass, PassResult
+
+COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min", "and", "or", "eq", "ne"})
+
+
+class Pat:
+  """A pattern. Pat(op, *operands, name=, params=, where=):
+    op        a primitive/fused-op name or a tuple of them;
+    operands  sub-patterns for the node's inputs, in order (either order for
+              commutative binary ops);
+    name      capture the matched value under this name;
+    params    {param: value or predicate(value) -> bool};
+    where     predicate(value) -> bool on the matched value (e.g. its aval).
+  """
+  __slots__ = ("ops", "srcs", "name", "params", "where", "kind", "value")
+
+  def __init__(self, op, *srcs, name=None, params=None, where=None):
+    self.ops = (op,) if isinstance(op, str) else tuple(op)
+    self.srcs = srcs
+    self.name = name
+    self.params = params or {}
+    self.where = where
+    self.kind = "op"
+    self.value = None
+
+  @classmethod
+  def var(cls, name, where=None):
+    """Anything (a value or a literal), captured as `name`; the same name
+    used twice must be the same value."""
+    pat = cls((), name=name, where=where)
+    pat.kind = "var"
+    return pat
+
+  @classmethod
+  def lit(cls, value=None, name=None):
+    """A literal scalar (equal to `value` when given)."""
+    pat = cls((), name=name)
+    pat.kind = "lit"
+    pat.value = value
+    return pat
+
+  def __repr__(self):
+    if self.kind != "op":
+      return f"{self.kind}({self.name or self.value})"
+    return f"{'|'.join(self.ops)}({', '.join(map(repr, self.srcs))})"
+
+
+class Match:
+  """Captures and matched nodes; cheap to snapshot and roll back."""
+  __slots__ = ("captures", "nodes")
+
+  def __init__(self):
+    self.captures = {}
+    self.nodes = []
+
+  def snapshot(self):
+    return dict(self.captures), len(self.nodes)
+
+  def restore(self, snap):
+    self.captures, n = dict(snap[0]), snap[1]
+    del self.nodes[n:]
+
+  def bind(self, name, value):
+    if name is None:
+      return True
+    seen = self.captures.get(name)
+    if seen is None:
+      self.captures[name] = value
+      return True
+    return seen is value or (isinstance(seen, Literal) and isinstance(value, Literal)
+                             and seen.key() == value.key())
+
+
+def literal_equals(value, want):
+  return isinstance(value, Literal) and (want is None or bool(np.all(
+      np.asarray(value.value) == want)))
+
+
+def match(pat, value, m):
+  """Whether `value` matches `pat`, recording captures and nodes in `m`."""
+  if pat.kind == "var":
+    return (pat.where is None or pat.where(value)) and m.bind(pat.name, value)
+  if pat.kind == "lit":
+    return literal_equals(value, pat.value) and m.bind(pat.name, value)
+  if not isinstance(value, Value) or value.producer is None:
+    return False
+  node = value.producer
+  if node.op not in pat.ops or len(node.inputs) != len(pat.srcs):
+    return False
+  if pat.where is not None and not pat.where(value):
+    return False
+  for key, want in pat.params.items():
+    got = node.params.get(key)
+    if not (want(got) if callable(want) else got == want):
+      return False
+  snap = m.snapshot()
+  orders = [pat.srcs]
+  if node.op in COMMUTATIVE and len(pat.srcs) == 2:
+    orders.append(pat.srcs[::-1])
+  for srcs in orders:
+    if all(match(p, v, m) for p, v in zip(srcs, node.inputs)):
+      if node not in m.nodes:
+        m.nodes.append(node)
+      if m.bind(pat.name, value):
+        return True
+    m.restore(snap)
+  return False
+
+
+class Rule:
+  """A pattern and its rewrite: rewrite(rewriter, **captures) -> Value(s) or None."""
+  __slots__ = ("pattern", "rewrite", "name")
+
+  def __init__(self, pattern, rewrite, name=None):
+    self.pattern = pattern
+    self.rewrite = rewrite
+    self.name = name or getattr(rewrite, "__name__", repr(pattern))
+
+
+class Rewriter:
+  """Handed to a rewrite: emits new nodes just before the matched root."""
+
+  def __init__(self, graph, root, rule):
+    self.graph = graph
+    self.root = root
+    self.rule = rule
+    self.emitted = []
+
+  def emit(self, op, prim, params, inputs, out_avals, note=None):
+    """A new node (its outputs are returned: one Value, or a list)."""
+    node = self.graph.make_node(op, prim, params, inputs, out_avals,
+                                source=self.root.source)
+    if note:
+      node.notes.append(note)
+    self.emitted.append(node)
+    return node.outputs[0] if len(node.outputs) == 1 else node.outputs
+
+  def fused(self, op, inputs, params, out_aval, note):
+    """A fused node with its own op name (no primitive: a kernel runs it)."""
+    return self.emit(op, None, params, inputs, [out_aval], note)
+
+  def bind(self, prim, inputs, **params):
+    """A primitive node; its output avals come from the primitive's shape rule."""
+    avals = jax.eval_shape(lambda *xs: prim.bind(*xs, **params),
+                           *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs])
+    avals = avals if prim.multiple_results else [avals]
+    return self.emit(prim.name, prim, params, inputs,
+                     [ShapedArray(a.shape, a.dtype) for a in avals])
+
+
+class RewritePass(Pass):
+  """Applies `rules` over the graph in one sweep (the pass manager's fixed
+  point takes care of cascades). Rules are indexed by their root op."""
+
+  def __init__(self, name, rules, doc=None):
+    self.name = name
+    self.rules = list(rules)
+    self.index = {}
+    for rule in self.rules:
+      for op in rule.pattern.ops:
+        self.index.setdefault(op, []).append(rule)
+    if doc:
+      self.__doc__ = doc
+
+  def run(self, graph, ctx):
+    graph_outputs = {id(v) for v in graph.outputs}
+    order, dead, fired = [], set(), 0
+    for node in graph.nodes:
+      if node in dead:
+        continue
+      emitted = self._try_rules(graph, node, graph_outputs, dead)
+      if emitted is None:
+        order.append(node)
+      else:
+        order.extend(emitted)
+        fired += 1
+    if fired:
+      graph.nodes = [n for n in order if n not in dead]
+    return PassResult(fired > 0)
+
+  def _try_rules(self, graph, node, graph_outputs, dead):
+    for rule in self.index.get(node.op, ()):
+      m = Match()
+      if not match(rule.pattern, node.outputs[0], m):
+        continue
+      if not _closed(m.nodes, node, graph_outputs):
+        continue
+      rewriter = Rewriter(graph, node, rule)
+      new = rule.rewrite(rewriter, **m.captures)
+      if new is None:
+        continue  # nothing was linked yet: the emitted nodes just go away
+      new = new if isinstance(new, (list, tuple)) else [new]
+      for n in rewriter.emitted:
+        graph.link(n)
+      for old, replacement in zip(node.outputs, new):
+        graph.replace_uses(old, replacement)
+      graph_outputs.clear()
+      graph_outputs.update(id(v) for v in graph.outputs)
+      _drop_dead(graph, [node] + m.nodes, graph_outputs, dead)
+      return rewriter.emitted
+    return None
+
+
+def _closed(nodes, root, graph_outputs):
+  """Every matched node but the root is read only by matched nodes."""
+  inside = set(nodes)
+  for node in nodes:
+    if node is root:
+      continue
+    for out in node.outputs:
+      if id(out) in graph_outputs or any(u not in inside for u in out.users):
+        return False
+  return True
+
+
+def _drop_dead(graph, nodes, graph_outputs, dead):
+  """Drops the matched nodes nobody reads any more (repeatedly: dropping one
+  can free another)."""
+  progress = True
+  while progress:
+    progress = False
+    for node in nodes:
+      if node in dead:
+        continue
+      if any(out.users or id(out) in graph_outputs for out in node.outputs):
+        continue
+      graph.unlink(node)
+      dead.add(node)
+      progress = True
