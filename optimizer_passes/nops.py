@@ -22,6 +22,7 @@ NOP_RULES = [
     Rule(Pat("reshape", x, params={"dimensions": None}), keep_x),       # same-shape reshape
     Rule(Pat("convert_element_type", x), keep_x),                       # to its own dtype
     Rule(Pat("copy", x), keep_x),                                       # copy
+    Rule(Pat("stop_gradient", x), keep_x),                              # no gradients here
     Rule(Pat("copy_p", x), keep_x),                                     # copy
     Rule(Pat("transpose", x, params={"permutation": _identity_perm}), keep_x),
     Rule(Pat("broadcast_in_dim", x,

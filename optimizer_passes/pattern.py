@@ -55,7 +55,16 @@ class Pat:
     pat.value = value
     return pat
 
+  @classmethod
+  def either(cls, *alternatives, name=None):
+    """The first of `alternatives` that matches (forms users write differently)."""
+    pat = cls((), *alternatives, name=name)
+    pat.kind = "either"
+    return pat
+
   def __repr__(self):
+    if self.kind == "either":
+      return " | ".join(map(repr, self.srcs))
     if self.kind != "op":
       return f"{self.kind}({self.name or self.value})"
     return f"{'|'.join(self.ops)}({', '.join(map(repr, self.srcs))})"
@@ -98,6 +107,13 @@ def match(pat, value, m):
     return (pat.where is None or pat.where(value)) and m.bind(pat.name, value)
   if pat.kind == "lit":
     return literal_equals(value, pat.value) and m.bind(pat.name, value)
+  if pat.kind == "either":
+    snap = m.snapshot()
+    for alternative in pat.srcs:
+      if match(alternative, value, m) and m.bind(pat.name, value):
+        return True
+      m.restore(snap)
+    return False
   if not isinstance(value, Value) or value.producer is None:
     return False
   node = value.producer
@@ -121,6 +137,13 @@ def match(pat, value, m):
         return True
     m.restore(snap)
   return False
+
+
+def root_ops(pat):
+  """The ops a pattern's root can be (what a rule is indexed by)."""
+  if pat.kind == "either":
+    return tuple(op for alt in pat.srcs for op in root_ops(alt))
+  return pat.ops
 
 
 class Rule:
@@ -173,7 +196,7 @@ class RewritePass(Pass):
     self.rules = list(rules)
     self.index = {}
     for rule in self.rules:
-      for op in rule.pattern.ops:
+      for op in root_ops(rule.pattern):
         self.index.setdefault(op, []).append(rule)
     if doc:
       self.__doc__ = doc

@@ -5,6 +5,8 @@ broadcasting identities (a scalar x*1 feeding a vector) are left alone.
 Needs nothing before it; DCE afterwards drops what the rules orphan (the rule
 engine drops the matched nodes itself when nobody else reads them).
 """
+import numpy as np
+
 from jaxsession.optimizer_passes.pattern import Pat, Rule, RewritePass
 
 x = Pat.var("x")
@@ -32,7 +34,6 @@ def compose_transposes(r, x, inner):
 
 def convert_round_trip(r, x, inner):
   """A -> B -> A is x when A -> B loses nothing."""
-  import numpy as np
   a, b = x.aval.dtype, inner.aval.dtype
   try:
     exact = np.can_cast(a, b, "safe") or (a == np.bool_)
@@ -68,6 +69,8 @@ SIMPLIFY_RULES = [
     Rule(Pat("sub", x, Pat.lit(0)), keep_x),                          # x-0 -> x
     Rule(Pat("div", x, Pat.lit(1)), keep_x),                          # x/1 -> x
     Rule(Pat("pow", x, Pat.lit(1)), keep_x),                          # x**1 -> x
+    Rule(Pat("integer_pow", x, params={"y": 1}), keep_x),             # x**1 -> x
+    Rule(Pat("max", x, Pat.lit(-np.inf)), keep_x),                    # max(x, -inf) -> x
     Rule(Pat("neg", Pat("neg", x)), keep_x),                          # -(-x) -> x
     Rule(Pat("not", Pat("not", x)), keep_x),                          # ~~x -> x
     Rule(Pat("transpose", Pat("transpose", x, name="inner")),

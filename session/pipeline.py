@@ -12,6 +12,7 @@ from jaxsession.optimizer_passes.base import FunctionPass, GraphOptimizer, PassM
 from jaxsession.optimizer_passes.cse import CommonSubexpressionElimination
 from jaxsession.optimizer_passes.dce import DeadCodeElimination
 from jaxsession.optimizer_passes.fold import FoldConstants
+from jaxsession.optimizer_passes.fusion import fusion_passes
 from jaxsession.optimizer_passes.nops import RemoveNops
 from jaxsession.optimizer_passes.placement import PlaceNodes
 from jaxsession.optimizer_passes.simplify import Simplify
@@ -64,6 +65,7 @@ def default_passes():
           FoldConstants(),
           Simplify(),
           RemoveNops(),
+          *fusion_passes(),                  # after the cleanups strip form noise
       ],
       "SelectKernel": [FunctionPass("select_kernels", select_kernels, required=True)],
       "HardwareOptimize": [
