@@ -49,7 +49,8 @@ class Pat:
 
   @classmethod
   def lit(cls, value=None, name=None):
-    """A literal scalar (equal to `value` when given)."""
+    """A literal scalar, or a constant all of whose elements are one scalar
+    (equal to `value` when given); captured as that scalar Literal."""
     pat = cls((), name=name)
     pat.kind = "lit"
     pat.value = value
@@ -71,12 +72,14 @@ class Pat:
 
 
 class Match:
-  """Captures and matched nodes; cheap to snapshot and roll back."""
-  __slots__ = ("captures", "nodes")
+  """Captures and matched nodes; cheap to snapshot and roll back. `consts`
+  (the graph's const values) lets literal patterns see splat constants."""
+  __slots__ = ("captures", "nodes", "consts")
 
-  def __init__(self):
+  def __init__(self, consts=None):
     self.captures = {}
     self.nodes = []
+    self.consts = consts or {}
 
   def snapshot(self):
     return dict(self.captures), len(self.nodes)
@@ -96,9 +99,31 @@ class Match:
                              and seen.key() == value.key())
 
 
-def literal_equals(value, want):
-  return isinstance(value, Literal) and (want is None or bool(np.all(
-      np.asarray(value.value) == want)))
+SPLAT_LIMIT = 1 << 16  # elements; larger consts are not inspected
+
+
+def splat_scalar(value, consts):
+  """The scalar Literal a value is made of: a literal itself, a const input
+  whose elements are all equal, or a broadcast of a literal; else None."""
+  if isinstance(value, Literal):
+    return value
+  if value.kind == "const" and value.id in consts:
+    arr = np.asarray(consts[value.id])
+    if 0 < arr.size <= SPLAT_LIMIT and np.all(arr == arr.flat[0]):
+      return Literal(arr.flat[0], ShapedArray((), arr.dtype))
+    return None
+  node = value.producer
+  if node is not None and node.op == "broadcast_in_dim" and isinstance(node.inputs[0], Literal):
+    return node.inputs[0]
+  return None
+
+
+def literal_equals(value, want, consts):
+  """The splat scalar of `value` if it equals `want` (any value when None)."""
+  scalar = splat_scalar(value, consts)
+  if scalar is None or (want is not None and not bool(np.all(np.asarray(scalar.value) == want))):
+    return None
+  return scalar
 
 
 def match(pat, value, m):
@@ -106,7 +131,8 @@ def match(pat, value, m):
   if pat.kind == "var":
     return (pat.where is None or pat.where(value)) and m.bind(pat.name, value)
   if pat.kind == "lit":
-    return literal_equals(value, pat.value) and m.bind(pat.name, value)
+    scalar = literal_equals(value, pat.value, m.consts)
+    return scalar is not None and m.bind(pat.name, scalar)
   if pat.kind == "either":
     snap = m.snapshot()
     for alternative in pat.srcs:
@@ -219,7 +245,7 @@ class RewritePass(Pass):
 
   def _try_rules(self, graph, node, graph_outputs, dead):
     for rule in self.index.get(node.op, ()):
-      m = Match()
+      m = Match(graph.const_values)
       if not match(rule.pattern, node.outputs[0], m):
         continue
       if not _closed(m.nodes, node, graph_outputs):

@@ -13,6 +13,7 @@ from jaxsession.optimizer_passes.cse import CommonSubexpressionElimination
 from jaxsession.optimizer_passes.dce import DeadCodeElimination
 from jaxsession.optimizer_passes.fold import FoldConstants
 from jaxsession.optimizer_passes.fusion import fusion_passes
+from jaxsession.optimizer_passes.norm_fusion import norm_fusion_passes
 from jaxsession.optimizer_passes.nops import RemoveNops
 from jaxsession.optimizer_passes.placement import PlaceNodes
 from jaxsession.optimizer_passes.simplify import Simplify
@@ -66,6 +67,7 @@ def default_passes():
           Simplify(),
           RemoveNops(),
           *fusion_passes(),                  # after the cleanups strip form noise
+          *norm_fusion_passes(),
       ],
       "SelectKernel": [FunctionPass("select_kernels", select_kernels, required=True)],
       "HardwareOptimize": [
