@@ -74,3 +74,47 @@ def rms_norm(node, x, *scale):
   n = np.prod([x.shape[a] for a in axes]).astype(x.dtype)
   ms = jnp.sum(x * x, axis=axes, keepdims=True) / n
   return [_affine(_normalise(x, x, ms, p), p, scale)]
+
+
+def _batch_norm(p, x, mean, inv, *rest):
+  """The user's own BatchNorm arithmetic, on operands already at x's rank."""
+  if p["form"] == "scale_after":
+    gamma, beta = rest[:2]
+    return (x - mean) * inv * gamma + beta, rest[2:]
+  if p["form"] == "scale_folded":
+    gamma, beta = rest[:2]
+    return (x - mean) * (inv * gamma) + beta, rest[2:]
+  return (x - mean) * inv + rest[0], rest[1:]
+
+
+@register_kernel("BatchNormRelu", backend="xla", name="xla:batch_norm_relu")
+def batch_norm_relu(node, x, *operands):
+  y, _ = _batch_norm(node.params, x, *operands)
+  return [jnp.maximum(y, 0)]
+
+
+@register_kernel("BatchNormAddRelu", backend="xla", name="xla:batch_norm_add_relu")
+def batch_norm_add_relu(node, x, *operands):
+  y, (residual,) = _batch_norm(node.params, x, *operands)
+  return [jnp.maximum(y + residual, 0)]
+
+
+@register_kernel("Adam", backend="xla", name="xla:adam")
+def adam(node, p, g, m, v, *scalars):
+  """One parameter's Adam/AdamW step, in the arithmetic order of the form
+  it was fused from; returns (new param, new m, new v)."""
+  k = node.params
+  lit = lambda name: jnp.asarray(k[name], p.dtype)
+  m_new = lit("b1") * m + lit("c1") * g
+  if k["v_form"] == "c2_g2":
+    v_new = lit("b2") * v + lit("c2") * (g * g)
+  else:
+    v_new = lit("b2") * v + lit("c2") * g * g
+  if k["form"] == "scaled_step":
+    (step,) = scalars
+    return [p - step * m_new / (jnp.sqrt(v_new) + lit("eps")), m_new, v_new]
+  bc1, bc2 = scalars
+  u = (m_new / bc1) / (jnp.sqrt(v_new / bc2) + lit("eps"))
+  if k["form"] == "optax_adamw":
+    u = u + lit("wd") * p
+  return [p + lit("neg_lr") * u, m_new, v_new]

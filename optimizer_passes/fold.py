@@ -14,6 +14,34 @@ from jaxsession.ir import Literal, aval_bytes
 from jaxsession.lowering import kernel_fn
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
+def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
+  expanded = np.reshape(x, [x.shape[broadcast_dimensions.index(i)]
+                            if i in broadcast_dimensions else 1 for i in range(len(shape))])
+  return np.broadcast_to(expanded, shape)
+
+
+def _float_only(fn):
+  """An IEEE-exact (correctly rounded) float op; None defers ints to jax."""
+  def fold(*xs, **_):
+    return fn(*xs) if all(np.issubdtype(x.dtype, np.floating) for x in xs) else None
+  return fold
+
+
+# Data movement, and the correctly rounded float arithmetic, give the same bits
+# in numpy without an eager XLA compile each; everything else (transcendentals,
+# integer division) is left to the op's own kernel so folded values equal jax's.
+NUMPY_FOLDS = {
+    "add": _float_only(np.add), "sub": _float_only(np.subtract),
+    "mul": _float_only(np.multiply), "div": _float_only(np.divide),
+    "neg": _float_only(np.negative), "max": _float_only(np.maximum),
+    "min": _float_only(np.minimum),
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reshape": lambda x, new_sizes, dimensions=None, **_: (
+        np.reshape(x, new_sizes) if dimensions is None else None),
+    "transpose": lambda x, permutation, **_: np.transpose(x, permutation),
+    "squeeze": lambda x, dimensions, **_: np.squeeze(x, tuple(dimensions)),
+}
+
 NEVER_FOLD = frozenset({"scan", "while", "cond", "pure_callback", "io_callback",
                         "debug_callback", "custom_jvp_call", "custom_vjp_call"})
 DEFAULT_LIMIT_BYTES = 1 << 16
@@ -30,8 +58,7 @@ class FoldConstants(Pass):
       if not self._foldable(node, known, limit):
         continue
       args = [v.value if isinstance(v, Literal) else known[v.id] for v in node.inputs]
-      with jax.ensure_compile_time_eval():
-        outs = kernel_fn(node)(node, *args)
+      outs = self._evaluate(node, args)
       for out, result in zip(node.outputs, outs):
         value = np.asarray(result, dtype=out.aval.dtype)
         if out.aval.shape == ():
@@ -46,6 +73,18 @@ class FoldConstants(Pass):
     for node in folded:
       graph.remove_node(node)
     return PassResult(bool(folded))
+
+  @staticmethod
+  def _evaluate(node, args):
+    numpy_fold = NUMPY_FOLDS.get(node.op)
+    if numpy_fold is not None:
+      arrays = [np.asarray(a, dtype=v.aval.dtype) for a, v in zip(args, node.inputs)]
+      with np.errstate(all="ignore"):  # inf/nan are values like any other here
+        out = numpy_fold(*arrays, **node.params)
+      if out is not None:
+        return [np.asarray(out, dtype=node.outputs[0].aval.dtype)]
+    with jax.ensure_compile_time_eval():
+      return kernel_fn(node)(node, *args)
 
   @staticmethod
   def _foldable(node, known, limit):

@@ -127,42 +127,68 @@ def literal_equals(value, want, consts):
 
 
 def match(pat, value, m):
-  """Whether `value` matches `pat`, recording captures and nodes in `m`."""
+  """Whether `value` matches `pat`; on success `m` holds the first complete
+  match's captures and nodes (the search backtracks across operands, so a
+  choice made for one operand is revisited when a later operand fails)."""
+  for _ in _matches(pat, value, m):
+    return True
+  return False
+
+
+def _matches(pat, value, m):
+  """Yields once per way `value` matches `pat`, with `m` holding that way's
+  bindings while suspended; undoes them before trying the next way."""
+  snap = m.snapshot()
   if pat.kind == "var":
-    return (pat.where is None or pat.where(value)) and m.bind(pat.name, value)
+    if (pat.where is None or pat.where(value)) and m.bind(pat.name, value):
+      yield
+    m.restore(snap)
+    return
   if pat.kind == "lit":
     scalar = literal_equals(value, pat.value, m.consts)
-    return scalar is not None and m.bind(pat.name, scalar)
+    if scalar is not None and m.bind(pat.name, scalar):
+      yield
+    m.restore(snap)
+    return
   if pat.kind == "either":
-    snap = m.snapshot()
     for alternative in pat.srcs:
-      if match(alternative, value, m) and m.bind(pat.name, value):
-        return True
-      m.restore(snap)
-    return False
+      for _ in _matches(alternative, value, m):
+        if m.bind(pat.name, value):
+          yield
+        m.restore(snap)
+    return
   if not isinstance(value, Value) or value.producer is None:
-    return False
+    return
   node = value.producer
   if node.op not in pat.ops or len(node.inputs) != len(pat.srcs):
-    return False
+    return
   if pat.where is not None and not pat.where(value):
-    return False
+    return
   for key, want in pat.params.items():
     got = node.params.get(key)
     if not (want(got) if callable(want) else got == want):
-      return False
-  snap = m.snapshot()
+      return
   orders = [pat.srcs]
   if node.op in COMMUTATIVE and len(pat.srcs) == 2:
     orders.append(pat.srcs[::-1])
   for srcs in orders:
-    if all(match(p, v, m) for p, v in zip(srcs, node.inputs)):
+    for _ in _match_all(srcs, node.inputs, m, 0):
+      inner = m.snapshot()
       if node not in m.nodes:
         m.nodes.append(node)
       if m.bind(pat.name, value):
-        return True
+        yield
+      m.restore(inner)
     m.restore(snap)
-  return False
+
+
+def _match_all(pats, values, m, i):
+  """Yields once per way all of `values[i:]` match `pats[i:]`."""
+  if i == len(pats):
+    yield
+    return
+  for _ in _matches(pats[i], values[i], m):
+    yield from _match_all(pats, values, m, i + 1)
 
 
 def root_ops(pat):
@@ -173,13 +199,20 @@ def root_ops(pat):
 
 
 class Rule:
-  """A pattern and its rewrite: rewrite(rewriter, **captures) -> Value(s) or None."""
-  __slots__ = ("pattern", "rewrite", "name")
+  """A pattern and its rewrite: rewrite(rewriter, **captures) -> Value(s) or None.
 
-  def __init__(self, pattern, rewrite, name=None):
+  `exports` names captured values inside the match that the rewrite also
+  replaces (a multi-output fusion: Adam's new moments are read outside it).
+  The rewrite then returns the root's replacement(s) followed by one value per
+  export, in order.
+  """
+  __slots__ = ("pattern", "rewrite", "name", "exports")
+
+  def __init__(self, pattern, rewrite, name=None, exports=()):
     self.pattern = pattern
     self.rewrite = rewrite
     self.name = name or getattr(rewrite, "__name__", repr(pattern))
+    self.exports = tuple(exports)
 
 
 class Rewriter:
@@ -248,7 +281,8 @@ class RewritePass(Pass):
       m = Match(graph.const_values)
       if not match(rule.pattern, node.outputs[0], m):
         continue
-      if not _closed(m.nodes, node, graph_outputs):
+      exported = [m.captures[name] for name in rule.exports]
+      if not _closed(m.nodes, node, graph_outputs, {id(v) for v in exported}):
         continue
       rewriter = Rewriter(graph, node, rule)
       new = rule.rewrite(rewriter, **m.captures)
@@ -257,7 +291,9 @@ class RewritePass(Pass):
       new = new if isinstance(new, (list, tuple)) else [new]
       for n in rewriter.emitted:
         graph.link(n)
-      for old, replacement in zip(node.outputs, new):
+      for old, replacement in zip(list(node.outputs) + exported,
+                                  new[:len(node.outputs)] + new[-len(exported):]
+                                  if exported else new):
         graph.replace_uses(old, replacement)
       graph_outputs.clear()
       graph_outputs.update(id(v) for v in graph.outputs)
@@ -266,13 +302,16 @@ class RewritePass(Pass):
     return None
 
 
-def _closed(nodes, root, graph_outputs):
-  """Every matched node but the root is read only by matched nodes."""
+def _closed(nodes, root, graph_outputs, exempt=()):
+  """Every matched node but the root is read only by matched nodes (values in
+  `exempt` are replaced by the rewrite, so their outside readers are fine)."""
   inside = set(nodes)
   for node in nodes:
     if node is root:
       continue
     for out in node.outputs:
+      if id(out) in exempt:
+        continue
       if id(out) in graph_outputs or any(u not in inside for u in out.users):
         return False
   return True

@@ -8,6 +8,8 @@ pass - it turns the final graph into executables (runtime.build).
 """
 from jaxsession.errors import PartitionError
 from jaxsession.kernels import registry
+from jaxsession.optimizer_passes.adam_fusion import FuseAdam
+from jaxsession.optimizer_passes.bn_fusion import FuseBatchNormRelu
 from jaxsession.optimizer_passes.base import FunctionPass, GraphOptimizer, PassManager
 from jaxsession.optimizer_passes.cse import CommonSubexpressionElimination
 from jaxsession.optimizer_passes.dce import DeadCodeElimination
@@ -68,9 +70,11 @@ def default_passes():
           RemoveNops(),
           *fusion_passes(),                  # after the cleanups strip form noise
           *norm_fusion_passes(),
+          FuseAdam(),
       ],
       "SelectKernel": [FunctionPass("select_kernels", select_kernels, required=True)],
       "HardwareOptimize": [
+          FuseBatchNormRelu(),                                             # selects its kernels
           PlaceNodes(),                                                    # needs kernels
           FunctionPass("partition_nodes", partition_nodes, required=True),  # needs places
       ],

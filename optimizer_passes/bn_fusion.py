@@ -1,0 +1,101 @@
+"""fuse_bn_relu (HardwareOptimize): BatchNorm in inference form, optionally
+plus a residual, followed by ReLU, becomes one BatchNormRelu /
+BatchNormAddRelu node (MindSpore's BatchNorm+ReLU fusion).
+
+Per-channel operands (mean, inverse std, gamma, beta) are kept as the user
+computed them and brought to x's rank - when they are constants, folding has
+already turned them into constant vectors - so the kernel does the same
+arithmetic. Forms: by hand, and flax.linen.BatchNorm(use_running_average=True)
+(which folds gamma into the inverse std first).
+
+Runs after SelectKernel: the pass selects kernels for the nodes it creates.
+"""
+from jaxsession.kernels import registry
+from jaxsession.optimizer_passes.base import PassResult
+from jaxsession.optimizer_passes.fusion import _is_float
+from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule
+
+x = Pat.var("x")
+
+
+def _per_channel(value):
+  """All dims 1 but at most one (the channel axis)."""
+  shape = tuple(getattr(value.aval, "shape", ()))
+  return shape != () and sum(d != 1 for d in shape) <= 1
+
+
+def _pc(name):
+  return Pat.var(name, where=_per_channel)
+
+
+_centered = Pat("sub", x, _pc("mean"))
+BN_FORMS = {
+    "scale_after": Pat("add", Pat("mul", Pat("mul", _centered, _pc("inv")), _pc("gamma")),
+                       _pc("beta")),                                    # ((x-m)*inv)*g + b
+    "scale_folded": Pat("add", Pat("mul", _centered, Pat("mul", _pc("inv"), _pc("gamma"))),
+                        _pc("beta")),                                   # (x-m)*(inv*g) + b (flax)
+    "no_scale": Pat("add", Pat("mul", _centered, _pc("inv")), _pc("beta")),  # (x-m)*inv + b
+}
+
+
+def _relu(p):
+  return Pat("max", p, Pat.lit(0))
+
+
+def _channel_axis(x, operands):
+  """The one axis the per-channel operands vary on (consistent, sized like x's)."""
+  axes = set()
+  for value in operands:
+    shape = value.aval.shape
+    if len(shape) != x.aval.ndim:
+      return None
+    axes.update(i for i, d in enumerate(shape) if d != 1)
+  if len(axes) > 1:
+    return None
+  axis = axes.pop() if axes else x.aval.ndim - 1
+  if any(v.aval.shape[axis] not in (1, x.aval.shape[axis]) for v in operands):
+    return None
+  return axis
+
+
+def _make(form, with_residual):
+  def fuse(r, x, mean, inv, beta, gamma=None, residual=None):
+    operands = [mean, inv] + ([gamma] if gamma is not None else []) + [beta]
+    out = r.root.outputs[0]
+    if not _is_float(x) or out.aval.shape != x.aval.shape:
+      return None
+    if any(v.aval.dtype != x.aval.dtype for v in operands):
+      return None
+    if residual is not None and (residual.aval.shape != x.aval.shape
+                                 or residual.aval.dtype != x.aval.dtype):
+      return None
+    axis = _channel_axis(x, operands)
+    if axis is None:
+      return None
+    op = "BatchNormAddRelu" if with_residual else "BatchNormRelu"
+    inputs = [x] + operands + ([residual] if with_residual else [])
+    return r.fused(op, inputs, {"form": form, "channel_axis": axis}, out.aval,
+                   f"fused inference BatchNorm ({form}){' + Add' if with_residual else ''}"
+                   f" + ReLU over channel axis {axis}")
+  fuse.__name__ = f"fuse_bn_{form}{'_add' if with_residual else ''}_relu"
+  return fuse
+
+
+BN_RELU_RULES = (
+    [Rule(_relu(Pat("add", pat, Pat.var("residual"))), _make(form, True))
+     for form, pat in BN_FORMS.items()] +
+    [Rule(_relu(pat), _make(form, False)) for form, pat in BN_FORMS.items()])
+
+
+class FuseBatchNormRelu(RewritePass):
+  """HardwareOptimize fusion; picks kernels for the nodes it makes."""
+
+  def __init__(self):
+    super().__init__("fuse_bn_relu", BN_RELU_RULES, doc=__doc__)
+
+  def run(self, graph, ctx):
+    result = super().run(graph, ctx)
+    for node in graph.nodes:
+      if node.kernel is None:
+        node.kernel = registry.select_kernel(node, ctx.platform, backends=("xla",))
+    return PassResult(result.changed)
