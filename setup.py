@@ -29,6 +29,7 @@ setup(
         "numpy>=1.26",
         "absl-py>=1.0",
     ],
-    extras_require={"test": ["pytest>=7"]},
+    # flax and optax only in tests: the fusion tests check the forms they write.
+    extras_require={"test": ["pytest>=7", "flax", "optax"]},
     entry_points={"console_scripts": ["jaxsession=jaxsession.cli:run_main"]},
 )
