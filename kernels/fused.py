@@ -1,5 +1,8 @@
 """XLA kernels of the fused ops that the fusion passes create. Each is the
-same arithmetic as the subgraph it replaces, so results stay equal to jax.jit."""
+same arithmetic as the subgraph it replaces, so results stay equal to jax.jit.
+
+The arithmetic lives in `*_math` functions over plain arrays, which the Pallas
+kernels (kernels/pallas.py) run on their blocks too: one formula, two kernels."""
 import functools
 
 import jax
@@ -10,11 +13,14 @@ import numpy as np
 from jaxsession.kernels.registry import register_kernel
 
 
+def softmax_math(x, axes):
+  e = jnp.exp(x - lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True)))
+  return e / jnp.sum(e, axis=axes, keepdims=True)
+
+
 @register_kernel("Softmax", backend="xla", name="xla:softmax")
 def softmax(node, x):
-  axes = node.params["axes"]
-  e = jnp.exp(x - lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True)))
-  return [e / jnp.sum(e, axis=axes, keepdims=True)]
+  return [softmax_math(x, node.params["axes"])]
 
 
 @register_kernel("GeluTanh", backend="xla", name="xla:gelu_tanh")
@@ -51,10 +57,7 @@ def _affine(y, p, rest):
   return y
 
 
-@register_kernel("LayerNorm", backend="xla", name="xla:layer_norm")
-def layer_norm(node, x, *scale_bias):
-  p = node.params
-  axes = p["axes"]
+def layer_norm_math(x, p, axes, scale_bias):
   n = np.prod([x.shape[a] for a in axes]).astype(x.dtype)
   mean = jnp.sum(x, axis=axes, keepdims=True) / n
   centered = x - mean
@@ -64,16 +67,23 @@ def layer_norm(node, x, *scale_bias):
     var = jnp.sum(x * x, axis=axes, keepdims=True) / n - mean * mean
     if p["variance"] == "fast_clamped":
       var = jnp.maximum(var, 0)
-  return [_affine(_normalise(x, centered, var, p), p, scale_bias)]
+  return _affine(_normalise(x, centered, var, p), p, scale_bias)
+
+
+@register_kernel("LayerNorm", backend="xla", name="xla:layer_norm")
+def layer_norm(node, x, *scale_bias):
+  return [layer_norm_math(x, node.params, node.params["axes"], scale_bias)]
+
+
+def rms_norm_math(x, p, axes, scale):
+  n = np.prod([x.shape[a] for a in axes]).astype(x.dtype)
+  ms = jnp.sum(x * x, axis=axes, keepdims=True) / n
+  return _affine(_normalise(x, x, ms, p), p, scale)
 
 
 @register_kernel("RMSNorm", backend="xla", name="xla:rms_norm")
 def rms_norm(node, x, *scale):
-  p = node.params
-  axes = p["axes"]
-  n = np.prod([x.shape[a] for a in axes]).astype(x.dtype)
-  ms = jnp.sum(x * x, axis=axes, keepdims=True) / n
-  return [_affine(_normalise(x, x, ms, p), p, scale)]
+  return [rms_norm_math(x, node.params, node.params["axes"], scale)]
 
 
 def _batch_norm(p, x, mean, inv, *rest):
@@ -101,9 +111,12 @@ def batch_norm_add_relu(node, x, *operands):
 
 @register_kernel("Adam", backend="xla", name="xla:adam")
 def adam(node, p, g, m, v, *scalars):
+  return list(adam_math(node.params, p, g, m, v, scalars))
+
+
+def adam_math(k, p, g, m, v, scalars):
   """One parameter's Adam/AdamW step, in the arithmetic order of the form
   it was fused from; returns (new param, new m, new v)."""
-  k = node.params
   lit = lambda name: jnp.asarray(k[name], p.dtype)
   m_new = lit("b1") * m + lit("c1") * g
   if k["v_form"] == "c2_g2":
@@ -112,9 +125,9 @@ def adam(node, p, g, m, v, *scalars):
     v_new = lit("b2") * v + lit("c2") * g * g
   if k["form"] == "scaled_step":
     (step,) = scalars
-    return [p - step * m_new / (jnp.sqrt(v_new) + lit("eps")), m_new, v_new]
+    return p - step * m_new / (jnp.sqrt(v_new) + lit("eps")), m_new, v_new
   bc1, bc2 = scalars
   u = (m_new / bc1) / (jnp.sqrt(v_new / bc2) + lit("eps"))
   if k["form"] == "optax_adamw":
     u = u + lit("wd") * p
-  return [p + lit("neg_lr") * u, m_new, v_new]
+  return p + lit("neg_lr") * u, m_new, v_new

@@ -27,6 +27,7 @@ class KernelBuildInfo:
   platforms: Optional[Tuple[str, ...]] = None   # None: every platform
   dtypes: Optional[Tuple[str, ...]] = None      # input dtypes; None: any
   priority: int = 0
+  accepts: Optional[Callable] = None  # accepts(node) -> None, or why it cannot run it
 
   def rejects(self, node, platform):
     """Why this kernel cannot run `node` on `platform`, or None if it can."""
@@ -40,6 +41,8 @@ class KernelBuildInfo:
             value.aval.dtype)
         if dtype not in self.dtypes:
           return f"input {i} dtype {dtype} not in {list(self.dtypes)}"
+    if self.accepts is not None:
+      return self.accepts(node)
     return None
 
 
@@ -54,13 +57,15 @@ def _is_numpy_dtype(aval):
 _REGISTRY = {}
 
 
-def register_kernel(op, backend="xla", platforms=None, dtypes=None, priority=0, name=None):
+def register_kernel(op, backend="xla", platforms=None, dtypes=None, priority=0, name=None,
+                    accepts=None):
   """Decorator: registers `fn(node, *args) -> list` as a kernel for `op`.
 
   op: a primitive name (e.g. "dot_general"), a fused-op name, or ANY_PRIMITIVE.
   backend: "xla" (jax-traceable, runs inside an executable), "host" (numpy,
   runs between executables) or "pallas".
-  Higher priority wins among the kernels that fit.
+  Higher priority wins among the kernels that fit. `accepts(node)` may refuse
+  a node the other fields admit (a shape a kernel cannot tile), returning why.
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -70,7 +75,7 @@ def register_kernel(op, backend="xla", platforms=None, dtypes=None, priority=0, 
         name=name or f"{backend}:{fn.__name__}", op=op, fn=fn, backend=backend,
         platforms=tuple(platforms) if platforms is not None else None,
         dtypes=tuple(str(np.dtype(d)) for d in dtypes) if dtypes is not None else None,
-        priority=priority)
+        priority=priority, accepts=accepts)
     unregister_kernel(info.name, op)
     _REGISTRY.setdefault(op, []).append(info)
     _REGISTRY[op].sort(key=lambda k: -k.priority)

@@ -97,5 +97,5 @@ class FuseBatchNormRelu(RewritePass):
     result = super().run(graph, ctx)
     for node in graph.nodes:
       if node.kernel is None:
-        node.kernel = registry.select_kernel(node, ctx.platform, backends=("xla",))
+        node.kernel = registry.select_kernel(node, ctx.platform, backends=("xla", "pallas"))
     return PassResult(result.changed)

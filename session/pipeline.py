@@ -26,11 +26,11 @@ STAGES = ("Optimize", "SelectKernel", "HardwareOptimize", "AssignStream",
 
 
 def select_kernels(graph, ctx):
-  """SelectKernel: writes `node.kernel` on every node (XLA kernels; the host
-  kernels are chosen by placement, which knows where a node will run)."""
+  """SelectKernel: writes `node.kernel` on every node (XLA or, on GPU, Pallas
+  kernels; host kernels are chosen by placement, which knows where a node runs)."""
   changed = False
   for node in graph.nodes:
-    kernel = registry.select_kernel(node, ctx.platform, backends=("xla",))
+    kernel = registry.select_kernel(node, ctx.platform, backends=("xla", "pallas"))
     changed |= node.kernel is not kernel
     node.kernel = kernel
   return changed
