@@ -6,8 +6,8 @@ Each stage is a flat list of passes; a comment says where order matters. The
 Session calls the stages in this order (Session.compile); Build is not a graph
 pass - it turns the final graph into executables (runtime.build).
 """
-from jaxsession.errors import PartitionError
-from jaxsession.kernels import registry
+from jaxsession.errors import KernelSelectError, PartitionError
+from jaxsession.kernels import precision, registry
 from jaxsession.optimizer_passes.adam_fusion import FuseAdam
 from jaxsession.optimizer_passes.bn_fusion import FuseBatchNormRelu
 from jaxsession.optimizer_passes.base import FunctionPass, GraphOptimizer, PassManager
@@ -25,15 +25,42 @@ STAGES = ("Optimize", "SelectKernel", "HardwareOptimize", "AssignStream",
           "AllocateMemory", "Build")
 
 
+DEVICE_BACKENDS = ("xla", "pallas")
+
+
 def select_kernels(graph, ctx):
   """SelectKernel: writes `node.kernel` on every node (XLA or, on GPU, Pallas
-  kernels; host kernels are chosen by placement, which knows where a node runs)."""
+  kernels; host kernels are chosen by placement, which knows where a node runs).
+  A node no kernel takes may run narrowed from int64 to int32 where exact."""
   changed = False
-  for node in graph.nodes:
-    kernel = registry.select_kernel(node, ctx.platform, backends=("xla", "pallas"))
+  for node in list(graph.nodes):
+    try:
+      kernel = registry.select_kernel(node, ctx.platform, backends=DEVICE_BACKENDS)
+    except KernelSelectError as error:
+      kernel = _narrow_to_int32(graph, node, ctx, error)
+      changed = True
     changed |= node.kernel is not kernel
     node.kernel = kernel
   return changed
+
+
+def _narrow_to_int32(graph, node, ctx, error):
+  """Reduce precision: int64 -> int32 casts around `node`, if exact; else the
+  original error, with the reason the rule did not apply."""
+  refusal = precision.narrowing_refusal(node, graph.const_values)
+  if refusal is None:
+    trial = graph.make_node(node.op, node.prim, node.params,
+                            [precision.as_int32(v) for v in node.inputs],
+                            [precision.int32_aval(o.aval) for o in node.outputs])
+    try:
+      kernel = registry.select_kernel(trial, ctx.platform, backends=DEVICE_BACKENDS)
+    except KernelSelectError as narrowed_error:
+      refusal = f"no kernel takes the int32 form either:\n{narrowed_error}"
+  if refusal is not None:
+    raise KernelSelectError(f"{error}\nreduce precision (int64 -> int32) not applied: "
+                            f"{refusal}") from None
+  precision.insert_casts(graph, node)
+  return kernel
 
 
 def partition_nodes(graph, ctx):
