@@ -46,6 +46,5 @@ class CommonSubexpressionElimination(Pass):
       for old, new in zip(node.outputs, first.outputs):
         graph.replace_uses(old, new)
       merged.append(node)
-    for node in merged:
-      graph.remove_node(node)
+    graph.remove_nodes(merged)
     return PassResult(bool(merged))

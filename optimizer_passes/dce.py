@@ -13,15 +13,17 @@ class DeadCodeElimination(Pass):
 
   def run(self, graph, ctx):
     live_outputs = {v.id for v in graph.outputs if hasattr(v, "users")}
-    removed = 0
+    dead = set()
     # Walk backwards so a chain of dead nodes goes in one sweep.
-    for node in reversed(list(graph.nodes)):
+    for node in reversed(graph.nodes):
       if node.effects:
         continue
-      if any(out.users or out.id in live_outputs for out in node.outputs):
+      if any(out.id in live_outputs or any(u not in dead for u in out.users)
+             for out in node.outputs):
         continue
-      graph.remove_node(node)
-      removed += 1
+      dead.add(node)
+    graph.remove_nodes(dead)
+    removed = len(dead)
     # Const inputs nobody reads (folded away, or dead) are not worth passing.
     unused = [v for v in graph.inputs_of_kind("const")
               if not v.users and v.id not in live_outputs]

@@ -70,8 +70,7 @@ class FoldConstants(Pass):
           known[const.id] = value
           graph.replace_uses(out, const)
       folded.append(node)
-    for node in folded:
-      graph.remove_node(node)
+    graph.remove_nodes(folded)
     return PassResult(bool(folded))
 
   @staticmethod

@@ -72,21 +72,24 @@ class Pat:
 
 
 class Match:
-  """Captures and matched nodes; cheap to snapshot and roll back. `consts`
-  (the graph's const values) lets literal patterns see splat constants."""
-  __slots__ = ("captures", "nodes", "consts")
+  """Captures and matched nodes. Snapshots are two lengths and restoring pops
+  an undo trail, so backtracking costs no copying."""
+  __slots__ = ("captures", "nodes", "consts", "trail")
 
   def __init__(self, consts=None):
     self.captures = {}
     self.nodes = []
     self.consts = consts or {}
+    self.trail = []  # capture names in the order they were bound
 
   def snapshot(self):
-    return dict(self.captures), len(self.nodes)
+    return len(self.trail), len(self.nodes)
 
   def restore(self, snap):
-    self.captures, n = dict(snap[0]), snap[1]
-    del self.nodes[n:]
+    names, nodes = snap
+    while len(self.trail) > names:
+      del self.captures[self.trail.pop()]
+    del self.nodes[nodes:]
 
   def bind(self, name, value):
     if name is None:
@@ -94,6 +97,7 @@ class Match:
     seen = self.captures.get(name)
     if seen is None:
       self.captures[name] = value
+      self.trail.append(name)
       return True
     return seen is value or (isinstance(seen, Literal) and isinstance(value, Literal)
                              and seen.key() == value.key())

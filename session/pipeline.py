@@ -6,6 +6,9 @@ Each stage is a flat list of passes; a comment says where order matters. The
 Session calls the stages in this order (Session.compile); Build is not a graph
 pass - it turns the final graph into executables (runtime.build).
 """
+import contextlib
+import gc
+
 from jaxsession.errors import KernelSelectError, PartitionError
 from jaxsession.kernels import precision, registry
 from jaxsession.optimizer_passes.adam_fusion import FuseAdam
@@ -151,6 +154,20 @@ def register_pass(pass_, stage="Optimize", before=None, after=None):
 
 def unregister_pass(name):
   _USER_PASSES[:] = [entry for entry in _USER_PASSES if entry[1].name != name]
+
+
+@contextlib.contextmanager
+def gc_paused():
+  """Python's cyclic GC off while the pipeline builds and rewrites a graph:
+  the graph's objects are all alive anyway, and a collection scans the whole
+  heap, so on big graphs GC alone made the passes superlinear."""
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if enabled:
+      gc.enable()
 
 
 def graph_optimizer(disabled=()):

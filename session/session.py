@@ -114,11 +114,12 @@ class Session:
       ctx.instruments.append(dumper)
 
     # The pipeline, in MindSpore GPUSession's order.
-    self._optimize(optimizer, graph, ctx)
-    self._select_kernel(optimizer, graph, ctx)
-    self._hardware_optimize(optimizer, graph, ctx)
-    self._assign_stream(optimizer, graph, ctx)
-    self._allocate_memory(optimizer, graph, ctx)
+    with pipeline.gc_paused():
+      self._optimize(optimizer, graph, ctx)
+      self._select_kernel(optimizer, graph, ctx)
+      self._hardware_optimize(optimizer, graph, ctx)
+      self._assign_stream(optimizer, graph, ctx)
+      self._allocate_memory(optimizer, graph, ctx)
     leaf_slots = [(slot, j) for slot in slots for j in range(len(slot.leaves))]
     runner, make_sunk = self._build(graph, spec, rest_tree, leaf_slots, dyn_args)
 
