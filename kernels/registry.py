@@ -26,6 +26,7 @@ class KernelBuildInfo:
   backend: str = "xla"
   platforms: Optional[Tuple[str, ...]] = None   # None: every platform
   dtypes: Optional[Tuple[str, ...]] = None      # input dtypes; None: any
+  out_dtypes: Optional[Tuple[str, ...]] = None  # output dtypes; None: any
   priority: int = 0
   accepts: Optional[Callable] = None  # accepts(node) -> None, or why it cannot run it
 
@@ -35,30 +36,31 @@ class KernelBuildInfo:
       return f"platform {platform} not in {list(self.platforms)}"
     if self.op == ANY_PRIMITIVE and node.prim is None:
       return f"{node.op} is a fused op with no primitive to bind"
-    if self.dtypes is not None:
-      for i, value in enumerate(node.inputs):
-        dtype = str(np.dtype(value.aval.dtype)) if _is_numpy_dtype(value.aval) else str(
-            value.aval.dtype)
-        if dtype not in self.dtypes:
-          return f"input {i} dtype {dtype} not in {list(self.dtypes)}"
+    for kind, allowed, values in (("input", self.dtypes, node.inputs),
+                                  ("output", self.out_dtypes, node.outputs)):
+      if allowed is None:
+        continue
+      for i, value in enumerate(values):
+        dtype = _dtype_name(value.aval)
+        if dtype not in allowed:
+          return f"{kind} {i} dtype {dtype} not in {list(allowed)}"
     if self.accepts is not None:
       return self.accepts(node)
     return None
 
 
-def _is_numpy_dtype(aval):
+def _dtype_name(aval):
   try:
-    np.dtype(aval.dtype)
-    return True
-  except TypeError:
-    return False
+    return str(np.dtype(aval.dtype))
+  except TypeError:  # extended dtypes (PRNG keys)
+    return str(aval.dtype)
 
 
 _REGISTRY = {}
 
 
 def register_kernel(op, backend="xla", platforms=None, dtypes=None, priority=0, name=None,
-                    accepts=None):
+                    accepts=None, out_dtypes=None):
   """Decorator: registers `fn(node, *args) -> list` as a kernel for `op`.
 
   op: a primitive name (e.g. "dot_general"), a fused-op name, or ANY_PRIMITIVE.
@@ -75,6 +77,8 @@ def register_kernel(op, backend="xla", platforms=None, dtypes=None, priority=0, 
         name=name or f"{backend}:{fn.__name__}", op=op, fn=fn, backend=backend,
         platforms=tuple(platforms) if platforms is not None else None,
         dtypes=tuple(str(np.dtype(d)) for d in dtypes) if dtypes is not None else None,
+        out_dtypes=(tuple(str(np.dtype(d)) for d in out_dtypes) if out_dtypes is not None
+                    else None),
         priority=priority, accepts=accepts)
     unregister_kernel(info.name, op)
     _REGISTRY.setdefault(op, []).append(info)

@@ -185,18 +185,24 @@ class KernelSelectErrorTest(absltest.TestCase):
     def gpu_only(node, x):
       return [x]
 
+    @registry.register_kernel("test_fused_op", out_dtypes=["float16"], name="xla:f16_out")
+    def f16_out(node, x):
+      return [x]
+
     try:
       with self.assertRaises(js.KernelSelectError) as caught:
         registry.select_kernel(node, "cpu")
       message = str(caught.exception)
       self.assertIn("input 0 dtype int32 not in ['float32']", message)
       self.assertIn("platform cpu not in ['gpu']", message)
+      self.assertIn("output 0 dtype int32 not in ['float16']", message)
       self.assertIn("xla:bind", message)  # the any-primitive kernel, and why not
       self.assertIn("fused op with no primitive", message)
       self.assertEqual(registry.select_kernel(node, "gpu").name, "xla:gpu_only")
     finally:
       registry.unregister_kernel("xla:f32_only")
       registry.unregister_kernel("xla:gpu_only")
+      registry.unregister_kernel("xla:f16_out")
 
 
 class PassErrorTest(absltest.TestCase):
