@@ -17,8 +17,9 @@ def _time_once(fn, calls):
   return (time.perf_counter() - start) / calls * 1e6
 
 
-def compare_us(fns, calls, repeats=7, warmup=100):
-  """Median µs per call of each fn in `fns`, measured in interleaved repeats."""
+def compare_us(fns, calls, repeats=7, warmup=100, samples_out=None):
+  """Median µs per call of each fn in `fns`, measured in interleaved repeats.
+  `samples_out`, a list, receives every repeat's times (one list per fn)."""
   for fn in fns:
     for _ in range(warmup):
       out = fn()
@@ -27,7 +28,15 @@ def compare_us(fns, calls, repeats=7, warmup=100):
   for _ in range(repeats):
     for fn, times in zip(fns, samples):
       times.append(_time_once(fn, calls))
+  if samples_out is not None:
+    samples_out.extend(samples)
   return [statistics.median(times) for times in samples]
+
+
+def paired_ratio(a_times, b_times):
+  """Median of the per-repeat ratios a/b: neighbours in time share the
+  machine's load, so their ratio is steadier than a ratio of medians."""
+  return statistics.median(a / b for a, b in zip(a_times, b_times))
 
 
 def machine():
