@@ -10,7 +10,8 @@ import contextlib
 import gc
 
 from jaxsession.errors import KernelSelectError, PartitionError
-from jaxsession.kernels import precision, registry
+from jaxsession.kernels import registry
+from jaxsession.optimizer_passes import reduce_precision as precision
 from jaxsession.optimizer_passes.adam_fusion import FuseAdam
 from jaxsession.optimizer_passes.bn_fusion import FuseBatchNormRelu
 from jaxsession.optimizer_passes.base import FunctionPass, GraphOptimizer, PassManager
@@ -52,11 +53,9 @@ def _narrow_to_int32(graph, node, ctx, error):
   original error, with the reason the rule did not apply."""
   refusal = precision.narrowing_refusal(node, graph.const_values)
   if refusal is None:
-    trial = graph.make_node(node.op, node.prim, node.params,
-                            [precision.as_int32(v) for v in node.inputs],
-                            [precision.int32_aval(o.aval) for o in node.outputs])
     try:
-      kernel = registry.select_kernel(trial, ctx.platform, backends=DEVICE_BACKENDS)
+      kernel = registry.select_kernel(precision.narrowed_view(node), ctx.platform,
+                                      backends=DEVICE_BACKENDS)
     except KernelSelectError as narrowed_error:
       refusal = f"no kernel takes the int32 form either:\n{narrowed_error}"
   if refusal is not None:

@@ -9,7 +9,8 @@ import numpy as np
 import jaxsession as js
 from jaxsession import pipeline
 from jaxsession.ir import KernelGraph
-from jaxsession.kernels import precision, registry
+from jaxsession.kernels import registry
+from jaxsession.optimizer_passes import reduce_precision as precision
 from jaxsession.lowering import lower_graph
 from jaxsession.optimizer_passes import PassContext
 

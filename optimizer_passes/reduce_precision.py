@@ -4,9 +4,10 @@ that is exact: every int64 input provably fits in int32, and the op's results
 are drawn from its inputs' values (so they fit too). Otherwise refuse, and
 say why, in the KernelSelectError.
 """
+from jax import lax
 import numpy as np
 
-from jaxsession.ir import Literal
+from jaxsession.ir import Literal, Node, Value
 
 INT32 = np.iinfo(np.int32)
 
@@ -58,21 +59,29 @@ def int32_aval(aval):
   return aval.update(dtype=np.dtype(np.int32)) if aval.dtype == np.int64 else aval
 
 
-def as_int32(value):
-  """A stand-in with the narrowed aval (for kernel selection only)."""
-  if isinstance(value, Literal):
-    return Literal(value.value, int32_aval(value.aval))
-  stand_in = type(value).__new__(type(value))
-  for slot in type(value).__slots__:
-    setattr(stand_in, slot, getattr(value, slot))
-  stand_in.aval = int32_aval(value.aval)
-  return stand_in
+def narrowed_view(node):
+  """A detached copy of `node` with int64 avals narrowed to int32: what
+  SelectKernel asks the registry about before anything in the graph changes."""
+  def narrow(value):
+    if isinstance(value, Literal):
+      return Literal(value.value, int32_aval(value.aval))
+    return Value(value.id, int32_aval(value.aval))
+  view = Node(node.id, node.op, node.prim, node.params, [narrow(v) for v in node.inputs])
+  view.outputs = [narrow(o) for o in node.outputs]
+  return view
+
+
+def _cast_node(graph, value, dtype, out_aval, node, note):
+  cast = graph.make_node("convert_element_type", lax.convert_element_type_p,
+                         {"new_dtype": np.dtype(dtype), "weak_type": False, "sharding": None},
+                         [value], [out_aval], source=node.source)
+  cast.notes.append(f"reduce precision for node {node.id}: {note}")
+  return cast
 
 
 def insert_casts(graph, node):
   """Casts node's int64 inputs to int32 before it and its int32 results back
   to int64 after it; the node itself then computes on int32."""
-  from jax import lax  # the cast nodes bind the convert primitive
   position = graph.nodes.index(node)
   new_inputs = []
   for value in node.inputs:
@@ -81,11 +90,8 @@ def insert_casts(graph, node):
     elif isinstance(value, Literal):
       new_inputs.append(Literal(np.int32(value.value), int32_aval(value.aval)))
     else:
-      cast = graph.make_node("convert_element_type", lax.convert_element_type_p,
-                             {"new_dtype": np.dtype(np.int32), "weak_type": False,
-                              "sharding": None}, [value], [int32_aval(value.aval)],
-                             source=node.source)
-      cast.notes.append(f"reduce precision for node {node.id}: int64 -> int32 (values fit)")
+      cast = _cast_node(graph, value, np.int32, int32_aval(value.aval), node,
+                        "int64 -> int32 (values fit)")
       graph.insert_node(position, cast)
       position += 1
       new_inputs.append(cast.outputs[0])
@@ -96,13 +102,10 @@ def insert_casts(graph, node):
   for out in node.outputs:
     if out.aval.dtype != np.int64:
       continue
-    wide = graph.make_node("convert_element_type", lax.convert_element_type_p,
-                           {"new_dtype": np.dtype(np.int64), "weak_type": False,
-                            "sharding": None}, [out], [out.aval], source=node.source)
+    wide = _cast_node(graph, out, np.int64, out.aval, node, "int32 -> int64")
     graph.replace_uses(out, wide.outputs[0])
     out.aval = int32_aval(out.aval)
     out.users = []
     graph.insert_node(position, wide)  # links `wide` as out's only reader
-    wide.notes.append(f"reduce precision for node {node.id}: int32 -> int64")
     position += 1
   node.notes.append("runs on int32 (MindSpore reduce precision): its int64 values fit")
