@@ -8,7 +8,7 @@ instruments (IR dumps) that watch the pipeline from outside.
 import abc
 import dataclasses
 import time
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, List
 
 from jaxsession.errors import PassError, SessionError
 
@@ -18,14 +18,25 @@ class PassResult:
   changed: bool
 
 
-class PassRecord(NamedTuple):
-  """One pass run, as `report.passes` lists it."""
-  name: str
-  changed: bool
-  seconds: float
-  nodes_before: int
-  nodes_after: int
-  stage: str = ""
+class PassRecord(tuple):
+  """One pass run, as `report.passes` lists it: the 5-tuple (name, changed,
+  seconds, nodes before, nodes after) of the API contract, with the fields
+  also by name and the stage it ran in as `.stage`."""
+
+  def __new__(cls, name, changed, seconds, nodes_before, nodes_after, stage=""):
+    record = super().__new__(cls, (name, changed, seconds, nodes_before, nodes_after))
+    record.stage = stage
+    return record
+
+  name = property(lambda self: self[0])
+  changed = property(lambda self: self[1])
+  seconds = property(lambda self: self[2])
+  nodes_before = property(lambda self: self[3])
+  nodes_after = property(lambda self: self[4])
+
+  def __repr__(self):
+    return (f"PassRecord({self.stage}/{self.name}, changed={self.changed}, "
+            f"{self.seconds * 1e3:.2f} ms, {self.nodes_before} -> {self.nodes_after})")
 
 
 @dataclasses.dataclass

@@ -103,7 +103,7 @@ class SessionPassesTest(absltest.TestCase):
     order = ["Optimize", "SelectKernel", "HardwareOptimize", "AssignStream", "AllocateMemory"]
     self.assertEqual(sorted(set(stages), key=stages.index), order)
     for rec in sess.report(gid).passes:
-      name, changed, seconds, before, after = rec[:5]
+      name, changed, seconds, before, after = rec  # the contract's 5-tuple
       self.assertGreaterEqual(seconds, 0.0)
       self.assertGreaterEqual(before, after)
 
