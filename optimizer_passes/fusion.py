@@ -8,7 +8,6 @@ it has a reader outside it (the rule engine checks that).
 import numpy as np
 
 from jaxsession.ir import Literal
-from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule
 
 x = Pat.var("x")

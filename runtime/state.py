@@ -28,12 +28,6 @@ class StateSlot:
     self.avals = list(avals)
     self.leaves = tuple(leaves)  # replaced whole on every update, never mutated
 
-  def value(self):
-    return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
-
-  def describe(self):
-    return f"{self.name}: {self.treedef} of [{', '.join(map(aval_str, self.avals))}]"
-
 
 def check_matches(slot, treedef, avals, where):
   """Raises InputError unless (treedef, avals) equal the slot's."""

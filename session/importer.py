@@ -7,7 +7,6 @@ and rematerialisation hints have nothing left to say. Control flow (`scan`,
 `while`, `cond`) stays as single nodes that carry their sub-jaxprs. Consts of
 the jaxpr (at any depth) become `const` inputs; literals stay literals.
 """
-import jax
 from jax.extend import core as jcore
 
 from jaxsession.ir import KernelGraph, Literal
@@ -111,9 +110,3 @@ def _inline(graph, body, inputs):
     env[var] = value
   _import_eqns(graph, env, jaxpr.eqns)
   return [_read(env, v) for v in jaxpr.outvars]
-
-
-def trace(fn, args):
-  """make_jaxpr over positional `args`; returns (ClosedJaxpr, out_tree)."""
-  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-  return closed, jax.tree_util.tree_structure(out_shape)
