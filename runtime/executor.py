@@ -79,12 +79,11 @@ def arg_structs(spec, leading=None):
   """ShapeDtypeStruct pytrees for the run arguments (optionally with a leading
   steps axis)."""
   lead = () if leading is None else (leading,)
-  out, offset = [], 0
+  out = []
   for treedef, avals in zip(spec.treedefs, spec.avals):
     leaves = [jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype,
                                    weak_type=getattr(a, "weak_type", False)) for a in avals]
     out.append(tree_util.tree_unflatten(treedef, leaves))
-    offset += len(avals)
   return out
 
 
@@ -151,8 +150,7 @@ class FastRunner(Runner):
 
       def whole_step(slot_leaves, *xs):
         new, out = flat_step(tuple(x for leaves in slot_leaves for x in leaves), *xs)
-        it = iter(new)
-        return tuple(tuple(next(it) for _ in range(n)) for n in sizes), out
+        return _split(new, sizes), out
       structs["donated"] = _split(donated_s, sizes)
     all_structs = [structs[g] for g in groups] + arg_structs(spec)
     donate = (0,) if layout.donated_idx else ()
@@ -168,18 +166,17 @@ class FastRunner(Runner):
   def _warm_args(self, example_args):
     """Copies of the state (the warm-up may donate them), consts, examples."""
     donated, kept = self.layout.gather()
-    copies = {"donated": tuple(owned_copy(x) for x in donated), "kept": kept,
-              "consts": self._consts}
     if self._slots:
-      copies["donated"] = tuple(tuple(owned_copy(x) for x in slot.leaves)
-                                for slot in self._slots)
+      donated = tuple(tuple(owned_copy(x) for x in slot.leaves) for slot in self._slots)
+    else:
+      donated = tuple(owned_copy(x) for x in donated)
+    copies = {"donated": donated, "kept": kept, "consts": self._consts}
     return [copies[g] for g in self._groups] + list(example_args)
 
   def _prefix(self):
     donated, kept = self.layout.gather()
     given = {"donated": donated, "kept": kept, "consts": self._consts}
     return [given[g] for g in self._groups]
-
 
   def _call_slotwise(self, args):
     """The usual training step: whole slots in, whole slots out."""

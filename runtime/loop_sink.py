@@ -11,7 +11,7 @@ import jax
 from jax import lax, tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.runtime.build import compile_fn
+from jaxsession.runtime.build import callback_failure, compile_fn
 from jaxsession.runtime.executor import Runner, arg_structs, const_structs, graph_body
 from jaxsession.runtime.state import owned_copy
 
@@ -24,6 +24,7 @@ class SunkRunner(Runner):
     self.spec = spec
     self.consts = consts
     self.steps = steps
+    self.partition = graph.partitions[0] if graph.partitions else None
     step = graph_body(graph, layout, rest_tree)
 
     def sunk(donated, kept, consts, *stacked):
@@ -43,7 +44,12 @@ class SunkRunner(Runner):
 
   def call(self, args):
     args = self.spec.conform(args, leading=self.steps)
-    new, out = self.exe(*self.layout.gather(), self.consts, *args)
+    try:
+      new, out = self.exe(*self.layout.gather(), self.consts, *args)
+    except jax.errors.JaxRuntimeError as exc:
+      if self.partition is None or not self.partition.may_fail:
+        raise
+      raise callback_failure(self.partition, exc) from exc
     self.layout.commit(new)
     return out
 

@@ -141,6 +141,12 @@ class HostOpErrorTest(absltest.TestCase):
     after = sess.get_state(gid)
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
       np.testing.assert_array_equal(a, b)
+    # the same fault at step 2 of a loop-sunk run: nothing of steps 1-2 sticks
+    stacked = jnp.stack([x, x.at[0].set(500.0)])
+    with self.assertRaisesRegex(js.HostOpError, "injected fault"):
+      sess.run(gid, stacked, steps=2)
+    for a, b in zip(jax.tree.leaves(sess.get_state(gid)), jax.tree.leaves(before)):
+      np.testing.assert_array_equal(a, b)
     sess.run(gid, x)  # and the session goes on from the old state
     self.assertEqual(int(sess.get_state(gid)[0]["n"]), 2)
     return sess.report(gid)
