@@ -1,5 +1,6 @@
 """CSE: merges nodes that compute the same op with the same params on the same
-inputs, keeping the first. Effectful nodes are never merged.
+inputs, keeping the first. Only deterministic nodes are merged (op_properties):
+two `rng_uniform` draws or two callbacks are two values, not one.
 
 Run after DCE (fewer nodes to hash); DCE again afterwards is not needed since
 the merged node's outputs are redirected, not left dead.
@@ -35,7 +36,7 @@ class CommonSubexpressionElimination(Pass):
     seen = {}
     merged = []
     for node in graph.nodes:
-      if node.effects:
+      if not node.props.deterministic:
         continue
       key = node_key(node)
       if key is None:

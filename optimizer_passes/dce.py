@@ -1,7 +1,8 @@
 """DCE: removes nodes none of whose outputs is used.
 
 Runs first in Optimize: jaxprs of `jax.grad` keep the forward's dead equations.
-Nodes with side effects (callbacks with effects, ordered I/O) are kept. Const
+Nodes that are not pure (op_properties: effects, ordered I/O, io_callback, at
+any depth inside control flow) are kept. Const
 inputs that nothing reads are dropped too.
 Needs nothing before it.
 """
@@ -16,7 +17,7 @@ class DeadCodeElimination(Pass):
     dead = set()
     # Walk backwards so a chain of dead nodes goes in one sweep.
     for node in reversed(graph.nodes):
-      if node.effects:
+      if not node.props.pure:
         continue
       if any(out.id in live_outputs or any(u not in dead for u in out.users)
              for out in node.outputs):

@@ -4,7 +4,8 @@ for a scalar, a new const input otherwise.
 
 A result larger than `SessionOptions.fold_limit_bytes` is not materialised (a
 broadcast of a literal to a big shape stays a cheap op in the executable).
-Control flow, callbacks and effectful nodes are never folded. Needs nothing
+Only nodes that op_properties calls foldable are evaluated: never control
+flow, callbacks (compile runs no user code), effects or random draws. Needs nothing
 before it; DCE afterwards drops the const inputs nobody reads any more.
 """
 import jax
@@ -42,8 +43,6 @@ NUMPY_FOLDS = {
     "squeeze": lambda x, dimensions, **_: np.squeeze(x, tuple(dimensions)),
 }
 
-NEVER_FOLD = frozenset({"scan", "while", "cond", "pure_callback", "io_callback",
-                        "debug_callback", "custom_jvp_call", "custom_vjp_call"})
 DEFAULT_LIMIT_BYTES = 1 << 16
 
 
@@ -87,7 +86,7 @@ class FoldConstants(Pass):
 
   @staticmethod
   def _foldable(node, known, limit):
-    if node.effects or node.op in NEVER_FOLD or node.prim is None:
+    if not node.props.foldable or node.prim is None:
       return False
     if any(not (isinstance(v, Literal) or v.id in known) for v in node.inputs):
       return False

@@ -13,7 +13,7 @@ from jaxsession.optimizer_passes.base import Pass, PassResult
 
 def _host_callback(node, ctx):
   """pure_callback without effects, with a host kernel, host placement allowed."""
-  if node.effects or not getattr(ctx.options, "host_callbacks", True):
+  if node.props.effects or not getattr(ctx.options, "host_callbacks", True):
     return None
   try:
     return registry.select_kernel(node, "host", backends=("host",))

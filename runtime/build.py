@@ -122,7 +122,7 @@ def build_steps(graph, partitions, plan):
 def callback_failure(part, exc):
   """The HostOpError for a callback that failed inside device partition `part`:
   names the callback nodes and the user's exception, keeps `exc` as the cause."""
-  culprits = ", ".join(where(n) for n in part.nodes if n.op.endswith("callback")) or (
+  culprits = ", ".join(where(n) for n in part.nodes if n.props.user_code) or (
       "an effectful node")
   lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
   user_error = next((ln for ln in reversed(lines) if not ln.startswith(("File", "^"))),

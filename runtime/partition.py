@@ -27,14 +27,11 @@ class Partition:
             f"{' may_fail' if self.may_fail else ''}: {self.reason}")
 
 
-# Ops that run user Python from inside an executable: a Python exception there
-# fails the executable after its inputs were consumed.
-CALLBACK_OPS = frozenset({"pure_callback", "io_callback", "debug_callback"})
-
-
 def node_may_fail(node):
-  """Whether running `node` can raise after its inputs were consumed."""
-  return node.place == "host" or node.op in CALLBACK_OPS or bool(node.effects)
+  """Whether running `node` can raise after its inputs were consumed: a host
+  kernel, or a node that runs user code (a callback, also inside a scan/cond/
+  while body: op_properties looks inside)."""
+  return node.place == "host" or node.props.may_fail
 
 
 def propose_partitions(graph):

@@ -10,6 +10,8 @@ import itertools
 
 import numpy as np
 
+from jaxsession.op_properties import node_props
+
 INPUT_KINDS = ("input", "state", "const")
 
 
@@ -66,7 +68,7 @@ class Literal:
 class Node:
   """One operation: a JAX primitive, or a fused op made by a pass."""
   __slots__ = ("id", "op", "prim", "params", "inputs", "outputs", "effects",
-               "source", "kernel", "place", "stream", "notes")
+               "source", "kernel", "place", "stream", "notes", "_props")
 
   def __init__(self, nid, op, prim, params, inputs, effects=(), source=None):
     self.id = nid
@@ -81,6 +83,15 @@ class Node:
     self.place = None         # HardwareOptimize: "device" or "host"
     self.stream = None        # AssignStream: the queue number
     self.notes = []           # why a pass did what it did to this node
+    self._props = None
+
+  @property
+  def props(self):
+    """The node's OpProps (op_properties.py): pure, deterministic, may_fail,
+    user_code, effects - looking inside its sub-jaxprs."""
+    if self._props is None:
+      self._props = node_props(self)
+    return self._props
 
   def __repr__(self):
     return f"Node({self.id}, {self.op})"
