@@ -84,13 +84,18 @@ class PassManager:
 
   With `fixed_point`, the list runs again until a whole sweep changes nothing;
   hitting `max_iterations` raises PassError rather than giving up quietly.
+  `settle(graph, ctx)`, when given, runs after every pass that changed the
+  graph and completes the decisions earlier stages made for nodes the pass
+  created (their kernel, place, partition); if it raises, the PassError
+  names the pass.
   """
 
-  def __init__(self, stage, passes, fixed_point=False, max_iterations=10):
+  def __init__(self, stage, passes, fixed_point=False, max_iterations=10, settle=None):
     self.stage = stage
     self.passes = list(passes)
     self.fixed_point = fixed_point
     self.max_iterations = max_iterations
+    self.settle = settle
 
   def names(self):
     return [p.name for p in self.passes]
@@ -106,7 +111,7 @@ class PassManager:
     for pass_ in self.passes:
       if pass_.name in disabled:
         continue
-      changed_any |= run_one(pass_, graph, ctx, self.stage)
+      changed_any |= run_one(pass_, graph, ctx, self.stage, self.settle)
     return changed_any
 
 
@@ -121,7 +126,7 @@ class GraphOptimizer:
     return self.managers[stage].run(graph, ctx, self.disabled)
 
 
-def run_one(pass_, graph, ctx, stage):
+def run_one(pass_, graph, ctx, stage, settle=None):
   """Runs one pass with timing, verification and instruments around it."""
   before = len(graph.nodes)
   start = time.perf_counter()
@@ -133,6 +138,12 @@ def run_one(pass_, graph, ctx, stage):
     raise _pass_error(f"pass {pass_.name} raised {type(exc).__name__}: {exc}",
                       stage, pass_, ctx) from exc
   seconds = time.perf_counter() - start
+  if result.changed and settle is not None:
+    try:
+      settle(graph, ctx)
+    except SessionError as exc:
+      raise _pass_error(f"pass {pass_.name} created nodes the earlier stages' decisions "
+                        f"cannot be completed for: {exc}", stage, pass_, ctx) from exc
   if result.changed and ctx.verify:
     try:
       graph.verify()

@@ -1,13 +1,17 @@
 """Build: each device partition -> one compiled XLA executable; each host
-partition -> a numpy function. Nothing here runs op by op in steady state."""
+partition -> a function over its host kernels. Nothing here runs op by op in
+steady state, and nothing here runs user code: executables are compiled ahead
+of time for exactly the argument types of the graph."""
 import dataclasses
 from typing import Callable, List
 
 import jax
+import numpy as np
 
 from jaxsession.errors import HostOpError
-from jaxsession.ir import Literal
+from jaxsession.ir import Literal, aval_str
 from jaxsession.lowering import kernel_fn, lower_nodes
+from jaxsession.runtime import callbacks
 
 
 def shape_struct(aval):
@@ -17,39 +21,9 @@ def shape_struct(aval):
 
 
 def compile_fn(fn, arg_structs, donate_argnums=()):
-  """jit + lower + compile, ahead of time, for exactly these argument types."""
+  """jit + lower + compile, ahead of time, for exactly these argument types.
+  Its call checks the argument types before it runs or consumes anything."""
   return jax.jit(fn, donate_argnums=donate_argnums).lower(*arg_structs).compile()
-
-
-class SignatureMismatch(TypeError):
-  """Raised while tracing when a call's argument types differ from the types the
-  executable was built for (so jit never quietly compiles a second program)."""
-
-
-def _signature(tree):
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  return treedef, [(tuple(x.shape), x.dtype) for x in leaves]
-
-
-def dispatch_fn(fn, arg_structs, donate_argnums, warm_args):
-  """A `jax.jit` of `fn` already compiled for `arg_structs`, for the fastest
-  dispatch there is (jit's C++ path; an AOT executable's call is ~1 µs slower).
-
-  The executable is built by one call on `warm_args` (copies the caller does
-  not need back: donated ones are consumed). A later call with other argument
-  types retraces, and the trace raises SignatureMismatch before anything runs
-  or is donated. Only for programs without callbacks: the warm-up runs it once.
-  """
-  expected = _signature(tuple(arg_structs))
-
-  def guarded(*args):
-    if _signature(args) != expected:
-      raise SignatureMismatch("argument types differ from the executable's")
-    return fn(*args)
-
-  jitted = jax.jit(guarded, donate_argnums=donate_argnums)
-  jax.block_until_ready(jitted(*warm_args))
-  return jitted
 
 
 @dataclasses.dataclass
@@ -62,12 +36,9 @@ class Step:
   free_after: List[int] = dataclasses.field(default_factory=list)
 
 
-def where(node):
-  return f"node {node.id} '{node.op}'" + (f" at {node.source}" if node.source else "")
-
-
 def host_callable(nodes, in_values, out_values):
-  """Runs host kernels on numpy arrays; a raising kernel becomes HostOpError."""
+  """Runs host kernels; a raising kernel, or one whose result does not fit
+  the node's aval, becomes HostOpError naming the node."""
   fns = [kernel_fn(n) for n in nodes]
 
   def read(env, value):
@@ -78,35 +49,56 @@ def host_callable(nodes, in_values, out_values):
     for node, fn in zip(nodes, fns):
       try:
         outs = fn(node, *[read(env, v) for v in node.inputs])
+        _check_results(node, outs)
       except Exception as exc:
-        raise HostOpError(f"host kernel {node.kernel.name} of {where(node)} raised "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise HostOpError(f"host kernel {node.kernel.name} of {callbacks.where(node)} "
+                          f"raised {type(exc).__name__}: {exc}") from exc
       env.update((o.id, r) for o, r in zip(node.outputs, outs))
     return [read(env, v) for v in out_values]
   return run_host
 
 
+def _check_results(node, outs):
+  if len(outs) != len(node.outputs):
+    raise TypeError(f"returned {len(outs)} results for {len(node.outputs)} outputs")
+  for i, (out, value) in enumerate(zip(outs, node.outputs)):
+    shape, dtype = np.shape(out), getattr(out, "dtype", None)
+    if tuple(shape) != tuple(value.aval.shape) or dtype != value.aval.dtype:
+      raise TypeError(f"result {i} is {dtype}{list(shape)}, the node's output is "
+                      f"{aval_str(value.aval)}")
+
+
 def build_device_step(part, donated_ids):
   """Compiles one device partition; its donated inputs are the state leaves
-  the memory plan gave to this partition."""
-  body = lower_nodes(part.nodes, part.inputs, part.outputs)
+  the memory plan gave to this partition. A failing callback inside it raises
+  HostOpError with the user's exception as the cause."""
+  recorder = callbacks.ErrorRecorder()
+  body = lower_nodes(callbacks.instrumented(part.nodes, recorder), part.inputs,
+                     part.outputs)
   donate = tuple(i for i, v in enumerate(part.inputs) if v.id in donated_ids)
   exe = compile_fn(lambda *xs: body(*xs), [shape_struct(v.aval) for v in part.inputs],
                    donate)
-  return exe
+  if not part.may_fail:
+    return exe
+
+  def run_device(*arrays):
+    try:
+      return exe(*arrays)
+    except jax.errors.JaxRuntimeError as exc:
+      raise callbacks.callback_failure(part.nodes, part.index, exc, recorder)
+  return run_device
 
 
 def build_steps(graph, partitions, plan):
   """Every partition as a Step, with the values to forget after each."""
-  donated = {d.state.id for d in plan.donations if d.donated}
   donated_to = {d.state.id: d.partition for d in plan.donations if d.donated}
   steps = []
   for part in partitions:
-    mine = {vid for vid in donated if donated_to[vid] == part.index}
     if part.place == "host":
       fn = host_callable(part.nodes, part.inputs, part.outputs)
     else:
-      fn = wrap_device_errors(build_device_step(part, mine), part)
+      mine = {vid for vid, index in donated_to.items() if index == part.index}
+      fn = build_device_step(part, mine)
     steps.append(Step(part, fn, [v.id for v in part.inputs], [v.id for v in part.outputs]))
   keep = {v.id for v in graph.outputs if not isinstance(v, Literal)}
   last = {}
@@ -117,30 +109,3 @@ def build_steps(graph, partitions, plan):
     if vid not in keep:
       steps[i].free_after.append(vid)
   return steps
-
-
-def callback_failure(part, exc):
-  """The HostOpError for a callback that failed inside device partition `part`:
-  names the callback nodes and the user's exception, keeps `exc` as the cause."""
-  culprits = ", ".join(where(n) for n in part.nodes if n.props.user_code) or (
-      "an effectful node")
-  lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-  user_error = next((ln for ln in reversed(lines) if not ln.startswith(("File", "^"))),
-                    lines[0] if lines else type(exc).__name__)
-  error = HostOpError(f"a callback in device partition #{part.index} ({culprits}) "
-                      f"raised: {user_error}")
-  error.__cause__ = exc
-  return error
-
-
-def wrap_device_errors(exe, part):
-  """A device executable; if it contains callbacks, their failures name them."""
-  if not part.may_fail:
-    return exe
-
-  def run_device(*arrays):
-    try:
-      return exe(*arrays)
-    except jax.errors.JaxRuntimeError as exc:
-      raise callback_failure(part, exc) from exc
-  return run_device

@@ -1,20 +1,25 @@
-"""The executor: runs the built steps in order and commits state at the end.
+"""The executor: runs a built graph and commits its state only at the end.
 
-Every runner has `call(args) -> user outputs`. It reads the state
-leaves from the slots it is bound to and writes the new ones back only after
-the whole run succeeded, so a failed run leaves the state as it was.
-  * FastRunner: one device partition - a single compiled call whose argument
-    checks are done by the executable itself (the fast path);
-  * PlanRunner: several partitions - eval_jaxpr's loop over steps.
+Every runner does the same four things per call, in `Runner.call`: hold the
+locks of its state slots, read the state leaves, execute, and write the new
+leaves back - only after the whole execution succeeded, so a failed call
+leaves the state as it was. What differs is `execute`:
+  * SingleRunner: the graph is one device partition - one ahead-of-time
+    compiled executable call, whose own argument check runs before anything
+    is consumed (no warm-up, no tracing at run time, never a recompile);
+  * PlanRunner: several partitions - eval_jaxpr's loop over the built steps
+    (device executables and host functions), values freed at last use.
+The loop-sunk runners (loop_sink.py) are the same with N steps per call.
 """
 import jax
 import numpy as np
 from jax import tree_util
 
 from jaxsession.ir import Literal
-from jaxsession.lowering import lower_graph
-from jaxsession.runtime.build import callback_failure, compile_fn, dispatch_fn, shape_struct
-from jaxsession.runtime.state import owned_copy
+from jaxsession.lowering import lower_nodes
+from jaxsession.runtime import callbacks
+from jaxsession.runtime.build import compile_fn, shape_struct
+from jaxsession.runtime.state import slots_lock
 
 
 class StateLayout:
@@ -37,10 +42,6 @@ class StateLayout:
     self._kept_refs = [leaf_slots[i] for i in self.kept_idx]
     self._updated_refs = [leaf_slots[i] for i in self.updated_idx]
     self.slots = list(dict.fromkeys(slot for slot, _ in leaf_slots))
-    # The usual training step: every leaf donated and updated. Then whole slots
-    # travel as tuples and are replaced whole, the cheapest way in and out.
-    everything = list(range(self.num_state))
-    self.slotwise = bool(everything) and self.donated_idx == everything == self.updated_idx
 
   def gather(self):
     """The current (donated, kept) state leaves, read from the slots."""
@@ -52,6 +53,12 @@ class StateLayout:
 
   def commit(self, updated):
     """Writes the new values of the updated leaves (in updated_idx order)."""
+    if len(self._updated_refs) == 1:  # the common one-leaf case, without a dict
+      (slot, j), = self._updated_refs
+      leaves = list(slot.leaves)
+      leaves[j] = updated[0]
+      slot.leaves = tuple(leaves)
+      return
     changed = {}
     for (slot, j), value in zip(self._updated_refs, updated):
       changed.setdefault(slot, list(slot.leaves))[j] = value
@@ -87,21 +94,11 @@ def arg_structs(spec, leading=None):
   return out
 
 
-class Runner:
-  """Base of the runners: `runner(args)` is `runner.call(args)`."""
-
-  def __call__(self, args):
-    return self.call(args)
-
-
-def _split(items, sizes):
-  it = iter(items)
-  return tuple(tuple(next(it) for _ in range(n)) for n in sizes)
-
-
-def graph_body(graph, layout, rest_tree):
-  """fn(state_leaves, consts, args) -> (updated state leaves, user outputs)."""
-  body = lower_graph(graph)
+def graph_body(graph, layout, rest_tree, recorder):
+  """fn(state_leaves, consts, args) -> (updated state leaves, user outputs),
+  with every callback recording its exception in `recorder`."""
+  body = lower_nodes(callbacks.instrumented(graph.nodes, recorder), graph.inputs,
+                     graph.outputs)
   k = layout.num_outputs
 
   def step(state, consts, args):
@@ -111,134 +108,162 @@ def graph_body(graph, layout, rest_tree):
   return step
 
 
-class FastRunner(Runner):
-  """A graph that is one device partition: one executable call per run.
+class Runner:
+  """Locks, state in, execute, state out. Subclasses define `execute(args)
+  -> (new values of the updated leaves, user outputs)`; it must not change
+  the slots itself."""
 
-  The executable takes (donated state, kept state, consts, *args) with the
-  empty groups left out, so a stateless graph's call is the bare executable.
-  """
-
-  def __init__(self, graph, plan, spec, rest_tree, consts, partition, layout,
-               example_args):
+  def __init__(self, layout, spec):
     self.layout = layout
     self.spec = spec
-    self.partition = partition
-    self.may_fail = bool(partition and partition.may_fail)
-    step = graph_body(graph, layout, rest_tree)
-    groups = [g for g, present in (("donated", layout.donated_idx),
-                                   ("kept", layout.kept_idx),
-                                   ("consts", consts)) if len(present)]
+    self.lock = slots_lock(layout.slots)
 
-    self._updates = bool(layout.updated_idx)
-
-    def whole_step(*xs):
-      given = dict(zip(groups, xs))
-      state = layout.merge(given.get("donated", ()), given.get("kept", ()))
-      new, out = step(state, given.get("consts", ()), xs[len(groups):])
-      return (tuple(new), out) if self._updates else out
-
-    donated_s, kept_s = layout.structs()
-    structs = {"donated": donated_s, "kept": kept_s, "consts": const_structs(consts)}
-    self._groups = groups
-    self._consts = consts
-    self._bare = not groups  # no state, no consts: args go straight in
-    self._slots = layout.slots if layout.slotwise else None
-    if self._slots:
-      # group 0 is then a tuple of per-slot leaf tuples, and so is the new state
-      sizes = [len(slot.leaves) for slot in self._slots]
-      flat_step = whole_step
-
-      def whole_step(slot_leaves, *xs):
-        new, out = flat_step(tuple(x for leaves in slot_leaves for x in leaves), *xs)
-        return _split(new, sizes), out
-      structs["donated"] = _split(donated_s, sizes)
-    all_structs = [structs[g] for g in groups] + arg_structs(spec)
-    donate = (0,) if layout.donated_idx else ()
-    if self.may_fail:  # a warm-up would run the user's callbacks: compile ahead
-      self.exe = compile_fn(whole_step, all_structs, donate)
-    else:
-      self.exe = dispatch_fn(whole_step, all_structs, donate,
-                             self._warm_args(example_args))
-    # the call that `run` makes, chosen once for this graph's shape of state
-    self.call = (self._call_slotwise if self._slots else
-                 self._call_bare if self._bare else self._call_general)
-
-  def _warm_args(self, example_args):
-    """Copies of the state (the warm-up may donate them), consts, examples."""
-    donated, kept = self.layout.gather()
-    if self._slots:
-      donated = tuple(tuple(owned_copy(x) for x in slot.leaves) for slot in self._slots)
-    else:
-      donated = tuple(owned_copy(x) for x in donated)
-    copies = {"donated": donated, "kept": kept, "consts": self._consts}
-    return [copies[g] for g in self._groups] + list(example_args)
-
-  def _prefix(self):
-    donated, kept = self.layout.gather()
-    given = {"donated": donated, "kept": kept, "consts": self._consts}
-    return [given[g] for g in self._groups]
-
-  def _call_slotwise(self, args):
-    """The usual training step: whole slots in, whole slots out."""
-    slots = self._slots
-    prefix = [tuple([slot.leaves for slot in slots])]
-    if len(self._groups) > 1:
-      prefix.append(self._consts)
-    try:
-      new, out = self.exe(*prefix, *args)
-    except TypeError:
-      new, out = self._retry(prefix, args)
-    except jax.errors.JaxRuntimeError as exc:
-      raise self._explain(exc)
-    for slot, leaves in zip(slots, new):
-      slot.leaves = leaves
+  def call(self, args):
+    with self.lock:
+      new, out = self.execute(args)
+      if new:
+        self.layout.commit(new)
     return out
 
-  def _call_bare(self, args):
-    """No state, no consts: the arguments go straight to the executable."""
+  __call__ = call
+
+
+class SingleRunner(Runner):
+  """A graph that is one device partition: one executable call per run.
+
+  The executable is compiled ahead of time; its call checks the argument
+  types before it runs or consumes anything (a mismatch is retried once with
+  the arguments conformed, which raises InputError if they do not fit). The
+  call `run` makes is a closure chosen once for the graph's shape of state:
+    * bare: no state, no consts - the arguments go straight in;
+    * slotwise: the usual training step, every state leaf donated and
+      updated - whole slots go in as tuples and come back replaced whole;
+    * general: (donated leaves, kept leaves, consts, *args).
+  """
+
+  def __init__(self, graph, spec, rest_tree, consts, partition, layout):
+    super().__init__(layout, spec)
+    self.partition = partition
+    self.recorder = callbacks.ErrorRecorder()
+    self.consts = consts
+    step = graph_body(graph, layout, rest_tree, self.recorder)
+    everything = list(range(layout.num_state))
+    if not (layout.num_state or consts):
+      self.exe = compile_fn(lambda *args: step([], (), args)[1], arg_structs(spec))
+      self.call = self._bare_call()
+    elif everything and layout.donated_idx == everything == layout.updated_idx:
+      sizes = [len(slot.leaves) for slot in layout.slots]
+
+      def slotwise_step(slot_leaves, *rest):
+        given_consts, args = (rest[0], rest[1:]) if consts else ((), rest)
+        new, out = step([x for leaves in slot_leaves for x in leaves], given_consts, args)
+        return _split(new, sizes), out
+      donated_s, _ = layout.structs()
+      prefix = (const_structs(consts),) if consts else ()
+      self.exe = compile_fn(slotwise_step, (_split(donated_s, sizes), *prefix,
+                                            *arg_structs(spec)), donate_argnums=(0,))
+      self.call = self._slotwise_call()
+    else:
+      def whole_step(donated, kept, consts, *args):
+        new, out = step(layout.merge(donated, kept), consts, args)
+        return tuple(new), out
+      self.exe = compile_fn(whole_step, (*layout.structs(), const_structs(consts),
+                                         *arg_structs(spec)),
+                            donate_argnums=(0,) if layout.donated_idx else ())
+
+  def execute(self, args):
+    donated, kept = self.layout.gather()
     try:
-      return self.exe(*args)
-    except TypeError:
-      return self._retry((), args)
+      return self.exe(donated, kept, self.consts, *args)
+    except TypeError:  # checked before anything ran or was donated
+      return self.exe(donated, kept, self.consts, *self.spec.conform(args))
     except jax.errors.JaxRuntimeError as exc:
-      raise self._explain(exc)
+      raise runtime_failure(self.partition, self.recorder, exc)
 
-  def _call_general(self, args):
-    prefix = self._prefix()
-    try:
-      result = self.exe(*prefix, *args)
-    except TypeError:
-      result = self._retry(prefix, args)
-    except jax.errors.JaxRuntimeError as exc:
-      raise self._explain(exc)
-    if not self._updates:
-      return result
-    self.layout.commit(result[0])
-    return result[1]
+  def _failure(self, exc):
+    return runtime_failure(self.partition, self.recorder, exc)
 
-  def _retry(self, prefix, args):
-    """The executable checks argument types before it consumes anything, so
-    nothing was donated: find what is wrong (InputError) or convert Python
-    scalars, and try once more."""
-    return self.exe(*prefix, *self.spec.conform(args))
+  def _bare_call(self):
+    exe, conform, failure = self.exe, self.spec.conform, self._failure
 
-  def _explain(self, exc):
-    return callback_failure(self.partition, exc) if self.may_fail else exc
+    def call(args):
+      try:
+        return exe(*args)
+      except TypeError:
+        return exe(*conform(args))
+      except jax.errors.JaxRuntimeError as exc:
+        raise failure(exc)
+    return call
+
+  def _slotwise_call(self):
+    exe, conform, failure = self.exe, self.spec.conform, self._failure
+    slots, lock = tuple(self.layout.slots), self.lock
+    prefix = (self.consts,) if self.consts else ()
+    if len(slots) == 1:  # one state arg: no tuple building at all
+      slot, = slots
+
+      def call(args):
+        with lock:
+          try:
+            new, out = exe((slot.leaves,), *prefix, *args)
+          except TypeError:
+            new, out = exe((slot.leaves,), *prefix, *conform(args))
+          except jax.errors.JaxRuntimeError as exc:
+            raise failure(exc)
+          slot.leaves = new[0]
+        return out
+      return call
+
+    def call(args):
+      with lock:
+        current = tuple([slot.leaves for slot in slots])
+        try:
+          new, out = exe(current, *prefix, *args)
+        except TypeError:
+          new, out = exe(current, *prefix, *conform(args))
+        except jax.errors.JaxRuntimeError as exc:
+          raise failure(exc)
+        for slot, leaves in zip(slots, new):
+          slot.leaves = leaves
+      return out
+    return call
+
+
+def _split(items, sizes):
+  it = iter(items)
+  return tuple(tuple(next(it) for _ in range(n)) for n in sizes)
+
+
+def runtime_failure(partition, recorder, exc):
+  """A runtime error of a partition with callbacks is the callback's failure
+  (HostOpError); any other runtime error stays what it is."""
+  if partition is None or not partition.may_fail:
+    return exc
+  return callbacks.callback_failure(partition.nodes, partition.index, exc, recorder)
 
 
 class PlanRunner(Runner):
   """Several partitions: device executables with host steps between them."""
 
   def __init__(self, graph, steps, spec, rest_tree, consts, layout):
+    super().__init__(layout, spec)
     self.steps = steps
-    self.spec = spec
     self.rest_tree = rest_tree
     self.consts = consts
-    self.layout = layout
     self.state_ids = [v.id for v in graph.inputs_of_kind("state")]
     self.input_ids = [v.id for v in graph.inputs_of_kind("input")]
     self.const_ids = [v.id for v in graph.inputs_of_kind("const")]
     self.outputs = list(graph.outputs)
+    # An output that is a graph input, or that appears more than once, would
+    # hand the same buffer to two owners (a slot and the caller, or two
+    # slots); a later donation of one would invalidate the other. Copy it.
+    seen, self.copy_at = set(), set()
+    for i, v in enumerate(self.outputs):
+      if isinstance(v, Literal):
+        continue
+      if v.producer is None or v.id in seen:
+        self.copy_at.add(i)
+      seen.add(v.id)
 
   def run_flat(self, state_leaves, user_leaves):
     env = dict(zip(self.state_ids, state_leaves))
@@ -248,22 +273,25 @@ class PlanRunner(Runner):
       outs = step.fn(*[env[i] for i in step.in_ids])
       env.update(zip(step.out_ids, outs))
       for vid in step.free_after:
-        env.pop(vid, None)
-    return [jax.numpy.asarray(v.value, v.aval.dtype) if isinstance(v, Literal)
-            else env[v.id] for v in self.outputs]
+        del env[vid]
+    return [self._output(i, v, env) for i, v in enumerate(self.outputs)]
+
+  def _output(self, i, value, env):
+    if isinstance(value, Literal):
+      return jax.numpy.asarray(value.value, value.aval.dtype)
+    out = env[value.id]
+    if not isinstance(out, jax.Array):  # made on the host: outputs are jax.Arrays
+      return jax.device_put(out)
+    return jax.numpy.array(out, copy=True) if i in self.copy_at else out
 
   def step_once(self, state_leaves, args):
-    """One run on the given state leaves; returns (new state leaves, outputs)
-    without committing anything."""
+    """One run on the given state leaves; returns (new values of the updated
+    leaves, user outputs) without committing anything."""
     outs = self.run_flat(state_leaves, tree_util.tree_leaves(args))
-    new_state = list(state_leaves)
-    for i in self.layout.updated_idx:
-      new_state[i] = outs[i]
-    return new_state, tree_util.tree_unflatten(self.rest_tree,
-                                               outs[self.layout.num_outputs:])
+    return ([outs[i] for i in self.layout.updated_idx],
+            tree_util.tree_unflatten(self.rest_tree, outs[self.layout.num_outputs:]))
 
-  def call(self, args):
-    args = self.spec.conform(args)
-    new_state, out = self.step_once(self.layout.gather_all(), args)
-    self.layout.commit([new_state[i] for i in self.layout.updated_idx])
-    return out
+  def execute(self, args):
+    # Host steps may run before the first executable checks its arguments:
+    # check them all here, before any work.
+    return self.step_once(self.layout.gather_all(), self.spec.conform(args))

@@ -4,15 +4,19 @@ For a graph that is one device partition, the N steps become one `lax.scan`
 inside one executable: the state is the carry, the per-step arguments are
 scanned over their leading axis and the outputs come back stacked. A graph with
 host partitions cannot live inside one executable; it runs its plan N times
-on a private copy of the state, so a failure at any step still leaves the
-session's state as it was.
+on a private copy of the leaves the plan donates, and commits only after the
+last step, so a failure at any step leaves the session's state as it was.
 """
+import numbers
+
 import jax
 from jax import lax, tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.runtime.build import callback_failure, compile_fn
-from jaxsession.runtime.executor import Runner, arg_structs, const_structs, graph_body
+from jaxsession.runtime import callbacks
+from jaxsession.runtime.build import compile_fn
+from jaxsession.runtime.executor import (Runner, arg_structs, const_structs, graph_body,
+                                         runtime_failure)
 from jaxsession.runtime.state import owned_copy
 
 
@@ -20,12 +24,12 @@ class SunkRunner(Runner):
   """One executable that runs `steps` steps of a single-partition graph."""
 
   def __init__(self, graph, spec, rest_tree, consts, layout, steps):
-    self.layout = layout
-    self.spec = spec
+    super().__init__(layout, spec)
     self.consts = consts
     self.steps = steps
     self.partition = graph.partitions[0] if graph.partitions else None
-    step = graph_body(graph, layout, rest_tree)
+    self.recorder = callbacks.ErrorRecorder()
+    step = graph_body(graph, layout, rest_tree, self.recorder)
 
     def sunk(donated, kept, consts, *stacked):
       def one_step(state, xs):
@@ -42,39 +46,44 @@ class SunkRunner(Runner):
         sunk, (*layout.structs(), const_structs(consts), *arg_structs(spec, steps)),
         donate_argnums=(0,) if layout.donated_idx else ())
 
-  def call(self, args):
+  def execute(self, args):
     args = self.spec.conform(args, leading=self.steps)
     try:
-      new, out = self.exe(*self.layout.gather(), self.consts, *args)
+      return self.exe(*self.layout.gather(), self.consts, *args)
     except jax.errors.JaxRuntimeError as exc:
-      if self.partition is None or not self.partition.may_fail:
-        raise
-      raise callback_failure(self.partition, exc) from exc
-    self.layout.commit(new)
-    return out
+      raise runtime_failure(self.partition, self.recorder, exc)
 
 
 class SteppedRunner(Runner):
   """`steps` runs of a multi-partition plan, stacked; all-or-nothing."""
 
   def __init__(self, plan_runner, steps):
+    super().__init__(plan_runner.layout, plan_runner.spec)
     self.inner = plan_runner
     self.steps = steps
 
-  def call(self, args):
-    inner = self.inner
-    args = inner.spec.conform(args, leading=self.steps)
-    # The plan may donate the leaves it is given: run on a private copy.
-    state = [owned_copy(x) for x in inner.layout.gather_all()]
+  def execute(self, args):
+    inner, layout = self.inner, self.layout
+    args = self.spec.conform(args, leading=self.steps)
+    # The plan donates some leaves to its executables: those get a private copy,
+    # so the slots' buffers survive a failure at any step.
+    state = layout.gather_all()
+    for i in layout.donated_idx:
+      state[i] = owned_copy(state[i])
     outs = []
     for t in range(self.steps):
-      state, out = inner.step_once(state, tree_util.tree_map(lambda x: x[t], args))
+      new, out = inner.step_once(state, tree_util.tree_map(lambda x: x[t], args))
+      for i, x in zip(layout.updated_idx, new):
+        state[i] = x
       outs.append(out)
-    inner.layout.commit([state[i] for i in inner.layout.updated_idx])
-    return tree_util.tree_map(lambda *xs: jax.numpy.stack(xs), *outs)
+    stacked = tree_util.tree_map(lambda *xs: jax.numpy.stack(xs), *outs)
+    return [state[i] for i in layout.updated_idx], stacked
 
 
 def check_steps(steps):
-  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-    raise InputError(f"run: steps must be a positive int, got {steps!r}")
-  return steps
+  """`steps` as an int, checked before anything is built: a positive integer
+  (Python or numpy), not a bool, a float or a string."""
+  if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+    raise InputError(f"run: steps must be a positive int, got {steps!r} "
+                     f"({type(steps).__name__})")
+  return int(steps)

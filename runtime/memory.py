@@ -99,10 +99,12 @@ def decide_donations(graph, partitions, allow=True):
   part_of = {n.id: p.index for p in partitions for n in p.nodes}
   decisions = []
   updates = dict((s.id, new) for s, new in graph.state_updates())
+  one_executable = len(partitions) == 1 and partitions[0].place == "device"
   for state in graph.inputs_of_kind("state"):
     new_value = updates.get(state.id, state)
     readers = sorted({part_of[u.id] for u in state.users})
     last = readers[-1] if readers else -1
+    returned = _returned_as(graph, state, new_value)
     if not graph.updates_state:
       reason, donate = "the graph only reads the state (no new value returned)", False
     elif new_value is state:
@@ -111,16 +113,33 @@ def decide_donations(graph, partitions, allow=True):
       reason, donate = "donation switched off (SessionOptions.donate_state=False)", False
     elif not readers:
       reason, donate = "not read by any node: replaced by its new value", False
+    elif returned and not one_executable:
+      reason = (f"its old value is also returned ({returned}): between partitions a "
+                "donated buffer would be handed out after it was consumed")
+      donate = False
     elif any(p.may_fail for p in partitions[last:]):
       failing = next(p for p in partitions[last:] if p.may_fail)
       reason = (f"partition #{failing.index} can fail after the buffer is consumed "
                 "(callback or host op); a failed run must leave the state as it was")
       donate = False
     else:
-      reason = f"session-owned, updated in place by partition #{last}"
+      reason = f"session-owned, updated in place by partition #{last}" + (
+          f" (also returned {returned}: XLA copies it before the update)" if returned else "")
       donate = True
     decisions.append(DonationDecision(state, donate, last, reason))
   return decisions
+
+
+def _returned_as(graph, state, new_value):
+  """Where a state's old value is a graph output other than its own (unchanged)
+  new value: as a user output or as another slot's new value."""
+  num_updates = len(graph.state_updates())
+  places = []
+  for i, value in enumerate(graph.outputs):
+    if value is state and not (value is new_value and i < num_updates):
+      places.append(f"as the new value of state {i}" if i < num_updates
+                    else f"as output {i - num_updates}")
+  return ", ".join(places)
 
 
 def plan_memory(graph, partitions, allow_donation=True):

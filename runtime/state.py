@@ -2,13 +2,23 @@
 
 A slot holds one state argument (a pytree) as device arrays the session owns.
 Graphs bind to slots by reference, so two graphs that share a slot see each
-other's updates without a copy.
+other's updates without a copy. Each slot has a lock: a run, `get_state` or
+`set_state` holds the locks of every slot it touches (taken in slot creation
+order, so two calls never wait on each other in a cycle), which makes each
+call see and commit a consistent state; graphs with no slot in common run in
+parallel.
 """
+import itertools
+import threading
+
 import jax
 import numpy as np
+from jax import tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.ir import aval_str
+
+_SERIAL = itertools.count()
 
 
 def owned_copy(x):
@@ -27,13 +37,110 @@ class StateSlot:
     self.treedef = treedef
     self.avals = list(avals)
     self.leaves = tuple(leaves)  # replaced whole on every update, never mutated
+    self.lock = threading.Lock()
+    self.serial = next(_SERIAL)
+    self.owners = 0              # graphs bound to this slot (release frees at 0)
 
 
-def check_matches(slot, treedef, avals, where):
-  """Raises InputError unless (treedef, avals) equal the slot's."""
+class _Locks:
+  """Several slot locks held together, acquired in slot-creation order."""
+  __slots__ = ("locks",)
+
+  def __init__(self, locks):
+    self.locks = locks
+
+  def __enter__(self):
+    for lock in self.locks:
+      lock.acquire()
+
+  def __exit__(self, *exc):
+    for lock in reversed(self.locks):
+      lock.release()
+
+
+class _NoLock:
+  __slots__ = ()
+
+  def __enter__(self):
+    pass
+
+  def __exit__(self, *exc):
+    pass
+
+
+def slots_lock(slots):
+  """One context manager holding the locks of `slots` (the bare lock for one
+  slot, nothing for none: the uncontended cost stays a lock acquire)."""
+  ordered = sorted(dict.fromkeys(slots), key=lambda s: s.serial)
+  if not ordered:
+    return _NoLock()
+  if len(ordered) == 1:
+    return ordered[0].lock
+  return _Locks([s.lock for s in ordered])
+
+
+def _children(tree):
+  """One level of a pytree: (its treedef one level deep, [(key, child)])."""
+  pairs, treedef = tree_util.tree_flatten_with_path(tree, is_leaf=lambda n: n is not tree)
+  return treedef, [(path[0] if path else None, child) for path, child in pairs]
+
+
+def tree_difference(expected, got, path=""):
+  """Where pytree `got` first differs in structure from `expected` (both
+  values), as 'at <path>: <what differs>'; None when the structures match."""
+  if tree_util.tree_structure(expected) == tree_util.tree_structure(got):
+    return None
+  exp_def, exp_children = _children(expected)
+  got_def, got_children = _children(got)
+  where = path or "(root)"
+  if type(expected) is not type(got):
+    return f"at {where}: expected a {type(expected).__name__}, got a {type(got).__name__}"
+  exp_keys = [tree_util.keystr((k,)) for k, _ in exp_children]
+  got_keys = [tree_util.keystr((k,)) for k, _ in got_children]
+  if exp_keys != got_keys:
+    missing = [k for k in exp_keys if k not in got_keys]
+    extra = [k for k in got_keys if k not in exp_keys]
+    return (f"at {where}: {type(got).__name__} children differ"
+            + (f"; missing {missing}" if missing else "")
+            + (f"; unexpected {extra}" if extra else "")
+            + ("" if missing or extra else f"; expected {exp_keys}, got {got_keys}"))
+  if exp_def != got_def:
+    return f"at {where}: {_metadata_difference(expected, got)}"
+  for (key, a), (_, b) in zip(exp_children, got_children):
+    found = tree_difference(a, b, path + tree_util.keystr((key,)))
+    if found:
+      return found
+  return f"at {where}: structures differ"
+
+
+def _metadata_difference(expected, got):
+  """Same children, different static metadata (a dataclass's non-pytree
+  fields, such as a flax TrainState's apply_fn or tx): name the field."""
+  import dataclasses
+  if dataclasses.is_dataclass(expected):
+    for field in dataclasses.fields(expected):
+      a, b = getattr(expected, field.name, None), getattr(got, field.name, None)
+      if field.metadata.get("pytree_node", True) is False and a is not b and a != b:
+        return (f"static field {field.name!r} of {type(got).__name__} differs "
+                f"(a pytree's static fields are part of its structure): expected "
+                f"{_short(a)}, got {_short(b)}")
+  return f"{type(got).__name__} node metadata differs"
+
+
+def _short(value):
+  text = repr(value)
+  return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_matches(slot, treedef, avals, where, value=None):
+  """Raises InputError unless (treedef, avals) equal the slot's; with the
+  value given, the error names the first field that differs."""
   if treedef != slot.treedef:
-    raise InputError(f"{where}: pytree structure {treedef} does not match state "
-                     f"slot {slot.name}'s {slot.treedef}")
+    detail = None
+    if value is not None:
+      detail = tree_difference(tree_util.tree_unflatten(slot.treedef, slot.leaves), value)
+    raise InputError(f"{where}: pytree structure does not match state slot {slot.name}: "
+                     + (detail or f"expected {slot.treedef}, got {treedef}"))
   for i, (a, b) in enumerate(zip(avals, slot.avals)):
     if a.shape != b.shape or a.dtype != b.dtype:
       raise InputError(f"{where}: leaf {i} is {aval_str(a)}, state slot {slot.name} "

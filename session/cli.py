@@ -41,7 +41,7 @@ def demo():
   train = sess.compile(mlp_adam.train_step, params, opt_state, batch0,
                        state_argnums=(0, 1), name="train_step")
   evaluate = sess.compile(mlp_adam.eval_step, params, batch0, state_argnums=0,
-                          state_from=train, name="eval_step")
+                          state_from=train, updates_state=False, name="eval_step")
   print(sess.report(train))
   print()
   print(f"training {FLAGS.steps} steps (batch {FLAGS.batch}) through Session.run:")

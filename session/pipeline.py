@@ -87,6 +87,33 @@ def plan_memory(graph, ctx):
   return False  # annotates the graph; no node changes
 
 
+def settle_new_nodes(graph, ctx):
+  """After a pass in SelectKernel or a later stage: completes, for the nodes
+  it created, what the earlier stages decided for every other node - a kernel,
+  a place (the device), and the partitions, streams and memory plan when they
+  were already made - so every node has a kernel whichever pass made it."""
+  if "SelectKernel/select_kernels" not in ctx.history:
+    return  # a user pass ahead of select_kernels: it selects for every node
+  for node in graph.nodes:
+    if node.kernel is None:
+      node.kernel = registry.select_kernel(node, ctx.platform, backends=DEVICE_BACKENDS)
+  if graph.partitions is None:
+    return
+  for node in graph.nodes:
+    if node.place is None:
+      node.place = "device"
+  partitioned = [n for p in graph.partitions for n in p.nodes]
+  if len(partitioned) == len(graph.nodes) and all(
+      a is b for a, b in zip(partitioned, graph.nodes)):
+    return
+  had_streams = any(p.stream is not None for p in graph.partitions)
+  partition_nodes(graph, ctx)
+  if had_streams:
+    assign_streams(graph, ctx)
+  if graph.memory is not None:
+    plan_memory(graph, ctx)
+
+
 def default_passes():
   """The built-in passes of every graph stage, in order."""
   return {
@@ -172,7 +199,8 @@ def gc_paused():
 def graph_optimizer(disabled=()):
   """A GraphOptimizer over every graph stage (Optimize to a fixed point)."""
   stages = stage_passes()
-  return GraphOptimizer([PassManager(stage, stages[stage], fixed_point=(stage == "Optimize"))
+  return GraphOptimizer([PassManager(stage, stages[stage], fixed_point=(stage == "Optimize"),
+                                     settle=None if stage == "Optimize" else settle_new_nodes)
                          for stage in GRAPH_STAGES], disabled)
 
 

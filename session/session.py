@@ -1,6 +1,9 @@
 """Session: compile a JAX function through the stage pipeline, then run it
 step after step with its state resident on the device."""
 import dataclasses
+import itertools
+import numbers
+import threading
 import time
 from typing import Any, Dict, List
 
@@ -17,7 +20,8 @@ from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.options import SessionOptions
 from jaxsession.report import CompileReport, PartitionInfo, count_kernels
 from jaxsession.runtime import build, executor, loop_sink, memory
-from jaxsession.runtime.state import StateSlot, check_matches, owned_copy
+from jaxsession.runtime.state import (StateSlot, check_matches, owned_copy, slots_lock,
+                                      tree_difference)
 
 
 @dataclasses.dataclass
@@ -34,15 +38,30 @@ class _Entry:
 
   def __post_init__(self):
     self.call = self.runner.call  # run's hot path: one attribute, one call
+    self.lock = slots_lock(self.slots)
 
 
-def _as_tuple(nums, what, nargs):
-  nums = (nums,) if isinstance(nums, int) else tuple(nums or ())
+def _argnums(nums, what, nargs):
+  """`nums` (an int or a sequence of ints) as a tuple of positions, checked:
+  ints in range, no bools, no duplicates."""
+  nums = (nums,) if isinstance(nums, numbers.Integral) else tuple(nums or ())
+  seen = set()
   for i in nums:
-    if not isinstance(i, int) or not -nargs <= i < nargs:
+    if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not -nargs <= i < nargs:
       raise InputError(f"compile: {what} entry {i!r} is not a position of the "
                        f"{nargs} example arguments")
-  return tuple(i % nargs for i in nums)
+    if int(i) % nargs in seen:
+      raise InputError(f"compile: {what} names position {int(i) % nargs} twice")
+    seen.add(int(i) % nargs)
+  return tuple(int(i) % nargs for i in nums)
+
+
+def _graph_id(graph_id):
+  """A graph id is an int (numpy ints too); 0.0, True and '0' are not."""
+  if isinstance(graph_id, bool) or not isinstance(graph_id, numbers.Integral):
+    raise UnknownGraphError(f"graph id {graph_id!r} ({type(graph_id).__name__}) is not "
+                            "an int returned by this session's compile")
+  return int(graph_id)
 
 
 class Session:
@@ -51,9 +70,18 @@ class Session:
       sess = Session()
       gid = sess.compile(train_step, params, opt_state, batch, state_argnums=(0, 1))
       loss = sess.run(gid, batch)
+
+  Threads: a Session may be shared between threads. `run`, `get_state` and
+  `set_state` hold the locks of the state slots they touch, so calls on graphs
+  that share state (`state_from`) are serialised - each sees and commits a
+  consistent state and no update is lost - while graphs without common state
+  run in parallel. `compile` and `release` may run concurrently with both.
   """
 
   def __init__(self, options=None):
+    if options is not None and not isinstance(options, SessionOptions):
+      raise InputError(f"Session: options must be a SessionOptions, got "
+                       f"{type(options).__name__}")
     self.options = options or SessionOptions()
     unknown = set(self.options.disabled_passes) - set(pipeline.optional_pass_names())
     if unknown:
@@ -67,49 +95,60 @@ class Session:
       raise InputError(f"SessionOptions.platform={self.platform!r} is not available "
                        f"here: {exc}") from None
     self._graphs = {}
+    self._ids = itertools.count()
+    self._lock = threading.RLock()  # the graph table and the sunk-runner caches
 
   # -- compile ------------------------------------------------------------
   def compile(self, fn, *example_args, state_argnums=(), static_argnums=(),
-              state_from=None, name=None):
+              state_from=None, updates_state=True, name=None):
     """Traces `fn` on the example args, runs the pipeline, returns a graph id.
 
-    `fn` returns a tuple whose first len(state_argnums) items are the new
-    values of the state args; `run` returns the rest.
+    With `updates_state=True` (the default), `fn` returns a tuple whose first
+    len(state_argnums) items are the new values of the state args, and `run`
+    returns the rest. With `updates_state=False`, `fn` only reads its state
+    args and `run` returns its whole output. Runs no user code beyond tracing.
     """
     start = time.perf_counter()
     if isinstance(fn, jcore.ClosedJaxpr):
       fn = _closed_jaxpr_fn(fn)
+    if not callable(fn):
+      raise InputError(f"compile: fn must be a callable or a ClosedJaxpr, got "
+                       f"{type(fn).__name__}")
+    if not isinstance(updates_state, bool):
+      raise InputError(f"compile: updates_state must be True or False, got {updates_state!r}")
+    if name is not None and not isinstance(name, str):
+      raise InputError(f"compile: name must be a str, got {type(name).__name__}")
     nargs = len(example_args)
-    state_nums = _as_tuple(state_argnums, "state_argnums", nargs)
-    static_nums = _as_tuple(static_argnums, "static_argnums", nargs)
+    state_nums = _argnums(state_argnums, "state_argnums", nargs)
+    static_nums = _argnums(static_argnums, "static_argnums", nargs)
     if set(state_nums) & set(static_nums):
       raise InputError(f"compile: positions {sorted(set(state_nums) & set(static_nums))} "
                        "are in both state_argnums and static_argnums")
+    source = None if state_from is None else self._entry(state_from)
     name = name or getattr(fn, "__name__", "graph")
-    gid = len(self._graphs)  # graphs are never removed; a failed compile uses no id
+    updates = updates_state and bool(state_nums)
     dyn_nums = [i for i in range(nargs) if i not in state_nums and i not in static_nums]
     state_args = [example_args[i] for i in state_nums]
     dyn_args = [example_args[i] for i in dyn_nums]
-    mode = {}
-    wrapped = _stateful_fn(fn, example_args, state_nums, dyn_nums, mode)
+    wrapped = _stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates)
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
                                                                   *dyn_args)
-    if mode.get("updates"):
+    if updates:
       _check_new_state(name, state_nums, state_args, out_shape[0])
     rest_tree = tree_util.tree_structure(out_shape[1])
     kinds, labels = _input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
-    graph.updates_state = bool(mode.get("updates"))
+    graph.updates_state = updates
     nodes_imported = len(graph.nodes)
 
-    slots = self._bind_state(name, state_nums, state_args, state_from)
-    spec = ArgSpec(f"run(graph {gid} '{name}')", dyn_nums, dyn_args)
+    slots = self._bind_state(name, state_nums, state_args, state_from, source)
+    spec = ArgSpec(f"run(graph '{name}')", dyn_nums, dyn_args)
     ctx = PassContext(platform=self.platform, options=self.options,
                       verify=self.options.verify_graphs)
     optimizer = pipeline.graph_optimizer(self.options.disabled_passes)
     dumper = None
     if self.options.save_graphs:
-      dumper = GraphDumper(self.options.save_graphs, f"{gid:03d}_{name}")
+      dumper = GraphDumper(self.options.save_graphs, name)
       dumper.write("import", graph.dump())
       ctx.instruments.append(dumper)
 
@@ -121,7 +160,7 @@ class Session:
       self._assign_stream(optimizer, graph, ctx)
       self._allocate_memory(optimizer, graph, ctx)
     leaf_slots = [(slot, j) for slot in slots for j in range(len(slot.leaves))]
-    runner, make_sunk = self._build(graph, spec, rest_tree, leaf_slots, dyn_args)
+    runner, make_sunk = self._build(graph, spec, rest_tree, leaf_slots)
 
     if dumper:
       dumper.write_execution_order(graph)
@@ -132,12 +171,17 @@ class Session:
         memory=memory.MemoryReport(graph.memory), donations=graph.memory.donations,
         kernels=count_kernels(graph), nodes_imported=nodes_imported,
         nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start)
-    self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk)
+    with self._lock:  # a failed compile took no id and bound no slot
+      gid = next(self._ids)
+      spec.where = f"run(graph {gid} '{name}')"
+      for slot in slots:
+        slot.owners += 1
+      self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk)
     return gid
 
   def _optimize(self, optimizer, graph, ctx):
     """Graph passes that keep semantics (DCE, CSE, folding, simplification,
-    nop removal, user passes), swept to a fixed point."""
+    nop removal, fusions, user passes), swept to a fixed point."""
     optimizer.run_stage("Optimize", graph, ctx)
 
   def _select_kernel(self, optimizer, graph, ctx):
@@ -156,17 +200,17 @@ class Session:
     """Liveness, donation of session-owned state, peak estimate."""
     optimizer.run_stage("AllocateMemory", graph, ctx)
 
-  def _build(self, graph, spec, rest_tree, leaf_slots, example_args):
-    """One executable per device partition; the runner for `run` and a factory
-    of loop-sunk runners for `run(..., steps=N)`."""
+  def _build(self, graph, spec, rest_tree, leaf_slots):
+    """One executable per device partition, compiled ahead of time (no
+    warm-up: nothing of the user's runs here); the runner for `run` and a
+    factory of loop-sunk runners for `run(..., steps=N)`."""
     consts = tuple(owned_copy(graph.const_values[v.id])
                    for v in graph.inputs_of_kind("const"))
     layout = executor.StateLayout(graph, graph.memory, leaf_slots)
     parts = graph.partitions
     if len(parts) <= 1 and all(p.place == "device" for p in parts):
       part = parts[0] if parts else None
-      runner = executor.FastRunner(graph, graph.memory, spec, rest_tree, consts, part,
-                                   layout, example_args)
+      runner = executor.SingleRunner(graph, spec, rest_tree, consts, part, layout)
       make_sunk = lambda steps: loop_sink.SunkRunner(graph, spec, rest_tree, consts,
                                                      layout, steps)
       return runner, make_sunk
@@ -174,16 +218,15 @@ class Session:
     runner = executor.PlanRunner(graph, steps, spec, rest_tree, consts, layout)
     return runner, lambda n: loop_sink.SteppedRunner(runner, n)
 
-  def _bind_state(self, name, state_nums, state_args, state_from):
-    if state_from is None:
+  def _bind_state(self, name, state_nums, state_args, state_from, source):
+    if source is None:
       slots = []
       for k, (i, arg) in enumerate(zip(state_nums, state_args)):
         leaves, treedef = tree_util.tree_flatten(arg)
-        slots.append(StateSlot(f"{name}:state{k}(arg {i})", treedef,
-                               [leaf_aval(x) for x in leaves],
+        avals = [leaf_aval(x) for x in leaves]
+        slots.append(StateSlot(f"{name}:state{k}(arg {i})", treedef, avals,
                                [owned_copy(x) for x in leaves]))
       return slots
-    source = self._entry(state_from)
     if len(state_args) > len(source.slots):
       raise InputError(f"compile({name}): {len(state_args)} state args but graph "
                        f"{state_from} ('{source.name}') has {len(source.slots)} state slots")
@@ -191,7 +234,7 @@ class Session:
       leaves, treedef = tree_util.tree_flatten(arg)
       check_matches(source.slots[k], treedef, [leaf_aval(x) for x in leaves],
                     f"compile({name}): state arg {k} (position {state_nums[k]}) "
-                    f"shared from graph {state_from}")
+                    f"shared from graph {state_from}", value=arg)
     return source.slots[:len(state_args)]
 
   # -- run ----------------------------------------------------------------
@@ -202,20 +245,28 @@ class Session:
       entry = self._graphs[graph_id]
     except (KeyError, TypeError):
       entry = self._entry(graph_id)  # raises UnknownGraphError
+    else:
+      if type(graph_id) is not int:  # a float or bool key that hashes like an int
+        entry = self._entry(graph_id)
     if steps is None:
       return entry.call(args)
+    steps = loop_sink.check_steps(steps)  # before anything is built
     runner = entry.sunk.get(steps)
     if runner is None:
-      runner = entry.sunk[loop_sink.check_steps(steps)] = entry.make_sunk(steps)
-    return runner(args)
+      with self._lock:
+        runner = entry.sunk.get(steps)
+        if runner is None:
+          runner = entry.sunk[steps] = entry.make_sunk(steps)
+    return runner.call(args)
 
   # -- state --------------------------------------------------------------
   def get_state(self, graph_id):
     """The state args' current values, one pytree each (the session's own
     buffers are copied, so later runs cannot invalidate what you hold)."""
     entry = self._entry(graph_id)
-    return tuple(tree_util.tree_unflatten(s.treedef, [owned_copy(x) for x in s.leaves])
-                 for s in entry.slots)
+    with entry.lock:
+      return tuple(tree_util.tree_unflatten(s.treedef, [owned_copy(x) for x in s.leaves])
+                   for s in entry.slots)
 
   def set_state(self, graph_id, *values):
     """Replaces the state args' values; checks every value before changing any."""
@@ -228,15 +279,32 @@ class Session:
       leaves, treedef = tree_util.tree_flatten(value)
       where = f"set_state(graph {graph_id} '{entry.name}'): value {k}"
       if treedef != slot.treedef:
-        check_matches(slot, treedef, [], where)
+        check_matches(slot, treedef, [], where, value=value)
       for path, leaf, aval in zip(paths_of(value), leaves, slot.avals):
         got = leaf_aval(leaf)
         if got.shape != aval.shape or got.dtype != aval.dtype:
           raise InputError(f"{where} at path {path or '(root)'}: expected "
                            f"{aval_str(aval)}, got {aval_str(got)}")
       new.append(tuple(owned_copy(x) for x in leaves))
-    for slot, leaves in zip(entry.slots, new):
-      slot.leaves = leaves
+    with entry.lock:
+      for slot, leaves in zip(entry.slots, new):
+        slot.leaves = leaves
+
+  def release(self, graph_id):
+    """Frees a graph: its executables, and its state unless another graph
+    still shares it. Later use of the id is an UnknownGraphError."""
+    entry = self._entry(graph_id)
+    with self._lock:
+      if self._graphs.pop(_graph_id(graph_id), None) is None:
+        raise UnknownGraphError(f"graph id {graph_id!r} was already released")
+    with entry.lock:
+      for slot in entry.slots:
+        slot.owners -= 1
+        if slot.owners == 0:
+          for leaf in slot.leaves:
+            leaf.delete()
+          slot.leaves = ()
+    entry.sunk.clear()
 
   # -- introspection --------------------------------------------------------
   def graph(self, graph_id):
@@ -249,11 +317,11 @@ class Session:
 
   def _entry(self, graph_id):
     try:
-      return self._graphs[graph_id]
-    except (KeyError, TypeError):
+      return self._graphs[_graph_id(graph_id)]
+    except KeyError:
       raise UnknownGraphError(f"graph id {graph_id!r} was not returned by this "
-                              f"session's compile (known ids: {sorted(self._graphs)})"
-                              ) from None
+                              f"session's compile, or was released (known ids: "
+                              f"{sorted(self._graphs)})") from None
 
 
 def _closed_jaxpr_fn(closed):
@@ -265,15 +333,14 @@ def _closed_jaxpr_fn(closed):
   return closed_jaxpr
 
 
-def _stateful_fn(fn, example_args, state_nums, dyn_nums, mode):
+def _stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates):
   """fn as f(state_tuple, *dynamic) -> (new_state_tuple, rest).
 
-  With state args, fn either updates them (returns a tuple whose first k items
-  have the state args' pytree structures) or only reads them (an eval step
-  that shares a train step's state); `mode["updates"]` records which.
+  With `updates`, fn must return a tuple (or list) whose first k items are the
+  new state values; without, its whole output is the rest. Nothing is guessed
+  from the output's structure.
   """
   k = len(state_nums)
-  state_trees = [tree_util.tree_structure(example_args[i]) for i in state_nums]
 
   def session_step(state, *dyn):
     full = list(example_args)  # static args stay as given
@@ -282,10 +349,16 @@ def _stateful_fn(fn, example_args, state_nums, dyn_nums, mode):
     for i, x in zip(dyn_nums, dyn):
       full[i] = x
     out = fn(*full)
-    mode["updates"] = bool(k) and isinstance(out, (tuple, list)) and len(out) >= k and (
-        tree_util.tree_structure(out[0]) == state_trees[0])
-    if not mode["updates"]:
+    if not updates:
       return (), out
+    if not isinstance(out, (tuple, list)) or len(out) < k:
+      got = (f"a {type(out).__name__} of {len(out)} items" if isinstance(out, (tuple, list))
+             else f"a single {type(out).__name__}")
+      raise InputError(
+          f"compile({name}): with updates_state=True (the default) fn must return a "
+          f"tuple whose first {k} item(s) are the new values of state_argnums "
+          f"{list(state_nums)}; it returned {got}. If fn only reads its state (an "
+          "eval step), pass updates_state=False.")
     rest = tuple(out[k:])
     return tuple(out[:k]), (None if not rest else rest[0] if len(rest) == 1 else rest)
   return session_step
@@ -297,12 +370,15 @@ def _check_new_state(name, state_nums, state_args, new_state):
     old_leaves, old_tree = tree_util.tree_flatten(old)
     new_leaves, new_tree = tree_util.tree_flatten(new)
     if old_tree != new_tree:
-      raise InputError(f"{where} has pytree structure {new_tree}, the arg has {old_tree}")
+      raise InputError(f"{where} does not have the state arg's pytree structure "
+                       f"({tree_difference(old, new)}). If fn only reads its state (an "
+                       "eval step), pass updates_state=False.")
     for path, a, b in zip(paths_of(old), old_leaves, new_leaves):
       a = leaf_aval(a)
       if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
         raise InputError(f"{where} at path {path or '(root)'} is "
-                         f"{b.dtype}{list(b.shape)}, the arg is {aval_str(a)}")
+                         f"{b.dtype}{list(b.shape)}, the arg is {aval_str(a)}. If fn "
+                         "only reads its state (an eval step), pass updates_state=False.")
 
 
 def _input_labels(state_nums, state_args, dyn_nums, dyn_args):

@@ -96,7 +96,7 @@ class SharedStateTest(absltest.TestCase):
   def test_eval_graph_sees_train_updates(self):
     sess, train, params, opt, data = _train_session(7, 5)
     evaluate = sess.compile(mlp_adam.eval_step, params, _at(data, 0), state_argnums=0,
-                            state_from=train)
+                            state_from=train, updates_state=False)
     before = sess.run(evaluate, _at(data, 0))
     np.testing.assert_allclose(before, mlp_adam.eval_step(params, _at(data, 0)), rtol=1e-6)
     for i in range(5):
@@ -129,7 +129,8 @@ class SharedStateTest(absltest.TestCase):
     a = sess.compile(lambda s, x: (s + x,), jnp.ones(3) * 0.5, jnp.ones(3) * 2,
                      state_argnums=0)
     with self.assertRaisesRegex(js.InputError, r"leaf 0 is f32\[4\].*holds f32\[3\]"):
-      sess.compile(lambda s: s.sum(), jnp.ones(4) * 0.5, state_argnums=0, state_from=a)
+      sess.compile(lambda s: s.sum(), jnp.ones(4) * 0.5, state_argnums=0, state_from=a,
+                   updates_state=False)
 
 
 class SetStateTest(absltest.TestCase):

@@ -1,0 +1,113 @@
+"""Failures of user callbacks inside executables, as HostOpError.
+
+Inside an executable (a callback left on the device, or one inside a
+`scan`/`cond`/`while` body), XLA reports a failing callback as a
+JaxRuntimeError that has lost the user's exception. So every callback compiled
+into an executable is wrapped to record the exception it raised, and the
+runner turns the runtime error into a HostOpError whose `__cause__` is the
+user's exception. (Host-placed callbacks run in kernels/host.py; build.py
+turns their failures into HostOpError directly.)
+"""
+import threading
+
+from jax.extend import core as jcore
+
+from jaxsession.errors import HostOpError
+from jaxsession.ir import Node
+from jaxsession.op_properties import primitive_props
+
+
+def where(node):
+  return f"node {node.id} '{node.op}'" + (f" at {node.source}" if node.source else "")
+
+
+class ErrorRecorder:
+  """Where wrapped callbacks leave the exception they raised (per thread: the
+  runner that sees the runtime error reads what its own thread's run left)."""
+
+  def __init__(self):
+    self._errors = {}
+    self._lock = threading.Lock()
+
+  def record(self, exc):
+    with self._lock:
+      self._errors[threading.get_ident()] = exc
+      self._errors["last"] = exc
+
+  def take(self):
+    with self._lock:
+      exc = self._errors.pop(threading.get_ident(), None)
+      last = self._errors.pop("last", None)
+      return exc if exc is not None else last
+
+
+class _Recorded:
+  """A callback that records the exception it raises before re-raising it."""
+
+  def __init__(self, fn, recorder):
+    self.fn = fn
+    self.recorder = recorder
+
+  def __call__(self, *args, **kwargs):
+    try:
+      return self.fn(*args, **kwargs)
+    except BaseException as exc:
+      self.recorder.record(exc)
+      raise
+
+
+def _wrap_params(params, recorder):
+  """params with every callback, at any depth of sub-jaxprs, wrapped."""
+  new = {}
+  for key, value in params.items():
+    if key == "callback" and callable(value):
+      new[key] = _Recorded(value, recorder)
+    elif isinstance(value, jcore.ClosedJaxpr):
+      new[key] = jcore.ClosedJaxpr(_wrap_jaxpr(value.jaxpr, recorder), value.consts)
+    elif isinstance(value, jcore.Jaxpr):
+      new[key] = _wrap_jaxpr(value, recorder)
+    elif isinstance(value, tuple) and value and all(
+        isinstance(v, jcore.ClosedJaxpr) for v in value):
+      new[key] = tuple(jcore.ClosedJaxpr(_wrap_jaxpr(v.jaxpr, recorder), v.consts)
+                       for v in value)
+    else:
+      new[key] = value
+  return new
+
+
+def _wrap_jaxpr(jaxpr, recorder):
+  eqns = [eqn.replace(params=_wrap_params(eqn.params, recorder))
+          if primitive_props(eqn.primitive.name, eqn.params, eqn.effects).user_code else eqn
+          for eqn in jaxpr.eqns]
+  return jaxpr.replace(eqns=eqns)
+
+
+def instrumented(nodes, recorder):
+  """The node list an executable is lowered from: nodes that run user code
+  are replaced by detached copies whose callbacks record their exceptions."""
+  out = []
+  for node in nodes:
+    if not node.props.user_code:
+      out.append(node)
+      continue
+    copy = Node(node.id, node.op, node.prim, _wrap_params(node.params, recorder),
+                node.inputs, node.effects, node.source)
+    copy.outputs, copy.kernel, copy.place = node.outputs, node.kernel, node.place
+    out.append(copy)
+  return out
+
+
+def callback_failure(nodes, index, exc, recorder):
+  """The HostOpError for a runtime error of the executable of partition
+  `index`: names its callback nodes, keeps the user's exception as the cause
+  (or the runtime error, when no callback recorded one)."""
+  culprits = ", ".join(where(n) for n in nodes if n.props.user_code) or "an effectful node"
+  user = recorder.take()
+  if user is not None:
+    what = f"{type(user).__name__}: {user}"
+  else:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    what = lines[-1] if lines else type(exc).__name__
+  error = HostOpError(f"a callback in device partition #{index} ({culprits}) raised {what}")
+  error.__cause__ = user if user is not None else exc
+  return error
