@@ -175,7 +175,7 @@ class SingleRunner(Runner):
     donated, kept = self.layout.gather()
     try:
       return self.exe(donated, kept, self.consts, *args)
-    except TypeError:  # checked before anything ran or was donated
+    except (TypeError, OverflowError):  # checked before anything ran or was donated
       return self.exe(donated, kept, self.consts, *self.spec.conform(args))
     except jax.errors.JaxRuntimeError as exc:
       raise runtime_failure(self.partition, self.recorder, exc)
@@ -189,7 +189,7 @@ class SingleRunner(Runner):
     def call(args):
       try:
         return exe(*args)
-      except TypeError:
+      except (TypeError, OverflowError):
         return exe(*conform(args))
       except jax.errors.JaxRuntimeError as exc:
         raise failure(exc)
@@ -206,7 +206,7 @@ class SingleRunner(Runner):
         with lock:
           try:
             new, out = exe((slot.leaves,), *prefix, *args)
-          except TypeError:
+          except (TypeError, OverflowError):
             new, out = exe((slot.leaves,), *prefix, *conform(args))
           except jax.errors.JaxRuntimeError as exc:
             raise failure(exc)
@@ -219,7 +219,7 @@ class SingleRunner(Runner):
         current = tuple([slot.leaves for slot in slots])
         try:
           new, out = exe(current, *prefix, *args)
-        except TypeError:
+        except (TypeError, OverflowError):
           new, out = exe(current, *prefix, *conform(args))
         except jax.errors.JaxRuntimeError as exc:
           raise failure(exc)

@@ -8,6 +8,7 @@ order, so two calls never wait on each other in a cycle), which makes each
 call see and commit a consistent state; graphs with no slot in common run in
 parallel.
 """
+import dataclasses
 import itertools
 import threading
 
@@ -101,9 +102,10 @@ def tree_difference(expected, got, path=""):
     missing = [k for k in exp_keys if k not in got_keys]
     extra = [k for k in got_keys if k not in exp_keys]
     return (f"at {where}: {type(got).__name__} children differ"
-            + (f"; missing {missing}" if missing else "")
-            + (f"; unexpected {extra}" if extra else "")
-            + ("" if missing or extra else f"; expected {exp_keys}, got {got_keys}"))
+            + (f"; missing {', '.join(missing)}" if missing else "")
+            + (f"; unexpected {', '.join(extra)}" if extra else "")
+            + ("" if missing or extra else
+               f"; expected {', '.join(exp_keys)}, got {', '.join(got_keys)}"))
   if exp_def != got_def:
     return f"at {where}: {_metadata_difference(expected, got)}"
   for (key, a), (_, b) in zip(exp_children, got_children):
@@ -116,7 +118,6 @@ def tree_difference(expected, got, path=""):
 def _metadata_difference(expected, got):
   """Same children, different static metadata (a dataclass's non-pytree
   fields, such as a flax TrainState's apply_fn or tx): name the field."""
-  import dataclasses
   if dataclasses.is_dataclass(expected):
     for field in dataclasses.fields(expected):
       a, b = getattr(expected, field.name, None), getattr(got, field.name, None)

@@ -16,10 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-flags.DEFINE_integer("steps", 300, "demo: training steps")
-flags.DEFINE_integer("batch", 128, "demo: batch size")
-flags.DEFINE_integer("sink", 50, "demo: steps per loop-sunk run in the timing table")
-flags.DEFINE_integer("repeats", 5, "demo: timing repeats (medians are reported)")
+# Range-checked at parsing: absl names the flag, its value and the bound.
+flags.DEFINE_integer("steps", 300, "demo: training steps", lower_bound=1)
+flags.DEFINE_integer("batch", 128, "demo: batch size", lower_bound=1)
+flags.DEFINE_integer("sink", 50, "demo: steps per loop-sunk run in the timing table",
+                     lower_bound=1)
+flags.DEFINE_integer("repeats", 5, "demo: timing repeats (medians are reported)",
+                     lower_bound=1)
 flags.DEFINE_string("save_graphs", None, "demo: folder for IR dumps (SessionOptions.save_graphs)")
 flags.DEFINE_integer("seed", 0, "demo: random seed for the data and the initial params")
 FLAGS = flags.FLAGS

@@ -22,6 +22,29 @@ def paths_of(tree):
   return [tree_util.keystr(path) for path, _ in tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def python_scalar(x, dtype):
+  """`x` (a Python scalar) as a 0-d array of `dtype`, converted the way jax.jit
+  converts it (a float rounds to the float type), or None when that would
+  change its kind or its value: a float for an int, an int past the int's
+  range or not exact in the float type, a bool for anything but a bool."""
+  kind = np.dtype(dtype).kind
+  if isinstance(x, bool) or kind == "b":
+    return np.asarray(x, dtype) if isinstance(x, bool) and kind == "b" else None
+  if isinstance(x, int):
+    if kind in "iu":
+      info = np.iinfo(dtype)
+      return np.asarray(x, dtype) if info.min <= x <= info.max else None
+    with np.errstate(over="ignore"):
+      converted = np.asarray(x, dtype)
+    return converted if np.isfinite(converted) and int(converted.real) == x else None
+  if isinstance(x, float):
+    if kind not in "fc":
+      return None
+    with np.errstate(over="ignore"):
+      return np.asarray(x, dtype)
+  return np.asarray(x, dtype) if kind == "c" else None
+
+
 class ArgSpec:
   """The positional arguments a graph's `run` takes: one pytree each."""
 
@@ -70,9 +93,11 @@ class ArgSpec:
     shape = tuple(want.shape) if leading is None else (leading,) + tuple(want.shape)
     place = f"{self.where}: {self._arg_name(i)} at path {self.paths[i][j] or '(root)'}"
     if isinstance(x, _PY_SCALARS) and leading is None and shape == ():
-      converted = np.asarray(x, dtype=want.dtype)
-      if converted.item() != x:
-        raise InputError(f"{place}: Python scalar {x!r} does not fit {aval_str(want)}")
+      converted = python_scalar(x, want.dtype)
+      if converted is None:
+        raise InputError(f"{place}: Python scalar {x!r} does not fit {aval_str(want)} "
+                         "(jax.jit would compile another program for it; pass an array "
+                         "of that dtype)")
       return converted
     try:
       got = leaf_aval(x)

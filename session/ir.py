@@ -319,7 +319,70 @@ def _check(condition, message):
 
 
 def _check_avals(node):
+  """Every value has an aval, and a primitive node's outputs have the avals
+  its primitive's shape rule gives for its inputs' avals and params (so a
+  pass that rewires a node to values of another shape or dtype is caught)."""
   for value in node.inputs:
     _check(getattr(value, "aval", None) is not None, f"{node} input {value} has no aval")
   for out in node.outputs:
     _check(out.aval is not None, f"{node} output {out} has no aval")
+  if node.prim is None:
+    return  # a fused op: its kernel's outputs are checked at build
+  expected = _expected_avals(node)
+  if expected is None:
+    return
+  if isinstance(expected, str):
+    raise ValueError(f"{node}: its inputs do not fit primitive {node.op}: {expected}")
+  _check(len(expected) == len(node.outputs),
+         f"{node} has {len(node.outputs)} outputs, {node.op} gives {len(expected)}")
+  for out, want in zip(node.outputs, expected):
+    got = (tuple(out.aval.shape), out.aval.dtype, getattr(out.aval, "weak_type", False))
+    _check(got == want, f"{node} output {out} is {aval_str(out.aval)} but {node.op} of its "
+           f"inputs gives {want[1]}{list(want[0])}{'~' if want[2] else ''}")
+
+
+_SHAPE_RULE_CACHE = {}
+
+
+def _expected_avals(node):
+  """[(shape, dtype)] from the primitive's abstract evaluation, cached by
+  (primitive, input avals, params); None when it cannot be asked; a string
+  saying why when the inputs do not fit the primitive."""
+  try:
+    key = (node.prim, tuple((tuple(v.aval.shape), v.aval.dtype, getattr(v.aval, "weak_type",
+                                                                       False))
+                            for v in node.inputs),
+           tuple(sorted((k, _freeze(v)) for k, v in node.params.items())))
+    hash(key)
+  except (TypeError, AttributeError):
+    key = None
+  if key is not None and key in _SHAPE_RULE_CACHE:
+    return _SHAPE_RULE_CACHE[key]
+  try:
+    result = node.prim.abstract_eval(*[v.aval for v in node.inputs], **node.params)
+  except (TypeError, ValueError) as exc:
+    expected = f"{type(exc).__name__}: {exc}"
+  except Exception:  # a primitive without a usable shape rule: nothing to check
+    expected = None
+  else:
+    outs = result[0] if isinstance(result, tuple) else result
+    outs = outs if node.prim.multiple_results else [outs]
+    try:
+      expected = [(tuple(a.shape), a.dtype, a.weak_type) for a in outs]
+    except AttributeError:  # tokens and other non-array results
+      expected = None
+  if key is not None:
+    if len(_SHAPE_RULE_CACHE) > 4096:  # bounded: a long-lived process compiles many graphs
+      _SHAPE_RULE_CACHE.clear()
+    _SHAPE_RULE_CACHE[key] = expected
+  return expected
+
+
+def _freeze(value):
+  if isinstance(value, (list, tuple)):
+    return tuple(_freeze(v) for v in value)
+  if isinstance(value, dict):
+    return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+  if isinstance(value, np.ndarray):
+    return (value.dtype.str, value.shape, value.tobytes())
+  return value

@@ -4,7 +4,11 @@ The loop is `eval_jaxpr`'s: read the inputs from an environment, call each
 node's kernel, write the outputs, forget values after their last use. Traced
 under `jax.jit` this yields one XLA computation for the whole node list.
 """
-from jaxsession.ir import Literal
+import numpy as np
+from jax.core import ShapedArray
+
+from jaxsession.errors import KernelSelectError
+from jaxsession.ir import Literal, aval_str
 from jaxsession.kernels import xla as xla_kernels
 
 
@@ -27,6 +31,21 @@ def last_uses(nodes, out_values):
   return frees
 
 
+def check_kernel_outputs(node, outs):
+  """A kernel must return exactly the node's outputs (count, shape, dtype);
+  checked while the executable is traced, so it costs nothing per run."""
+  name = node.kernel.name if node.kernel is not None else "xla:bind"
+  if len(outs) != len(node.outputs):
+    raise KernelSelectError(f"kernel {name} returned {len(outs)} outputs for node "
+                            f"{node.id} '{node.op}', which has {len(node.outputs)}")
+  for i, (out, value) in enumerate(zip(outs, node.outputs)):
+    shape, dtype = tuple(np.shape(out)), getattr(out, "dtype", None)
+    if shape != tuple(value.aval.shape) or dtype != value.aval.dtype:
+      got = aval_str(ShapedArray(shape, dtype)) if dtype is not None else f"?{list(shape)}"
+      raise KernelSelectError(f"kernel {name} returned {got} for output {i} of node "
+                              f"{node.id} '{node.op}', which is {aval_str(value.aval)}")
+
+
 def lower_nodes(nodes, in_values, out_values):
   """Returns fn(*arrays) -> list, computing `out_values` from `in_values`."""
   nodes = list(nodes)
@@ -41,6 +60,7 @@ def lower_nodes(nodes, in_values, out_values):
     env = dict(zip(in_ids, arrays))
     for node, fn, free in zip(nodes, fns, frees):
       outs = fn(node, *[read(env, v) for v in node.inputs])
+      check_kernel_outputs(node, outs)
       for value, out in zip(node.outputs, outs):
         env[value.id] = out
       for vid in free:

@@ -49,6 +49,16 @@ class DemoTest(absltest.TestCase):
     self.assertIn("Commands:", result.stdout)
     self.assertIn("--steps", result.stdout)
 
+  def test_out_of_range_flags_are_refused_by_name(self):
+    for flag in ("--steps=0", "--steps=-5", "--sink=0", "--repeats=0", "--batch=0"):
+      result = subprocess.run([sys.executable, "-m", "jaxsession", "demo", flag],
+                              capture_output=True, text=True, timeout=120)
+      self.assertNotEqual(result.returncode, 0, flag)
+      self.assertIn(f"flag {flag}", result.stderr)
+      self.assertIn("not a positive integer", result.stderr)
+      self.assertNotIn("Traceback", result.stderr)
+      self.assertNotIn("loss", result.stdout)  # refused before any training
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -1,0 +1,138 @@
+"""Threads: a Session shared between threads. Trainers, an evaluator and
+state readers hammer graphs that share one state; no call fails, no update is
+lost, no read is torn."""
+import threading
+
+from absl.testing import absltest
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+
+RUNS = 150
+
+
+def busy(s):
+  """A few hundred µs of work that depends on the state, so that runs in
+  several threads overlap inside the executables (which release the GIL)."""
+  w = jnp.arange(128.0) + jnp.sum(s["a"]).astype(jnp.float32)
+  m = jnp.tanh(jnp.outer(w, w) * 1e-6)
+  return (jnp.sum(m @ m @ m) > 1e30).astype(jnp.int32)
+
+
+def count_step(s, x):
+  """Both leaves advance together: a consistent read has a == b."""
+  return {"a": s["a"] + 1, "b": s["b"] + x}, s["a"][0] + busy(s)
+
+
+def read_step(s, x):
+  return s["a"] * x + busy(s), s["b"] * x
+
+
+def hammer(workers):
+  """Runs every worker in its own thread; returns the exceptions they raised."""
+  errors = []
+  barrier = threading.Barrier(len(workers))
+
+  def wrap(work):
+    def run():
+      barrier.wait()
+      try:
+        work()
+      except BaseException as exc:  # collected, asserted empty by the test
+        errors.append(exc)
+    return run
+  threads = [threading.Thread(target=wrap(w)) for w in workers]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  return errors
+
+
+class SharedStateThreadsTest(absltest.TestCase):
+
+  def _session(self, options=None):
+    state = {"a": jnp.zeros(3, jnp.int32), "b": jnp.zeros(3, jnp.int32)}
+    one = jnp.ones(3, jnp.int32)
+    sess = js.Session(options)
+    train = sess.compile(count_step, state, one, state_argnums=0)
+    second = sess.compile(count_step, state, one, state_argnums=0, state_from=train)
+    evaluate = sess.compile(read_step, state, one, state_argnums=0, state_from=train,
+                            updates_state=False)
+    return sess, train, second, evaluate, one
+
+  def _check(self, options=None):
+    sess, train, second, evaluate, one = self._session(options)
+    reads, seen_by_trainer = [], []
+
+    def trainer():
+      for _ in range(RUNS):
+        seen_by_trainer.append(int(sess.run(train, one)))
+
+    def second_trainer():
+      for _ in range(RUNS // 5):
+        sess.run(second, jnp.ones((5, 3), jnp.int32), steps=5)  # loop-sunk
+
+    def evaluator():
+      for _ in range(RUNS):
+        reads.append(tuple(np.asarray(v) for v in sess.run(evaluate, one)))
+
+    def reader():
+      for _ in range(RUNS):
+        state, = sess.get_state(train)
+        reads.append((np.asarray(state["a"]), np.asarray(state["b"])))
+
+    errors = hammer([trainer, second_trainer, evaluator, reader])
+    self.assertEqual(errors, [])
+    final, = sess.get_state(train)
+    total = RUNS + (RUNS // 5) * 5
+    np.testing.assert_array_equal(final["a"], np.full(3, total, np.int32))
+    np.testing.assert_array_equal(final["b"], np.full(3, total, np.int32))
+    for a, b in reads:
+      np.testing.assert_array_equal(a, b)  # never half of one update
+    self.assertEqual(len(set(seen_by_trainer)), RUNS)  # each run saw its own state
+
+  def test_trainers_evaluator_and_readers(self):
+    self._check()
+
+  def test_without_donation_no_update_is_lost(self):
+    self._check(js.SessionOptions(donate_state=False))
+
+  def test_set_state_between_runs_is_atomic(self):
+    sess, train, _, evaluate, one = self._session()
+    values = [{"a": jnp.full(3, k, jnp.int32), "b": jnp.full(3, k, jnp.int32)}
+              for k in range(0, 1000, 100)]
+    reads = []
+
+    def setter():
+      for value in values:
+        sess.set_state(train, value)
+
+    def runner():
+      for _ in range(RUNS):
+        sess.run(train, one)
+
+    def evaluator():
+      for _ in range(RUNS):
+        reads.append(tuple(np.asarray(v) for v in sess.run(evaluate, one)))
+
+    self.assertEqual(hammer([setter, runner, evaluator]), [])
+    for a, b in reads:
+      np.testing.assert_array_equal(a, b)
+
+  def test_independent_graphs_run_side_by_side(self):
+    sess = js.Session()
+    gids = [sess.compile(lambda w, x: (w + x, jnp.sum(w)), jnp.zeros(4), jnp.ones(4),
+                         state_argnums=0) for _ in range(3)]
+
+    def work(gid):
+      return lambda: [sess.run(gid, jnp.ones(4)) for _ in range(RUNS)]
+
+    self.assertEqual(hammer([work(g) for g in gids]), [])
+    for gid in gids:
+      np.testing.assert_array_equal(sess.get_state(gid)[0], np.full(4, RUNS, np.float32))
+
+
+if __name__ == "__main__":
+  absltest.main()
