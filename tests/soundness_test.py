@@ -128,6 +128,26 @@ class FaultInjectionTest(absltest.TestCase):
         self.assertEqual(sum(d.donated for d in sess.report(gid).donations), 0, where)
 
 
+class CompileTest(absltest.TestCase):
+
+  def test_compile_holds_one_copy_of_the_state_and_runs_no_user_code(self):
+    host = Faulty()
+    step = step_with_callback("top", host)
+    rng = np.random.default_rng(11)
+    state = {"w": jnp.asarray(rng.standard_normal(5), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal(5), jnp.float32)
+    sess = js.Session()
+    before = {id(a) for a in jax.live_arrays()}
+    gid = sess.compile(lambda s, x: ({"w": step(s["w"], x)[0]}, x), state, x,
+                       state_argnums=0)
+    new = [a for a in jax.live_arrays() if id(a) not in before]
+    self.assertEqual(len(new), 1)  # the one session-owned copy of the one leaf
+    self.assertIsNot(new[0], state["w"])
+    self.assertEqual(host.calls, 0)
+    sess.run(gid, x)
+    self.assertEqual(host.calls, 1)
+
+
 class AliasedStateTest(absltest.TestCase):
   """State returned as an output, swapped between slots, forwarded from an
   input: every run equals jax.jit, and no array handed out is invalidated."""
