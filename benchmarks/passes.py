@@ -73,10 +73,12 @@ def generated_program(n_eqns, seed=0):
   return program
 
 
-def optimize_and_select_seconds(closed):
-  """Wall time of the Optimize and SelectKernel stages on a fresh import."""
+def optimize_and_select_seconds(closed, verify):
+  """Wall time of the Optimize and SelectKernel stages on a fresh import, with
+  `KernelGraph.verify()` after every changed pass (as a Session runs them by
+  default) or without."""
   graph = import_jaxpr(closed)
-  ctx = PassContext(platform="cpu", options=js.SessionOptions(), verify=False)
+  ctx = PassContext(platform="cpu", options=js.SessionOptions(), verify=verify)
   optimizer = pipeline.graph_optimizer()
   with pipeline.gc_paused():  # as Session.compile runs the stages
     start = time.perf_counter()
@@ -93,16 +95,21 @@ def scaling_table():
   for size in [int(s) for s in FLAGS.sizes.split(",")]:
     closed = jax.make_jaxpr(generated_program(size))(x, bias, w)
     n_eqns = len(closed.jaxpr.eqns)
-    times, nodes_after = [], 0
+    times = {False: [], True: []}
+    nodes_after = 0
     for _ in range(FLAGS.repeats):
-      seconds, nodes_after = optimize_and_select_seconds(closed)
-      times.append(seconds)
-    per_size[size] = statistics.median(times)
-    rows.append([size, n_eqns, nodes_after, per_size[size] * 1e3])
+      for verify in (False, True):  # interleaved
+        seconds, nodes_after = optimize_and_select_seconds(closed, verify)
+        times[verify].append(seconds)
+    per_size[size] = {v: statistics.median(t) for v, t in times.items()}
+    rows.append([size, n_eqns, nodes_after, per_size[size][False] * 1e3,
+                 per_size[size][True] * 1e3])
   sizes = sorted(per_size)
   for row in rows:
     prev = [s for s in sizes if s < row[0] and row[0] // s == 10]
-    row.append(f"{per_size[row[0]] / per_size[prev[0]]:.1f}x" if prev else "-")
+    for verify in (False, True):
+      row.append(f"{per_size[row[0]][verify] / per_size[prev[0]][verify]:.1f}x"
+                 if prev else "-")
   return rows
 
 
@@ -143,7 +150,9 @@ def main(argv):
   print(f"machine: {common.machine()}")
   common.print_table(
       f"Optimize+SelectKernel wall time, median of {FLAGS.repeats}",
-      scaling_table(), ["target eqns", "eqns", "nodes after", "ms", "vs 10x fewer (target <= 12x)"])
+      scaling_table(), ["target eqns", "eqns", "nodes after", "ms (verify off)",
+                        "ms (verify on, as a Session runs it)",
+                        "off: vs 10x fewer (target <= 12x)", "on: vs 10x fewer"])
   common.print_table(
       f"steady-state step, fusions on vs off, median of {3 * FLAGS.repeats} interleaved repeats",
       step_time_table(),
