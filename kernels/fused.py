@@ -1,10 +1,17 @@
-"""XLA kernels of the fused ops that the fusion passes create. Each is the
-same arithmetic as the subgraph it replaces, so results stay equal to jax.jit.
+"""XLA kernels of the fused ops that the fusion passes create. Each repeats the
+arithmetic of the subgraph it replaces - the same primitives, on the same
+dtype, with the user's literals, association and add operand order, as the
+fusion pass recorded them in the node's params - so on CPU its result is
+bit-identical to the unfused graph and to jax.jit (tests/fusion_test.py
+compares bits). Operand order matters where an add meets a product: XLA on
+CPU contracts a*b + c into a fused multiply-add, the first product first.
+
+Reductions go through `lax.reduce` (reduce_sum / reduce_max on the input's own
+dtype): jnp.sum would accumulate float16 in float32, which the user's graph
+did not do. Constants are made in the input's dtype, never left to promotion.
 
 The arithmetic lives in `*_math` functions over plain arrays, which the Pallas
 kernels (kernels/pallas.py) run on their blocks too: one formula, two kernels."""
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -13,75 +20,145 @@ import numpy as np
 from jaxsession.kernels.registry import register_kernel
 
 
+def match_avals(node, outs):
+  """The kernel's outputs with the node's weak types: a literal made strong in
+  the kernel must not turn a weak result strong (it promotes differently)."""
+  fixed = []
+  for value, out in zip(node.outputs, outs):
+    weak = getattr(value.aval, "weak_type", False)
+    if getattr(jax.typeof(out), "weak_type", False) != weak:
+      out = lax.convert_element_type_p.bind(out, new_dtype=np.dtype(value.aval.dtype),
+                                            weak_type=weak, sharding=None)
+    fixed.append(out)
+  return fixed
+
+
+def fused_kernel(op, name):
+  """Registers fn(node, *args) -> list as the XLA kernel of fused op `op`."""
+  def register(fn):
+    def kernel(node, *args):
+      return match_avals(node, fn(node, *args))
+    kernel.__name__ = fn.__name__
+    register_kernel(op, backend="xla", name=name)(kernel)
+    return fn
+  return register
+
+
+def _const(value, like):
+  """A scalar literal recorded by a fusion pass, in the dtype of `like`."""
+  return jnp.asarray(value, like.dtype)
+
+
+def _add(a, b, a_first):
+  """a + b in the user's operand order (it decides which product an FMA takes)."""
+  a, b = jnp.broadcast_arrays(a, b)
+  return a + b if a_first else b + a
+
+
+def _sum(x, axes):
+  """reduce_sum over `axes` in x's own dtype, keeping the reduced axes."""
+  return lax.expand_dims(lax.reduce(x, np.array(0, x.dtype), lax.add, tuple(axes)), axes)
+
+
+def _max(x, axes):
+  return lax.expand_dims(lax.reduce(x, np.array(-np.inf, x.dtype), lax.max, tuple(axes)), axes)
+
+
 def softmax_math(x, axes):
-  e = jnp.exp(x - lax.stop_gradient(jnp.max(x, axis=axes, keepdims=True)))
-  return e / jnp.sum(e, axis=axes, keepdims=True)
+  e = lax.exp(x - _max(x, axes))
+  return e / _sum(e, axes)
 
 
-@register_kernel("Softmax", backend="xla", name="xla:softmax")
+@fused_kernel("Softmax", "xla:softmax")
 def softmax(node, x):
   return [softmax_math(x, node.params["axes"])]
 
 
-@register_kernel("GeluTanh", backend="xla", name="xla:gelu_tanh")
+def gelu_tanh_math(x, p):
+  """The user's tanh-GELU: their literals, their cube, their association."""
+  cube = lax.integer_pow(x, 3) if p["cube"] == "pow" else x * (x * x)
+  inner = _add(x, _const(p["c2"], x) * cube, p["x_first"])
+  t = _const(p["one"], x) + lax.tanh(_const(p["c1"], x) * inner)
+  half = _const(p["half"], x)
+  if p["form"] == "x_half_t":
+    return x * (half * t)        # jax.nn.gelu
+  if p["form"] == "half_x_t":
+    return (half * x) * t        # 0.5 * x * (1 + tanh(...))
+  return half * (x * t)          # 0.5 * (x * (1 + tanh(...)))
+
+
+@fused_kernel("GeluTanh", "xla:gelu_tanh")
 def gelu_tanh(node, x):
-  return [jax.nn.gelu(x, approximate=True)]
+  return [gelu_tanh_math(x, node.params)]
 
 
-@register_kernel("MatMulBiasAdd", backend="xla", name="xla:matmul_bias_add")
+@fused_kernel("MatMulBiasAdd", "xla:matmul_bias_add")
 def matmul_bias_add(node, a, w, bias):
-  p = node.params
-  y = lax.dot_general(a, w, p["dimension_numbers"], p.get("precision"),
-                      preferred_element_type=p.get("preferred_element_type"))
-  return [y + bias.reshape((1,) * (y.ndim - 1) + bias.shape)]
+  y = lax.dot_general_p.bind(a, w, **dict(node.params["dot"]))  # the user's dot as written
+  return [_add(bias, y, node.params["bias_first"])]
 
 
-@register_kernel("AddN", backend="xla", name="xla:add_n")
+def add_n_math(xs, steps):
+  """The user's tree of adds: step k adds slots i and j (slots are the
+  inputs, then the steps' sums), in the user's association and order."""
+  slots = list(xs)
+  for i, j in steps:
+    slots.append(lax.add(slots[i], slots[j]))
+  return slots[-1]
+
+
+@fused_kernel("AddN", "xla:add_n")
 def add_n(node, *xs):
-  return [functools.reduce(lax.add, xs)]  # the order the user's adds had
+  return [add_n_math(xs, node.params["steps"])]
 
 
-def _normalise(x, centered, var, p):
-  """centered * rsqrt(var + eps), or centered / sqrt(var + eps), as the user wrote it."""
+def _mean(total, how):
+  """total / n or total * (1/n), as the user wrote the mean."""
+  op, literal = how
+  return total / _const(literal, total) if op == "div" else total * _const(literal, total)
+
+
+def _normalise(centered, var, p, scale):
+  """centered * rsqrt(var + eps), or centered / sqrt(var + eps), with the scale
+  multiplying the inverse first (flax) or the result (by hand)."""
+  var_eps = var + _const(p["eps"], var)
   if p["inverse"] == "div_sqrt":
-    return centered / jnp.sqrt(var + p["eps"])
-  return centered * lax.rsqrt(var + p["eps"])
-
-
-def _affine(y, p, rest):
-  rest = list(rest)
-  if p["scale"]:
-    y = y * rest.pop(0)
-  if p.get("bias"):
-    y = y + rest.pop(0)
-  return y
+    y = centered / lax.sqrt(var_eps)
+  elif p["scale"] == "inside":
+    return centered * (lax.rsqrt(var_eps) * scale[0])
+  else:
+    y = centered * lax.rsqrt(var_eps)
+  return y * scale[0] if p["scale"] == "after" else y
 
 
 def layer_norm_math(x, p, axes, scale_bias):
-  n = np.prod([x.shape[a] for a in axes]).astype(x.dtype)
-  mean = jnp.sum(x, axis=axes, keepdims=True) / n
+  scale_bias = list(scale_bias)
+  mean = _mean(_sum(x, axes), p["mean"])
   centered = x - mean
   if p["variance"] == "two_pass":
-    var = jnp.sum(centered * centered, axis=axes, keepdims=True) / n
+    var = _mean(_sum(centered * centered, axes), p["var_mean"])
   else:
-    var = jnp.sum(x * x, axis=axes, keepdims=True) / n - mean * mean
+    var = _mean(_sum(x * x, axes), p["var_mean"]) - mean * mean
     if p["variance"] == "fast_clamped":
-      var = jnp.maximum(var, 0)
-  return _affine(_normalise(x, centered, var, p), p, scale_bias)
+      var = lax.max(jnp.zeros_like(var), var)
+  scale = scale_bias[:1] if p["scale"] else []
+  y = _normalise(centered, var, p, scale)
+  if not p["bias"]:
+    return y
+  return _add(scale_bias[-1], y, p["bias"] == "first")
 
 
-@register_kernel("LayerNorm", backend="xla", name="xla:layer_norm")
+@fused_kernel("LayerNorm", "xla:layer_norm")
 def layer_norm(node, x, *scale_bias):
   return [layer_norm_math(x, node.params, node.params["axes"], scale_bias)]
 
 
 def rms_norm_math(x, p, axes, scale):
-  n = np.prod([x.shape[a] for a in axes]).astype(x.dtype)
-  ms = jnp.sum(x * x, axis=axes, keepdims=True) / n
-  return _affine(_normalise(x, x, ms, p), p, scale)
+  ms = _mean(_sum(x * x, axes), p["var_mean"])
+  return _normalise(x, ms, p, list(scale))
 
 
-@register_kernel("RMSNorm", backend="xla", name="xla:rms_norm")
+@fused_kernel("RMSNorm", "xla:rms_norm")
 def rms_norm(node, x, *scale):
   return [rms_norm_math(x, node.params, node.params["axes"], scale)]
 
@@ -89,27 +166,34 @@ def rms_norm(node, x, *scale):
 def _batch_norm(p, x, mean, inv, *rest):
   """The user's own BatchNorm arithmetic, on operands already at x's rank."""
   if p["form"] == "scale_after":
-    gamma, beta = rest[:2]
-    return (x - mean) * inv * gamma + beta, rest[2:]
-  if p["form"] == "scale_folded":
-    gamma, beta = rest[:2]
-    return (x - mean) * (inv * gamma) + beta, rest[2:]
-  return (x - mean) * inv + rest[0], rest[1:]
+    (gamma, beta), rest = rest[:2], rest[2:]
+    y = (x - mean) * inv * gamma
+  elif p["form"] == "scale_folded":
+    (gamma, beta), rest = rest[:2], rest[2:]
+    y = (x - mean) * (inv * gamma)
+  else:
+    (beta,), rest = rest[:1], rest[1:]
+    y = (x - mean) * inv
+  return _add(beta, y, p["beta_first"]), rest
 
 
-@register_kernel("BatchNormRelu", backend="xla", name="xla:batch_norm_relu")
+def _relu(y):
+  return lax.max(y, jnp.zeros_like(y))  # the pattern took max(y, +0.0) only
+
+
+@fused_kernel("BatchNormRelu", "xla:batch_norm_relu")
 def batch_norm_relu(node, x, *operands):
   y, _ = _batch_norm(node.params, x, *operands)
-  return [jnp.maximum(y, 0)]
+  return [_relu(y)]
 
 
-@register_kernel("BatchNormAddRelu", backend="xla", name="xla:batch_norm_add_relu")
+@fused_kernel("BatchNormAddRelu", "xla:batch_norm_add_relu")
 def batch_norm_add_relu(node, x, *operands):
   y, (residual,) = _batch_norm(node.params, x, *operands)
-  return [jnp.maximum(y + residual, 0)]
+  return [_relu(_add(residual, y, node.params["residual_first"]))]
 
 
-@register_kernel("Adam", backend="xla", name="xla:adam")
+@fused_kernel("Adam", "xla:adam")
 def adam(node, p, g, m, v, *scalars):
   return list(adam_math(node.params, p, g, m, v, scalars))
 
@@ -117,17 +201,18 @@ def adam(node, p, g, m, v, *scalars):
 def adam_math(k, p, g, m, v, scalars):
   """One parameter's Adam/AdamW step, in the arithmetic order of the form
   it was fused from; returns (new param, new m, new v)."""
-  lit = lambda name: jnp.asarray(k[name], p.dtype)
-  m_new = lit("b1") * m + lit("c1") * g
-  if k["v_form"] == "c2_g2":
-    v_new = lit("b2") * v + lit("c2") * (g * g)
-  else:
-    v_new = lit("b2") * v + lit("c2") * g * g
+  lit = lambda name: _const(k[name], p)
+  m_new = _add(lit("b1") * m, lit("c1") * g, k["m_decay_first"])
+  g2 = lit("c2") * (g * g) if k["v_form"] == "c2_g2" else lit("c2") * g * g
+  v_new = _add(lit("b2") * v, g2, k["v_decay_first"])
   if k["form"] == "scaled_step":
     (step,) = scalars
-    return p - step * m_new / (jnp.sqrt(v_new) + lit("eps")), m_new, v_new
+    return p - step * m_new / (lax.sqrt(v_new) + lit("eps")), m_new, v_new
   bc1, bc2 = scalars
-  u = (m_new / bc1) / (jnp.sqrt(v_new / bc2) + lit("eps"))
+  v_hat = v_new / bc2
+  if "eps_root" in k:
+    v_hat = v_hat + lit("eps_root")  # optax's eps_root, 0.0 by default: kept as written
+  u = (m_new / bc1) / (lax.sqrt(v_hat) + lit("eps"))
   if k["form"] == "optax_adamw":
-    u = u + lit("wd") * p
-  return p + lit("neg_lr") * u, m_new, v_new
+    u = _add(u, lit("wd") * p, k["u_first"])
+  return _add(p, lit("neg_lr") * u, k["p_first"]), m_new, v_new

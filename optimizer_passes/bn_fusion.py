@@ -5,14 +5,17 @@ BatchNormAddRelu node (MindSpore's BatchNorm+ReLU fusion).
 Per-channel operands (mean, inverse std, gamma, beta) are kept as the user
 computed them and brought to x's rank - when they are constants, folding has
 already turned them into constant vectors - so the kernel does the same
-arithmetic. Forms: by hand, and flax.linen.BatchNorm(use_running_average=True)
-(which folds gamma into the inverse std first).
+arithmetic, with the operand order of both adds as written (XLA on CPU
+contracts a*b + c into a fused multiply-add), and is bit-identical to the
+unfused graph. Forms: by hand, and flax.linen.BatchNorm(use_running_average=True)
+(which folds gamma into the inverse std first). The ReLU is max(y, +0.0) only:
+max(y, -0.0) returns -0.0 for y = -0.0.
 
 Runs after SelectKernel: the pass selects kernels for the nodes it creates.
 """
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes.base import PassResult
-from jaxsession.optimizer_passes.fusion import _is_float
+from jaxsession.optimizer_passes.fusion import _is_float, first
 from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule
 
 x = Pat.var("x")
@@ -31,10 +34,11 @@ def _pc(name):
 _centered = Pat("sub", x, _pc("mean"))
 BN_FORMS = {
     "scale_after": Pat("add", Pat("mul", Pat("mul", _centered, _pc("inv")), _pc("gamma")),
-                       _pc("beta")),                                    # ((x-m)*inv)*g + b
+                       _pc("beta"), name="bn"),                         # ((x-m)*inv)*g + b
     "scale_folded": Pat("add", Pat("mul", _centered, Pat("mul", _pc("inv"), _pc("gamma"))),
-                        _pc("beta")),                                   # (x-m)*(inv*g) + b (flax)
-    "no_scale": Pat("add", Pat("mul", _centered, _pc("inv")), _pc("beta")),  # (x-m)*inv + b
+                        _pc("beta"), name="bn"),                        # (x-m)*(inv*g) + b (flax)
+    "no_scale": Pat("add", Pat("mul", _centered, _pc("inv")), _pc("beta"),
+                    name="bn"),                                         # (x-m)*inv + b
 }
 
 
@@ -59,7 +63,7 @@ def _channel_axis(x, operands):
 
 
 def _make(form, with_residual):
-  def fuse(r, x, mean, inv, beta, gamma=None, residual=None):
+  def fuse(r, x, mean, inv, beta, bn, gamma=None, residual=None, with_res=None):
     operands = [mean, inv] + ([gamma] if gamma is not None else []) + [beta]
     out = r.root.outputs[0]
     if not _is_float(x) or out.aval.shape != x.aval.shape:
@@ -74,7 +78,10 @@ def _make(form, with_residual):
       return None
     op = "BatchNormAddRelu" if with_residual else "BatchNormRelu"
     inputs = [x] + operands + ([residual] if with_residual else [])
-    return r.fused(op, inputs, {"form": form, "channel_axis": axis}, out.aval,
+    params = {"form": form, "channel_axis": axis, "beta_first": first(bn, beta)}
+    if with_residual:
+      params["residual_first"] = first(with_res, residual)
+    return r.fused(op, inputs, params, out.aval,
                    f"fused inference BatchNorm ({form}){' + Add' if with_residual else ''}"
                    f" + ReLU over channel axis {axis}")
   fuse.__name__ = f"fuse_bn_{form}{'_add' if with_residual else ''}_relu"
@@ -82,7 +89,7 @@ def _make(form, with_residual):
 
 
 BN_RELU_RULES = (
-    [Rule(_relu(Pat("add", pat, Pat.var("residual"))), _make(form, True))
+    [Rule(_relu(Pat("add", pat, Pat.var("residual"), name="with_res")), _make(form, True))
      for form, pat in BN_FORMS.items()] +
     [Rule(_relu(pat), _make(form, False)) for form, pat in BN_FORMS.items()])
 

@@ -1,19 +1,39 @@
 """fold_constants (Optimize): evaluates, at compile time, nodes whose inputs
-are all literals or const inputs, and replaces them by the result - a literal
-for a scalar, a new const input otherwise.
+are all literals or constants, and computes what jax.jit computes for them.
 
-A result larger than `SessionOptions.fold_limit_bytes` is not materialised (a
-broadcast of a literal to a big shape stays a cheap op in the executable).
-Only nodes that op_properties calls foldable are evaluated: never control
-flow, callbacks (compile runs no user code), effects or random draws. Needs nothing
+Under jax.jit every constant subexpression is folded by XLA's constant folder
+(its HLO evaluator: no flush of subnormals to zero, its own reduction order,
+libm transcendentals) - not by the CPU kernels, which flush subnormals and
+approximate exp or tanh. So a node is evaluated as XLA folds it: by compiling
+it with its operands as embedded constants, or in numpy where numpy is
+provably bit-identical to that evaluator (data movement, and IEEE add, sub,
+mul, div, neg of real floats whose result holds no NaN, since NaN payloads
+differ). max and min are not among them: numpy's max(-0.0, 0.0) is -0.0,
+XLA's is 0.0.
+
+What a fold produces must keep what XLA sees. A scalar result becomes a
+literal, an embedded constant again. An array result becomes a const input
+only when the node reads a const input: the session passes const inputs to
+its executables as arguments, so that value was never a constant to XLA
+there. An array made of literals alone (broadcast_in_dim 1.0, iota...) stays
+a node: folded into an argument it would hide a constant from XLA's
+simplifier, which rewrites x / c into x * (1/c) and combines constant factors
+only when it sees c - the 1-ulp drift an optax step showed with only this
+pass on. Its value is still known, for folding the nodes that read it.
+
+A result larger than `SessionOptions.fold_limit_bytes` is not folded. Only
+nodes that op_properties calls foldable are evaluated: never control flow,
+callbacks (compile runs no user code), effects or random draws. Needs nothing
 before it; DCE afterwards drops the const inputs nobody reads any more.
 """
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxsession.ir import Literal, aval_bytes
+from jaxsession.ir import Literal, Value, aval_bytes
 from jaxsession.lowering import kernel_fn
 from jaxsession.optimizer_passes.base import Pass, PassResult
+
 
 def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
   expanded = np.reshape(x, [x.shape[broadcast_dimensions.index(i)]
@@ -21,21 +41,24 @@ def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
   return np.broadcast_to(expanded, shape)
 
 
-def _float_only(fn):
-  """An IEEE-exact (correctly rounded) float op; None defers ints to jax."""
+def _ieee(fn):
+  """An IEEE operation (correctly rounded, subnormals kept) on real floats, as
+  XLA's evaluator does it; None (fold with XLA) for other dtypes or a NaN
+  result, whose payload bits numpy and XLA choose differently."""
   def fold(*xs, **_):
-    return fn(*xs) if all(np.issubdtype(x.dtype, np.floating) for x in xs) else None
+    if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in xs):
+      return None
+    out = fn(*xs)
+    return None if np.isnan(np.asarray(out, np.float64)).any() else out
   return fold
 
 
-# Data movement, and the correctly rounded float arithmetic, give the same bits
-# in numpy without an eager XLA compile each; everything else (transcendentals,
-# integer division) is left to the op's own kernel so folded values equal jax's.
+# Bit-identical in numpy to XLA's constant folder (tests/rewrites_exact_test.py
+# checks them on +-0.0, +-inf, NaN and subnormals); everything else is folded by
+# XLA itself.
 NUMPY_FOLDS = {
-    "add": _float_only(np.add), "sub": _float_only(np.subtract),
-    "mul": _float_only(np.multiply), "div": _float_only(np.divide),
-    "neg": _float_only(np.negative), "max": _float_only(np.maximum),
-    "min": _float_only(np.minimum),
+    "add": _ieee(np.add), "sub": _ieee(np.subtract), "mul": _ieee(np.multiply),
+    "div": _ieee(np.divide), "neg": _ieee(np.negative),
     "broadcast_in_dim": _broadcast_in_dim,
     "reshape": lambda x, new_sizes, dimensions=None, **_: (
         np.reshape(x, new_sizes) if dimensions is None else None),
@@ -46,19 +69,43 @@ NUMPY_FOLDS = {
 DEFAULT_LIMIT_BYTES = 1 << 16
 
 
+def evaluate(node, args, platform=None):
+  """The node's outputs on constant `args`, as XLA's constant folder computes
+  them (on `platform`'s compiler, the one the graph is built for)."""
+  arrays = [np.asarray(a, dtype=v.aval.dtype) for a, v in zip(args, node.inputs)]
+  numpy_fold = NUMPY_FOLDS.get(node.op)
+  if numpy_fold is not None:
+    with np.errstate(all="ignore"):  # inf is a value like any other here
+      out = numpy_fold(*arrays, **node.params)
+    if out is not None:
+      return [np.asarray(out, dtype=node.outputs[0].aval.dtype)]
+  fn = kernel_fn(node)
+  # The operands are closed over, so they are HLO constants and XLA folds the
+  # node as it would inside the user's jax.jit.
+  with jax.default_device(jax.devices(platform)[0] if platform else None):
+    outs = jax.jit(lambda: fn(node, *arrays))()
+  return [np.asarray(out) for out in outs]
+
+
 class FoldConstants(Pass):
   name = "fold_constants"
 
   def run(self, graph, ctx):
     limit = getattr(ctx.options, "fold_limit_bytes", DEFAULT_LIMIT_BYTES)
     known = {v.id: graph.const_values[v.id] for v in graph.inputs_of_kind("const")}
+    from_const = set(known)  # values an executable receives as arguments
+    pending = {}  # literal-only array values kept as nodes: id -> node, evaluated on demand
     folded = []
     for node in graph.nodes:
-      if not self._foldable(node, known, limit):
+      if not self._foldable(node, known, pending, limit):
         continue
+      reads_const = any(isinstance(v, Value) and v.id in from_const for v in node.inputs)
+      if not reads_const and any(o.aval.shape != () for o in node.outputs):
+        pending.update((out.id, node) for out in node.outputs)
+        continue
+      self._resolve(node.inputs, known, pending, ctx.platform)
       args = [v.value if isinstance(v, Literal) else known[v.id] for v in node.inputs]
-      outs = self._evaluate(node, args)
-      for out, result in zip(node.outputs, outs):
+      for out, result in zip(node.outputs, evaluate(node, args, ctx.platform)):
         value = np.asarray(result, dtype=out.aval.dtype)
         if out.aval.shape == ():
           graph.replace_uses(out, Literal(value[()], out.aval))
@@ -67,28 +114,39 @@ class FoldConstants(Pass):
                                   name=f"folded {node.op}" + (f" @ {node.source}"
                                                               if node.source else ""))
           known[const.id] = value
+          from_const.add(const.id)
           graph.replace_uses(out, const)
       folded.append(node)
     graph.remove_nodes(folded)
     return PassResult(bool(folded))
 
   @staticmethod
-  def _evaluate(node, args):
-    numpy_fold = NUMPY_FOLDS.get(node.op)
-    if numpy_fold is not None:
-      arrays = [np.asarray(a, dtype=v.aval.dtype) for a, v in zip(args, node.inputs)]
-      with np.errstate(all="ignore"):  # inf/nan are values like any other here
-        out = numpy_fold(*arrays, **node.params)
-      if out is not None:
-        return [np.asarray(out, dtype=node.outputs[0].aval.dtype)]
-    with jax.ensure_compile_time_eval():
-      return kernel_fn(node)(node, *args)
+  def _resolve(values, known, pending, platform):
+    """Evaluates the pending (literal-only) nodes that `values` need, in
+    dependency order, without recursion."""
+    stack = [v for v in values if isinstance(v, Value) and v.id in pending]
+    while stack:
+      value = stack[-1]
+      if value.id in known:
+        stack.pop()
+        continue
+      node = pending[value.id]
+      missing = [v for v in node.inputs
+                 if isinstance(v, Value) and v.id in pending and v.id not in known]
+      if missing:
+        stack.extend(missing)
+        continue
+      args = [v.value if isinstance(v, Literal) else known[v.id] for v in node.inputs]
+      for out, result in zip(node.outputs, evaluate(node, args, platform)):
+        known[out.id] = np.asarray(result, dtype=out.aval.dtype)
+      stack.pop()
 
   @staticmethod
-  def _foldable(node, known, limit):
+  def _foldable(node, known, pending, limit):
     if not node.props.foldable or node.prim is None:
       return False
-    if any(not (isinstance(v, Literal) or v.id in known) for v in node.inputs):
+    if any(not (isinstance(v, Literal) or v.id in known or v.id in pending)
+           for v in node.inputs):
       return False
     try:
       return all(np.dtype(o.aval.dtype) is not None for o in node.outputs) and sum(

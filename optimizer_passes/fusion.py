@@ -4,7 +4,15 @@ hand, as jax.nn writes them and as flax writes them; `simplify` and
 `remove_nops` run before (same fixed-point sweep) to strip what those forms add
 (stop_gradient, max with -inf, x**1). A fusion never fires when a value inside
 it has a reader outside it (the rule engine checks that).
+
+A fused node records the user's form - literals as written, association, and
+the operand order of each add that may meet a product - in its params, and
+its kernel repeats that arithmetic, so the result is bit-identical to the
+unfused graph (tests/fusion_test.py compares bits). Order matters for adds:
+XLA on CPU contracts a*b + c into one fused multiply-add, so a*b + c*d and
+c*d + a*b round differently. A form the kernel cannot repeat is not fused.
 """
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsession.ir import Literal
@@ -13,13 +21,33 @@ from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule
 x = Pat.var("x")
 
 
-def _close(literal, want, rtol=1e-6):
-  return isinstance(literal, Literal) and np.allclose(np.asarray(literal.value, np.float64),
-                                                      want, rtol=rtol, atol=0)
-
-
 def _is_float(value):
-  return np.issubdtype(np.dtype(value.aval.dtype), np.floating)
+  """Real floating point (bfloat16 included; not complex)."""
+  dtype = value.aval.dtype
+  return jnp.issubdtype(dtype, jnp.floating) and not jnp.issubdtype(dtype, jnp.complexfloating)
+
+
+def _literal(literal):
+  """A captured scalar literal as a numpy scalar of its own dtype (a param)."""
+  return np.asarray(literal.value, literal.aval.dtype)[()]
+
+
+def _near(literal, want, dtype):
+  """`literal` is `want` up to a few roundings in `dtype` (how users spell a
+  constant: np.sqrt(2/np.pi) in float64 or jnp.sqrt(2/jnp.pi) in float32). Only
+  recognises the op: the kernel uses the literal itself, never `want`."""
+  return isinstance(literal, Literal) and abs(float(literal.value) - want) <= (
+      4 * float(jnp.finfo(dtype).eps) * abs(want))
+
+
+# Written on every fused node whose op also has a Pallas kernel (GPU only).
+PALLAS_NOTE = ("bit-identical to the unfused graph with its XLA kernel; on GPU the "
+               "Pallas kernel reduces and contracts in Triton's order: not claimed")
+
+
+def first(add, operand):
+  """Whether `operand` is the first input of the add that computes `add`."""
+  return add.producer.inputs[0] is operand
 
 
 def _keeps_reduced_axes(expanded, x, axes):
@@ -39,7 +67,7 @@ def _keeps_reduced_axes(expanded, x, axes):
 # -- softmax: exp(x - max(x)) / sum(exp(x - max(x))) ----------------------------
 _expand = ("broadcast_in_dim", "reshape")
 _exp = Pat("exp", Pat("sub", x, Pat(_expand, Pat("reduce_max", x, name="mx"), name="mx_b")),
-           name="e")
+           name="e", params={"accuracy": None})
 SOFTMAX = Pat("div", _exp, Pat(_expand, Pat("reduce_sum", _exp, name="sm"), name="sm_b"))
 
 
@@ -52,27 +80,40 @@ def fuse_softmax(r, x, e, mx, mx_b, sm, sm_b):
   if r.root.outputs[0].aval.shape != x.aval.shape:
     return None
   return r.fused("Softmax", [x], {"axes": axes}, r.root.outputs[0].aval,
-                 f"fused softmax over axes {axes}")
+                 f"fused softmax over axes {axes}; {PALLAS_NOTE}")
 
 
 # -- tanh-GELU: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) -------------------
-_cube = Pat.either(Pat("integer_pow", x, params={"y": 3}),
-                   Pat("mul", x, Pat("mul", x, x)), Pat("mul", Pat("mul", x, x), x))
-_inner = Pat("mul", Pat.lit(name="c1"), Pat("add", x, Pat("mul", Pat.lit(name="c2"), _cube)))
-_one_plus_tanh = Pat("add", Pat.lit(1), Pat("tanh", _inner))
-GELU_FORMS = [
-    Pat("mul", x, Pat("mul", Pat.lit(0.5), _one_plus_tanh)),   # jax.nn.gelu
-    Pat("mul", Pat("mul", Pat.lit(0.5), x), _one_plus_tanh),   # 0.5 * x * (1 + tanh(...))
-    Pat("mul", Pat.lit(0.5), Pat("mul", x, _one_plus_tanh)),   # 0.5 * (x * (1 + tanh(...)))
-]
+# mul and add are commutative bit for bit, so operand order within one of
+# them is free; association is not, so each form is its own rule.
+_cube = Pat.either(Pat("integer_pow", x, params={"y": 3}, name="cube_pow"),  # x**3
+                   Pat("mul", x, Pat("mul", x, x), name="cube_x_xx"),       # x*(x*x)
+                   Pat("mul", Pat("mul", x, x), x, name="cube_x_xx"))       # (x*x)*x, the same
+_inner = Pat("mul", Pat.lit(name="c1"),
+              Pat("add", x, Pat("mul", Pat.lit(name="c2"), _cube, name="c2_cube"), name="inner"))
+_one_plus_tanh = Pat("add", Pat.lit(1, name="one"),
+                     Pat("tanh", _inner, params={"accuracy": None}))
+GELU_FORMS = {
+    "x_half_t": Pat("mul", x, Pat("mul", Pat.lit(0.5, name="half"), _one_plus_tanh)),  # jax.nn
+    "half_x_t": Pat("mul", Pat("mul", Pat.lit(0.5, name="half"), x), _one_plus_tanh),  # 0.5*x*(..)
+    "half_xt": Pat("mul", Pat.lit(0.5, name="half"), Pat("mul", x, _one_plus_tanh)),   # 0.5*(x*..)
+}
 
 
-def fuse_gelu(r, x, c1, c2):
-  if not (_close(c1, np.sqrt(2 / np.pi)) and _close(c2, 0.044715)) or not _is_float(x):
-    return None
-  if r.root.outputs[0].aval.shape != x.aval.shape:
-    return None
-  return r.fused("GeluTanh", [x], {}, r.root.outputs[0].aval, "fused tanh-GELU")
+def _make_gelu(form):
+  def fuse_gelu(r, x, c1, c2, one, half, inner, c2_cube, **cube):
+    if not _is_float(x) or r.root.outputs[0].aval.shape != x.aval.shape:
+      return None
+    if not (_near(c1, np.sqrt(2 / np.pi), x.aval.dtype) and _near(c2, 0.044715, x.aval.dtype)):
+      return None
+    params = {"form": form, "cube": "pow" if "cube_pow" in cube else "x_xx",
+              "x_first": first(inner, x),
+              "c1": _literal(c1), "c2": _literal(c2), "one": _literal(one),
+              "half": _literal(half)}
+    return r.fused("GeluTanh", [x], params, r.root.outputs[0].aval,
+                   f"fused tanh-GELU ({form}, the user's literals)")
+  fuse_gelu.__name__ = f"fuse_gelu_{form}"
+  return fuse_gelu
 
 
 # -- MatMul + BiasAdd: dot_general(a, w) + bias over the last axis --------------------
@@ -92,8 +133,8 @@ def fuse_matmul_bias(r, a, w, mm, bias, bb):
     return None
   if node.op == "reshape" and tuple(bb.aval.shape) != (1,) * (out.ndim - 1) + bias.aval.shape:
     return None
-  params = {k: mm.producer.params.get(k) for k in
-            ("dimension_numbers", "precision", "preferred_element_type")}
+  params = {"dot": tuple(sorted(mm.producer.params.items())),
+            "bias_first": first(r.root.outputs[0], bb)}
   return r.fused("MatMulBiasAdd", [a, w, bias], params, r.root.outputs[0].aval,
                  "fused dot_general + bias add (MindSpore MatMulBiasAdd)")
 
@@ -110,36 +151,62 @@ def _same_aval_add(value, aval):
                   for v in node.inputs))
 
 
-def _leaves(value, aval, graph_outputs, root):
-  if isinstance(value, Literal):
-    return [value]
-  node = value.producer
-  if node is not root and (len(value.users) != 1 or id(value) in graph_outputs):
-    return [value]
-  if not _same_aval_add(value, aval):
-    return [value]
-  return [leaf for v in node.inputs for leaf in _leaves(v, aval, graph_outputs, root)]
+def _add_tree(root, aval, graph_outputs):
+  """The adds under `root` as (leaves, steps): step k adds slots (i, j), where
+  slots 0..n-1 are the leaves and slot n+k is step k's sum - the user's own
+  association and operand order. Iterative: a 1500-term sum is a chain 1500 deep."""
+  leaves, slot_of, steps = [], {}, []
+  result = {}  # id(add output) -> its slot
+  stack = [(root, False)]
+  while stack:
+    value, expanded = stack.pop()
+    node = value.producer
+    inner = [v for v in node.inputs if _absorbed(v, aval, graph_outputs)]
+    if not expanded:
+      stack.append((value, True))
+      stack.extend((v, False) for v in reversed(inner))
+      continue
+    slots = []
+    for v in node.inputs:
+      if _absorbed(v, aval, graph_outputs):
+        slots.append(result[id(v)])
+        continue
+      key = v.key() if isinstance(v, Literal) else id(v)
+      if key not in slot_of:
+        slot_of[key] = len(leaves)
+        leaves.append(v)
+      slots.append(slot_of[key])
+    result[id(value)] = ("step", len(steps))
+    steps.append(tuple(slots))
+  n = len(leaves)
+  fix = lambda s: n + s[1] if isinstance(s, tuple) else s
+  return leaves, tuple((fix(i), fix(j)) for i, j in steps)
+
+
+def _absorbed(value, aval, graph_outputs):
+  """An inner add the fused node takes in: read by its parent add alone."""
+  return (not isinstance(value, Literal) and len(value.users) == 1
+          and id(value) not in graph_outputs and _same_aval_add(value, aval))
 
 
 def fuse_add_n(r, a, b):
   out = r.root.outputs[0]
   if not _same_aval_add(out, out.aval):
     return None
-  parent = out.users[0] if len(out.users) == 1 else None
   graph_outputs = {id(v) for v in r.graph.outputs}
-  if parent is not None and id(out) not in graph_outputs and _same_aval_add(
-      parent.outputs[0], out.aval):
+  if _absorbed(out, out.aval, graph_outputs) and _same_aval_add(out.users[0].outputs[0],
+                                                                out.aval):
     return None  # the parent add will take this one in
-  leaves = _leaves(out, out.aval, graph_outputs, r.root)
-  if len(leaves) < 3:
+  leaves, steps = _add_tree(out, out.aval, graph_outputs)
+  if len(steps) < 2:
     return None
-  return r.fused("AddN", leaves, {"n": len(leaves)}, out.aval,
-                 f"fused {len(leaves) - 1} adds into one {len(leaves)}-ary add")
+  return r.fused("AddN", leaves, {"n": len(leaves), "steps": steps}, out.aval,
+                 f"fused {len(steps)} adds of {len(leaves)} values (the user's association)")
 
 
 FUSION_RULES = {
     "fuse_softmax": [Rule(SOFTMAX, fuse_softmax)],
-    "fuse_gelu": [Rule(form, fuse_gelu) for form in GELU_FORMS],
+    "fuse_gelu": [Rule(pat, _make_gelu(form)) for form, pat in GELU_FORMS.items()],
     "fuse_matmul_bias": [Rule(MATMUL_BIAS, fuse_matmul_bias)],
     "fuse_add_n": [Rule(Pat(ADDS, Pat.var("a"), Pat.var("b")), fuse_add_n)],
 }

@@ -1,5 +1,8 @@
 """remove_nops (Optimize): MindSpore's HideNopNode - ops that return their
-operand unchanged go, their readers read the operand. Needs nothing before it."""
+operand unchanged go, their readers read the operand. Each moves data only,
+so the values are the operand's bits; the node goes only when its output has
+the operand's aval, weak type included (a convert to its own dtype that makes
+a value weak, or strong, stays). Needs nothing before it."""
 from jaxsession.optimizer_passes.pattern import Pat, Rule, RewritePass
 from jaxsession.optimizer_passes.simplify import keep_x
 
@@ -20,7 +23,7 @@ def _whole_slice(r, x):
 
 NOP_RULES = [
     Rule(Pat("reshape", x, params={"dimensions": None}), keep_x),       # same-shape reshape
-    Rule(Pat("convert_element_type", x), keep_x),                       # to its own dtype
+    Rule(Pat("convert_element_type", x), keep_x),                       # to its own aval
     Rule(Pat("copy", x), keep_x),                                       # copy
     Rule(Pat("stop_gradient", x), keep_x),                              # no gradients here
     Rule(Pat("copy_p", x), keep_x),                                     # copy

@@ -7,7 +7,13 @@ A rule's rewrite gets a Rewriter (to emit new nodes) and the captures, and
 returns the replacement for the matched root's output, or None for "no match".
 A match is accepted only if every matched node other than the root is used
 inside the match alone: a fusion must not swallow a value someone else reads
-(MindSpore's MatMulBiasAdd bails out then; so do we).
+(MindSpore's MatMulBiasAdd bails out then; so do we). A rule may instead
+export such a value (`Rule(exports=...)`): its rewrite then replaces it too,
+and the new nodes go before the first reader of any exported value - or, when
+a value they read is not defined by then, the rule does not fire.
+
+Literals match by value and sign: `Pat.lit(0)` is +0 and not -0.0, since
+x + 0.0 and x + (-0.0) are different functions of x.
 """
 import jax
 from jax.core import ShapedArray
@@ -108,13 +114,14 @@ SPLAT_LIMIT = 1 << 16  # elements; larger consts are not inspected
 
 def splat_scalar(value, consts):
   """The scalar Literal a value is made of: a literal itself, a const input
-  whose elements are all equal, or a broadcast of a literal; else None."""
+  whose elements all have the same bits (so [0.0, -0.0] is no splat), or a
+  broadcast of a literal; else None."""
   if isinstance(value, Literal):
     return value
   if value.kind == "const" and value.id in consts:
-    arr = np.asarray(consts[value.id])
-    if 0 < arr.size <= SPLAT_LIMIT and np.all(arr == arr.flat[0]):
-      return Literal(arr.flat[0], ShapedArray((), arr.dtype))
+    flat = np.ascontiguousarray(consts[value.id]).reshape(-1)
+    if 0 < flat.size <= SPLAT_LIMIT and flat.tobytes() == flat[:1].tobytes() * flat.size:
+      return Literal(flat[0], ShapedArray((), flat.dtype))
     return None
   node = value.producer
   if node is not None and node.op == "broadcast_in_dim" and isinstance(node.inputs[0], Literal):
@@ -122,10 +129,20 @@ def splat_scalar(value, consts):
   return None
 
 
+def same_number(got, want):
+  """`got` equals `want` as a number and, for floats, in sign: 0.0 is not -0.0."""
+  got = np.asarray(got)
+  if not bool(got == want):
+    return False
+  if got.dtype.kind in "biuc":  # no signed zero to tell apart
+    return True
+  return bool(np.signbit(got.astype(np.float64)) == np.signbit(np.float64(want)))
+
+
 def literal_equals(value, want, consts):
   """The splat scalar of `value` if it equals `want` (any value when None)."""
   scalar = splat_scalar(value, consts)
-  if scalar is None or (want is not None and not bool(np.all(np.asarray(scalar.value) == want))):
+  if scalar is None or (want is not None and not same_number(scalar.value, want)):
     return None
   return scalar
 
@@ -220,7 +237,8 @@ class Rule:
 
 
 class Rewriter:
-  """Handed to a rewrite: emits new nodes just before the matched root."""
+  """Handed to a rewrite: emits new nodes, which go just before the matched
+  root (or before an earlier reader of an exported value)."""
 
   def __init__(self, graph, root, rule):
     self.graph = graph
@@ -242,12 +260,15 @@ class Rewriter:
     return self.emit(op, None, params, inputs, [out_aval], note)
 
   def bind(self, prim, inputs, **params):
-    """A primitive node; its output avals come from the primitive's shape rule."""
+    """A primitive node; its output avals (weak types included) come from the
+    primitive's shape rule."""
     avals = jax.eval_shape(lambda *xs: prim.bind(*xs, **params),
-                           *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs])
+                           *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                                  weak_type=getattr(v.aval, "weak_type", False))
+                             for v in inputs])
     avals = avals if prim.multiple_results else [avals]
     return self.emit(prim.name, prim, params, inputs,
-                     [ShapedArray(a.shape, a.dtype) for a in avals])
+                     [ShapedArray(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
 
 
 class RewritePass(Pass):
@@ -270,17 +291,17 @@ class RewritePass(Pass):
     for node in graph.nodes:
       if node in dead:
         continue
-      emitted = self._try_rules(graph, node, graph_outputs, dead)
-      if emitted is None:
-        order.append(node)
-      else:
-        order.extend(emitted)
+      if self._try_rules(graph, node, graph_outputs, dead, order):
         fired += 1
+      else:
+        order.append(node)
     if fired:
       graph.nodes = [n for n in order if n not in dead]
     return PassResult(fired > 0)
 
-  def _try_rules(self, graph, node, graph_outputs, dead):
+  def _try_rules(self, graph, node, graph_outputs, dead, order):
+    """Fires the first rule that matches at `node`, placing its new nodes in
+    `order` (the nodes before `node`, rewritten so far); whether one fired."""
     for rule in self.index.get(node.op, ()):
       m = Match(graph.const_values)
       if not match(rule.pattern, node.outputs[0], m):
@@ -292,6 +313,9 @@ class RewritePass(Pass):
       new = rule.rewrite(rewriter, **m.captures)
       if new is None:
         continue  # nothing was linked yet: the emitted nodes just go away
+      position = _position(order, rewriter.emitted, _early_readers(exported, m.nodes, order))
+      if position is None:
+        continue  # an exported value is read before the new nodes' inputs exist
       new = new if isinstance(new, (list, tuple)) else [new]
       for n in rewriter.emitted:
         graph.link(n)
@@ -302,8 +326,35 @@ class RewritePass(Pass):
       graph_outputs.clear()
       graph_outputs.update(id(v) for v in graph.outputs)
       _drop_dead(graph, [node] + m.nodes, graph_outputs, dead)
-      return rewriter.emitted
-    return None
+      order[position:position] = rewriter.emitted
+      return True
+    return False
+
+
+def _early_readers(exported, matched, order):
+  """Readers of the exported values, outside the match, already placed in
+  `order` (they come before the root)."""
+  if not exported:
+    return set()
+  inside = set(matched)
+  readers = {u for v in exported for u in getattr(v, "users", ()) if u not in inside}
+  return readers & set(order) if readers else set()
+
+
+def _position(order, emitted, early_readers):
+  """Where the emitted nodes go in `order`: at its end (just before the root),
+  or before the first early reader of an exported value - provided every
+  value they read is defined by then. None when it is not."""
+  if not early_readers:
+    return len(order)
+  position = next(i for i, n in enumerate(order) if n in early_readers)
+  defined = {id(out) for n in order[:position] for out in n.outputs}
+  for node in emitted:
+    for value in node.inputs:
+      if isinstance(value, Value) and value.producer is not None and id(value) not in defined:
+        return None
+    defined.update(id(out) for out in node.outputs)
+  return position
 
 
 def _closed(nodes, root, graph_outputs, exempt=()):

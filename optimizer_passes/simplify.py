@@ -1,24 +1,55 @@
 """simplify (Optimize): algebraic identities, one rule a line.
 
-Each rewrite checks that the replacement has the root's shape and dtype, so
-broadcasting identities (a scalar x*1 feeding a vector) are left alone.
+A rule fires only where it is an identity for every input value: NaN, +-0.0,
++-inf, subnormals and integer wrap-around included. So x + 0.0 stays (it turns
+-0.0 into +0.0: only x + (-0.0) is x), x - (-0.0) stays, complex x * 1 stays
+(inf * 0 in the cross terms), and a convert round trip A -> B -> A goes only
+when B holds every value of A exactly (int64 -> float64 does not: 2**53 + 1).
+A replacement must have the root's shape, dtype *and* weak type, or a strong
+result would come back weak (it promotes differently in the caller's code).
+
 Needs nothing before it; DCE afterwards drops what the rules orphan (the rule
 engine drops the matched nodes itself when nobody else reads them).
 """
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsession.optimizer_passes.pattern import Pat, Rule, RewritePass
 
 x = Pat.var("x")
+ADDS = ("add", "add_any")
 
 
-def same_type(a, b):
-  return tuple(a.aval.shape) == tuple(b.aval.shape) and a.aval.dtype == b.aval.dtype
+def same_aval(a, b):
+  """Same shape, dtype and weak type: `b` may stand for `a` anywhere."""
+  return (tuple(a.aval.shape) == tuple(b.aval.shape) and a.aval.dtype == b.aval.dtype
+          and getattr(a.aval, "weak_type", False) == getattr(b.aval, "weak_type", False))
+
+
+def is_kind(value, *kinds):
+  """Whether value's dtype is a subtype of one of `kinds` (jnp.floating...)."""
+  try:
+    return any(jnp.issubdtype(value.aval.dtype, kind) for kind in kinds)
+  except TypeError:  # extended dtypes (PRNG keys)
+    return False
 
 
 def keep_x(r, x):
-  """The root computes x itself (when its type is x's)."""
-  return x if same_type(r.root.outputs[0], x) else None
+  """The root computes x itself (when x has the root's aval)."""
+  return x if same_aval(r.root.outputs[0], x) else None
+
+
+def keep_real(r, x):
+  """x, for integer and real floating x only (complex arithmetic mixes parts)."""
+  return keep_x(r, x) if is_kind(x, jnp.integer, jnp.floating) else None
+
+
+def keep_float(r, x):
+  return keep_x(r, x) if is_kind(x, jnp.floating) else None
+
+
+def keep_int(r, x):
+  return keep_x(r, x) if is_kind(x, jnp.integer) else None
 
 
 def compose_transposes(r, x, inner):
@@ -27,20 +58,46 @@ def compose_transposes(r, x, inner):
   p2 = r.root.params["permutation"]
   perm = tuple(p1[i] for i in p2)
   if perm == tuple(range(len(perm))):
-    return x
+    return keep_x(r, x)
   return r.emit("transpose", r.root.prim, {**r.root.params, "permutation": perm}, [x],
                 [r.root.outputs[0].aval])
 
 
+def _kind_bits(dtype):
+  """(kind, significand bits, max exponent, min exponent) of a bool, int or
+  real float dtype; None for anything else."""
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return ("bool", 1, 1, 0)
+  if jnp.issubdtype(dtype, jnp.integer):
+    info = jnp.iinfo(dtype)
+    return ("int", info.bits - (info.min < 0), int(info.max), int(info.min))
+  if jnp.issubdtype(dtype, jnp.floating) and not jnp.issubdtype(dtype, jnp.complexfloating):
+    info = jnp.finfo(dtype)
+    return ("float", info.nmant + 1, int(info.maxexp), int(info.minexp) - info.nmant)
+  return None
+
+
+def holds_exactly(a, b):
+  """Every value of dtype `a` converts to `b` and back unchanged."""
+  ka, kb = _kind_bits(a) or (None,), _kind_bits(b) or (None,)
+  if None in (ka[0], kb[0]):
+    return False
+  if ka[0] == "bool":
+    return True  # 0 and 1 survive anything; nonzero converts back to True
+  if ka[0] == "int" and kb[0] == "int":
+    return kb[2] >= ka[2] and kb[3] <= ka[3]
+  if ka[0] == "int" and kb[0] == "float":
+    return kb[1] >= ka[1] and 2.0 ** kb[2] > ka[2]  # every integer of a is a float of b
+  if ka[0] == "float" and kb[0] == "float":
+    # significand, range and the smallest subnormal all covered
+    return kb[1] >= ka[1] and kb[2] >= ka[2] and kb[3] <= ka[3]
+  return False  # float -> int or -> bool drops fractions
+
+
 def convert_round_trip(r, x, inner):
-  """A -> B -> A is x when A -> B loses nothing."""
-  a, b = x.aval.dtype, inner.aval.dtype
-  try:
-    exact = np.can_cast(a, b, "safe") or (a == np.bool_)
-  except TypeError:  # extended dtypes (keys) never round-trip here
-    return None
-  return x if exact and r.root.outputs[0].aval.dtype == a and same_type(
-      r.root.outputs[0], x) else None
+  """A -> B -> A is x when B holds every value of A exactly."""
+  return keep_x(r, x) if holds_exactly(x.aval.dtype, inner.aval.dtype) else None
 
 
 def reshape_chain(r, x, inner):
@@ -48,7 +105,7 @@ def reshape_chain(r, x, inner):
   if inner.producer.params.get("dimensions") or r.root.params.get("dimensions"):
     return None
   if tuple(r.root.outputs[0].aval.shape) == tuple(x.aval.shape):
-    return x
+    return keep_x(r, x)
   return r.emit("reshape", r.root.prim, dict(r.root.params), [x], [r.root.outputs[0].aval])
 
 
@@ -63,20 +120,20 @@ def broadcast_chain(r, x, inner):
 
 
 SIMPLIFY_RULES = [
-    Rule(Pat("mul", x, Pat.lit(1)), keep_x),                          # x*1 -> x
-    Rule(Pat("add", x, Pat.lit(0)), keep_x),                          # x+0 -> x
-    Rule(Pat("add_any", x, Pat.lit(0)), keep_x),                      # x+0 -> x
-    Rule(Pat("sub", x, Pat.lit(0)), keep_x),                          # x-0 -> x
-    Rule(Pat("div", x, Pat.lit(1)), keep_x),                          # x/1 -> x
-    Rule(Pat("pow", x, Pat.lit(1)), keep_x),                          # x**1 -> x
+    Rule(Pat("mul", x, Pat.lit(1)), keep_real),                       # x*1 -> x (not complex)
+    Rule(Pat(ADDS, x, Pat.lit(-0.0)), keep_float),                    # x+(-0.0) -> x
+    Rule(Pat(ADDS, x, Pat.lit(0)), keep_int),                         # x+0 -> x (ints only)
+    Rule(Pat("sub", x, Pat.lit(0)), keep_real),                       # x-0 -> x (+0 only)
+    Rule(Pat("div", x, Pat.lit(1)), keep_real),                       # x/1 -> x (not complex)
+    Rule(Pat("pow", x, Pat.lit(1)), keep_real),                       # x**1 -> x
     Rule(Pat("integer_pow", x, params={"y": 1}), keep_x),             # x**1 -> x
-    Rule(Pat("max", x, Pat.lit(-np.inf)), keep_x),                    # max(x, -inf) -> x
-    Rule(Pat("neg", Pat("neg", x)), keep_x),                          # -(-x) -> x
+    Rule(Pat("max", x, Pat.lit(-np.inf)), keep_float),                # max(x, -inf) -> x
+    Rule(Pat("neg", Pat("neg", x)), keep_x),                          # -(-x) -> x (wraps back)
     Rule(Pat("not", Pat("not", x)), keep_x),                          # ~~x -> x
     Rule(Pat("transpose", Pat("transpose", x, name="inner")),
          compose_transposes),                                         # T(T(x)) -> x or one T
     Rule(Pat("convert_element_type", Pat("convert_element_type", x, name="inner")),
-         convert_round_trip),                                         # A->B->A -> x if exact
+         convert_round_trip),                                         # A->B->A -> x if B holds A
     Rule(Pat("reshape", Pat("reshape", x, name="inner")),
          reshape_chain),                                              # reshape chain -> one
     Rule(Pat("broadcast_in_dim", Pat("broadcast_in_dim", x, name="inner")),

@@ -68,16 +68,22 @@ def _check_results(node, outs):
                       f"{aval_str(value.aval)}")
 
 
-def build_device_step(part, donated_ids):
+def device_inputs(part):
+  """The values a device partition takes as arguments: its inputs but the
+  graph's consts, which its executable embeds."""
+  return [v for v in part.inputs if v.kind != "const"]
+
+
+def build_device_step(part, donated_ids, consts):
   """Compiles one device partition; its donated inputs are the state leaves
   the memory plan gave to this partition. A failing callback inside it raises
   HostOpError with the user's exception as the cause."""
   recorder = callbacks.ErrorRecorder()
-  body = lower_nodes(callbacks.instrumented(part.nodes, recorder), part.inputs,
-                     part.outputs)
-  donate = tuple(i for i, v in enumerate(part.inputs) if v.id in donated_ids)
-  exe = compile_fn(lambda *xs: body(*xs), [shape_struct(v.aval) for v in part.inputs],
-                   donate)
+  inputs = device_inputs(part)
+  body = lower_nodes(callbacks.instrumented(part.nodes, recorder), inputs, part.outputs,
+                     {v.id: consts[v.id] for v in part.inputs if v.kind == "const"})
+  donate = tuple(i for i, v in enumerate(inputs) if v.id in donated_ids)
+  exe = compile_fn(lambda *xs: body(*xs), [shape_struct(v.aval) for v in inputs], donate)
   if not part.may_fail:
     return exe
 
@@ -95,11 +101,11 @@ def build_steps(graph, partitions, plan):
   steps = []
   for part in partitions:
     if part.place == "host":
-      fn = host_callable(part.nodes, part.inputs, part.outputs)
+      fn, inputs = host_callable(part.nodes, part.inputs, part.outputs), part.inputs
     else:
       mine = {vid for vid, index in donated_to.items() if index == part.index}
-      fn = build_device_step(part, mine)
-    steps.append(Step(part, fn, [v.id for v in part.inputs], [v.id for v in part.outputs]))
+      fn, inputs = build_device_step(part, mine, graph.const_values), device_inputs(part)
+    steps.append(Step(part, fn, [v.id for v in inputs], [v.id for v in part.outputs]))
   keep = {v.id for v in graph.outputs if not isinstance(v, Literal)}
   last = {}
   for i, step in enumerate(steps):

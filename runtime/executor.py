@@ -16,7 +16,7 @@ import numpy as np
 from jax import tree_util
 
 from jaxsession.ir import Literal
-from jaxsession.lowering import lower_nodes
+from jaxsession.lowering import graph_consts, lower_nodes
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.build import compile_fn, shape_struct
 from jaxsession.runtime.state import slots_lock
@@ -78,10 +78,6 @@ class StateLayout:
             tuple(shape_struct(self.state_avals[i]) for i in self.kept_idx))
 
 
-def const_structs(consts):
-  return tuple(jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts)
-
-
 def arg_structs(spec, leading=None):
   """ShapeDtypeStruct pytrees for the run arguments (optionally with a leading
   steps axis)."""
@@ -95,14 +91,16 @@ def arg_structs(spec, leading=None):
 
 
 def graph_body(graph, layout, rest_tree, recorder):
-  """fn(state_leaves, consts, args) -> (updated state leaves, user outputs),
-  with every callback recording its exception in `recorder`."""
-  body = lower_nodes(callbacks.instrumented(graph.nodes, recorder), graph.inputs,
-                     graph.outputs)
+  """fn(state_leaves, args) -> (updated state leaves, user outputs), the
+  graph's consts embedded, every callback recording its exception in
+  `recorder`."""
+  body = lower_nodes(callbacks.instrumented(graph.nodes, recorder),
+                     [v for v in graph.inputs if v.kind != "const"], graph.outputs,
+                     graph_consts(graph))
   k = layout.num_outputs
 
-  def step(state, consts, args):
-    outs = body(*state, *tree_util.tree_leaves(args), *consts)
+  def step(state, args):
+    outs = body(*state, *tree_util.tree_leaves(args))
     return ([outs[i] for i in layout.updated_idx],
             tree_util.tree_unflatten(rest_tree, outs[k:]))
   return step
@@ -135,48 +133,44 @@ class SingleRunner(Runner):
   types before it runs or consumes anything (a mismatch is retried once with
   the arguments conformed, which raises InputError if they do not fit). The
   call `run` makes is a closure chosen once for the graph's shape of state:
-    * bare: no state, no consts - the arguments go straight in;
+    * bare: no state - the arguments go straight in;
     * slotwise: the usual training step, every state leaf donated and
       updated - whole slots go in as tuples and come back replaced whole;
-    * general: (donated leaves, kept leaves, consts, *args).
+    * general: (donated leaves, kept leaves, *args).
   """
 
-  def __init__(self, graph, spec, rest_tree, consts, partition, layout):
+  def __init__(self, graph, spec, rest_tree, partition, layout):
     super().__init__(layout, spec)
     self.partition = partition
     self.recorder = callbacks.ErrorRecorder()
-    self.consts = consts
     step = graph_body(graph, layout, rest_tree, self.recorder)
     everything = list(range(layout.num_state))
-    if not (layout.num_state or consts):
-      self.exe = compile_fn(lambda *args: step([], (), args)[1], arg_structs(spec))
+    if not layout.num_state:
+      self.exe = compile_fn(lambda *args: step([], args)[1], arg_structs(spec))
       self.call = self._bare_call()
-    elif everything and layout.donated_idx == everything == layout.updated_idx:
+    elif layout.donated_idx == everything == layout.updated_idx:
       sizes = [len(slot.leaves) for slot in layout.slots]
 
-      def slotwise_step(slot_leaves, *rest):
-        given_consts, args = (rest[0], rest[1:]) if consts else ((), rest)
-        new, out = step([x for leaves in slot_leaves for x in leaves], given_consts, args)
+      def slotwise_step(slot_leaves, *args):
+        new, out = step([x for leaves in slot_leaves for x in leaves], args)
         return _split(new, sizes), out
       donated_s, _ = layout.structs()
-      prefix = (const_structs(consts),) if consts else ()
-      self.exe = compile_fn(slotwise_step, (_split(donated_s, sizes), *prefix,
-                                            *arg_structs(spec)), donate_argnums=(0,))
+      self.exe = compile_fn(slotwise_step, (_split(donated_s, sizes), *arg_structs(spec)),
+                            donate_argnums=(0,))
       self.call = self._slotwise_call()
     else:
-      def whole_step(donated, kept, consts, *args):
-        new, out = step(layout.merge(donated, kept), consts, args)
+      def whole_step(donated, kept, *args):
+        new, out = step(layout.merge(donated, kept), args)
         return tuple(new), out
-      self.exe = compile_fn(whole_step, (*layout.structs(), const_structs(consts),
-                                         *arg_structs(spec)),
+      self.exe = compile_fn(whole_step, (*layout.structs(), *arg_structs(spec)),
                             donate_argnums=(0,) if layout.donated_idx else ())
 
   def execute(self, args):
     donated, kept = self.layout.gather()
     try:
-      return self.exe(donated, kept, self.consts, *args)
+      return self.exe(donated, kept, *args)
     except (TypeError, OverflowError):  # checked before anything ran or was donated
-      return self.exe(donated, kept, self.consts, *self.spec.conform(args))
+      return self.exe(donated, kept, *self.spec.conform(args))
     except jax.errors.JaxRuntimeError as exc:
       raise runtime_failure(self.partition, self.recorder, exc)
 
@@ -198,16 +192,15 @@ class SingleRunner(Runner):
   def _slotwise_call(self):
     exe, conform, failure = self.exe, self.spec.conform, self._failure
     slots, lock = tuple(self.layout.slots), self.lock
-    prefix = (self.consts,) if self.consts else ()
     if len(slots) == 1:  # one state arg: no tuple building at all
       slot, = slots
 
       def call(args):
         with lock:
           try:
-            new, out = exe((slot.leaves,), *prefix, *args)
+            new, out = exe((slot.leaves,), *args)
           except (TypeError, OverflowError):
-            new, out = exe((slot.leaves,), *prefix, *conform(args))
+            new, out = exe((slot.leaves,), *conform(args))
           except jax.errors.JaxRuntimeError as exc:
             raise failure(exc)
           slot.leaves = new[0]
@@ -218,9 +211,9 @@ class SingleRunner(Runner):
       with lock:
         current = tuple([slot.leaves for slot in slots])
         try:
-          new, out = exe(current, *prefix, *args)
+          new, out = exe(current, *args)
         except (TypeError, OverflowError):
-          new, out = exe(current, *prefix, *conform(args))
+          new, out = exe(current, *conform(args))
         except jax.errors.JaxRuntimeError as exc:
           raise failure(exc)
         for slot, leaves in zip(slots, new):
@@ -245,14 +238,13 @@ def runtime_failure(partition, recorder, exc):
 class PlanRunner(Runner):
   """Several partitions: device executables with host steps between them."""
 
-  def __init__(self, graph, steps, spec, rest_tree, consts, layout):
+  def __init__(self, graph, steps, spec, rest_tree, layout):
     super().__init__(layout, spec)
     self.steps = steps
     self.rest_tree = rest_tree
-    self.consts = consts
+    self.consts = graph_consts(graph)
     self.state_ids = [v.id for v in graph.inputs_of_kind("state")]
     self.input_ids = [v.id for v in graph.inputs_of_kind("input")]
-    self.const_ids = [v.id for v in graph.inputs_of_kind("const")]
     self.outputs = list(graph.outputs)
     # An output that is a graph input, or that appears more than once, would
     # hand the same buffer to two owners (a slot and the caller, or two
@@ -268,7 +260,7 @@ class PlanRunner(Runner):
   def run_flat(self, state_leaves, user_leaves):
     env = dict(zip(self.state_ids, state_leaves))
     env.update(zip(self.input_ids, user_leaves))
-    env.update(zip(self.const_ids, self.consts))
+    env.update(self.consts)  # host steps read them; device steps embed them
     for step in self.steps:
       outs = step.fn(*[env[i] for i in step.in_ids])
       env.update(zip(step.out_ids, outs))

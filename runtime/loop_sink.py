@@ -15,7 +15,7 @@ from jax import lax, tree_util
 from jaxsession.errors import InputError
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.build import compile_fn
-from jaxsession.runtime.executor import (Runner, arg_structs, const_structs, graph_body,
+from jaxsession.runtime.executor import (Runner, arg_structs, graph_body,
                                          runtime_failure)
 from jaxsession.runtime.state import owned_copy
 
@@ -23,17 +23,16 @@ from jaxsession.runtime.state import owned_copy
 class SunkRunner(Runner):
   """One executable that runs `steps` steps of a single-partition graph."""
 
-  def __init__(self, graph, spec, rest_tree, consts, layout, steps):
+  def __init__(self, graph, spec, rest_tree, layout, steps):
     super().__init__(layout, spec)
-    self.consts = consts
     self.steps = steps
     self.partition = graph.partitions[0] if graph.partitions else None
     self.recorder = callbacks.ErrorRecorder()
     step = graph_body(graph, layout, rest_tree, self.recorder)
 
-    def sunk(donated, kept, consts, *stacked):
+    def sunk(donated, kept, *stacked):
       def one_step(state, xs):
-        new, out = step(list(state), consts, xs)
+        new, out = step(list(state), xs)
         state = list(state)
         for i, x in zip(layout.updated_idx, new):
           state[i] = lax.convert_element_type(x, state[i].dtype)
@@ -43,13 +42,13 @@ class SunkRunner(Runner):
       return tuple(final[i] for i in layout.updated_idx), ys
 
     self.exe = compile_fn(
-        sunk, (*layout.structs(), const_structs(consts), *arg_structs(spec, steps)),
+        sunk, (*layout.structs(), *arg_structs(spec, steps)),
         donate_argnums=(0,) if layout.donated_idx else ())
 
   def execute(self, args):
     args = self.spec.conform(args, leading=self.steps)
     try:
-      return self.exe(*self.layout.gather(), self.consts, *args)
+      return self.exe(*self.layout.gather(), *args)
     except jax.errors.JaxRuntimeError as exc:
       raise runtime_failure(self.partition, self.recorder, exc)
 

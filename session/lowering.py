@@ -46,10 +46,16 @@ def check_kernel_outputs(node, outs):
                               f"{node.id} '{node.op}', which is {aval_str(value.aval)}")
 
 
-def lower_nodes(nodes, in_values, out_values):
-  """Returns fn(*arrays) -> list, computing `out_values` from `in_values`."""
+def lower_nodes(nodes, in_values, out_values, consts=None):
+  """Returns fn(*arrays) -> list, computing `out_values` from `in_values`.
+
+  `consts` (value id -> array) are bound from the closure, not passed: traced
+  under jit they become constants of the executable, as the constants a
+  function closes over do under `jax.jit` (XLA then simplifies around them the
+  same way, e.g. x / C -> x * (1/C), which keeps results bit-identical)."""
   nodes = list(nodes)
   in_ids = [v.id for v in in_values]
+  bound = dict(consts or {})
   frees = last_uses(nodes, out_values)
   fns = [kernel_fn(n) for n in nodes]
 
@@ -57,7 +63,8 @@ def lower_nodes(nodes, in_values, out_values):
     return value.value if isinstance(value, Literal) else env[value.id]
 
   def run_nodes(*arrays):
-    env = dict(zip(in_ids, arrays))
+    env = dict(bound)
+    env.update(zip(in_ids, arrays))
     for node, fn, free in zip(nodes, fns, frees):
       outs = fn(node, *[read(env, v) for v in node.inputs])
       check_kernel_outputs(node, outs)
@@ -71,5 +78,12 @@ def lower_nodes(nodes, in_values, out_values):
 
 
 def lower_graph(graph):
-  """The whole graph as fn(*inputs in graph.inputs order) -> list of outputs."""
-  return lower_nodes(graph.nodes, graph.inputs, graph.outputs)
+  """The whole graph as fn(*state and input values, in graph.inputs order)
+  -> list of outputs; the const inputs are constants of the function."""
+  return lower_nodes(graph.nodes, [v for v in graph.inputs if v.kind != "const"],
+                     graph.outputs, graph_consts(graph))
+
+
+def graph_consts(graph):
+  """value id -> array of every const input of `graph`."""
+  return {v.id: graph.const_values[v.id] for v in graph.inputs_of_kind("const")}

@@ -202,20 +202,19 @@ class Session:
 
   def _build(self, graph, spec, rest_tree, leaf_slots):
     """One executable per device partition, compiled ahead of time (no
-    warm-up: nothing of the user's runs here); the runner for `run` and a
+    warm-up: nothing of the user's runs here) with the graph's consts
+    embedded as jax.jit embeds a closure's; the runner for `run` and a
     factory of loop-sunk runners for `run(..., steps=N)`."""
-    consts = tuple(owned_copy(graph.const_values[v.id])
-                   for v in graph.inputs_of_kind("const"))
     layout = executor.StateLayout(graph, graph.memory, leaf_slots)
     parts = graph.partitions
     if len(parts) <= 1 and all(p.place == "device" for p in parts):
       part = parts[0] if parts else None
-      runner = executor.SingleRunner(graph, spec, rest_tree, consts, part, layout)
-      make_sunk = lambda steps: loop_sink.SunkRunner(graph, spec, rest_tree, consts,
-                                                     layout, steps)
+      runner = executor.SingleRunner(graph, spec, rest_tree, part, layout)
+      make_sunk = lambda steps: loop_sink.SunkRunner(graph, spec, rest_tree, layout,
+                                                     steps)
       return runner, make_sunk
     steps = build.build_steps(graph, parts, graph.memory)
-    runner = executor.PlanRunner(graph, steps, spec, rest_tree, consts, layout)
+    runner = executor.PlanRunner(graph, steps, spec, rest_tree, layout)
     return runner, lambda n: loop_sink.SteppedRunner(runner, n)
 
   def _bind_state(self, name, state_nums, state_args, state_from, source):
