@@ -12,7 +12,6 @@ leaves the state as it was. What differs is `execute`:
 The loop-sunk runners (loop_sink.py) are the same with N steps per call.
 """
 import jax
-import numpy as np
 from jax import tree_util
 
 from jaxsession.ir import Literal

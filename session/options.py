@@ -2,6 +2,8 @@
 import dataclasses
 from typing import Optional, Sequence
 
+from jaxsession.errors import InputError
+
 
 @dataclasses.dataclass
 class SessionOptions:
@@ -29,3 +31,21 @@ class SessionOptions:
   partition_or_error: bool = False
   disabled_passes: Sequence[str] = ()
   fold_limit_bytes: int = 1 << 16
+
+  def __post_init__(self):
+    """Every option checked when it is made, before any work starts."""
+    for name in ("verify_graphs", "donate_state", "host_callbacks", "partition_or_error"):
+      if not isinstance(getattr(self, name), bool):
+        raise InputError(f"SessionOptions.{name} must be True or False, got "
+                         f"{getattr(self, name)!r}")
+    for name in ("save_graphs", "platform"):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, str):
+        raise InputError(f"SessionOptions.{name} must be a str or None, got {value!r}")
+    if isinstance(self.disabled_passes, str) or not all(
+        isinstance(p, str) for p in self.disabled_passes):
+      raise InputError("SessionOptions.disabled_passes must be a list of pass names, got "
+                       f"{self.disabled_passes!r}")
+    limit = self.fold_limit_bytes
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+      raise InputError(f"SessionOptions.fold_limit_bytes must be an int >= 0, got {limit!r}")

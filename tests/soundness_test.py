@@ -2,7 +2,6 @@
 jax.jit runs them, aliased state stays valid, arguments are conformed or
 refused (never a silent recompile). Every comparison with jax.jit is bit for
 bit, on fresh random inputs salted with -0.0, NaN and inf."""
-import functools
 
 from absl.testing import absltest
 import jax
@@ -345,6 +344,14 @@ class ValidationTest(absltest.TestCase):
       with self.assertRaisesRegex(js.InputError, what):
         sess.compile(f, jnp.ones(2), jnp.ones(2), state_argnums=nums)
 
+  def test_session_options_are_checked_when_made(self):
+    for bad in (dict(donate_state="no"), dict(disabled_passes="fuse_softmax"),
+                dict(fold_limit_bytes=-1), dict(save_graphs=3)):
+      with self.assertRaises(js.InputError):
+        js.SessionOptions(**bad)
+    with self.assertRaisesRegex(js.InputError, "options must be a SessionOptions"):
+      js.Session({"donate_state": False})
+
   def test_release(self):
     sess = js.Session()
     w = jnp.arange(3.0)
@@ -456,7 +463,6 @@ class ImportLayeringTest(absltest.TestCase):
 class VerifyTest(absltest.TestCase):
 
   def test_verify_catches_avals_that_disagree_with_the_primitive(self):
-    graph = js.Session().graph(0) if False else None
     from jaxsession import importer
     closed = jax.make_jaxpr(lambda a, b: jnp.sin(a) + b)(jnp.ones(3), jnp.ones(3))
     graph = importer.import_jaxpr(closed)
