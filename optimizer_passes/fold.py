@@ -148,8 +148,8 @@ class FoldConstants(Pass):
     if any(not (isinstance(v, Literal) or v.id in known or v.id in pending)
            for v in node.inputs):
       return False
-    try:
-      return all(np.dtype(o.aval.dtype) is not None for o in node.outputs) and sum(
-          aval_bytes(o.aval) for o in node.outputs) <= limit
-    except TypeError:  # extended dtypes (PRNG keys) have no numpy form
+    try:  # extended dtypes (PRNG keys), in or out, have no numpy form
+      return all(np.dtype(v.aval.dtype) is not None for v in (*node.inputs, *node.outputs)
+                 ) and sum(aval_bytes(o.aval) for o in node.outputs) <= limit
+    except TypeError:
       return False

@@ -88,7 +88,9 @@ def holds_exactly(a, b):
   if ka[0] == "int" and kb[0] == "int":
     return kb[2] >= ka[2] and kb[3] <= ka[3]
   if ka[0] == "int" and kb[0] == "float":
-    return kb[1] >= ka[1] and 2.0 ** kb[2] > ka[2]  # every integer of a is a float of b
+    # every integer of a is a float of b: value bits fit the significand, and
+    # the largest magnitude (2**value bits) is inside b's exponent range
+    return kb[1] >= ka[1] and kb[2] > ka[1]
   if ka[0] == "float" and kb[0] == "float":
     # significand, range and the smallest subnormal all covered
     return kb[1] >= ka[1] and kb[2] >= ka[2] and kb[3] <= ka[3]

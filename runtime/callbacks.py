@@ -58,21 +58,23 @@ class _Recorded:
 
 def _wrap_params(params, recorder):
   """params with every callback, at any depth of sub-jaxprs, wrapped."""
-  new = {}
-  for key, value in params.items():
-    if key == "callback" and callable(value):
-      new[key] = _Recorded(value, recorder)
-    elif isinstance(value, jcore.ClosedJaxpr):
-      new[key] = jcore.ClosedJaxpr(_wrap_jaxpr(value.jaxpr, recorder), value.consts)
-    elif isinstance(value, jcore.Jaxpr):
-      new[key] = _wrap_jaxpr(value, recorder)
-    elif isinstance(value, tuple) and value and all(
-        isinstance(v, jcore.ClosedJaxpr) for v in value):
-      new[key] = tuple(jcore.ClosedJaxpr(_wrap_jaxpr(v.jaxpr, recorder), v.consts)
-                       for v in value)
-    else:
-      new[key] = value
-  return new
+  return {key: (_Recorded(value, recorder) if key == "callback" and callable(value)
+                else _wrap_value(value, recorder))
+          for key, value in params.items()}
+
+
+def _wrap_value(value, recorder):
+  """A param value with the jaxprs in it wrapped; tuples (cond's branches,
+  custom_linear_solve's namedtuple of jaxprs, with Nones) keep their type."""
+  if isinstance(value, jcore.ClosedJaxpr):
+    return jcore.ClosedJaxpr(_wrap_jaxpr(value.jaxpr, recorder), value.consts)
+  if isinstance(value, jcore.Jaxpr):
+    return _wrap_jaxpr(value, recorder)
+  if isinstance(value, tuple) and any(isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr))
+                                      for v in value):
+    items = [_wrap_value(v, recorder) for v in value]
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+  return value
 
 
 def _wrap_jaxpr(jaxpr, recorder):

@@ -168,7 +168,7 @@ class SingleRunner(Runner):
     donated, kept = self.layout.gather()
     try:
       return self.exe(donated, kept, *args)
-    except (TypeError, OverflowError):  # checked before anything ran or was donated
+    except (TypeError, OverflowError, ValueError):  # checked before anything ran or was donated
       return self.exe(donated, kept, *self.spec.conform(args))
     except jax.errors.JaxRuntimeError as exc:
       raise runtime_failure(self.partition, self.recorder, exc)
@@ -182,7 +182,7 @@ class SingleRunner(Runner):
     def call(args):
       try:
         return exe(*args)
-      except (TypeError, OverflowError):
+      except (TypeError, OverflowError, ValueError):
         return exe(*conform(args))
       except jax.errors.JaxRuntimeError as exc:
         raise failure(exc)
@@ -198,7 +198,7 @@ class SingleRunner(Runner):
         with lock:
           try:
             new, out = exe((slot.leaves,), *args)
-          except (TypeError, OverflowError):
+          except (TypeError, OverflowError, ValueError):
             new, out = exe((slot.leaves,), *conform(args))
           except jax.errors.JaxRuntimeError as exc:
             raise failure(exc)
@@ -211,7 +211,7 @@ class SingleRunner(Runner):
         current = tuple([slot.leaves for slot in slots])
         try:
           new, out = exe(current, *args)
-        except (TypeError, OverflowError):
+        except (TypeError, OverflowError, ValueError):
           new, out = exe(current, *conform(args))
         except jax.errors.JaxRuntimeError as exc:
           raise failure(exc)

@@ -22,12 +22,21 @@ from jaxsession.ir import aval_str
 _SERIAL = itertools.count()
 
 
+def session_device():
+  """The device the session's executables run on (jax's default device)."""
+  return jax.config.jax_default_device or jax.devices()[0]
+
+
 def owned_copy(x):
-  """A device array the session owns: never the caller's buffer, since the
-  session donates its state buffers and must not invalidate the caller's."""
+  """A device array the session owns, on the session's device: never the
+  caller's buffer, since the session donates its state buffers and must not
+  invalidate the caller's (an array on another device is moved, which copies)."""
+  device = session_device()
   if isinstance(x, jax.Array):
-    return jax.numpy.array(x, copy=True)
-  return jax.device_put(np.asarray(x))
+    if x.devices() == {device}:
+      return jax.numpy.array(x, copy=True)
+    return jax.device_put(x, device)
+  return jax.device_put(np.asarray(x), device)
 
 
 class StateSlot:

@@ -24,7 +24,8 @@ flags.DEFINE_integer("sink", 50, "demo: steps per loop-sunk run in the timing ta
 flags.DEFINE_integer("repeats", 5, "demo: timing repeats (medians are reported)",
                      lower_bound=1)
 flags.DEFINE_string("save_graphs", None, "demo: folder for IR dumps (SessionOptions.save_graphs)")
-flags.DEFINE_integer("seed", 0, "demo: random seed for the data and the initial params")
+flags.DEFINE_integer("seed", 0, "demo: random seed for the data and the initial params",
+                     lower_bound=0, upper_bound=2**32 - 1)
 FLAGS = flags.FLAGS
 
 COMMANDS = ("demo",)

@@ -27,7 +27,9 @@ def python_scalar(x, dtype):
   converts it (a float rounds to the float type), or None when that would
   change its kind or its value: a float for an int, an int past the int's
   range or not exact in the float type, a bool for anything but a bool."""
-  kind = np.dtype(dtype).kind
+  dtype = np.dtype(dtype)
+  kind = ("f" if jax.numpy.issubdtype(dtype, jax.numpy.floating) else
+          "c" if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating) else dtype.kind)
   if isinstance(x, bool) or kind == "b":
     return np.asarray(x, dtype) if isinstance(x, bool) and kind == "b" else None
   if isinstance(x, int):
@@ -40,8 +42,10 @@ def python_scalar(x, dtype):
   if isinstance(x, float):
     if kind not in "fc":
       return None
+    # jax.jit takes a Python float as a weak float of the default width
+    # (float32 without x64), then converts: two roundings, reproduced here
     with np.errstate(over="ignore"):
-      return np.asarray(x, dtype)
+      return np.asarray(np.asarray(x, jax.dtypes.canonicalize_dtype(np.float64)), dtype)
   return np.asarray(x, dtype) if kind == "c" else None
 
 
@@ -108,4 +112,8 @@ class ArgSpec:
           f"{want.str_short(short_dtypes=True).split('[')[0]}{list(shape)} "
           f"(steps={leading} on a leading axis of {aval_str(want)})")
       raise InputError(f"{place}: expected {expect}, got {aval_str(got)}")
+    if isinstance(x, jax.Array) and x.committed:
+      device = jax.config.jax_default_device or jax.devices()[0]
+      if x.devices() != {device}:  # the executables run on the session's device
+        return jax.device_put(x, device)
     return x

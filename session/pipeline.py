@@ -97,11 +97,13 @@ def settle_new_nodes(graph, ctx):
   for node in graph.nodes:
     if node.kernel is None:
       node.kernel = registry.select_kernel(node, ctx.platform, backends=DEVICE_BACKENDS)
-  if graph.partitions is None:
-    return
+  if "HardwareOptimize/place_nodes" not in ctx.history:
+    return  # place_nodes will place them
   for node in graph.nodes:
     if node.place is None:
       node.place = "device"
+  if graph.partitions is None:
+    return
   partitioned = [n for p in graph.partitions for n in p.nodes]
   if len(partitioned) == len(graph.nodes) and all(
       a is b for a, b in zip(partitioned, graph.nodes)):

@@ -3,6 +3,7 @@ step after step with its state resident on the device."""
 import dataclasses
 import itertools
 import numbers
+import os
 import threading
 import time
 from typing import Any, Dict, List
@@ -35,6 +36,7 @@ class _Entry:
   slots: List[StateSlot]
   make_sunk: Any            # steps -> runner
   sunk: Dict[int, Any] = dataclasses.field(default_factory=dict)
+  released: bool = False
 
   def __post_init__(self):
     self.call = self.runner.call  # run's hot path: one attribute, one call
@@ -44,7 +46,14 @@ class _Entry:
 def _argnums(nums, what, nargs):
   """`nums` (an int or a sequence of ints) as a tuple of positions, checked:
   ints in range, no bools, no duplicates."""
-  nums = (nums,) if isinstance(nums, numbers.Integral) else tuple(nums or ())
+  if isinstance(nums, numbers.Integral):
+    nums = (nums,)
+  else:
+    try:
+      nums = () if nums is None else tuple(nums)
+    except TypeError:
+      raise InputError(f"compile: {what} must be an int or a sequence of ints, got "
+                       f"{nums!r}") from None
   seen = set()
   for i in nums:
     if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not -nargs <= i < nargs:
@@ -94,6 +103,9 @@ class Session:
     except RuntimeError as exc:
       raise InputError(f"SessionOptions.platform={self.platform!r} is not available "
                        f"here: {exc}") from None
+    save = self.options.save_graphs
+    if save is not None and os.path.exists(save) and not os.path.isdir(save):
+      raise InputError(f"SessionOptions.save_graphs={save!r} is a file, not a folder")
     self._graphs = {}
     self._ids = itertools.count()
     self._lock = threading.RLock()  # the graph table and the sunk-runner caches
@@ -140,8 +152,18 @@ class Session:
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
     graph.updates_state = updates
     nodes_imported = len(graph.nodes)
-
     slots = self._bind_state(name, state_nums, state_args, state_from, source)
+    try:
+      return self._compile_bound(name, graph, slots, spec_args=(dyn_nums, dyn_args),
+                                 rest_tree=rest_tree, nodes_imported=nodes_imported,
+                                 start=start)
+    except BaseException:
+      self._unpin(slots)
+      raise
+
+  def _compile_bound(self, name, graph, slots, spec_args, rest_tree, nodes_imported, start):
+    """The pipeline and Build for a graph whose state slots are bound."""
+    dyn_nums, dyn_args = spec_args
     spec = ArgSpec(f"run(graph '{name}')", dyn_nums, dyn_args)
     ctx = PassContext(platform=self.platform, options=self.options,
                       verify=self.options.verify_graphs)
@@ -171,11 +193,9 @@ class Session:
         memory=memory.MemoryReport(graph.memory), donations=graph.memory.donations,
         kernels=count_kernels(graph), nodes_imported=nodes_imported,
         nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start)
-    with self._lock:  # a failed compile took no id and bound no slot
+    with self._lock:  # a failed compile took no id and unpinned its slots
       gid = next(self._ids)
       spec.where = f"run(graph {gid} '{name}')"
-      for slot in slots:
-        slot.owners += 1
       self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk)
     return gid
 
@@ -218,6 +238,9 @@ class Session:
     return runner, lambda n: loop_sink.SteppedRunner(runner, n)
 
   def _bind_state(self, name, state_nums, state_args, state_from, source):
+    """The state slots of a new graph, pinned (owners counted) so that a
+    concurrent release of the source graph cannot free them; a compile that
+    fails afterwards unpins them (`_unpin`)."""
     if source is None:
       slots = []
       for k, (i, arg) in enumerate(zip(state_nums, state_args)):
@@ -225,6 +248,7 @@ class Session:
         avals = [leaf_aval(x) for x in leaves]
         slots.append(StateSlot(f"{name}:state{k}(arg {i})", treedef, avals,
                                [owned_copy(x) for x in leaves]))
+        slots[-1].owners = 1
       return slots
     if len(state_args) > len(source.slots):
       raise InputError(f"compile({name}): {len(state_args)} state args but graph "
@@ -234,7 +258,19 @@ class Session:
       check_matches(source.slots[k], treedef, [leaf_aval(x) for x in leaves],
                     f"compile({name}): state arg {k} (position {state_nums[k]}) "
                     f"shared from graph {state_from}", value=arg)
-    return source.slots[:len(state_args)]
+    slots = source.slots[:len(state_args)]
+    with self._lock:
+      if source.released:
+        raise UnknownGraphError(f"compile({name}): state_from graph {state_from!r} was "
+                                "released while this compile was starting")
+      for slot in slots:
+        slot.owners += 1
+    return slots
+
+  def _unpin(self, slots):
+    with self._lock:
+      for slot in slots:
+        slot.owners -= 1
 
   # -- run ----------------------------------------------------------------
   def run(self, graph_id, *args, steps=None):
@@ -247,16 +283,23 @@ class Session:
     else:
       if type(graph_id) is not int:  # a float or bool key that hashes like an int
         entry = self._entry(graph_id)
-    if steps is None:
-      return entry.call(args)
-    steps = loop_sink.check_steps(steps)  # before anything is built
-    runner = entry.sunk.get(steps)
-    if runner is None:
-      with self._lock:
-        runner = entry.sunk.get(steps)
-        if runner is None:
-          runner = entry.sunk[steps] = entry.make_sunk(steps)
-    return runner.call(args)
+    try:
+      if steps is None:
+        return entry.call(args)
+      steps = loop_sink.check_steps(steps)
+      runner = entry.sunk.get(steps)
+      if runner is None:
+        entry.spec.conform(args, leading=steps)  # the args, before anything is built
+        with self._lock:
+          runner = entry.sunk.get(steps)
+          if runner is None:
+            runner = entry.sunk[steps] = entry.make_sunk(steps)
+      return runner.call(args)
+    except Exception:
+      if entry.released:  # released by another thread while this call ran
+        raise UnknownGraphError(f"graph id {graph_id!r} was released while this run "
+                                "was starting") from None
+      raise
 
   # -- state --------------------------------------------------------------
   def get_state(self, graph_id):
@@ -296,6 +339,7 @@ class Session:
     with self._lock:
       if self._graphs.pop(_graph_id(graph_id), None) is None:
         raise UnknownGraphError(f"graph id {graph_id!r} was already released")
+      entry.released = True
     with entry.lock:
       for slot in entry.slots:
         slot.owners -= 1

@@ -1,0 +1,205 @@
+"""Edge cases a new user found: closed-over PRNG keys, namedtuples of jaxprs,
+x64 casts, low-precision Python scalars, arrays on another device, release
+racing run and compile, late user passes, sunk runs with bad arguments. Each
+compares with jax.jit bit for bit where it runs."""
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+import jaxsession as js
+
+
+def run_python(code, **env):
+  """Runs `code` in a fresh interpreter (x64 and device counts are global)."""
+  result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], text=True,
+                          capture_output=True, timeout=240, env={**os.environ, **env})
+  if result.returncode != 0:
+    raise AssertionError(result.stderr[-3000:])
+  return result.stdout
+
+
+class ProgramsTest(absltest.TestCase):
+
+  def test_closed_over_typed_prng_key(self):
+    key = jax.random.key(0)
+    fn = lambda x: x + jax.random.normal(key, x.shape)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(3), jnp.float32)
+    sess = js.Session()
+    np.testing.assert_array_equal(sess.run(sess.compile(fn, x), x), jax.jit(fn)(x))
+
+  def test_custom_linear_solve_with_a_callback(self):
+    calls = collections.Counter()
+
+    def host(v):
+      calls["n"] += 1
+      if calls["fail"]:
+        raise ValueError("solver callback failed")
+      return np.asarray(v)
+
+    def step(w, x):
+      matvec = lambda v: 2.0 * jax.pure_callback(host, jax.ShapeDtypeStruct(v.shape,
+                                                                           v.dtype), v)
+      y = lax.custom_linear_solve(matvec, x, lambda mv, b: mv(b) / 4.0, symmetric=True)
+      return w + y, jnp.sum(y)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(3), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal(3), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(step, w, x, state_argnums=0)
+    want_w, want = jax.jit(step)(w, x)
+    np.testing.assert_array_equal(sess.run(gid, x), want)
+    np.testing.assert_array_equal(sess.get_state(gid)[0], want_w)
+    calls["fail"] = 1
+    with self.assertRaises(js.HostOpError) as caught:
+      sess.run(gid, x)
+    self.assertIsInstance(caught.exception.__cause__, ValueError)
+    np.testing.assert_array_equal(sess.get_state(gid)[0], want_w)
+
+  def test_int_float64_int_round_trips_under_x64(self):
+    out = run_python("""
+        import jax, jax.numpy as jnp, numpy as np
+        import jaxsession as js
+        for dt in (jnp.int8, jnp.uint16, jnp.int32, jnp.uint32, jnp.int64):
+          f = lambda a: a.astype(jnp.float64).astype(dt)
+          a = jnp.asarray([0, 1, 2**53 + 1 if dt == jnp.int64 else 7, -3 if
+                           jnp.issubdtype(dt, jnp.signedinteger) else 9], dt)
+          sess = js.Session()
+          gid = sess.compile(f, a)
+          np.testing.assert_array_equal(sess.run(gid, a), jax.jit(f)(a))
+          print(dt.__name__, [n.op for n in sess.graph(gid).nodes])
+        """, JAX_ENABLE_X64="1")
+    self.assertIn("int64 ['convert_element_type', 'convert_element_type']", out)
+    self.assertIn("int32 []", out)  # int32 -> f64 -> int32 is exact: removed
+
+  def test_low_precision_python_scalars_convert_like_jit(self):
+    for dtype in (jnp.float16, jnp.bfloat16):
+      fn = lambda x, lr: x * lr
+      x = jnp.asarray([1.0, 1.5], dtype)
+      sess = js.Session()
+      gid = sess.compile(fn, x, jnp.asarray(0.5, dtype))
+      for lr in (1 + 2**-11 + 2**-30, 0.1, 3.0):
+        np.testing.assert_array_equal(sess.run(gid, x, lr),
+                                      jax.jit(fn)(x, jnp.asarray(np.float32(lr), dtype)))
+
+
+class DevicesTest(absltest.TestCase):
+
+  def test_arrays_on_another_device_are_moved(self):
+    out = run_python("""
+        import jax, jax.numpy as jnp, numpy as np
+        import jaxsession as js
+        d1 = jax.devices()[1]
+        w = jax.device_put(jnp.arange(3.0), d1)
+        x = jax.device_put(jnp.ones(3), d1)
+        step = lambda w, x: (w + x, jnp.sum(w * x))
+        sess = js.Session()
+        gid = sess.compile(step, w, x, state_argnums=0)
+        np.testing.assert_array_equal(sess.run(gid, x), 3.0)
+        sess.set_state(gid, w)
+        np.testing.assert_array_equal(sess.run(gid, x), 3.0)
+        np.testing.assert_array_equal(sess.get_state(gid)[0], [1.0, 2.0, 3.0])
+        print("ok", sess.get_state(gid)[0].devices() == {jax.devices()[0]})
+        """, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    self.assertIn("ok True", out)
+
+
+class ReleaseRaceTest(absltest.TestCase):
+
+  def test_release_while_running_or_compiling(self):
+    w = jnp.arange(4.0)
+    for plan in (False, True):
+      sess = js.Session()
+      host = lambda a: np.asarray(a)
+      step = ((lambda w, x: (w + jax.pure_callback(host, jax.ShapeDtypeStruct((4,),
+                                                                            jnp.float32), x),
+                             jnp.sum(w))) if plan else (lambda w, x: (w + x, jnp.sum(w))))
+      gid = sess.compile(step, w, w, state_argnums=0)
+      errors = []
+
+      def runner():
+        for _ in range(100):
+          try:
+            sess.run(gid, w)
+          except js.UnknownGraphError:
+            pass
+          except Exception as exc:  # anything else is the bug this test is about
+            errors.append(exc)
+
+      def compiler():
+        for _ in range(5):
+          try:
+            sess.compile(lambda w: jnp.sum(w), w, state_argnums=0, state_from=gid,
+                         updates_state=False)
+          except js.UnknownGraphError:
+            pass
+          except Exception as exc:
+            errors.append(exc)
+      threads = [threading.Thread(target=runner), threading.Thread(target=compiler)]
+      for t in threads:
+        t.start()
+      sess.release(gid)
+      for t in threads:
+        t.join()
+      self.assertEqual(errors, [], f"plan={plan}")
+      for other in list(sess._graphs):  # readers compiled before the release share
+        self.assertTrue(np.isfinite(float(sess.run(other))))  # a slot that lives on
+
+
+class PipelineEdgesTest(absltest.TestCase):
+
+  def test_node_made_after_placement_is_placed(self):
+    from jaxsession.optimizer_passes import FunctionPass
+
+    def add_neg(graph, ctx):
+      out = graph.outputs[0]
+      node = graph.make_node("neg", lax.neg_p, {}, [out], [out.aval])
+      graph.insert_node(len(graph.nodes), node)
+      graph.outputs = [node.outputs[0] if v is out else v for v in graph.outputs]
+      return True
+    js.register_pass(FunctionPass("add_neg", add_neg), stage="HardwareOptimize",
+                     after="place_nodes")
+    try:
+      sess = js.Session()
+      gid = sess.compile(lambda a: jnp.sin(a) * 2, jnp.arange(3.0))
+    finally:
+      js.unregister_pass("add_neg")
+    self.assertEqual([p.place for p in sess.report(gid).partitions], ["device"])
+    np.testing.assert_array_equal(sess.run(gid, jnp.arange(3.0)),
+                                  -(jnp.sin(jnp.arange(3.0)) * 2))
+
+  def test_sunk_run_with_bad_args_builds_nothing(self):
+    sess = js.Session()
+    gid = sess.compile(lambda w, x: (w + x, jnp.sum(w)), jnp.zeros(3), jnp.ones(3),
+                       state_argnums=0)
+    for steps in (5, 2**40):
+      with self.assertRaisesRegex(js.InputError, "steps="):
+        sess.run(gid, jnp.ones((2, 3)), steps=steps)
+    self.assertEqual(sess._graphs[gid].sunk, {})
+
+  def test_argnums_of_the_wrong_type(self):
+    sess = js.Session()
+    f = lambda a, b: (a, b)
+    with self.assertRaisesRegex(js.InputError, "must be an int or a sequence"):
+      sess.compile(f, jnp.ones(2), jnp.ones(2), state_argnums=1.0)
+    gid = sess.compile(f, jnp.ones(2), jnp.ones(2), state_argnums=np.array([0]))
+    self.assertLen(sess.get_state(gid), 1)
+
+  def test_save_graphs_must_be_a_folder(self):
+    path = os.path.join(tempfile.mkdtemp(), "a_file")
+    with open(path, "w") as f:
+      f.write("x")
+    with self.assertRaisesRegex(js.InputError, "is a file, not a folder"):
+      js.Session(js.SessionOptions(save_graphs=path))
+
+
+if __name__ == "__main__":
+  absltest.main()
