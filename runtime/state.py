@@ -152,6 +152,7 @@ def check_matches(slot, treedef, avals, where, value=None):
     raise InputError(f"{where}: pytree structure does not match state slot {slot.name}: "
                      + (detail or f"expected {slot.treedef}, got {treedef}"))
   for i, (a, b) in enumerate(zip(avals, slot.avals)):
-    if a.shape != b.shape or a.dtype != b.dtype:
+    if (a.shape != b.shape or a.dtype != b.dtype
+        or getattr(a, "weak_type", False) != getattr(b, "weak_type", False)):
       raise InputError(f"{where}: leaf {i} is {aval_str(a)}, state slot {slot.name} "
                        f"holds {aval_str(b)}")

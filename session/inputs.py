@@ -22,6 +22,15 @@ def paths_of(tree):
   return [tree_util.keystr(path) for path, _ in tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _is_weak(x):
+  """Whether jax would see `x` as weakly typed."""
+  if isinstance(x, bool):
+    return False
+  if isinstance(x, (int, float, complex)):
+    return True
+  return bool(getattr(x, "weak_type", False))
+
+
 def python_scalar(x, dtype):
   """`x` (a Python scalar) as a 0-d array of `dtype`, converted the way jax.jit
   converts it (a float rounds to the float type), or None when that would
@@ -52,9 +61,10 @@ def python_scalar(x, dtype):
 class ArgSpec:
   """The positional arguments a graph's `run` takes: one pytree each."""
 
-  def __init__(self, where, positions, example_args):
+  def __init__(self, where, positions, example_args, weak_sensitive=()):
     self.where = where                  # "run(graph 'name')"
     self.positions = list(positions)    # each argument's position in fn
+    self.weak_sensitive = list(weak_sensitive)  # [(arg, leaf, compiled weak type)]
     self.treedefs = []
     self.avals = []
     self.paths = []
@@ -63,6 +73,24 @@ class ArgSpec:
       self.treedefs.append(treedef)
       self.avals.append([leaf_aval(x) for x in leaves])
       self.paths.append(paths_of(arg))
+
+  def weak_guard(self, call):
+    """`call`, refusing a scalar whose weak type differs from the compiled one
+    where that changes the program (jax.jit would compile another one)."""
+    def guarded(args):
+      for i, j, weak in self.weak_sensitive:
+        if i < len(args):
+          leaves = tree_util.tree_leaves(args[i])
+          if j < len(leaves) and _is_weak(leaves[j]) != weak:
+            raise InputError(
+                f"{self.where}: {self._arg_name(i)} at path {self.paths[i][j] or '(root)'}"
+                f" is {'weakly' if not weak else 'strongly'} typed; the graph was compiled "
+                f"for a {'weakly typed value (a Python scalar)' if weak else 'strongly typed array'}"
+                " and here the weak type changes the result's dtype (jax.jit would compile "
+                "another program). Pass " + ("a Python scalar" if weak else
+                                              "an array of that dtype") + ".")
+      return call(args)
+    return guarded
 
   def flat_avals(self):
     return [a for avals in self.avals for a in avals]

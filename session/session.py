@@ -40,6 +40,8 @@ class _Entry:
 
   def __post_init__(self):
     self.call = self.runner.call  # run's hot path: one attribute, one call
+    if self.spec.weak_sensitive:  # only where a weak type changes the program
+      self.call = self.spec.weak_guard(self.call)
     self.lock = slots_lock(self.slots)
 
 
@@ -146,7 +148,8 @@ class Session:
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
                                                                   *dyn_args)
     if updates:
-      _check_new_state(name, state_nums, state_args, out_shape[0])
+      _check_new_state(name, state_nums, state_args, out_shape[0], wrapped, closed, dyn_args)
+    weak_sensitive = _weak_sensitive_leaves(wrapped, closed, state_args, dyn_args)
     rest_tree = tree_util.tree_structure(out_shape[1])
     kinds, labels = _input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
@@ -154,7 +157,8 @@ class Session:
     nodes_imported = len(graph.nodes)
     slots = self._bind_state(name, state_nums, state_args, state_from, source)
     try:
-      return self._compile_bound(name, graph, slots, spec_args=(dyn_nums, dyn_args),
+      return self._compile_bound(name, graph, slots,
+                                 spec_args=(dyn_nums, dyn_args, weak_sensitive),
                                  rest_tree=rest_tree, nodes_imported=nodes_imported,
                                  start=start)
     except BaseException:
@@ -163,8 +167,8 @@ class Session:
 
   def _compile_bound(self, name, graph, slots, spec_args, rest_tree, nodes_imported, start):
     """The pipeline and Build for a graph whose state slots are bound."""
-    dyn_nums, dyn_args = spec_args
-    spec = ArgSpec(f"run(graph '{name}')", dyn_nums, dyn_args)
+    dyn_nums, dyn_args, weak_sensitive = spec_args
+    spec = ArgSpec(f"run(graph '{name}')", dyn_nums, dyn_args, weak_sensitive)
     ctx = PassContext(platform=self.platform, options=self.options,
                       verify=self.options.verify_graphs)
     optimizer = pipeline.graph_optimizer(self.options.disabled_passes)
@@ -407,7 +411,7 @@ def _stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates):
   return session_step
 
 
-def _check_new_state(name, state_nums, state_args, new_state):
+def _check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dyn_args):
   for k, (i, old, new) in enumerate(zip(state_nums, state_args, new_state)):
     where = f"compile({name}): the new value of state arg {k} (position {i})"
     old_leaves, old_tree = tree_util.tree_flatten(old)
@@ -418,10 +422,74 @@ def _check_new_state(name, state_nums, state_args, new_state):
                        "eval step), pass updates_state=False.")
     for path, a, b in zip(paths_of(old), old_leaves, new_leaves):
       a = leaf_aval(a)
+      if getattr(b, "weak_type", False) != a.weak_type and _retyped_state_changes_program(
+          wrapped, closed, state_args, dyn_args, k, path):
+        raise InputError(
+            f"{where} at path {path or '(root)'} is {'weakly' if b.weak_type else 'strongly'}"
+            f" typed, the arg is {'weakly' if a.weak_type else 'strongly'} typed: jax.jit "
+            "would compile another program from the second step on. Give the state "
+            "arg the new value's typing (e.g. jnp.asarray(x, dtype) for a strong type).")
       if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
         raise InputError(f"{where} at path {path or '(root)'} is "
                          f"{b.dtype}{list(b.shape)}, the arg is {aval_str(a)}. If fn "
                          "only reads its state (an eval step), pass updates_state=False.")
+
+
+def _arithmetic(jaxpr):
+  """What a jaxpr computes, without its weak-type bookkeeping: each equation's
+  primitive and input and output types, sub-jaxprs included; converts that
+  change only the weak type are left out."""
+  out = []
+  for eqn in jaxpr.eqns:
+    ins = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars)
+    outs = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars)
+    if eqn.primitive.name == "convert_element_type" and ins == outs:
+      continue
+    subs = tuple(_arithmetic(p.jaxpr if hasattr(p, "jaxpr") else p)
+                 for value in eqn.params.values()
+                 for p in (value if isinstance(value, (tuple, list)) else (value,))
+                 if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr)))
+    out.append((eqn.primitive.name, ins, outs, subs))
+  return tuple(out)
+
+
+def _retyped_state_changes_program(wrapped, closed, state_args, dyn_args, k, path):
+  """Whether tracing with state arg k's leaf at `path` given the weak type its
+  new value has changes the program (then jax.jit's second step would run
+  another program than its first)."""
+  def flip(p, leaf):
+    if tree_util.keystr(p) != path:
+      return leaf
+    aval = leaf_aval(leaf)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
+  states = list(state_args)
+  states[k] = tree_util.tree_map_with_path(flip, states[k])
+  return _arithmetic(jax.make_jaxpr(wrapped)(tuple(states), *dyn_args).jaxpr) != _arithmetic(
+      closed.jaxpr)
+
+
+def _weak_sensitive_leaves(wrapped, closed, state_args, dyn_args, limit=8):
+  """[(argument index, leaf index, weak type)] of the scalar run arguments whose
+  weak type changes the traced program (mixed precision: a weak Python float
+  times a bfloat16 stays bfloat16, a float32 one does not). Found by tracing
+  again with each such leaf's weak type flipped; no user code runs."""
+  base = _arithmetic(closed.jaxpr)
+  found = []
+  for i, arg in enumerate(dyn_args):
+    leaves, treedef = tree_util.tree_flatten(arg)
+    for j, leaf in enumerate(leaves):
+      aval = leaf_aval(leaf)
+      if aval.shape != () or not jax.numpy.issubdtype(aval.dtype, jax.numpy.number):
+        continue
+      if len(found) >= limit:
+        return found
+      flipped = list(leaves)
+      flipped[j] = jax.ShapeDtypeStruct((), aval.dtype, weak_type=not aval.weak_type)
+      args = list(dyn_args)
+      args[i] = tree_util.tree_unflatten(treedef, flipped)
+      if _arithmetic(jax.make_jaxpr(wrapped)(tuple(state_args), *args).jaxpr) != base:
+        found.append((i, j, bool(aval.weak_type)))
+  return found
 
 
 def _input_labels(state_nums, state_args, dyn_nums, dyn_args):

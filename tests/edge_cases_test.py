@@ -91,6 +91,37 @@ class ProgramsTest(absltest.TestCase):
                                       jax.jit(fn)(x, jnp.asarray(np.float32(lr), dtype)))
 
 
+class WeakTypesTest(absltest.TestCase):
+  """A weak type that changes the program is refused (jax.jit would compile
+  another program); one that changes nothing runs on the same executable."""
+
+  def test_scalar_argument(self):
+    fn = lambda x, lr: x * lr
+    x = jnp.asarray([1.1, 2.3], jnp.bfloat16)
+    sess = js.Session()
+    gid = sess.compile(fn, x, 0.1)  # weak: bf16 * weak f32 stays bf16
+    np.testing.assert_array_equal(sess.run(gid, x, 0.25), jax.jit(fn)(x, 0.25))
+    with self.assertRaisesRegex(js.InputError, "strongly typed.*Pass a Python scalar"):
+      sess.run(gid, x, jnp.float32(0.25))  # jax.jit: a float32 result
+    strong = sess.compile(fn, x, jnp.float32(0.1))
+    with self.assertRaisesRegex(js.InputError, "weakly typed.*an array of that dtype"):
+      sess.run(strong, x, 0.25)
+    f32 = sess.compile(fn, jnp.ones(2), 0.1)  # all float32: the weak type is moot
+    np.testing.assert_array_equal(sess.run(f32, jnp.ones(2), jnp.float32(0.25)),
+                                  jax.jit(fn)(jnp.ones(2), jnp.float32(0.25)))
+
+  def test_state_whose_weak_type_changes(self):
+    sess = js.Session()
+    x16 = jnp.asarray([1.5, 2.5], jnp.bfloat16)
+    with self.assertRaisesRegex(js.InputError, "strongly typed, the arg is weakly typed"):
+      sess.compile(lambda w, x: (w + jnp.float32(0), w * x), jnp.asarray(1.1), x16,
+                   state_argnums=0)
+    gid = sess.compile(lambda w, x: (w + jnp.float32(1), w * x), jnp.asarray(1.5),
+                       jnp.ones(2), state_argnums=0)
+    sess.run(gid, jnp.ones(2))
+    np.testing.assert_array_equal(sess.run(gid, jnp.ones(2)), [2.5, 2.5])
+
+
 class DevicesTest(absltest.TestCase):
 
   def test_arrays_on_another_device_are_moved(self):
