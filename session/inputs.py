@@ -68,11 +68,18 @@ class ArgSpec:
     self.treedefs = []
     self.avals = []
     self.paths = []
-    for arg in example_args:
+    for i, arg in enumerate(example_args):
       leaves, treedef = tree_util.tree_flatten(arg)
       self.treedefs.append(treedef)
-      self.avals.append([leaf_aval(x) for x in leaves])
       self.paths.append(paths_of(arg))
+      avals = []
+      for path, x in zip(self.paths[-1], leaves):
+        try:
+          avals.append(leaf_aval(x))
+        except InputError as exc:
+          raise InputError(f"{where}: example argument at position {self.positions[i]}, "
+                           f"path {path or '(root)'}: {exc}") from None
+      self.avals.append(avals)
 
   def weak_guard(self, call):
     """`call`, refusing a scalar whose weak type differs from the compiled one
@@ -135,6 +142,8 @@ class ArgSpec:
       got = leaf_aval(x)
     except InputError as exc:
       raise InputError(f"{place}: {exc}") from None
+    if isinstance(x, jax.Array) and x.is_deleted():
+      raise InputError(f"{place}: the array has been deleted (donated or freed)")
     if tuple(got.shape) != shape or got.dtype != want.dtype:
       expect = f"{aval_str(want)}" if leading is None else (
           f"{want.str_short(short_dtypes=True).split('[')[0]}{list(shape)} "

@@ -266,7 +266,7 @@ class KernelGraph:
         decided.append(f"place={node.place}")
       if node.stream is not None:
         decided.append(f"stream={node.stream}")
-      line = f"  {outs} = {node.op}"
+      line = f"  node {node.id}: {outs} = {node.op}"  # reasons and errors name node ids
       if params:
         line += f"[{params}]"
       line += " " + ", ".join(map(repr, node.inputs))

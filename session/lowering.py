@@ -35,6 +35,9 @@ def check_kernel_outputs(node, outs):
   """A kernel must return exactly the node's outputs (count, shape, dtype);
   checked while the executable is traced, so it costs nothing per run."""
   name = node.kernel.name if node.kernel is not None else "xla:bind"
+  if not isinstance(outs, (list, tuple)):
+    raise KernelSelectError(f"kernel {name} returned a {type(outs).__name__} for node "
+                            f"{node.id} '{node.op}'; a kernel returns a list of outputs")
   if len(outs) != len(node.outputs):
     raise KernelSelectError(f"kernel {name} returned {len(outs)} outputs for node "
                             f"{node.id} '{node.op}', which has {len(node.outputs)}")
@@ -66,7 +69,12 @@ def lower_nodes(nodes, in_values, out_values, consts=None):
     env = dict(bound)
     env.update(zip(in_ids, arrays))
     for node, fn, free in zip(nodes, fns, frees):
-      outs = fn(node, *[read(env, v) for v in node.inputs])
+      try:
+        outs = fn(node, *[read(env, v) for v in node.inputs])
+      except Exception as exc:  # raised while the executable is traced, at compile
+        name = node.kernel.name if node.kernel is not None else "xla:bind"
+        raise KernelSelectError(f"kernel {name} of node {node.id} '{node.op}' raised "
+                                f"{type(exc).__name__}: {exc}") from exc
       check_kernel_outputs(node, outs)
       for value, out in zip(node.outputs, outs):
         env[value.id] = out

@@ -144,6 +144,7 @@ class Session:
     dyn_nums = [i for i in range(nargs) if i not in state_nums and i not in static_nums]
     state_args = [example_args[i] for i in state_nums]
     dyn_args = [example_args[i] for i in dyn_nums]
+    ArgSpec(f"compile({name})", dyn_nums, dyn_args)  # every leaf an array: InputError
     wrapped = _stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates)
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
                                                                   *dyn_args)
@@ -327,7 +328,10 @@ class Session:
       if treedef != slot.treedef:
         check_matches(slot, treedef, [], where, value=value)
       for path, leaf, aval in zip(paths_of(value), leaves, slot.avals):
-        got = leaf_aval(leaf)
+        try:
+          got = leaf_aval(leaf)
+        except InputError as exc:
+          raise InputError(f"{where} at path {path or '(root)'}: {exc}") from None
         if got.shape != aval.shape or got.dtype != aval.dtype:
           raise InputError(f"{where} at path {path or '(root)'}: expected "
                            f"{aval_str(aval)}, got {aval_str(got)}")

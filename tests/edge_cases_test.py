@@ -224,6 +224,31 @@ class PipelineEdgesTest(absltest.TestCase):
     gid = sess.compile(f, jnp.ones(2), jnp.ones(2), state_argnums=np.array([0]))
     self.assertLen(sess.get_state(gid), 1)
 
+  def test_small_input_errors_name_where(self):
+    sess = js.Session()
+    with self.assertRaisesRegex(js.InputError, "example argument at position 1"):
+      sess.compile(lambda x, t: x, jnp.ones(2), "abc")
+    gid = sess.compile(lambda w, x: (w + x, x), jnp.ones(2), jnp.ones(2), state_argnums=0)
+    with self.assertRaisesRegex(js.InputError, r"set_state\(graph 0 .*value 0 at path"):
+      sess.set_state(gid, "abc")
+    host = sess.compile(lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct(
+        (2,), jnp.float32), x), jnp.ones(2))
+    gone = jnp.ones(2)
+    gone.delete()
+    with self.assertRaisesRegex(js.InputError, "has been deleted"):
+      sess.run(host, gone)
+
+  def test_a_kernel_that_raises_or_returns_a_bare_array(self):
+    from jaxsession.kernels import register_kernel, unregister_kernel
+    for name, body in (("xla:raising_cos", lambda node, x: 1 / 0),
+                       ("xla:bare_cos", lambda node, x: jnp.cos(x))):
+      register_kernel("cos", backend="xla", priority=50, name=name)(body)
+      try:
+        with self.assertRaisesRegex(js.KernelSelectError, name):
+          js.Session().compile(jnp.cos, jnp.ones(3))
+      finally:
+        unregister_kernel(name)
+
   def test_save_graphs_must_be_a_folder(self):
     path = os.path.join(tempfile.mkdtemp(), "a_file")
     with open(path, "w") as f:
