@@ -1,6 +1,8 @@
 """CSE: merges nodes that compute the same op with the same params on the same
 inputs, keeping the first. Only deterministic nodes are merged (op_properties):
-two `rng_uniform` draws or two callbacks are two values, not one.
+two `rng_uniform` draws or two callbacks are two values, not one. Constant
+subexpressions (computed from literals and consts alone) are left as they are
+for XLA, which folds them as it does under jax.jit.
 
 Run after DCE (fewer nodes to hash); DCE again afterwards is not needed since
 the merged node's outputs are redirected, not left dead.
@@ -35,8 +37,15 @@ class CommonSubexpressionElimination(Pass):
   def run(self, graph, ctx):
     seen = {}
     merged = []
+    constant = {v.id for v in graph.inputs_of_kind("const")}
     for node in graph.nodes:
       if not node.props.deterministic:
+        continue
+      if all(isinstance(v, Literal) or v.id in constant for v in node.inputs):
+        # A constant subexpression is XLA's to fold, as under jax.jit: merging
+        # it changes the structure XLA's simplifier sees, and some of its
+        # rewrites (x - x -> 0, x + 0 -> x) are not exact for -0.0 and NaN.
+        constant.update(out.id for out in node.outputs)
         continue
       key = node_key(node)
       if key is None:

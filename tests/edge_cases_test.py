@@ -30,6 +30,15 @@ def run_python(code, **env):
 
 class ProgramsTest(absltest.TestCase):
 
+  def test_constant_subexpressions_are_left_to_xla(self):
+    z = lambda: jnp.full((4,), -0.0, jnp.float32)
+    fn = lambda x: (z() - z()) + z() + x * 0  # XLA's own rewrites decide the sign
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(4), jnp.float32)
+    sess = js.Session()
+    got = sess.run(sess.compile(fn, x), x)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(jax.jit(fn)(x)))
+    np.testing.assert_array_equal(got, jax.jit(fn)(x))
+
   def test_closed_over_typed_prng_key(self):
     key = jax.random.key(0)
     fn = lambda x: x + jax.random.normal(key, x.shape)
