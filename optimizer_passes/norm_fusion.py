@@ -175,9 +175,9 @@ def absorb_scale(r, x, norm, new_scale, nb):
     return None
   if not _last_axis_vector(new_scale, nb, x) or r.root.outputs[0].aval.shape != x.aval.shape:
     return None
-  return r.fused(norm.producer.op, [x, new_scale], {**p, "scale": "after"},
-                 r.root.outputs[0].aval,
-                 f"{norm.producer.op} takes its scale (after); {PALLAS_NOTE}")
+  return _keeping_notes(norm, r.fused(norm.producer.op, [x, new_scale],
+                                      {**p, "scale": "after"}, r.root.outputs[0].aval,
+                                      f"{norm.producer.op} takes its scale (after)"))
 
 
 def absorb_bias(r, x, norm, bias, nb, scale=None):
@@ -188,8 +188,16 @@ def absorb_bias(r, x, norm, bias, nb, scale=None):
     return None
   inputs = [x] + ([scale] if scale is not None else []) + [bias]
   bias_first = first(r.root.outputs[0], nb)  # bias + y or y + bias: an FMA either way round
-  return r.fused("LayerNorm", inputs, {**p, "bias": "first" if bias_first else "last"},
-                 r.root.outputs[0].aval, f"LayerNorm takes its bias; {PALLAS_NOTE}")
+  return _keeping_notes(norm, r.fused("LayerNorm", inputs,
+                                      {**p, "bias": "first" if bias_first else "last"},
+                                      r.root.outputs[0].aval, "LayerNorm takes its bias"))
+
+
+def _keeping_notes(norm, new):
+  """The absorbing node keeps the notes of the norm it replaces (what was
+  fused in the first place), then says what it absorbed."""
+  new.producer.notes[:0] = [n for n in norm.producer.notes if n not in new.producer.notes]
+  return new
 
 
 NORM_RULES = {
