@@ -12,14 +12,14 @@ differ). max and min are not among them: numpy's max(-0.0, 0.0) is -0.0,
 XLA's is 0.0.
 
 What a fold produces must keep what XLA sees. A scalar result becomes a
-literal, an embedded constant again. An array result becomes a const input
-only when the node reads a const input: the session passes const inputs to
-its executables as arguments, so that value was never a constant to XLA
-there. An array made of literals alone (broadcast_in_dim 1.0, iota...) stays
-a node: folded into an argument it would hide a constant from XLA's
-simplifier, which rewrites x / c into x * (1/c) and combines constant factors
-only when it sees c - the 1-ulp drift an optax step showed with only this
-pass on. Its value is still known, for folding the nodes that read it.
+literal, an embedded constant again; an array result that reads a const input
+becomes a const input, which Build embeds in the executable as jax.jit embeds
+a closure's constants. An array made of literals alone (broadcast_in_dim 1.0,
+iota...) stays a node, so that XLA sees the same expression as under jax.jit
+(its simplifier rewrites x / c into x * (1/c) and combines constant factors
+when it sees c; the 1-ulp drift an optax step showed with only this pass on
+came from hiding such a c). Its value is still known, for folding the nodes
+that read it.
 
 A result larger than `SessionOptions.fold_limit_bytes` is not folded. Only
 nodes that op_properties calls foldable are evaluated: never control flow,
