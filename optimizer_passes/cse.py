@@ -11,12 +11,12 @@ from jaxsession.ir import Literal
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
 
-def _hashable(value):
+def hashable(value):
   """A hashable stand-in for a param value, or raise TypeError."""
   if isinstance(value, (list, tuple)):
-    return tuple(_hashable(v) for v in value)
+    return tuple(hashable(v) for v in value)
   if isinstance(value, dict):
-    return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return tuple(sorted((k, hashable(v)) for k, v in value.items()))
   hash(value)
   return value
 
@@ -24,7 +24,7 @@ def _hashable(value):
 def node_key(node):
   """(op, params, inputs) of `node`, or None when it cannot be hashed."""
   try:
-    params = tuple(sorted((k, _hashable(v)) for k, v in node.params.items()))
+    params = tuple(sorted((k, hashable(v)) for k, v in node.params.items()))
   except TypeError:
     return None
   inputs = tuple(v.key() if isinstance(v, Literal) else v.id for v in node.inputs)

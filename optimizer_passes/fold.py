@@ -33,6 +33,7 @@ import numpy as np
 from jaxsession.ir import Literal, Value, aval_bytes
 from jaxsession.lowering import kernel_fn
 from jaxsession.optimizer_passes.base import Pass, PassResult
+from jaxsession.optimizer_passes.cse import hashable
 
 
 def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
@@ -87,6 +88,35 @@ def evaluate(node, args, platform=None):
   return [np.asarray(out) for out in outs]
 
 
+def _memo_key(node, args):
+  """What identifies a fold: the op, its params and its operands' bits; None
+  when a param cannot be hashed."""
+  try:
+    params = hashable(node.params)
+  except TypeError:
+    return None
+  return (node.op, params, tuple((np.asarray(a).dtype.str, np.shape(a),
+                                  np.ascontiguousarray(a).tobytes()) for a in args))
+
+
+class Evaluator:
+  """`evaluate` with the results of one pass run remembered: CSE leaves
+  constant subexpressions to XLA, so a program can hold many equal ones, and
+  each distinct one is compiled once."""
+
+  def __init__(self, platform):
+    self.platform = platform
+    self.memo = {}
+
+  def __call__(self, node, args):
+    key = _memo_key(node, args)
+    if key is None:
+      return evaluate(node, args, self.platform)
+    if key not in self.memo:
+      self.memo[key] = evaluate(node, args, self.platform)
+    return self.memo[key]
+
+
 class FoldConstants(Pass):
   name = "fold_constants"
 
@@ -96,6 +126,7 @@ class FoldConstants(Pass):
     from_const = set(known)  # values an executable receives as arguments
     pending = {}  # literal-only array values kept as nodes: id -> node, evaluated on demand
     folded = []
+    fold = Evaluator(ctx.platform)
     for node in graph.nodes:
       if not self._foldable(node, known, pending, limit):
         continue
@@ -103,9 +134,9 @@ class FoldConstants(Pass):
       if not reads_const and any(o.aval.shape != () for o in node.outputs):
         pending.update((out.id, node) for out in node.outputs)
         continue
-      self._resolve(node.inputs, known, pending, ctx.platform)
+      self._resolve(node.inputs, known, pending, fold)
       args = [v.value if isinstance(v, Literal) else known[v.id] for v in node.inputs]
-      for out, result in zip(node.outputs, evaluate(node, args, ctx.platform)):
+      for out, result in zip(node.outputs, fold(node, args)):
         value = np.asarray(result, dtype=out.aval.dtype)
         if out.aval.shape == ():
           graph.replace_uses(out, Literal(value[()], out.aval))
@@ -121,7 +152,7 @@ class FoldConstants(Pass):
     return PassResult(bool(folded))
 
   @staticmethod
-  def _resolve(values, known, pending, platform):
+  def _resolve(values, known, pending, fold):
     """Evaluates the pending (literal-only) nodes that `values` need, in
     dependency order, without recursion."""
     stack = [v for v in values if isinstance(v, Value) and v.id in pending]
@@ -137,7 +168,7 @@ class FoldConstants(Pass):
         stack.extend(missing)
         continue
       args = [v.value if isinstance(v, Literal) else known[v.id] for v in node.inputs]
-      for out, result in zip(node.outputs, evaluate(node, args, platform)):
+      for out, result in zip(node.outputs, fold(node, args)):
         known[out.id] = np.asarray(result, dtype=out.aval.dtype)
       stack.pop()
 

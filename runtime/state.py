@@ -50,6 +50,8 @@ class StateSlot:
     self.lock = threading.Lock()
     self.serial = next(_SERIAL)
     self.owners = 0              # graphs bound to this slot (release frees at 0)
+    self.weak_sensitive = {}     # leaf index -> weak type a graph was compiled for,
+                                 # where the weak type changes that graph's program
 
 
 class _Locks:

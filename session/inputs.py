@@ -22,9 +22,10 @@ def paths_of(tree):
   return [tree_util.keystr(path) for path, _ in tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def _is_weak(x):
-  """Whether jax would see `x` as weakly typed."""
-  if isinstance(x, bool):
+def is_weak(x):
+  """Whether jax would see `x` as weakly typed (numpy scalars, although
+  np.float64 subclasses float, are strongly typed)."""
+  if isinstance(x, (bool, np.generic, np.ndarray)):
     return False
   if isinstance(x, (int, float, complex)):
     return True
@@ -88,7 +89,7 @@ class ArgSpec:
       for i, j, weak in self.weak_sensitive:
         if i < len(args):
           leaves = tree_util.tree_leaves(args[i])
-          if j < len(leaves) and _is_weak(leaves[j]) != weak:
+          if j < len(leaves) and is_weak(leaves[j]) != weak:
             raise InputError(
                 f"{self.where}: {self._arg_name(i)} at path {self.paths[i][j] or '(root)'}"
                 f" is {'weakly' if not weak else 'strongly'} typed; the graph was compiled "

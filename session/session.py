@@ -14,7 +14,7 @@ from jax.extend import core as jcore
 
 from jaxsession import importer, pipeline
 from jaxsession.errors import InputError, UnknownGraphError
-from jaxsession.inputs import ArgSpec, leaf_aval, paths_of
+from jaxsession.inputs import ArgSpec, is_weak, leaf_aval, paths_of
 from jaxsession.ir import aval_str
 from jaxsession.dump import GraphDumper
 from jaxsession.optimizer_passes.base import PassContext
@@ -150,7 +150,7 @@ class Session:
                                                                   *dyn_args)
     if updates:
       _check_new_state(name, state_nums, state_args, out_shape[0], wrapped, closed, dyn_args)
-    weak_sensitive = _weak_sensitive_leaves(wrapped, closed, state_args, dyn_args)
+    weak_sensitive, weak_state = _weak_sensitive(wrapped, closed, state_args, dyn_args)
     rest_tree = tree_util.tree_structure(out_shape[1])
     kinds, labels = _input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
@@ -159,7 +159,7 @@ class Session:
     slots = self._bind_state(name, state_nums, state_args, state_from, source)
     try:
       return self._compile_bound(name, graph, slots,
-                                 spec_args=(dyn_nums, dyn_args, weak_sensitive),
+                                 spec_args=(dyn_nums, dyn_args, weak_sensitive, weak_state),
                                  rest_tree=rest_tree, nodes_imported=nodes_imported,
                                  start=start)
     except BaseException:
@@ -168,7 +168,7 @@ class Session:
 
   def _compile_bound(self, name, graph, slots, spec_args, rest_tree, nodes_imported, start):
     """The pipeline and Build for a graph whose state slots are bound."""
-    dyn_nums, dyn_args, weak_sensitive = spec_args
+    dyn_nums, dyn_args, weak_sensitive, weak_state = spec_args
     spec = ArgSpec(f"run(graph '{name}')", dyn_nums, dyn_args, weak_sensitive)
     ctx = PassContext(platform=self.platform, options=self.options,
                       verify=self.options.verify_graphs)
@@ -199,6 +199,8 @@ class Session:
         kernels=count_kernels(graph), nodes_imported=nodes_imported,
         nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start)
     with self._lock:  # a failed compile took no id and unpinned its slots
+      for k, j, weak in weak_state:  # set_state keeps these leaves' weak types
+        slots[k].weak_sensitive[j] = weak
       gid = next(self._ids)
       spec.where = f"run(graph {gid} '{name}')"
       self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk)
@@ -327,11 +329,18 @@ class Session:
       where = f"set_state(graph {graph_id} '{entry.name}'): value {k}"
       if treedef != slot.treedef:
         check_matches(slot, treedef, [], where, value=value)
-      for path, leaf, aval in zip(paths_of(value), leaves, slot.avals):
+      for j, (path, leaf, aval) in enumerate(zip(paths_of(value), leaves, slot.avals)):
         try:
           got = leaf_aval(leaf)
         except InputError as exc:
           raise InputError(f"{where} at path {path or '(root)'}: {exc}") from None
+        weak = slot.weak_sensitive.get(j)
+        if weak is not None and is_weak(leaf) != weak:
+          raise InputError(f"{where} at path {path or '(root)'} is "
+                           f"{'weakly' if not weak else 'strongly'} typed; the state's weak "
+                           "type changes the program here (jax.jit would compile another "
+                           "one): pass a " + ("weakly typed value (jnp.asarray of a Python "
+                                              "scalar)" if weak else "strongly typed array"))
         if got.shape != aval.shape or got.dtype != aval.dtype:
           raise InputError(f"{where} at path {path or '(root)'}: expected "
                            f"{aval_str(aval)}, got {aval_str(got)}")
@@ -472,28 +481,43 @@ def _retyped_state_changes_program(wrapped, closed, state_args, dyn_args, k, pat
       closed.jaxpr)
 
 
-def _weak_sensitive_leaves(wrapped, closed, state_args, dyn_args, limit=8):
-  """[(argument index, leaf index, weak type)] of the scalar run arguments whose
-  weak type changes the traced program (mixed precision: a weak Python float
-  times a bfloat16 stays bfloat16, a float32 one does not). Found by tracing
-  again with each such leaf's weak type flipped; no user code runs."""
+def _weak_sensitive(wrapped, closed, state_args, dyn_args, limit=8):
+  """The leaves whose weak type changes the traced program (mixed precision: a
+  weak Python float times a bfloat16 stays bfloat16, a float32 one does not),
+  as ([(arg, leaf, weak)] of the run args, [(state arg, leaf, weak)]). Found by
+  tracing again with weak types flipped, no user code running. Candidates are
+  the run args' numeric leaves and the state's scalar or weakly typed leaves
+  (strongly typed state arrays, the parameters, only change type through
+  set_state of a weak array, which nothing builds by accident). The first
+  `limit` are flipped one by one - flipping two at once can cancel out (weak
+  bf16 times weak f32 is f32 again) - and the rest together, all counted as
+  sensitive if that changes the program."""
   base = _arithmetic(closed.jaxpr)
-  found = []
-  for i, arg in enumerate(dyn_args):
-    leaves, treedef = tree_util.tree_flatten(arg)
-    for j, leaf in enumerate(leaves):
-      aval = leaf_aval(leaf)
-      if aval.shape != () or not jax.numpy.issubdtype(aval.dtype, jax.numpy.number):
-        continue
-      if len(found) >= limit:
-        return found
-      flipped = list(leaves)
-      flipped[j] = jax.ShapeDtypeStruct((), aval.dtype, weak_type=not aval.weak_type)
-      args = list(dyn_args)
-      args[i] = tree_util.tree_unflatten(treedef, flipped)
-      if _arithmetic(jax.make_jaxpr(wrapped)(tuple(state_args), *args).jaxpr) != base:
-        found.append((i, j, bool(aval.weak_type)))
-  return found
+  groups = {"state": list(state_args), "dyn": list(dyn_args)}
+  candidates = []
+  for group, args in groups.items():
+    for i, arg in enumerate(args):
+      for j, leaf in enumerate(tree_util.tree_leaves(arg)):
+        aval = leaf_aval(leaf)
+        if jax.numpy.issubdtype(aval.dtype, jax.numpy.number) and (
+            group == "dyn" or aval.shape == () or aval.weak_type):
+          candidates.append((group, i, j, aval))
+
+  def changes(subset):
+    flipped = {g: list(args) for g, args in groups.items()}
+    for group, i, j, aval in subset:
+      leaves, treedef = tree_util.tree_flatten(flipped[group][i])
+      leaves[j] = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
+      flipped[group][i] = tree_util.tree_unflatten(treedef, leaves)
+    traced = jax.make_jaxpr(wrapped)(tuple(flipped["state"]), *flipped["dyn"])
+    return _arithmetic(traced.jaxpr) != base
+
+  found = [c for c in candidates[:limit] if changes([c])]
+  rest = candidates[limit:]
+  if rest and changes(rest):
+    found += rest
+  pick = lambda group: [(i, j, bool(aval.weak_type)) for g, i, j, aval in found if g == group]
+  return pick("dyn"), pick("state")
 
 
 def _input_labels(state_nums, state_args, dyn_nums, dyn_args):

@@ -39,6 +39,19 @@ class ProgramsTest(absltest.TestCase):
     np.testing.assert_array_equal(np.signbit(got), np.signbit(jax.jit(fn)(x)))
     np.testing.assert_array_equal(got, jax.jit(fn)(x))
 
+  def test_many_equal_constant_subexpressions(self):
+    c = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
+
+    def fn(x):
+      acc = x
+      for i in range(60):
+        acc = acc + jnp.tanh(c @ c + i % 3) * 1e-3
+      return acc
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((16, 16)), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(fn, x)
+    np.testing.assert_array_equal(sess.run(gid, x), jax.jit(fn)(x))
+
   def test_closed_over_typed_prng_key(self):
     key = jax.random.key(0)
     fn = lambda x: x + jax.random.normal(key, x.shape)
@@ -118,6 +131,27 @@ class WeakTypesTest(absltest.TestCase):
     f32 = sess.compile(fn, jnp.ones(2), 0.1)  # all float32: the weak type is moot
     np.testing.assert_array_equal(sess.run(f32, jnp.ones(2), jnp.float32(0.25)),
                                   jax.jit(fn)(jnp.ones(2), jnp.float32(0.25)))
+
+  def test_numpy_scalars_many_scalars_arrays_and_set_state(self):
+    fn = lambda x, s: x * s
+    x = jnp.linspace(-3, 3, 11).astype(jnp.bfloat16)
+    sess = js.Session()
+    gid = sess.compile(fn, x, 0.1)
+    with self.assertRaises(js.InputError):  # np.float64 subclasses float, yet is strong
+      sess.run(gid, x, np.float64(0.3))
+    nine = sess.compile(lambda x, *s: sum((x * si for si in s), x), x, *(0.5,) * 9)
+    with self.assertRaises(js.InputError):  # past the first eight scalars too
+      sess.run(nine, x, *(0.5,) * 8, jnp.float32(0.3))
+    weak_vec = jnp.broadcast_to(jnp.asarray(0.3), (11,))
+    strong = sess.compile(fn, x, jnp.full((11,), 0.3, jnp.float32))
+    with self.assertRaises(js.InputError):
+      sess.run(strong, x, weak_vec)
+    step = lambda c, x: (c * 0.5 + 1.0, x * (c * 0.5 + 1.0))
+    stateful = sess.compile(step, jnp.asarray(1.0), x, state_argnums=0)
+    with self.assertRaisesRegex(js.InputError, "strongly typed"):
+      sess.set_state(stateful, jnp.float32(2.0))
+    sess.set_state(stateful, jnp.asarray(2.0))
+    np.testing.assert_array_equal(sess.run(stateful, x), jax.jit(step)(jnp.asarray(2.0), x)[1])
 
   def test_state_whose_weak_type_changes(self):
     sess = js.Session()
