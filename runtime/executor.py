@@ -21,6 +21,12 @@ from jaxsession.runtime.build import compile_fn, shape_struct
 from jaxsession.runtime.state import slots_lock
 
 
+# What an AOT executable's call raises for arguments that do not fit (type,
+# Python int range, device): raised before it runs or consumes anything, so
+# the runner conforms the arguments (or raises InputError) and calls again.
+ARG_MISMATCH = (TypeError, OverflowError, ValueError)
+
+
 class StateLayout:
   """How state leaves travel: which are donated, kept and updated, and the
   (slot, leaf index) each flat state leaf lives in."""
@@ -122,8 +128,6 @@ class Runner:
         self.layout.commit(new)
     return out
 
-  __call__ = call
-
 
 class SingleRunner(Runner):
   """A graph that is one device partition: one executable call per run.
@@ -168,7 +172,7 @@ class SingleRunner(Runner):
     donated, kept = self.layout.gather()
     try:
       return self.exe(donated, kept, *args)
-    except (TypeError, OverflowError, ValueError):  # checked before anything ran or was donated
+    except ARG_MISMATCH:  # checked before anything ran or was donated
       return self.exe(donated, kept, *self.spec.conform(args))
     except jax.errors.JaxRuntimeError as exc:
       raise runtime_failure(self.partition, self.recorder, exc)
@@ -182,7 +186,7 @@ class SingleRunner(Runner):
     def call(args):
       try:
         return exe(*args)
-      except (TypeError, OverflowError, ValueError):
+      except ARG_MISMATCH:
         return exe(*conform(args))
       except jax.errors.JaxRuntimeError as exc:
         raise failure(exc)
@@ -198,7 +202,7 @@ class SingleRunner(Runner):
         with lock:
           try:
             new, out = exe((slot.leaves,), *args)
-          except (TypeError, OverflowError, ValueError):
+          except ARG_MISMATCH:
             new, out = exe((slot.leaves,), *conform(args))
           except jax.errors.JaxRuntimeError as exc:
             raise failure(exc)
@@ -211,7 +215,7 @@ class SingleRunner(Runner):
         current = tuple([slot.leaves for slot in slots])
         try:
           new, out = exe(current, *args)
-        except (TypeError, OverflowError, ValueError):
+        except ARG_MISMATCH:
           new, out = exe(current, *conform(args))
         except jax.errors.JaxRuntimeError as exc:
           raise failure(exc)

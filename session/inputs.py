@@ -6,6 +6,7 @@ from jax import tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.ir import aval_str
+from jaxsession.runtime.state import session_device
 
 _PY_SCALARS = (bool, int, float, complex)
 
@@ -62,10 +63,10 @@ def python_scalar(x, dtype):
 class ArgSpec:
   """The positional arguments a graph's `run` takes: one pytree each."""
 
-  def __init__(self, where, positions, example_args, weak_sensitive=()):
+  def __init__(self, where, positions, example_args):
     self.where = where                  # "run(graph 'name')"
     self.positions = list(positions)    # each argument's position in fn
-    self.weak_sensitive = list(weak_sensitive)  # [(arg, leaf, compiled weak type)]
+    self.weak_sensitive = []  # [(arg, leaf, compiled weak type)], set by compile
     self.treedefs = []
     self.avals = []
     self.paths = []
@@ -99,9 +100,6 @@ class ArgSpec:
                                               "an array of that dtype") + ".")
       return call(args)
     return guarded
-
-  def flat_avals(self):
-    return [a for avals in self.avals for a in avals]
 
   def _arg_name(self, i):
     return f"argument {i} (position {self.positions[i]} of the function)"
@@ -151,7 +149,7 @@ class ArgSpec:
           f"(steps={leading} on a leading axis of {aval_str(want)})")
       raise InputError(f"{place}: expected {expect}, got {aval_str(got)}")
     if isinstance(x, jax.Array) and x.committed:
-      device = jax.config.jax_default_device or jax.devices()[0]
+      device = session_device()
       if x.devices() != {device}:  # the executables run on the session's device
         return jax.device_put(x, device)
     return x

@@ -144,13 +144,13 @@ class Session:
     dyn_nums = [i for i in range(nargs) if i not in state_nums and i not in static_nums]
     state_args = [example_args[i] for i in state_nums]
     dyn_args = [example_args[i] for i in dyn_nums]
-    ArgSpec(f"compile({name})", dyn_nums, dyn_args)  # every leaf an array: InputError
+    spec = ArgSpec(f"compile({name})", dyn_nums, dyn_args)  # non-arrays: InputError
     wrapped = _stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates)
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
                                                                   *dyn_args)
     if updates:
       _check_new_state(name, state_nums, state_args, out_shape[0], wrapped, closed, dyn_args)
-    weak_sensitive, weak_state = _weak_sensitive(wrapped, closed, state_args, dyn_args)
+    spec.weak_sensitive, weak_state = _weak_sensitive(wrapped, closed, state_args, dyn_args)
     rest_tree = tree_util.tree_structure(out_shape[1])
     kinds, labels = _input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
@@ -158,18 +158,15 @@ class Session:
     nodes_imported = len(graph.nodes)
     slots = self._bind_state(name, state_nums, state_args, state_from, source)
     try:
-      return self._compile_bound(name, graph, slots,
-                                 spec_args=(dyn_nums, dyn_args, weak_sensitive, weak_state),
-                                 rest_tree=rest_tree, nodes_imported=nodes_imported,
-                                 start=start)
+      return self._compile_bound(name, graph, slots, spec, weak_state, rest_tree,
+                                 nodes_imported, start)
     except BaseException:
       self._unpin(slots)
       raise
 
-  def _compile_bound(self, name, graph, slots, spec_args, rest_tree, nodes_imported, start):
+  def _compile_bound(self, name, graph, slots, spec, weak_state, rest_tree, nodes_imported,
+                     start):
     """The pipeline and Build for a graph whose state slots are bound."""
-    dyn_nums, dyn_args, weak_sensitive, weak_state = spec_args
-    spec = ArgSpec(f"run(graph '{name}')", dyn_nums, dyn_args, weak_sensitive)
     ctx = PassContext(platform=self.platform, options=self.options,
                       verify=self.options.verify_graphs)
     optimizer = pipeline.graph_optimizer(self.options.disabled_passes)
