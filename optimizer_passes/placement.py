@@ -1,45 +1,125 @@
 """place_nodes (HardwareOptimize): decides where each node runs.
 
-Every node runs on the device except those a placement rule sends to the host.
-A `pure_callback` runs its Python function anyway, so calling it on numpy arrays
-between two executables costs less than a callback from inside one (DESIGN.md:
-10 µs vs 64 µs on CPU). Nodes with effects stay on the device: moving them
-could reorder what the user observes. Needs SelectKernel before it (a node goes
-to the host only if a host kernel exists for it).
+Every node runs on the device unless a rule of the table below sends it to the
+host; the rule's reason is written on the node (`node.notes`) and becomes the
+reason of the partition it opens. Nodes with effects stay on the device:
+moving them could reorder what the user observes.
+
+| rule | sends to the host | why |
+|---|---|---|
+| callback | a `pure_callback` without effects (`host_callbacks=True`) | it runs its Python function anyway; between executables that costs less than a callback from inside one (DESIGN.md: 10 µs vs 64 µs on CPU) |
+| host-only kernel | a node whose only kernel is a host kernel | there is nothing to run it on the device |
+| small integer | an integer/bool node of <= 1024 elements whose inputs all come from the host and whose readers are all on the host | a shape or index computed from a host value needs no round trip to the device |
+
+With `SessionOptions(place_all_on_device=True)` any host placement is refused:
+a PartitionError names every node and the rule that would have moved it.
+Needs SelectKernel before it (a node goes to the host only if a host kernel
+exists for it).
 """
+from jaxsession.errors import PartitionError
+from jaxsession.ir import Literal
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
 
-def _host_callback(node, ctx):
-  """pure_callback without effects, with a host kernel, host placement allowed."""
-  if node.props.effects or not getattr(ctx.options, "host_callbacks", True):
-    return None
+def _host_kernel(node):
   try:
     return registry.select_kernel(node, "host", backends=("host",))
-  except Exception:
+  except Exception:  # no host kernel takes it: it stays on the device
     return None
 
 
-# op -> rule(node, ctx) returning the host kernel to use, or None to stay on device
-HOST_RULES = {
-    "pure_callback": _host_callback,
+def _callback(node, ctx):
+  if node.op != "pure_callback" or not getattr(ctx.options, "host_callbacks", True):
+    return None
+  return _host_kernel(node)
+
+
+def _host_only_kernel(node, ctx):
+  """SelectKernel chose a host kernel because no device kernel takes the node."""
+  return node.kernel if node.kernel is not None and node.kernel.backend == "host" else None
+
+
+# rule name -> (rule(node, ctx) -> host kernel or None, the reason written on the node)
+NODE_RULES = {
+    "callback": (_callback, "placed on host (callback): the callback runs between "
+                            "executables, not as a callback from inside one"),
+    "host-only kernel": (_host_only_kernel, "placed on host (host-only kernel): no device "
+                                            "kernel takes this node"),
 }
+SMALL_INTEGER_REASON = ("placed on host (small integer): an integer computation on host "
+                        "values read only on the host needs no round trip to the device")
+
+
+def small_integer_nodes(graph, host):
+  """The largest set S of nodes with a host kernel such that every node in S
+  reads only host values (from `host` or S, or constants) and is read only by
+  host nodes, at least one (a greatest fixed point)."""
+  state_news = {v.id for _, v in graph.state_updates()}
+  kernels = {}
+  for node in graph.nodes:
+    if id(node) in host or node.props.effects or any(o.id in state_news for o in node.outputs):
+      continue
+    if not any(not isinstance(v, Literal) and v.kind != "const" for v in node.inputs):
+      continue  # nothing comes from the host: no reason to move it
+    kernel = _host_kernel(node)
+    if kernel is not None:
+      kernels[id(node)] = (node, kernel)
+  chosen = dict(kernels)
+  changed = True
+  while changed:
+    changed = False
+    on_host = lambda n: n is not None and (id(n) in host or id(n) in chosen)
+    for key, (node, _) in list(chosen.items()):
+      inputs_ok = all(isinstance(v, Literal) or v.kind == "const"
+                      or (v.producer is not None and on_host(v.producer))
+                      for v in node.inputs)
+      users = [u for o in node.outputs for u in o.users]
+      if not inputs_ok or not users or not all(on_host(u) for u in users):
+        del chosen[key]
+        changed = True
+  return list(chosen.values())
 
 
 class PlaceNodes(Pass):
   name = "place_nodes"
+  required = True  # every node needs a place; host_callbacks=False keeps callbacks in
 
   def run(self, graph, ctx):
+    decided = {}  # id(node) -> (node, kernel, reason)
+    for node in graph.nodes:
+      if node.props.effects:
+        continue
+      for rule, reason in NODE_RULES.values():
+        kernel = rule(node, ctx)
+        if kernel is not None:
+          decided[id(node)] = (node, kernel, reason)
+          break
+    for node, kernel in small_integer_nodes(graph, decided):
+      decided[id(node)] = (node, kernel, SMALL_INTEGER_REASON)
+    if decided and getattr(ctx.options, "place_all_on_device", False):
+      raise PartitionError(
+          f"graph {graph.name}: place_all_on_device is set but {len(decided)} node(s) "
+          "would run on the host:\n" + "\n".join(
+              f"  node {n.id} '{n.op}'{' at ' + n.source if n.source else ''}: {reason}"
+              for n, _, reason in decided.values())
+          + "\n(host_callbacks=False keeps callbacks inside the executables)")
     changed = False
     for node in graph.nodes:
-      rule = HOST_RULES.get(node.op)
-      kernel = rule(node, ctx) if rule else None
-      place = "host" if kernel is not None else "device"
-      if kernel is not None:
-        node.kernel = kernel
-        node.notes.append("placed on host: the callback runs between executables, "
-                          "not as a callback from inside one")
+      hit = decided.get(id(node))
+      place = "host" if hit else "device"
+      if hit:
+        node.kernel = hit[1]
+        if hit[2] not in node.notes:
+          node.notes.append(hit[2])
+      elif node.kernel is not None and node.kernel.backend == "host":
+        raise PartitionError(f"node {node.id} '{node.op}' has only a host kernel but "
+                             "has effects: it cannot move off the device")
       changed |= node.place != place
       node.place = place
     return PassResult(changed)
+
+
+def placement_reason(node):
+  """The rule that placed `node` on the host (its note), or None."""
+  return next((note for note in node.notes if note.startswith("placed on host")), None)

@@ -1,9 +1,15 @@
-"""Build: each device partition -> one compiled XLA executable; each host
-partition -> a function over its host kernels. Nothing here runs op by op in
-steady state, and nothing here runs user code: executables are compiled ahead
-of time for exactly the argument types of the graph."""
+"""Build: each device partition -> one compiled XLA executable; each host node
+-> a host function; the whole plan -> a `Program` the executor runs.
+
+Nothing here runs op by op in steady state, and nothing here runs user code:
+executables are compiled ahead of time for exactly the argument types of the
+graph. Everything the executor needs per run is decided here, once: every
+value gets a register, every op the registers it reads and writes and those
+to clear after it (the values' last uses), each executable the intermediates
+donated to it, each output whether it must be copied.
+"""
 import dataclasses
-from typing import Callable, List
+from typing import Callable, List, Tuple
 
 import jax
 import numpy as np
@@ -12,6 +18,10 @@ from jaxsession.errors import HostOpError
 from jaxsession.ir import Literal, aval_str
 from jaxsession.lowering import kernel_fn, lower_nodes
 from jaxsession.runtime import callbacks
+
+# What an AOT executable's call raises for arguments that do not fit (type,
+# Python int range, device): raised before it runs or consumes anything.
+ARG_MISMATCH = (TypeError, OverflowError, ValueError)
 
 
 def shape_struct(aval):
@@ -26,92 +36,200 @@ def compile_fn(fn, arg_structs, donate_argnums=()):
   return jax.jit(fn, donate_argnums=donate_argnums).lower(*arg_structs).compile()
 
 
+def fast_call(exe):
+  """The executable's C++ call (what `Compiled.__call__` forwards to, minus
+  one Python frame: ~0.6 µs a call, measured here); the executable itself
+  where this jax has none."""
+  try:
+    call = exe._executable.create_cpp_call(exe._params)  # pylint: disable=protected-access
+  except Exception:  # an internal API: fall back to the public call
+    call = None
+  return call or exe
+
+
 @dataclasses.dataclass
-class Step:
-  """One partition ready to run: fn(*arrays) -> list of arrays."""
-  partition: object
+class Op:
+  """One step of a Program: fn(*registers[ins]) -> values for registers[outs]."""
   fn: Callable
-  in_ids: List[int]
-  out_ids: List[int]
-  free_after: List[int] = dataclasses.field(default_factory=list)
+  ins: Tuple[int, ...]
+  outs: Tuple[int, ...]
+  frees: Tuple[int, ...] = ()
+  prefetch: Tuple[int, ...] = ()   # registers to start copying to the host
+  partition: int = 0
+  error: Callable = None           # host ops: exc -> the HostOpError to raise
 
 
-def host_callable(nodes, in_values, out_values):
-  """Runs host kernels; a raising kernel, or one whose result does not fit
-  the node's aval, becomes HostOpError naming the node."""
-  fns = [kernel_fn(n) for n in nodes]
+@dataclasses.dataclass
+class Program:
+  """A built plan. Registers: state leaves, then user leaves, then constants
+  and literals (prefilled in `template`), then every other value."""
+  ops: List[Op]
+  template: list
+  num_state: int
+  num_user: int
+  outputs: List[int]           # the register of each graph output
+  copy_at: frozenset           # outputs to copy (a graph input, or repeated)
+  host_outputs: frozenset      # outputs made on the host (returned as CPU arrays)
+  user_checked: List[Tuple]    # (register, arg, leaf) conformed before the run
+  first_checked: List[Tuple]   # (register, arg, leaf) the first executable checks
+  analyses: dict               # partition index -> compiled.memory_analysis()
 
-  def read(env, value):
-    return value.value if isinstance(value, Literal) else env[value.id]
+
+def host_op(node):
+  """(fn, error) for one host node: fn runs its kernel on arrays and checks
+  the results against the node's avals (a kernel with a `prepare` form
+  checks them itself); error(exc) is the HostOpError naming the node that
+  the executor raises from whatever fn raised."""
+  kernel = kernel_fn(node)
+  prepare = getattr(kernel, "prepare", None)
+
+  def error(exc):
+    return HostOpError(f"host kernel {node.kernel.name} of {callbacks.where(node)} "
+                       f"raised {type(exc).__name__}: {exc}")
+  if prepare is not None:
+    return prepare(node), error
+  avals = [(tuple(o.aval.shape), o.aval.dtype) for o in node.outputs]
 
   def run_host(*arrays):
-    env = {v.id: a for v, a in zip(in_values, arrays)}
-    for node, fn in zip(nodes, fns):
-      try:
-        outs = fn(node, *[read(env, v) for v in node.inputs])
-        _check_results(node, outs)
-      except Exception as exc:
-        raise HostOpError(f"host kernel {node.kernel.name} of {callbacks.where(node)} "
-                          f"raised {type(exc).__name__}: {exc}") from exc
-      env.update((o.id, r) for o, r in zip(node.outputs, outs))
-    return [read(env, v) for v in out_values]
-  return run_host
-
-
-def _check_results(node, outs):
-  if len(outs) != len(node.outputs):
-    raise TypeError(f"returned {len(outs)} results for {len(node.outputs)} outputs")
-  for i, (out, value) in enumerate(zip(outs, node.outputs)):
-    shape, dtype = np.shape(out), getattr(out, "dtype", None)
-    if tuple(shape) != tuple(value.aval.shape) or dtype != value.aval.dtype:
-      raise TypeError(f"result {i} is {dtype}{list(shape)}, the node's output is "
-                      f"{aval_str(value.aval)}")
+    outs = kernel(node, *arrays)
+    if len(outs) != len(avals):
+      raise TypeError(f"returned {len(outs)} results for {len(avals)} outputs")
+    for i, (out, (shape, dtype)) in enumerate(zip(outs, avals)):
+      if getattr(out, "shape", None) != shape or getattr(out, "dtype", None) != dtype:
+        raise TypeError(f"result {i} is {getattr(out, 'dtype', None)}"
+                        f"{list(np.shape(out))}, the node's output is "
+                        f"{aval_str(node.outputs[i].aval)}")
+    return outs
+  return run_host, error
 
 
 def device_inputs(part):
   """The values a device partition takes as arguments: its inputs but the
-  graph's consts, which its executable embeds."""
+  graph's consts, which its executable embeds. A host value read through a
+  transfer_h2d node is passed as it is: the call copies it to the device."""
   return [v for v in part.inputs if v.kind != "const"]
 
 
+def _arg_struct(value):
+  if value.producer is not None and value.producer.place == "host":
+    return jax.ShapeDtypeStruct(value.aval.shape, value.aval.dtype)  # numpy: never weak
+  return shape_struct(value.aval)
+
+
 def build_device_step(part, donated_ids, consts):
-  """Compiles one device partition; its donated inputs are the state leaves
-  the memory plan gave to this partition. A failing callback inside it raises
+  """Compiles one device partition with the values donated to it; returns
+  (the call, the compiled executable). A failing callback inside it raises
   HostOpError with the user's exception as the cause."""
   recorder = callbacks.ErrorRecorder()
   inputs = device_inputs(part)
   body = lower_nodes(callbacks.instrumented(part.nodes, recorder), inputs, part.outputs,
                      {v.id: consts[v.id] for v in part.inputs if v.kind == "const"})
   donate = tuple(i for i, v in enumerate(inputs) if v.id in donated_ids)
-  exe = compile_fn(lambda *xs: body(*xs), [shape_struct(v.aval) for v in inputs], donate)
+  exe = compile_fn(lambda *xs: body(*xs), [_arg_struct(v) for v in inputs], donate)
+  call = fast_call(exe)
   if not part.may_fail:
-    return exe
+    return call, exe
 
   def run_device(*arrays):
     try:
-      return exe(*arrays)
+      return call(*arrays)
     except jax.errors.JaxRuntimeError as exc:
       raise callbacks.callback_failure(part.nodes, part.index, exc, recorder)
-  return run_device
+  return run_device, exe
 
 
-def build_steps(graph, partitions, plan):
-  """Every partition as a Step, with the values to forget after each."""
-  donated_to = {d.state.id: d.partition for d in plan.donations if d.donated}
-  steps = []
+def build_program(graph, partitions, plan, spec, platform):
+  """The Program for a multi-partition graph. On the CPU platform a
+  device->host transfer is no op at all: its value shares the register of
+  the device value (the device buffer is host memory)."""
+  regs, template = {}, []
+
+  def register(value, fill=None):
+    regs[value.id] = len(template)
+    template.append(fill)
+    return regs[value.id]
+
+  for value in graph.inputs_of_kind("state") + graph.inputs_of_kind("input"):
+    register(value)
+  for value in graph.inputs_of_kind("const"):
+    register(value, graph.const_values[value.id])
+  user_leaf = {}  # register -> (arg, leaf)
+  num_state = len(graph.inputs_of_kind("state"))
+  flat = [(i, j) for i, avals in enumerate(spec.avals) for j in range(len(avals))]
+  for k, ij in enumerate(flat):
+    user_leaf[num_state + k] = ij
+
+  literals = {}  # id(literal) -> register
+
+  def reg_of(value):
+    if isinstance(value, Literal):
+      if id(value) not in literals:
+        literals[id(value)] = len(template)
+        template.append(np.asarray(value.value, value.aval.dtype))
+      return literals[id(value)]
+    return regs[value.id] if value.id in regs else register(value)
+
+  ops, analyses = [], {}
   for part in partitions:
-    if part.place == "host":
-      fn, inputs = host_callable(part.nodes, part.inputs, part.outputs), part.inputs
-    else:
-      mine = {vid for vid, index in donated_to.items() if index == part.index}
-      fn, inputs = build_device_step(part, mine, graph.const_values), device_inputs(part)
-    steps.append(Step(part, fn, [v.id for v in inputs], [v.id for v in part.outputs]))
-  keep = {v.id for v in graph.outputs if not isinstance(v, Literal)}
+    if part.place == "device":
+      fn, exe = build_device_step(part, plan.donated_to(part.index), graph.const_values)
+      analyses[part.index] = memory_analysis(exe)
+      ins = tuple(reg_of(v) for v in device_inputs(part))
+      ops.append(Op(fn, ins, tuple(reg_of(v) for v in part.outputs),
+                    prefetch=tuple(reg_of(v) for v in part.prefetch), partition=part.index))
+      continue
+    for node in part.nodes:
+      if node.op == "transfer_d2h" and platform == "cpu":
+        regs[node.outputs[0].id] = reg_of(node.inputs[0])  # the same buffer: no op
+        continue
+      ins = tuple(reg_of(v) for v in node.inputs)
+      fn, error = host_op(node)
+      ops.append(Op(fn, ins, tuple(reg_of(v) for v in node.outputs),
+                    partition=part.index, error=error))
+  outputs = [reg_of(v) for v in graph.outputs]
+  _set_frees(ops, outputs)
+  copy_at, seen = set(), set()
+  for i, value in enumerate(graph.outputs):
+    if isinstance(value, Literal):
+      continue
+    if value.producer is None or value.id in seen:
+      copy_at.add(i)
+    seen.add(value.id)
+  host_outputs = {i for i, v in enumerate(graph.outputs)
+                  if not isinstance(v, Literal) and v.producer is not None
+                  and v.producer.place == "host" and v.producer.op != "transfer_h2d"}
+  # The first op, an executable, checks the user leaves it reads before it
+  # runs or consumes anything; every other leaf an op reads, or that is
+  # returned as it is, is conformed before the run (host ops would take it
+  # as it comes, and a later executable would refuse it after work was done).
+  first = set(ops[0].ins) if ops and partitions[0].place == "device" else set()
+  read = {r for op in ops for r in op.ins} | set(outputs)
+  checked = sorted(r for r in user_leaf if r in read and r not in first)
+  return Program(ops, template, num_state, len(flat), outputs, frozenset(copy_at),
+                 frozenset(host_outputs), [(r,) + user_leaf[r] for r in checked],
+                 [(r,) + user_leaf[r] for r in sorted(first) if r in user_leaf], analyses)
+
+
+def _set_frees(ops, outputs):
+  """Each register is cleared after the last op that reads it, unless it is a
+  graph output (the value is then held only as long as something needs it)."""
+  keep = set(outputs)
   last = {}
-  for i, step in enumerate(steps):
-    for vid in step.in_ids:
-      last[vid] = i
-  for vid, i in last.items():
-    if vid not in keep:
-      steps[i].free_after.append(vid)
-  return steps
+  for k, op in enumerate(ops):
+    for r in op.ins:
+      last[r] = k
+    for r in op.outs:
+      last.setdefault(r, k)  # made but never read: cleared right away
+  frees = [[] for _ in ops]
+  for r, k in last.items():
+    if r not in keep:
+      frees[k].append(r)
+  for op, free in zip(ops, frees):
+    op.frees = tuple(free)
+
+
+def memory_analysis(exe):
+  try:
+    return exe.memory_analysis()
+  except Exception:  # a backend without it: the session's estimate stands
+    return None

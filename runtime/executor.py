@@ -7,8 +7,9 @@ leaves the state as it was. What differs is `execute`:
   * SingleRunner: the graph is one device partition - one ahead-of-time
     compiled executable call, whose own argument check runs before anything
     is consumed (no warm-up, no tracing at run time, never a recompile);
-  * PlanRunner: several partitions - eval_jaxpr's loop over the built steps
-    (device executables and host functions), values freed at last use.
+  * PlanRunner: several partitions - eval_jaxpr's loop over the built
+    Program (device executables and host functions) on registers, values
+    freed at last use.
 The loop-sunk runners (loop_sink.py) are the same with N steps per call.
 """
 import jax
@@ -16,15 +17,9 @@ from jax import tree_util
 
 from jaxsession.ir import Literal
 from jaxsession.lowering import graph_consts, lower_nodes
-from jaxsession.runtime import callbacks
-from jaxsession.runtime.build import compile_fn, shape_struct
+from jaxsession.runtime import callbacks, codegen
+from jaxsession.runtime.build import ARG_MISMATCH, compile_fn, fast_call, shape_struct
 from jaxsession.runtime.state import slots_lock
-
-
-# What an AOT executable's call raises for arguments that do not fit (type,
-# Python int range, device): raised before it runs or consumes anything, so
-# the runner conforms the arguments (or raises InputError) and calls again.
-ARG_MISMATCH = (TypeError, OverflowError, ValueError)
 
 
 class StateLayout:
@@ -181,7 +176,7 @@ class SingleRunner(Runner):
     return runtime_failure(self.partition, self.recorder, exc)
 
   def _bare_call(self):
-    exe, conform, failure = self.exe, self.spec.conform, self._failure
+    exe, conform, failure = fast_call(self.exe), self.spec.conform, self._failure
 
     def call(args):
       try:
@@ -193,7 +188,7 @@ class SingleRunner(Runner):
     return call
 
   def _slotwise_call(self):
-    exe, conform, failure = self.exe, self.spec.conform, self._failure
+    exe, conform, failure = fast_call(self.exe), self.spec.conform, self._failure
     slots, lock = tuple(self.layout.slots), self.lock
     if len(slots) == 1:  # one state arg: no tuple building at all
       slot, = slots
@@ -239,54 +234,94 @@ def runtime_failure(partition, recorder, exc):
 
 
 class PlanRunner(Runner):
-  """Several partitions: device executables with host steps between them."""
+  """Several partitions: the Program written out as straight-line Python
+  (codegen.py), values deleted at their last use.
 
-  def __init__(self, graph, steps, spec, rest_tree, layout):
+  Device executables are launched through their C++ call; the first one
+  checks the user leaves it reads itself (a mismatch is conformed and
+  retried before anything ran), the others are conformed up front.
+  `observer(partition index)`, when set, is called after each partition
+  (tests sample live memory there); unset, it costs nothing."""
+
+  def __init__(self, graph, program, spec, rest_tree, layout):
     super().__init__(layout, spec)
-    self.steps = steps
+    self.program = program
     self.rest_tree = rest_tree
-    self.consts = graph_consts(graph)
-    self.state_ids = [v.id for v in graph.inputs_of_kind("state")]
-    self.input_ids = [v.id for v in graph.inputs_of_kind("input")]
-    self.outputs = list(graph.outputs)
-    # An output that is a graph input, or that appears more than once, would
-    # hand the same buffer to two owners (a slot and the caller, or two
-    # slots); a later donation of one would invalidate the other. Copy it.
-    seen, self.copy_at = set(), set()
-    for i, v in enumerate(self.outputs):
-      if isinstance(v, Literal):
+    self.observer = None
+    self.plan = codegen.generate(program, spec.conform_leaf)
+    self._observed = None
+    self.treedefs = list(spec.treedefs)
+    leaf = tree_util.tree_structure(0)
+    self._bare = [treedef == leaf for treedef in self.treedefs]
+    self._literal_outputs = {i for i, v in enumerate(graph.outputs) if isinstance(v, Literal)}
+    self._plain_outputs = not (program.copy_at or program.host_outputs
+                               or self._literal_outputs)
+    self._single_output = rest_tree == leaf  # run returns it bare
+    if not layout.slots:
+      self.call = self._stateless_call
+
+  def user_leaves(self, args):
+    """The flat user leaves, the pytree structure checked; leaves that no
+    executable checks first are conformed here."""
+    if len(args) != len(self.treedefs):
+      self.spec.check_arity(args)
+    leaves = []
+    for arg, treedef, bare in zip(args, self.treedefs, self._bare):
+      if bare and isinstance(arg, jax.Array):
+        leaves.append(arg)
         continue
-      if v.producer is None or v.id in seen:
-        self.copy_at.add(i)
-      seen.add(v.id)
+      flat, got = tree_util.tree_flatten(arg)
+      if got != treedef:
+        self.spec.conform(args)  # raises InputError naming the argument
+      leaves.extend(flat)
+    if self.program.user_checked:
+      base = self.program.num_state
+      for reg, i, j in self.program.user_checked:
+        leaves[reg - base] = self.spec.conform_leaf(i, j, leaves[reg - base])
+    return leaves
 
   def run_flat(self, state_leaves, user_leaves):
-    env = dict(zip(self.state_ids, state_leaves))
-    env.update(zip(self.input_ids, user_leaves))
-    env.update(self.consts)  # host steps read them; device steps embed them
-    for step in self.steps:
-      outs = step.fn(*[env[i] for i in step.in_ids])
-      env.update(zip(step.out_ids, outs))
-      for vid in step.free_after:
-        del env[vid]
-    return [self._output(i, v, env) for i, v in enumerate(self.outputs)]
+    if self.observer is None:
+      outs = self.plan(state_leaves, user_leaves, None)
+    else:
+      if self._observed is None:
+        self._observed = codegen.generate(self.program, self.spec.conform_leaf, True)
+      outs = self._observed(state_leaves, user_leaves, self.observer)
+    if self._plain_outputs:
+      return outs
+    return [self._output(k, out) for k, out in enumerate(outs)]
 
-  def _output(self, i, value, env):
-    if isinstance(value, Literal):
-      return jax.numpy.asarray(value.value, value.aval.dtype)
-    out = env[value.id]
-    if not isinstance(out, jax.Array):  # made on the host: outputs are jax.Arrays
-      return jax.device_put(out)
-    return jax.numpy.array(out, copy=True) if i in self.copy_at else out
+  def _output(self, k, out):
+    if k in self._literal_outputs:
+      return jax.numpy.asarray(out)  # a fresh array per run, as jax.jit returns
+    if k in self.program.host_outputs:  # made on the host: stays there
+      return jax.device_put(out, jax.local_devices(backend="cpu")[0])
+    return jax.numpy.array(out, copy=True) if k in self.program.copy_at else out
 
   def step_once(self, state_leaves, args):
     """One run on the given state leaves; returns (new values of the updated
     leaves, user outputs) without committing anything."""
-    outs = self.run_flat(state_leaves, tree_util.tree_leaves(args))
+    outs = self.run_flat(state_leaves, self.user_leaves(args))
     return ([outs[i] for i in self.layout.updated_idx],
             tree_util.tree_unflatten(self.rest_tree, outs[self.layout.num_outputs:]))
 
   def execute(self, args):
-    # Host steps may run before the first executable checks its arguments:
-    # check them all here, before any work.
-    return self.step_once(self.layout.gather_all(), self.spec.conform(args))
+    return self.step_once(self.layout.gather_all(), args)
+
+  def _stateless_call(self, args):
+    """call for a graph without state: no locks, nothing to commit."""
+    outs = self.run_flat([], self.user_leaves(args))
+    if self._single_output:
+      return outs[-1]
+    return tree_util.tree_unflatten(self.rest_tree, outs)
+
+  def call(self, args):
+    """Runner.call with execute and step_once inlined: run's hot path."""
+    layout = self.layout
+    with self.lock:
+      outs = self.run_flat(layout.gather_all(), self.user_leaves(args))
+      if layout.updated_idx:
+        layout.commit([outs[i] for i in layout.updated_idx])
+    if self._single_output:
+      return outs[-1]
+    return tree_util.tree_unflatten(self.rest_tree, outs[layout.num_outputs:])

@@ -1,10 +1,24 @@
-"""AllocateMemory: liveness of every value, state donation, peak estimate.
+"""AllocateMemory: liveness per partition, donation, and the planned peak.
 
-Liveness is measured in node positions (execution order). The peak is the
-largest total of live bytes at any node; the lower bound is what any schedule
-must hold at once (all graph inputs, or one node's operands and results).
-Donation decisions are made per state leaf and each carries its reason.
+Liveness is measured at partition granularity, in launch order: a value lives
+from the partition that makes it to the last partition that reads it (graph
+inputs and state from the start, graph outputs to the end). The executor frees
+every value at its last use, so these ranges are what it holds.
+
+Donation: each state leaf goes to the last partition that reads it, unless
+that would lose it on a failure or buys nothing; a device value made by one
+partition and dying in a later device partition is donated to it when that
+executable has an output of the same shape and dtype to reuse the buffer for.
+Every decision carries its reason.
+
+The peak counts device bytes only: at partition k it is the bytes live across
+k that k does not take, plus k's own figure - for an executable, XLA's
+`memory_analysis()` (arguments + outputs + temporaries - aliases) once Build
+has compiled it (`refine`), the session's estimate (arguments, outputs and the
+largest set of its own intermediates live at once) before that or where the
+backend reports nothing.
 """
+import collections
 import dataclasses
 from typing import Dict, List, Tuple
 
@@ -13,78 +27,128 @@ from jaxsession.ir import Literal, aval_bytes, aval_str
 
 @dataclasses.dataclass
 class DonationDecision:
-  state: object          # the state input Value
+  state: object          # the state input Value (or a device intermediate)
   donated: bool
   partition: int         # the partition it is passed to (last reader), -1 if none
   reason: str
 
 
 @dataclasses.dataclass
+class PartitionMemory:
+  """One partition's share of the plan: `report.memory.partitions` rows."""
+  index: int
+  place: str
+  bytes: int             # its figure while it runs (device bytes)
+  source: str            # "xla memory_analysis" or "session estimate"
+  live_across: int       # device bytes live across it that it does not take
+
+
+@dataclasses.dataclass
 class MemoryPlan:
-  live_ranges: Dict[int, Tuple[int, int]]   # value id -> (defined at, last used at)
+  live_ranges: Dict[int, Tuple[int, int]]   # value id -> (made in, last read in) partition
   peak_bytes: int
   lower_bound_bytes: int
   donated_bytes: int
-  donations: List[DonationDecision]
+  donations: List[DonationDecision]          # one per state leaf
+  intermediate_donations: List[DonationDecision]
+  partitions: List[PartitionMemory]
 
   def donated_ids(self):
     return {d.state.id for d in self.donations if d.donated}
 
+  def donated_to(self, index):
+    """Value ids (state and intermediates) donated to partition `index`."""
+    return {d.state.id for d in self.donations + self.intermediate_donations
+            if d.donated and d.partition == index}
+
   def describe(self):
     lines = [f"peak {self.peak_bytes} B (lower bound {self.lower_bound_bytes} B), "
              f"donated {self.donated_bytes} B"]
-    for d in self.donations:
-      lines.append(f"{d.state} ({d.state.name}, {aval_str(d.state.aval)}): "
+    lines.extend(f"partition #{p.index} {p.place}: {p.bytes} B ({p.source}) + "
+                 f"{p.live_across} B live across it" for p in self.partitions)
+    for d in self.donations + self.intermediate_donations:
+      name = f" ({d.state.name})" if d.state.name else ""
+      lines.append(f"{d.state}{name}, {aval_str(d.state.aval)}: "
                    f"{'donated' if d.donated else 'kept'} - {d.reason}")
     return lines
 
 
 class MemoryReport(tuple):
-  """`report.memory`: (peak bytes, donated bytes, lower bound), with names."""
-  __slots__ = ()
+  """`report.memory`: (peak bytes, donated bytes, lower bound), with names,
+  and `.partitions`: each partition's figure and where it came from."""
 
   def __new__(cls, plan):
-    return super().__new__(cls, (plan.peak_bytes, plan.donated_bytes,
-                                 plan.lower_bound_bytes))
+    report = super().__new__(cls, (plan.peak_bytes, plan.donated_bytes,
+                                   plan.lower_bound_bytes))
+    report.partitions = list(plan.partitions)
+    return report
 
   peak_bytes = property(lambda self: self[0])
   donated_bytes = property(lambda self: self[1])
   lower_bound_bytes = property(lambda self: self[2])
 
 
-def live_ranges(graph):
-  """value id -> (position defined, last position used); inputs are defined at
-  -1 and graph outputs live to len(nodes)."""
-  end = len(graph.nodes)
+def device_resident(value, platform):
+  """Whether `value` occupies device memory: graph inputs and state, and what
+  device nodes make; host values do not - except on the CPU platform, where a
+  transfer to the host hands over the very same buffer."""
+  if value.producer is None:
+    return value.kind != "const"  # consts are embedded in the executables
+  if value.producer.op == "transfer_d2h":
+    return platform == "cpu"
+  return value.producer.place == "device" or value.producer.op == "transfer_h2d"
+
+
+def live_ranges(graph, partitions):
+  """value id -> (partition that makes it, last partition that reads it);
+  graph inputs live from -1 to len(partitions) (the caller and the state
+  slots hold them; a donated state buffer is counted as if kept, an upper
+  bound), graph outputs to len(partitions)."""
   ranges = {v.id: (-1, -1) for v in graph.inputs}
-  for pos, node in enumerate(graph.nodes):
-    for value in node.inputs:
-      if not isinstance(value, Literal):
-        ranges[value.id] = (ranges[value.id][0], pos)
-    for out in node.outputs:
-      ranges[out.id] = (pos, pos)
+  for part in partitions:
+    for node in part.nodes:
+      for value in node.inputs:
+        if not isinstance(value, Literal):
+          ranges[value.id] = (ranges[value.id][0], part.index)
+      for out in node.outputs:
+        ranges[out.id] = (part.index, part.index)
+  end = len(partitions)
+  for value in graph.inputs:  # the caller and the state slots hold them throughout
+    ranges[value.id] = (-1, end)
   for value in graph.outputs:
     if not isinstance(value, Literal):
       ranges[value.id] = (ranges[value.id][0], end)
   return ranges
 
 
-def peak_bytes(graph, ranges):
-  """Largest sum of live bytes over the execution order (a sweep over events)."""
-  size = {v.id: aval_bytes(v.aval) for v in graph.values()}
-  delta = [0] * (len(graph.nodes) + 3)
-  for vid, (start, stop) in ranges.items():
-    stop = max(stop, start)  # a value nobody reads still occupies its slot once
-    delta[start + 1] += size[vid]
-    delta[stop + 2] -= size[vid]
-  peak = live = 0
-  for step in delta:
-    live += step
+def estimate(part, platform):
+  """The session's figure for a partition: the device bytes of its arguments
+  and outputs plus the largest set of its own intermediates live at once."""
+  args = sum(aval_bytes(v.aval) for v in part.inputs if device_resident(v, platform))
+  outs = sum(aval_bytes(v.aval) for v in part.outputs if device_resident(v, platform))
+  if part.place == "host":
+    return args + outs
+  exported = {v.id for v in part.outputs}
+  last = {}
+  for pos, node in enumerate(part.nodes):
+    for value in node.inputs:
+      if not isinstance(value, Literal):
+        last[value.id] = pos
+  live = peak = 0
+  dies = collections.defaultdict(int)
+  for pos, node in enumerate(part.nodes):
+    for out in node.outputs:
+      if out.id not in exported:
+        live += aval_bytes(out.aval)
+        dies[last.get(out.id, pos)] += aval_bytes(out.aval)
     peak = max(peak, live)
-  return peak
+    live -= dies[pos]
+  return args + outs + peak
 
 
 def lower_bound(graph):
+  """What any schedule must hold at once: all graph inputs, or one node's
+  operands and results."""
   bound = sum(aval_bytes(v.aval) for v in graph.inputs)
   for node in graph.nodes:
     touched = {v.id: v for v in node.inputs if not isinstance(v, Literal)}
@@ -93,10 +157,19 @@ def lower_bound(graph):
   return bound
 
 
+def free_outputs(partitions):
+  """partition index -> Counter of (shape, dtype) of its outputs: the buffers
+  a donated argument can be reused for (XLA aliases by shape and dtype)."""
+  return {p.index: collections.Counter(_key(v) for v in p.outputs)
+          if p.place == "device" else collections.Counter() for p in partitions}
+
+
 def decide_donations(graph, partitions, allow=True):
   """For each state leaf: donate it to the last partition reading it, unless
-  that would lose it on a failure or buys nothing. The reason is recorded."""
+  that would lose it on a failure or buys nothing. The reason is recorded.
+  Returns the decisions and the outputs still free for other donations."""
   part_of = {n.id: p.index for p in partitions for n in p.nodes}
+  free = free_outputs(partitions)
   decisions = []
   updates = dict((s.id, new) for s, new in graph.state_updates())
   one_executable = len(partitions) == 1 and partitions[0].place == "device"
@@ -113,10 +186,15 @@ def decide_donations(graph, partitions, allow=True):
       reason, donate = "donation switched off (SessionOptions.donate_state=False)", False
     elif not readers:
       reason, donate = "not read by any node: replaced by its new value", False
+    elif partitions[last].place == "host":
+      reason, donate = f"last read on the host (partition #{last}): nothing to donate to", False
     elif returned and not one_executable:
       reason = (f"its old value is also returned ({returned}): between partitions a "
                 "donated buffer would be handed out after it was consumed")
       donate = False
+    elif not one_executable and not free[last][_key(state)]:
+      reason, donate = (f"partition #{last} makes no output of its shape and dtype to "
+                        "reuse the buffer for"), False
     elif any(p.may_fail for p in partitions[last:]):
       failing = next(p for p in partitions[last:] if p.may_fail)
       reason = (f"partition #{failing.index} can fail after the buffer is consumed "
@@ -126,8 +204,9 @@ def decide_donations(graph, partitions, allow=True):
       reason = f"session-owned, updated in place by partition #{last}" + (
           f" (also returned {returned}: XLA copies it before the update)" if returned else "")
       donate = True
+      free[last][_key(state)] -= 1
     decisions.append(DonationDecision(state, donate, last, reason))
-  return decisions
+  return decisions, free
 
 
 def _returned_as(graph, state, new_value):
@@ -142,12 +221,78 @@ def _returned_as(graph, state, new_value):
   return ", ".join(places)
 
 
-def plan_memory(graph, partitions, allow_donation=True):
-  ranges = live_ranges(graph)
-  donations = decide_donations(graph, partitions, allow_donation)
+def decide_intermediate_donations(graph, partitions, ranges, free):
+  """Device values made by one partition that die in a later device partition
+  whose executable has a free output of the same shape and dtype: donated to
+  it (the session holds the only reference). Values read on the host too are
+  kept: on the CPU platform the host copy is the same buffer."""
+  outputs = {v.id for v in graph.outputs if not isinstance(v, Literal)}
+  decisions = []
+  for part in partitions:
+    if part.place != "device":
+      continue
+    for value in part.inputs:
+      producer = value.producer
+      if producer is None or producer.place != "device" or producer.op == "transfer_h2d":
+        continue
+      if value.id in outputs or ranges[value.id][1] != part.index:
+        continue  # still needed later, or handed to the caller
+      if any(u.op == "transfer_d2h" for u in value.users):
+        continue
+      if free[part.index][_key(value)] > 0:
+        free[part.index][_key(value)] -= 1
+        decisions.append(DonationDecision(
+            value, True, part.index, f"dies in partition #{part.index}, which reuses "
+            "its buffer for an output of the same shape"))
+  return decisions
+
+
+def _key(value):
+  return (tuple(value.aval.shape), str(value.aval.dtype))
+
+
+def partition_figures(graph, partitions, ranges, figures, platform):
+  """[PartitionMemory] and the planned peak, from each partition's figure
+  ((bytes, source) by index) and the device values live across it."""
+  sizes = {v.id: aval_bytes(v.aval) for v in graph.values()
+           if device_resident(v, platform)}
+  rows, peak = [], 0
+  for part in partitions:
+    taken = {v.id for v in part.inputs}
+    across = sum(size for vid, size in sizes.items()
+                 if vid not in taken and ranges[vid][0] < part.index <= ranges[vid][1])
+    own, source = figures[part.index]
+    rows.append(PartitionMemory(part.index, part.place, own, source, across))
+    peak = max(peak, own + across)
+  inputs = sum(sizes.get(v.id, 0) for v in graph.inputs)
+  return rows, max(peak, inputs)
+
+
+def plan_memory(graph, partitions, allow_donation=True, platform="cpu"):
+  ranges = live_ranges(graph, partitions)
+  donations, free = decide_donations(graph, partitions, allow_donation)
+  intermediates = decide_intermediate_donations(graph, partitions, ranges, free)
+  figures = {p.index: (estimate(p, platform), "session estimate") for p in partitions}
+  rows, peak = partition_figures(graph, partitions, ranges, figures, platform)
   return MemoryPlan(
-      live_ranges=ranges,
-      peak_bytes=peak_bytes(graph, ranges),
-      lower_bound_bytes=lower_bound(graph),
-      donated_bytes=sum(aval_bytes(d.state.aval) for d in donations if d.donated),
-      donations=donations)
+      live_ranges=ranges, peak_bytes=peak, lower_bound_bytes=lower_bound(graph),
+      donated_bytes=sum(aval_bytes(d.state.aval) for d in donations + intermediates
+                        if d.donated),
+      donations=donations, intermediate_donations=intermediates, partitions=rows)
+
+
+def refine(plan, graph, partitions, analyses, platform="cpu"):
+  """The plan with each executable's own figure where XLA reports one:
+  `analyses` maps partition index -> compiled.memory_analysis() (or None)."""
+  figures = {}
+  for part in partitions:
+    stats = analyses.get(part.index)
+    if stats is None:
+      figures[part.index] = (estimate(part, platform), "session estimate")
+    else:
+      figures[part.index] = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                             + stats.temp_size_in_bytes - stats.alias_size_in_bytes,
+                             "xla memory_analysis")
+  plan.partitions, plan.peak_bytes = partition_figures(graph, partitions, plan.live_ranges,
+                                                       figures, platform)
+  return plan

@@ -20,11 +20,14 @@ class Partition:
   inputs: List = dataclasses.field(default_factory=list)   # Values read from outside
   outputs: List = dataclasses.field(default_factory=list)  # Values read after it
   may_fail: bool = False           # can raise after it consumed its inputs
+  overlaps: List[int] = dataclasses.field(default_factory=list)  # device partitions
+  prefetch: List = dataclasses.field(default_factory=list)  # early device->host copies
 
   def describe(self):
+    overlap = (f" overlaps device partition(s) {self.overlaps}" if self.overlaps else "")
     return (f"#{self.index} {self.place} nodes={len(self.nodes)} stream={self.stream} "
             f"in={len(self.inputs)} out={len(self.outputs)}"
-            f"{' may_fail' if self.may_fail else ''}: {self.reason}")
+            f"{' may_fail' if self.may_fail else ''}{overlap}: {self.reason}")
 
 
 def node_may_fail(node):
@@ -41,14 +44,24 @@ def propose_partitions(graph):
     if partitions and partitions[-1].place == node.place:
       partitions[-1].nodes.append(node)
       continue
-    if not partitions:
-      reason = "first partition"
-    else:
-      where = f" at {node.source}" if node.source else ""
-      reason = (f"placement changes {partitions[-1].place} -> {node.place} at node "
-                f"{node.id} '{node.op}'{where}")
-    partitions.append(Partition(len(partitions), node.place, [node], reason))
+    partitions.append(Partition(len(partitions), node.place, [node], ""))
+  for i, part in enumerate(partitions):
+    part.reason = _reason(part, partitions[i - 1] if i else None)
   return partitions
+
+
+def _reason(part, previous):
+  """Why `part` starts where it does: the node that opens it (the first that
+  is not a transfer), its op, source line and the placement rule."""
+  node = next((n for n in part.nodes if n.op not in ("transfer_d2h", "transfer_h2d")),
+              part.nodes[0])
+  where = f" at {node.source}" if node.source else ""
+  if previous is None:
+    return f"first partition, opened by node {node.id} '{node.op}'{where}"
+  why = next((note for note in node.notes if note.startswith("placed on host")),
+             "every node runs on the device unless a placement rule moves it")
+  return (f"placement changes {previous.place} -> {part.place} at node {node.id} "
+          f"'{node.op}'{where}: {why}")
 
 
 def compute_boundaries(graph, partitions):

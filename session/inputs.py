@@ -126,6 +126,11 @@ class ArgSpec:
       fixed.append(tree_util.tree_unflatten(treedef, new_leaves))
     return tuple(fixed)
 
+  def conform_leaf(self, i, j, x):
+    """Leaf `j` of argument `i`, conformed as `conform` does (InputError if
+    it does not fit)."""
+    return self._conform_leaf(i, j, x, None)
+
   def _conform_leaf(self, i, j, x, leading):
     want = self.avals[i][j]
     shape = tuple(want.shape) if leading is None else (leading,) + tuple(want.shape)

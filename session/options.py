@@ -19,6 +19,8 @@ class SessionOptions:
     callbacks from inside them.
   partition_or_error: raise PartitionError instead of splitting a graph into
     more than one device partition.
+  place_all_on_device: raise PartitionError, naming each node and the rule,
+    instead of placing any node on the host.
   disabled_passes: names of optional passes (see `pipeline.optional_pass_names()`)
     to skip.
   fold_limit_bytes: constant folding does not materialise larger results.
@@ -29,12 +31,14 @@ class SessionOptions:
   donate_state: bool = True
   host_callbacks: bool = True
   partition_or_error: bool = False
+  place_all_on_device: bool = False
   disabled_passes: Sequence[str] = ()
   fold_limit_bytes: int = 1 << 16
 
   def __post_init__(self):
     """Every option checked when it is made, before any work starts."""
-    for name in ("verify_graphs", "donate_state", "host_callbacks", "partition_or_error"):
+    for name in ("verify_graphs", "donate_state", "host_callbacks", "partition_or_error",
+                 "place_all_on_device"):
       if not isinstance(getattr(self, name), bool):
         raise InputError(f"SessionOptions.{name} must be True or False, got "
                          f"{getattr(self, name)!r}")

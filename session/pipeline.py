@@ -21,7 +21,9 @@ from jaxsession.optimizer_passes.fold import FoldConstants
 from jaxsession.optimizer_passes.fusion import fusion_passes
 from jaxsession.optimizer_passes.norm_fusion import norm_fusion_passes
 from jaxsession.optimizer_passes.nops import RemoveNops
-from jaxsession.optimizer_passes.placement import PlaceNodes
+from jaxsession.optimizer_passes.placement import PlaceNodes, placement_reason
+from jaxsession.optimizer_passes.reorder import ReorderForPartitions
+from jaxsession.optimizer_passes.transfers import InsertTransfers
 from jaxsession.optimizer_passes.simplify import Simplify
 from jaxsession.runtime import memory, partition, streams
 
@@ -35,17 +37,29 @@ DEVICE_BACKENDS = ("xla", "pallas")
 def select_kernels(graph, ctx):
   """SelectKernel: writes `node.kernel` on every node (XLA or, on GPU, Pallas
   kernels; host kernels are chosen by placement, which knows where a node runs).
-  A node no kernel takes may run narrowed from int64 to int32 where exact."""
+  A node no device kernel takes gets its host kernel if it has one; else it
+  may run narrowed from int64 to int32 where exact."""
   changed = False
   for node in list(graph.nodes):
     try:
       kernel = registry.select_kernel(node, ctx.platform, backends=DEVICE_BACKENDS)
     except KernelSelectError as error:
-      kernel = _narrow_to_int32(graph, node, ctx, error)
-      changed = True
+      kernel = _host_only(node) or _narrow_to_int32(graph, node, ctx, error)
+      changed |= kernel.backend != "host"
     changed |= node.kernel is not kernel
     node.kernel = kernel
   return changed
+
+
+def _host_only(node):
+  """A host kernel for a node no device kernel takes (place_nodes then puts
+  it on the host), or None."""
+  try:
+    kernel = registry.select_kernel(node, "host", backends=("host",))
+  except KernelSelectError:
+    return None
+  node.notes.append(f"kernel {kernel.name}: no device kernel takes this node")
+  return kernel
 
 
 def _narrow_to_int32(graph, node, ctx, error):
@@ -70,20 +84,24 @@ def partition_nodes(graph, ctx):
   parts = partition.partition_graph(graph)
   device = [p for p in parts if p.place == "device"]
   if len(device) > 1 and getattr(ctx.options, "partition_or_error", False):
+    host = [n for n in graph.nodes if n.place == "host" and n.op != "transfer_d2h"]
     raise PartitionError(
         f"graph {graph.name} needs {len(device)} device partitions "
-        "(partition_or_error is set):\n" + "\n".join(f"  {p.describe()}" for p in parts))
+        f"(partition_or_error is set); {len(host)} node(s) run on the host:\n"
+        + "\n".join(f"  node {n.id} '{n.op}'{' at ' + n.source if n.source else ''}: "
+                    f"{placement_reason(n)}" for n in host)
+        + "\npartitions:\n" + "\n".join(f"  {p.describe()}" for p in parts))
   graph.partitions = parts
   return len(parts) > 1
 
 
 def assign_streams(graph, ctx):
-  return streams.assign_streams(graph, graph.partitions)
+  return streams.assign_streams(graph, graph.partitions, ctx.platform)
 
 
 def plan_memory(graph, ctx):
   graph.memory = memory.plan_memory(graph, graph.partitions,
-                                    getattr(ctx.options, "donate_state", True))
+                                    getattr(ctx.options, "donate_state", True), ctx.platform)
   return False  # annotates the graph; no node changes
 
 
@@ -102,6 +120,8 @@ def settle_new_nodes(graph, ctx):
   for node in graph.nodes:
     if node.place is None:
       node.place = "device"
+  if "HardwareOptimize/insert_transfers" in ctx.history:
+    InsertTransfers().run(graph, ctx)  # a new node may read across places
   if graph.partitions is None:
     return
   partitioned = [n for p in graph.partitions for n in p.nodes]
@@ -134,7 +154,9 @@ def default_passes():
       "HardwareOptimize": [
           FuseBatchNormRelu(),                                             # selects its kernels
           PlaceNodes(),                                                    # needs kernels
-          FunctionPass("partition_nodes", partition_nodes, required=True),  # needs places
+          ReorderForPartitions(),                                          # needs places
+          InsertTransfers(),                                               # on the final order
+          FunctionPass("partition_nodes", partition_nodes, required=True),  # needs transfers
       ],
       "AssignStream": [FunctionPass("assign_streams", assign_streams, required=True)],
       "AllocateMemory": [FunctionPass("plan_memory", plan_memory, required=True)],

@@ -3,7 +3,7 @@ import collections
 import dataclasses
 from typing import List, NamedTuple
 
-from jaxsession.ir import aval_str
+from jaxsession.ir import aval_bytes, aval_str
 
 
 class PartitionInfo(NamedTuple):
@@ -12,6 +12,27 @@ class PartitionInfo(NamedTuple):
   num_nodes: int
   stream: int
   reason: str
+
+
+class Transfer(NamedTuple):
+  """`report.transfers` rows: one per value crossing places, per direction.
+  On the CPU platform a transfer is zero-copy (the device buffer is host
+  memory); `bytes` is what a device with its own memory would copy."""
+  direction: str    # "d2h" or "h2d"
+  bytes: int
+  value: str        # the value moved, as the dump names it ("%12")
+  caused_by: int    # the node id that made it necessary
+  sync: bool        # True: the host waits for the copy where the reader runs
+
+
+def list_transfers(graph):
+  rows = []
+  for node in graph.nodes:
+    if node.op in ("transfer_d2h", "transfer_h2d"):
+      value = node.inputs[0]
+      rows.append(Transfer(node.op[-3:], aval_bytes(value.aval), repr(value),
+                           node.params["caused_by"], node.params.get("sync", True)))
+  return rows
 
 
 @dataclasses.dataclass
@@ -25,6 +46,8 @@ class CompileReport:
   nodes_imported: int
   nodes_final: int
   compile_seconds: float = 0.0
+  transfers: List[Transfer] = dataclasses.field(default_factory=list)
+  schedule: object = None  # ScheduleDecision: the node order kept, and why
 
   def __str__(self):
     lines = [f"compile report for graph '{self.graph_name}': {self.nodes_imported} "
@@ -39,9 +62,17 @@ class CompileReport:
     lines.append("  partitions:")
     for i, p in enumerate(self.partitions):
       lines.append(f"    #{i} {p.place:6s} {p.num_nodes} nodes, stream {p.stream}: {p.reason}")
+    if self.schedule is not None:
+      lines.append(f"  schedule: {self.schedule}")
+    for t in self.transfers:
+      lines.append(f"  transfer {t.direction} {t.value} {t.bytes} B, caused by node "
+                   f"{t.caused_by}, {'sync' if t.sync else 'async (issued early)'}")
     peak, donated, bound = self.memory
     lines.append(f"  memory: planned peak {peak} B, donated {donated} B, "
                  f"lower bound {bound} B")
+    for row in getattr(self.memory, "partitions", ()):
+      lines.append(f"    partition #{row.index} {row.place}: {row.bytes} B ({row.source}) "
+                   f"+ {row.live_across} B live across it")
     groups = collections.defaultdict(list)
     for d in self.donations:
       groups[(d.donated, d.reason)].append(f"{d.state.name} {aval_str(d.state.aval)}")

@@ -19,7 +19,7 @@ from jaxsession.ir import aval_str
 from jaxsession.dump import GraphDumper
 from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.options import SessionOptions
-from jaxsession.report import CompileReport, PartitionInfo, count_kernels
+from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_transfers
 from jaxsession.runtime import build, executor, loop_sink, memory
 from jaxsession.runtime.state import (StateSlot, check_matches, owned_copy, slots_lock,
                                       tree_difference)
@@ -192,6 +192,7 @@ class Session:
         graph_name=name, passes=list(ctx.records),
         partitions=[PartitionInfo(p.place, len(p.nodes), p.stream, p.reason)
                     for p in graph.partitions],
+        transfers=list_transfers(graph), schedule=getattr(graph, "schedule", None),
         memory=memory.MemoryReport(graph.memory), donations=graph.memory.donations,
         kernels=count_kernels(graph), nodes_imported=nodes_imported,
         nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start)
@@ -234,11 +235,15 @@ class Session:
     if len(parts) <= 1 and all(p.place == "device" for p in parts):
       part = parts[0] if parts else None
       runner = executor.SingleRunner(graph, spec, rest_tree, part, layout)
+      if part is not None:
+        memory.refine(graph.memory, graph, parts, {0: build.memory_analysis(runner.exe)},
+                      self.platform)
       make_sunk = lambda steps: loop_sink.SunkRunner(graph, spec, rest_tree, layout,
                                                      steps)
       return runner, make_sunk
-    steps = build.build_steps(graph, parts, graph.memory)
-    runner = executor.PlanRunner(graph, steps, spec, rest_tree, layout)
+    program = build.build_program(graph, parts, graph.memory, spec, self.platform)
+    memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
+    runner = executor.PlanRunner(graph, program, spec, rest_tree, layout)
     return runner, lambda n: loop_sink.SteppedRunner(runner, n)
 
   def _bind_state(self, name, state_nums, state_args, state_from, source):

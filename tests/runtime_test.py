@@ -41,8 +41,9 @@ class PartitionTest(absltest.TestCase):
     self.assertIn("placement changes device -> host", report.partitions[1].reason)
     graph = sess.graph(gid)
     host = graph.partitions[1]
-    self.assertEqual([n.op for n in host.nodes], ["pure_callback"])
-    self.assertEqual(host.nodes[0].kernel.name, "host:pure_callback")
+    # the device value crosses to the host through one transfer node
+    self.assertEqual([n.op for n in host.nodes], ["transfer_d2h", "pure_callback"])
+    self.assertEqual(host.nodes[1].kernel.name, "host:pure_callback")
     self.assertEqual(len(host.inputs), 1)
     self.assertEqual(len(host.outputs), 1)
     # the last partition reads the graph input x directly
@@ -89,15 +90,18 @@ class PartitionTest(absltest.TestCase):
 
 class MemoryPlanTest(absltest.TestCase):
 
-  def test_liveness_and_peak_on_a_chain(self):
+  def test_liveness_and_estimate_on_a_chain(self):
     graph = import_jaxpr(jax.make_jaxpr(lambda x: jnp.exp(jnp.sin(x)) * 2)(_x(256)))
-    ranges = memory.live_ranges(graph)
+    for node in graph.nodes:
+      node.place = "device"
+    parts = partition.partition_graph(graph)
+    ranges = memory.live_ranges(graph, parts)
     sin, exp, mul = graph.nodes
-    self.assertEqual(ranges[graph.inputs[0].id], (-1, 0))
-    self.assertEqual(ranges[sin.outputs[0].id], (0, 1))
-    self.assertEqual(ranges[mul.outputs[0].id], (2, 3))
-    # at most two 1 KiB buffers are live at once along a unary chain
-    self.assertEqual(memory.peak_bytes(graph, ranges), 2048)
+    self.assertEqual(ranges[graph.inputs[0].id], (-1, 1))  # the caller holds it
+    self.assertEqual(ranges[sin.outputs[0].id], (0, 0))
+    self.assertEqual(ranges[mul.outputs[0].id], (0, 1))
+    # argument + output + both intermediates (exp reads sin as it writes; 1 KiB each)
+    self.assertEqual(memory.estimate(parts[0], "cpu"), 4096)
     self.assertEqual(memory.lower_bound(graph), 2048)
 
   def test_donation_reasons(self):
