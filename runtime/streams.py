@@ -45,16 +45,20 @@ def launch_order(partitions):
 
 
 def merge_adjacent(graph, order):
-  """Adjacent partitions of one place become one; returns the new list."""
-  merged = []
-  for part in order:
+  """Partitions in launch order, adjacent ones of one place merged, each
+  with its reason restated for its new position."""
+  merged, moved = [], []
+  for position, part in enumerate(order):
     if merged and merged[-1].place == part.place:
       merged[-1].nodes.extend(part.nodes)
-      merged[-1].reason += f"; merged with the next {part.place} partition (launch order)"
+      moved[-1] += f"; merged with {part.place} partition #{part.index} (launch order)"
     else:
       merged.append(part)
+      moved.append(f"; launched ahead of host partition(s) it does not read from"
+                   if part.index > position else "")
   for i, part in enumerate(merged):
     part.index = i
+    part.reason = partitioning.reason_for(part, merged[i - 1] if i else None) + moved[i]
   return partitioning.compute_boundaries(graph, merged)
 
 
@@ -87,6 +91,10 @@ def assign_streams(graph, partitions, platform="cpu"):
                      if part.place == "host" and q.place == "device"
                      and q.index not in ancestors[part.index]]
     part.prefetch = []
+    overlap_note = (f"; reads nothing from device partition(s) {part.overlaps}: runs "
+                    "while they compute")
+    if part.overlaps and overlap_note not in part.reason:
+      part.reason += overlap_note
     for node in part.nodes:
       changed |= node.stream != part.stream
       node.stream = part.stream
