@@ -88,6 +88,49 @@ class PartitionTest(absltest.TestCase):
     self.assertFalse(parts[0].may_fail)
 
 
+class PlanCodeTest(absltest.TestCase):
+  """The plan a multi-partition graph runs as: straight-line Python."""
+
+  def test_generated_plan_deletes_values_at_last_use(self):
+    sess = js.Session()
+    x = _x(4)
+    gid = sess.compile(two_device_partitions, x)
+    source = sess._graphs[gid].runner.plan.source
+    self.assertIn("del ", source)
+    self.assertIn("except ARG_MISMATCH", source)   # the first executable checks x
+    self.assertIn("raise e", source)                # a host op's failure names its node
+    y = _x(4)
+    np.testing.assert_array_equal(sess.run(gid, y), jax.jit(two_device_partitions)(y))
+
+  def test_device_to_host_copies_start_early_off_cpu(self):
+    """On a device with its own memory (no GPU here: the platform is named),
+    a value read on the host is copied right after the executable that makes
+    it, and the transfer is async when work runs in between."""
+    def fn(x):
+      a = jnp.sin(x)
+      b = jnp.cos(_host_square(x))   # device work the host result feeds
+      return _host_square(a) + b
+    sess = js.Session()
+    gid = sess.compile(fn, _x(4))
+    graph = sess.graph(gid)
+    from jaxsession.runtime import streams
+    streams.assign_streams(graph, graph.partitions, "gpu")
+    prefetched = [v for p in graph.partitions for v in p.prefetch]
+    d2h = [n for n in graph.nodes if n.op == "transfer_d2h"]
+    made_on_device = [n.inputs[0] for n in d2h if n.inputs[0].producer is not None]
+    self.assertEqual(set(map(id, prefetched)), set(map(id, made_on_device)))
+    self.assertTrue(prefetched)
+    # the generated plan issues them (copy_to_host_async also works on CPU arrays)
+    from jaxsession.runtime import build, codegen
+    program = build.build_program(graph, graph.partitions, graph.memory,
+                                  sess._graphs[gid].spec, "gpu")
+    plan = codegen.generate(program, sess._graphs[gid].spec.conform_leaf)
+    self.assertIn("copy_to_host_async", plan.source)
+    y = _x(4)
+    (out,) = plan([], [y], None)
+    np.testing.assert_array_equal(out, jax.jit(fn)(y))
+
+
 class MemoryPlanTest(absltest.TestCase):
 
   def test_liveness_and_estimate_on_a_chain(self):
