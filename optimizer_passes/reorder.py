@@ -101,20 +101,31 @@ def two_queue_order(nodes, first_place):
 
 def sink_host_outputs(order, graph):
   """Moves host nodes whose only readers are graph outputs into the last host
-  run (never adds a partition: they join a run of their own place)."""
+  run, merged in by original position (never adds a partition: they join a
+  run of their own place; they have no readers and their inputs come before
+  that run, so any slot in it is valid)."""
   outputs = {v.id for v in graph.outputs if not isinstance(v, Literal)}
-  last_host = max((i for i, n in enumerate(order) if n.place == "host"), default=-1)
-  if last_host < 0:
+  end = max((i for i, n in enumerate(order) if n.place == "host"), default=-1)
+  if end < 0:
     return order
-  sinks = [n for n in order[:last_host]
+  start = end
+  while start > 0 and order[start - 1].place == "host":
+    start -= 1
+  sinks = [n for n in order[:start]
            if n.place == "host" and not n.props.effects
            and all(not o.users for o in n.outputs)
            and any(o.id in outputs for o in n.outputs)]
   if not sinks:
     return order
+  position = {id(n): i for i, n in enumerate(graph.nodes)}
   moved = set(map(id, sinks))
-  head = [n for n in order[:last_host + 1] if id(n) not in moved]
-  return head + sinks + order[last_host + 1:]
+  run, merged = list(order[start:end + 1]), []
+  while run or sinks:  # a merge by original position; each list keeps its order
+    take = run if not sinks or (run and position[id(run[0])] < position[id(sinks[0])]) \
+        else sinks
+    merged.append(take.pop(0))
+  head = [n for n in order[:start] if id(n) not in moved]
+  return head + merged + order[end + 1:]
 
 
 def order_peak(graph, nodes):

@@ -9,7 +9,8 @@ partition and adds none:
   * transfer_h2d (device-placed): a host value read by device nodes; inside
     the executable it is the argument itself, so the call copies it in;
   * transfer_h2d (host-placed): a host value that becomes state, which lives on
-    the device, with no device reader to carry it (an explicit device_put).
+    the device, with no device reader to carry it (an explicit device_put);
+    with one, the state slot takes the device reader's copy.
 A graph output stays where it was produced: no copy for an output made on the
 host. Each transfer records the node that made it necessary
 (`params["caused_by"]`) and says why in its note.
@@ -31,6 +32,8 @@ def value_place(value):
   """Where a value lives: its producer's place; graph inputs and state on the
   device; constants everywhere (None: both sides read them for free)."""
   if value.producer is not None:
+    if value.producer.op == "transfer_h2d":  # a host-placed one makes a device value
+      return "device"
     return value.producer.place
   return None if value.kind == "const" else "device"
 
@@ -56,8 +59,8 @@ class InsertTransfers(Pass):
       if isinstance(value, Literal):
         continue
       home = value_place(value)
-      if home is None:
-        continue
+      if home is None or (value.producer is not None and is_transfer(value.producer)):
+        continue  # a transfer's result is on the side its readers are
       other = "host" if home == "device" else "device"
       readers = [u for u in dict.fromkeys(value.users)
                  if u.place == other and not is_transfer(u)]
@@ -74,8 +77,11 @@ class InsertTransfers(Pass):
           moved.users.extend(reader for v in reader.inputs if v is moved)
         value.users = [u for u in value.users if u not in readers]
         inserts.append((position[id(first)], node))
+        if op == "transfer_h2d":
+          carried = node.outputs[0]  # the executable also returns it for the state slot
       if home == "host":
-        inserts.extend(self._state_transfers(graph, value, position, ctx.platform))
+        inserts.extend(self._state_transfers(graph, value, position, ctx.platform,
+                                             carried if readers else None))
     if not inserts:
       return PassResult(False)
     for pos, node in sorted(inserts, key=lambda item: -item[0]):  # back to front
@@ -83,18 +89,25 @@ class InsertTransfers(Pass):
     return PassResult(True)
 
   @staticmethod
-  def _state_transfers(graph, value, position, platform):
-    """A host value that is a new state value: a host-placed h2d right after
-    its producer, and the state slot reads the copy."""
+  def _state_transfers(graph, value, position, platform, carried):
+    """A host value that is a new state value lives on the device: the state
+    slot reads the copy a device reader already has made (`carried`), or a
+    host-placed h2d right after its producer when there is none."""
     slots = [i for i, (_, new) in enumerate(graph.state_updates()) if new is value]
     if not slots:
       return []
-    producer = value.producer
-    node = _transfer(graph, "transfer_h2d", value, "host", producer,
-                     f"h2d of {value}: new value of state {slots}, which lives on the "
-                     "device", platform)
+    inserts = []
+    if carried is None:
+      producer = value.producer
+      node = _transfer(graph, "transfer_h2d", value, "host", producer,
+                       f"h2d of {value}: new value of state {slots}, which lives on the "
+                       "device", platform)
+      carried = node.outputs[0]
+      inserts.append((position[id(producer)] + 1, node))
+    else:
+      carried.producer.notes.append(f"also the new value of state {slots}")
     outputs = list(graph.outputs)
     for i in slots:
-      outputs[i] = node.outputs[0]
+      outputs[i] = carried
     graph.outputs = outputs
-    return [(position[id(producer)] + 1, node)]
+    return inserts

@@ -257,6 +257,7 @@ class PlanRunner(Runner):
     self._plain_outputs = not (program.copy_at or program.host_outputs
                                or self._literal_outputs)
     self._single_output = rest_tree == leaf  # run returns it bare
+    self._all_bare = all(self._bare)
     if not layout.slots:
       self.call = self._stateless_call
 
@@ -310,7 +311,16 @@ class PlanRunner(Runner):
 
   def _stateless_call(self, args):
     """call for a graph without state: no locks, nothing to commit."""
-    outs = self.run_flat([], self.user_leaves(args))
+    if self._all_bare and len(args) == len(self._bare):
+      for arg in args:  # the usual call: array arguments, nothing to flatten
+        if not isinstance(arg, jax.Array):
+          leaves = self.user_leaves(args)
+          break
+      else:
+        leaves = self.user_leaves(args) if self.program.user_checked else list(args)
+    else:
+      leaves = self.user_leaves(args)
+    outs = self.run_flat([], leaves)
     if self._single_output:
       return outs[-1]
     return tree_util.tree_unflatten(self.rest_tree, outs)
