@@ -106,8 +106,8 @@ class SteppedRunner(Runner):
     outs = []
     for t in range(self.steps):
       flat = inner.run_flat(state, [column[t] for column in columns])
-      for i, k in enumerate(layout.updated_idx):
-        state[k] = flat[i]
+      for k in layout.updated_idx:  # outputs[:num_outputs] are the state's new values
+        state[k] = flat[k]
       outs.append(flat[layout.num_outputs:])
     stacked = self._stack(outs) if outs[0] else []
     return ([state[k] for k in layout.updated_idx],
