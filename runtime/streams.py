@@ -54,7 +54,7 @@ def merge_adjacent(graph, order):
       moved[-1] += f"; merged with {part.place} partition #{part.index} (launch order)"
     else:
       merged.append(part)
-      moved.append(f"; launched ahead of host partition(s) it does not read from"
+      moved.append("; launched ahead of host partition(s) it does not read from"
                    if part.index > position else "")
   for i, part in enumerate(merged):
     part.index = i
