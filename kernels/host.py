@@ -42,8 +42,8 @@ def _callback_args(args):
   them jax.Arrays on the CPU; another host kernel's results are numpy, and
   a callback takes jax.Arrays on the CPU, as under jax.jit."""
   for a in args:
-    if not isinstance(a, jax.Array):
-      return jax.device_put(list(args), _cpu())
+    if not isinstance(a, jax.Array):  # copies: the producer may reuse its buffer
+      return jax.device_put(list(args), _cpu(), may_alias=False)
   return args
 
 
@@ -152,7 +152,9 @@ def host_to_device(node, x):
 def host_to_device_put(node, x):
   """A host value that becomes state (which lives on the device) with no
   device reader to carry it: an explicit jax.device_put."""
-  return [jax.device_put(np.asarray(x))]  # the default device: the session's
+  # the default device, the session's; a copy even on CPU: the callback may
+  # reuse the buffer it returned, and the state must not change with it
+  return [jax.device_put(np.asarray(x), may_alias=False)]
 
 
 # -- small integer computations -------------------------------------------------

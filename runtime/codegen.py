@@ -26,6 +26,8 @@ prefetched values start their copy to the host right after the executable
 that makes them, and the observed variant calls `observe(partition)` after
 each partition.
 """
+import jax
+
 from jaxsession.runtime.build import ARG_MISMATCH
 
 
@@ -35,7 +37,8 @@ def _names(regs):
 
 def generate(program, conform_leaf, observed=False):
   """fn(state leaves, user leaves, observe) -> output registers, as Python."""
-  namespace = {"ARG_MISMATCH": ARG_MISMATCH, "conform": conform_leaf}
+  namespace = {"ARG_MISMATCH": ARG_MISMATCH, "conform": conform_leaf,
+               "RUNTIME_FAILURE": jax.errors.JaxRuntimeError}
   fixed = set()
   for r, value in enumerate(program.template):
     if value is not None:
@@ -67,6 +70,12 @@ def generate(program, conform_leaf, observed=False):
       for r, i, j in program.first_checked:
         lines.append(f"    r{r} = conform({i}, {j}, r{r})")
       lines.append(f"    {call}")
+      lines.append("  except RUNTIME_FAILURE:")  # a failure while running: as it is
+      lines.append("    raise")
+      lines.append("  except RuntimeError:")  # refused before running: a deleted array
+      for r, i, j in program.first_checked:
+        lines.append(f"    conform({i}, {j}, r{r})")  # InputError naming it
+      lines.append("    raise")
     else:
       lines.append(f"  {call}")
     for r in op.prefetch:

@@ -169,10 +169,16 @@ class SingleRunner(Runner):
       return self.exe(donated, kept, *args)
     except ARG_MISMATCH:  # checked before anything ran or was donated
       return self.exe(donated, kept, *self.spec.conform(args))
-    except jax.errors.JaxRuntimeError as exc:
-      raise runtime_failure(self.partition, self.recorder, exc)
+    except RuntimeError as exc:
+      raise self._failure(exc, args)
 
-  def _failure(self, exc):
+  def _failure(self, exc, args):
+    """The error to raise for a RuntimeError of the call: a deleted argument
+    (the call refuses it before running) is an InputError; a failure while
+    running, the callback's HostOpError or the error itself."""
+    if not isinstance(exc, jax.errors.JaxRuntimeError):
+      self.spec.conform(args)  # raises InputError naming a deleted array
+      return exc
     return runtime_failure(self.partition, self.recorder, exc)
 
   def _bare_call(self):
@@ -183,8 +189,8 @@ class SingleRunner(Runner):
         return exe(*args)
       except ARG_MISMATCH:
         return exe(*conform(args))
-      except jax.errors.JaxRuntimeError as exc:
-        raise failure(exc)
+      except RuntimeError as exc:
+        raise failure(exc, args)
     return call
 
   def _slotwise_call(self):
@@ -199,8 +205,8 @@ class SingleRunner(Runner):
             new, out = exe((slot.leaves,), *args)
           except ARG_MISMATCH:
             new, out = exe((slot.leaves,), *conform(args))
-          except jax.errors.JaxRuntimeError as exc:
-            raise failure(exc)
+          except RuntimeError as exc:
+            raise failure(exc, args)
           slot.leaves = new[0]
         return out
       return call
@@ -212,8 +218,8 @@ class SingleRunner(Runner):
           new, out = exe(current, *args)
         except ARG_MISMATCH:
           new, out = exe(current, *conform(args))
-        except jax.errors.JaxRuntimeError as exc:
-          raise failure(exc)
+        except RuntimeError as exc:
+          raise failure(exc, args)
         for slot, leaves in zip(slots, new):
           slot.leaves = leaves
       return out
@@ -295,8 +301,9 @@ class PlanRunner(Runner):
   def _output(self, k, out):
     if k in self._literal_outputs:
       return jax.numpy.asarray(out)  # a fresh array per run, as jax.jit returns
-    if k in self.program.host_outputs:  # made on the host: stays there
-      return jax.device_put(out, jax.local_devices(backend="cpu")[0])
+    if k in self.program.host_outputs:  # made on the host: stays there, a copy of
+      # the callback's buffer, which the callback may reuse (jax.jit copies too)
+      return jax.device_put(out, jax.local_devices(backend="cpu")[0], may_alias=False)
     return jax.numpy.array(out, copy=True) if k in self.program.copy_at else out
 
   def step_once(self, state_leaves, args):

@@ -146,17 +146,24 @@ def estimate(part, platform):
   return args + outs + peak
 
 
-def lower_bound(graph, platform="cpu"):
-  """Device bytes any schedule must hold at once: all graph inputs, or one
-  node's operands and results (host values take no device memory)."""
-  on_device = lambda v: device_resident(v, platform)
-  bound = sum(aval_bytes(v.aval) for v in graph.inputs if on_device(v))
-  for node in graph.nodes:
-    touched = {v.id: v for v in node.inputs if not isinstance(v, Literal) and on_device(v)}
+def node_floor(nodes, platform="cpu"):
+  """The most device bytes one of `nodes` holds at once: its operands and
+  results (host values take no device memory)."""
+  bound = 0
+  for node in nodes:
+    touched = {v.id: v for v in node.inputs
+               if not isinstance(v, Literal) and device_resident(v, platform)}
     if node.op != "transfer_d2h":  # on CPU its result is its operand's buffer
-      touched.update((o.id, o) for o in node.outputs if on_device(o))
+      touched.update((o.id, o) for o in node.outputs if device_resident(o, platform))
     bound = max(bound, sum(aval_bytes(v.aval) for v in touched.values()))
   return bound
+
+
+def lower_bound(graph, platform="cpu"):
+  """Device bytes any schedule must hold at once: all graph inputs, or one
+  node's operands and results."""
+  inputs = sum(aval_bytes(v.aval) for v in graph.inputs if device_resident(v, platform))
+  return max(inputs, node_floor(graph.nodes, platform))
 
 
 def free_outputs(partitions):
@@ -292,9 +299,15 @@ def refine(plan, graph, partitions, analyses, platform="cpu"):
     if stats is None:
       figures[part.index] = (estimate(part, platform), "session estimate")
     else:
-      figures[part.index] = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-                             + stats.temp_size_in_bytes - stats.alias_size_in_bytes,
-                             "xla memory_analysis")
+      xla = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+      floor = node_floor(part.nodes, platform)
+      # XLA:CPU reports no temporaries for some programs whose nodes plainly
+      # need them (a chain of matmuls): never plan below one node's operands
+      # and results.
+      figures[part.index] = ((xla, "xla memory_analysis") if xla >= floor else
+                             (floor, f"xla memory_analysis ({xla} B) raised to its "
+                                     "largest node's operands and results"))
   plan.partitions, plan.peak_bytes = partition_figures(graph, partitions, plan.live_ranges,
                                                        figures, platform)
   return plan

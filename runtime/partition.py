@@ -46,11 +46,11 @@ def propose_partitions(graph):
       continue
     partitions.append(Partition(len(partitions), node.place, [node], ""))
   for i, part in enumerate(partitions):
-    part.reason = _reason(part, partitions[i - 1] if i else None)
+    part.reason = reason_for(part, partitions[i - 1] if i else None)
   return partitions
 
 
-def _reason(part, previous):
+def reason_for(part, previous):
   """Why `part` starts where it does: the node that opens it (the first that
   is not a transfer), its op, source line and the placement rule."""
   node = next((n for n in part.nodes if n.op not in ("transfer_d2h", "transfer_h2d")),

@@ -16,7 +16,7 @@ from tests.exact import assert_same_bits
 from tests.partition_util import (
     _x, host, work_nodes, fewest_partitions, check_stateless, check_stateful,
     places, partition_of, sin_plus, cos_minus,
-    across_five, assert_transfers, SHAPE)
+    across_five, assert_transfers, SHAPE, F32)
 
 
 class HostOpPositionTest(absltest.TestCase):
@@ -357,6 +357,61 @@ class ArgumentTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, r"argument 1") as caught:
       self.sess.run(gid, _x(self.rng), _x(self.rng, 7))
     self.assertIsInstance(caught.exception, js.errors.InputError)
+
+
+class EscapingHostBuffersTest(absltest.TestCase):
+  """A callback may return a buffer it reuses; jax.jit copies the result into
+  its own buffer, so state and outputs made on the host must not change when
+  the callback's buffer does (found by the review of issue 7)."""
+
+  def setUp(self):
+    super().setUp()
+    self.buf = np.zeros((64,), np.float32)
+
+  def fill(self, v):
+    self.buf[:] = np.asarray(v) + 1
+    return self.buf
+
+  def test_new_state_made_on_the_host_is_a_copy(self):
+    step = lambda w, x: (jax.pure_callback(self.fill, jax.ShapeDtypeStruct((64,), F32),
+                                           w * x), w.sum())
+    sess = js.Session()
+    w = _x(np.random.default_rng(5), 64, specials=False)
+    gid = sess.compile(step, w, jnp.float32(1.5), state_argnums=0)
+    sess.run(gid, jnp.float32(1.5))
+    want = np.asarray(w) * np.float32(1.5) + 1
+    self.buf[:] = -7
+    np.testing.assert_array_equal(sess.get_state(gid)[0], want)
+
+  def test_output_made_on_the_host_is_a_copy(self):
+    fn = lambda x: jax.pure_callback(self.fill, jax.ShapeDtypeStruct((64,), F32), x)
+    sess = js.Session()
+    x1, x2 = (_x(np.random.default_rng(s), 64, specials=False) for s in (6, 7))
+    gid = sess.compile(fn, x1)
+    first = sess.run(gid, x1)
+    want = np.asarray(jax.jit(fn)(x1))
+    sess.run(gid, x2)
+    self.buf[:] = 99
+    np.testing.assert_array_equal(first, want)
+
+
+class DeletedArgumentTest(absltest.TestCase):
+
+  def test_deleted_array_is_an_input_error_whatever_the_plan(self):
+    def device_first(w, x):
+      h = jax.pure_callback(lambda a: np.asarray(a) * 2, jax.ShapeDtypeStruct((3,), F32),
+                            jnp.sin(x))
+      return w + h.sum(), h
+    sess = js.Session()
+    gid = sess.compile(device_first, jnp.float32(0), jnp.ones(3), state_argnums=0)
+    single = sess.compile(jnp.sin, jnp.ones(3))
+    before = np.asarray(sess.get_state(gid)[0])
+    for graph in (gid, single):
+      dead = jnp.ones(3)
+      dead.delete()
+      with self.assertRaisesRegex(errors.InputError, "deleted"):
+        sess.run(graph, dead)
+    np.testing.assert_array_equal(sess.get_state(gid)[0], before)
 
 
 if __name__ == "__main__":

@@ -372,9 +372,10 @@ class MemoryTest(absltest.TestCase):
     self.assertLen(memory.partitions, len(graph.partitions))
     for row, part in zip(memory.partitions, graph.partitions):
       self.assertEqual((row.index, row.place), (part.index, part.place))
-      self.assertIn(row.source, ("xla memory_analysis", "session estimate"))
-      self.assertEqual(row.source, "xla memory_analysis" if part.place == "device"
-                       else "session estimate")
+      # a device partition's figure is XLA's (raised to its largest node's
+      # operands and results where XLA reports less), a host partition's ours
+      self.assertTrue(row.source.startswith("xla memory_analysis" if part.place == "device"
+                                            else "session estimate"), row.source)
       self.assertLessEqual(row.bytes + row.live_across, memory.peak_bytes)
     self.assertLessEqual(memory.lower_bound_bytes, memory.peak_bytes)
     self.assertGreaterEqual(memory.lower_bound_bytes, 2 * 256 * 256 * 4)  # x and sin(x)
@@ -609,6 +610,28 @@ class HostFailureWithDonationTest(absltest.TestCase):
     want_w, want_v, want = jax.jit(stateful_step)(*before, x2, jnp.int32(0))
     assert_same_bits(got, want, "the next good run")
     assert_same_bits(sess.get_state(gid), (want_w, want_v), "state after the next run")
+
+
+class XlaFigureFloorTest(absltest.TestCase):
+  """XLA:CPU reports no temporaries for a chain of matmuls; the plan never
+  goes below one node's operands and results (found by the review)."""
+
+  def test_planned_peak_is_never_below_the_lower_bound(self):
+    def step(w, x):
+      a = x
+      for _ in range(4):
+        a = jnp.tanh(a @ w)
+      return w + a.mean(), a.sum()
+    n = 256
+    rng = np.random.default_rng(11)
+    w = jnp.asarray(rng.standard_normal((n, n)) / n, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(step, w, x, state_argnums=0)
+    memory = sess.report(gid).memory
+    self.assertGreaterEqual(memory.peak_bytes, memory.lower_bound_bytes)
+    self.assertTrue(all(row.source.startswith("xla memory_analysis")
+                        for row in memory.partitions))
 
 
 if __name__ == "__main__":
