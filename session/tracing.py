@@ -1,0 +1,161 @@
+"""Tracing a user function for compile: the function as f(state, *dynamic),
+the checks of its new state, and the weak-type analysis (which scalars'
+weak types change the traced program). Nothing here runs user code beyond
+jax tracing."""
+import jax
+from jax import tree_util
+from jax.extend import core as jcore
+
+from jaxsession.errors import InputError
+from jaxsession.inputs import leaf_aval, paths_of
+from jaxsession.ir import aval_str
+from jaxsession.runtime.state import tree_difference
+
+
+def closed_jaxpr_fn(closed):
+  run = jcore.jaxpr_as_fun(closed)
+
+  def closed_jaxpr(*args):
+    outs = run(*args)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+  return closed_jaxpr
+
+
+def stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates):
+  """fn as f(state_tuple, *dynamic) -> (new_state_tuple, rest).
+
+  With `updates`, fn must return a tuple (or list) whose first k items are the
+  new state values; without, its whole output is the rest. Nothing is guessed
+  from the output's structure.
+  """
+  k = len(state_nums)
+
+  def session_step(state, *dyn):
+    full = list(example_args)  # static args stay as given
+    for i, x in zip(state_nums, state):
+      full[i] = x
+    for i, x in zip(dyn_nums, dyn):
+      full[i] = x
+    out = fn(*full)
+    if not updates:
+      return (), out
+    if not isinstance(out, (tuple, list)) or len(out) < k:
+      got = (f"a {type(out).__name__} of {len(out)} items" if isinstance(out, (tuple, list))
+             else f"a single {type(out).__name__}")
+      raise InputError(
+          f"compile({name}): with updates_state=True (the default) fn must return a "
+          f"tuple whose first {k} item(s) are the new values of state_argnums "
+          f"{list(state_nums)}; it returned {got}. If fn only reads its state (an "
+          "eval step), pass updates_state=False.")
+    rest = tuple(out[k:])
+    return tuple(out[:k]), (None if not rest else rest[0] if len(rest) == 1 else rest)
+  return session_step
+
+
+def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dyn_args):
+  for k, (i, old, new) in enumerate(zip(state_nums, state_args, new_state)):
+    where = f"compile({name}): the new value of state arg {k} (position {i})"
+    old_leaves, old_tree = tree_util.tree_flatten(old)
+    new_leaves, new_tree = tree_util.tree_flatten(new)
+    if old_tree != new_tree:
+      raise InputError(f"{where} does not have the state arg's pytree structure "
+                       f"({tree_difference(old, new)}). If fn only reads its state (an "
+                       "eval step), pass updates_state=False.")
+    for path, a, b in zip(paths_of(old), old_leaves, new_leaves):
+      a = leaf_aval(a)
+      if getattr(b, "weak_type", False) != a.weak_type and _retyped_state_changes_program(
+          wrapped, closed, state_args, dyn_args, k, path):
+        raise InputError(
+            f"{where} at path {path or '(root)'} is {'weakly' if b.weak_type else 'strongly'}"
+            f" typed, the arg is {'weakly' if a.weak_type else 'strongly'} typed: jax.jit "
+            "would compile another program from the second step on. Give the state "
+            "arg the new value's typing (e.g. jnp.asarray(x, dtype) for a strong type).")
+      if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        raise InputError(f"{where} at path {path or '(root)'} is "
+                         f"{b.dtype}{list(b.shape)}, the arg is {aval_str(a)}. If fn "
+                         "only reads its state (an eval step), pass updates_state=False.")
+
+
+def _arithmetic(jaxpr):
+  """What a jaxpr computes, without its weak-type bookkeeping: each equation's
+  primitive and input and output types, sub-jaxprs included; converts that
+  change only the weak type are left out."""
+  out = []
+  for eqn in jaxpr.eqns:
+    ins = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars)
+    outs = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars)
+    if eqn.primitive.name == "convert_element_type" and ins == outs:
+      continue
+    subs = tuple(_arithmetic(p.jaxpr if hasattr(p, "jaxpr") else p)
+                 for value in eqn.params.values()
+                 for p in (value if isinstance(value, (tuple, list)) else (value,))
+                 if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr)))
+    out.append((eqn.primitive.name, ins, outs, subs))
+  return tuple(out)
+
+
+def _retyped_state_changes_program(wrapped, closed, state_args, dyn_args, k, path):
+  """Whether tracing with state arg k's leaf at `path` given the weak type its
+  new value has changes the program (then jax.jit's second step would run
+  another program than its first)."""
+  def flip(p, leaf):
+    if tree_util.keystr(p) != path:
+      return leaf
+    aval = leaf_aval(leaf)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
+  states = list(state_args)
+  states[k] = tree_util.tree_map_with_path(flip, states[k])
+  return _arithmetic(jax.make_jaxpr(wrapped)(tuple(states), *dyn_args).jaxpr) != _arithmetic(
+      closed.jaxpr)
+
+
+def weak_sensitive(wrapped, closed, state_args, dyn_args, limit=8):
+  """The leaves whose weak type changes the traced program (mixed precision: a
+  weak Python float times a bfloat16 stays bfloat16, a float32 one does not),
+  as ([(arg, leaf, weak)] of the run args, [(state arg, leaf, weak)]). Found by
+  tracing again with weak types flipped, no user code running. Candidates are
+  the run args' numeric leaves and the state's scalar or weakly typed leaves
+  (strongly typed state arrays, the parameters, only change type through
+  set_state of a weak array, which nothing builds by accident). The first
+  `limit` are flipped one by one - flipping two at once can cancel out (weak
+  bf16 times weak f32 is f32 again) - and the rest together, all counted as
+  sensitive if that changes the program."""
+  base = _arithmetic(closed.jaxpr)
+  groups = {"state": list(state_args), "dyn": list(dyn_args)}
+  candidates = []
+  for group, args in groups.items():
+    for i, arg in enumerate(args):
+      for j, leaf in enumerate(tree_util.tree_leaves(arg)):
+        aval = leaf_aval(leaf)
+        if jax.numpy.issubdtype(aval.dtype, jax.numpy.number) and (
+            group == "dyn" or aval.shape == () or aval.weak_type):
+          candidates.append((group, i, j, aval))
+
+  def changes(subset):
+    flipped = {g: list(args) for g, args in groups.items()}
+    for group, i, j, aval in subset:
+      leaves, treedef = tree_util.tree_flatten(flipped[group][i])
+      leaves[j] = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
+      flipped[group][i] = tree_util.tree_unflatten(treedef, leaves)
+    traced = jax.make_jaxpr(wrapped)(tuple(flipped["state"]), *flipped["dyn"])
+    return _arithmetic(traced.jaxpr) != base
+
+  found = [c for c in candidates[:limit] if changes([c])]
+  rest = candidates[limit:]
+  if rest and changes(rest):
+    found += rest
+  pick = lambda group: [(i, j, bool(aval.weak_type)) for g, i, j, aval in found if g == group]
+  return pick("dyn"), pick("state")
+
+
+def input_labels(state_nums, state_args, dyn_nums, dyn_args):
+  kinds, labels = [], []
+  for k, (i, arg) in enumerate(zip(state_nums, state_args)):
+    for path in paths_of(arg):
+      kinds.append("state")
+      labels.append(f"state {k} (arg {i}){path}")
+  for i, arg in zip(dyn_nums, dyn_args):
+    for path in paths_of(arg):
+      kinds.append("input")
+      labels.append(f"arg {i}{path}")
+  return kinds, labels
