@@ -18,6 +18,7 @@ from jaxsession.errors import HostOpError
 from jaxsession.ir import Literal, aval_str
 from jaxsession.lowering import kernel_fn, lower_nodes
 from jaxsession.runtime import callbacks
+from jaxsession.runtime.compile_cache import executable_key
 
 # What an AOT executable's call raises for arguments that do not fit (type,
 # Python int range, device): raised before it runs or consumes anything.
@@ -30,10 +31,37 @@ def shape_struct(aval):
                               weak_type=getattr(aval, "weak_type", False))
 
 
-def compile_fn(fn, arg_structs, donate_argnums=()):
+def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None):
   """jit + lower + compile, ahead of time, for exactly these argument types.
-  Its call checks the argument types before it runs or consumes anything."""
-  return jax.jit(fn, donate_argnums=donate_argnums).lower(*arg_structs).compile()
+  Its call checks the argument types before it runs or consumes anything.
+
+  With `cache` (a compile_cache.ExecutableCache or RecordingCache) and `key`
+  (the graph's fingerprint and which of its executables this is), the
+  executable is looked up under `key` + the argument types + the donation
+  before anything is traced, and stored after a compile."""
+  def compile_now():
+    return jax.jit(fn, donate_argnums=donate_argnums).lower(*arg_structs).compile()
+  if cache is None or key is None:
+    return compile_now()
+  exe, _ = cache.get_or_compile(executable_key(key, arg_structs, donate_argnums),
+                                compile_now)
+  return exe
+
+
+def compile_recorded(fn, recorder, arg_structs, donate_argnums=(), cache=None, key=None):
+  """(executable, recorder) for `fn`, whose callbacks leave their exceptions
+  in `recorder` (a callbacks.ErrorRecorder). A cached executable keeps
+  calling the callbacks it was compiled with, so the recorder is cached with
+  it: on a hit, this returns the recorder that executable writes to, which
+  the runner must read instead of its own."""
+  def compile_now():
+    return compile_fn(fn, arg_structs, donate_argnums), recorder
+  if cache is None or key is None:
+    return compile_now()
+  key = (*key, "recorded") if isinstance(key, tuple) else (key, "recorded")
+  value, _ = cache.get_or_compile(executable_key(key, arg_structs, donate_argnums),
+                                  compile_now)
+  return value
 
 
 def fast_call(exe):
@@ -116,16 +144,20 @@ def _arg_struct(value):
   return shape_struct(value.aval)
 
 
-def build_device_step(part, donated_ids, consts):
+def build_device_step(part, donated_ids, consts, cache=None, key=None):
   """Compiles one device partition with the values donated to it; returns
   (the call, the compiled executable). A failing callback inside it raises
-  HostOpError with the user's exception as the cause."""
+  HostOpError with the user's exception as the cause. With `cache` and
+  `key` (the graph's fingerprint), the executable is looked up first under
+  (key, "partition", index)."""
   recorder = callbacks.ErrorRecorder()
   inputs = device_inputs(part)
   body = lower_nodes(callbacks.instrumented(part.nodes, recorder), inputs, part.outputs,
                      {v.id: consts[v.id] for v in part.inputs if v.kind == "const"})
   donate = tuple(i for i, v in enumerate(inputs) if v.id in donated_ids)
-  exe = compile_fn(lambda *xs: body(*xs), [_arg_struct(v) for v in inputs], donate)
+  exe, recorder = compile_recorded(lambda *xs: body(*xs), recorder,
+                                   [_arg_struct(v) for v in inputs], donate, cache,
+                                   None if key is None else (key, "partition", part.index))
   call = fast_call(exe)
   if not part.may_fail:
     return call, exe
@@ -138,10 +170,11 @@ def build_device_step(part, donated_ids, consts):
   return run_device, exe
 
 
-def build_program(graph, partitions, plan, spec, platform):
+def build_program(graph, partitions, plan, spec, platform, cache=None, key=None):
   """The Program for a multi-partition graph. On the CPU platform a
   device->host transfer is no op at all: its value shares the register of
-  the device value (the device buffer is host memory)."""
+  the device value (the device buffer is host memory). `cache` and `key`
+  (the graph's fingerprint): see build_device_step."""
   regs, template = {}, []
 
   def register(value, fill=None):
@@ -172,7 +205,8 @@ def build_program(graph, partitions, plan, spec, platform):
   ops, analyses = [], {}
   for part in partitions:
     if part.place == "device":
-      fn, exe = build_device_step(part, plan.donated_to(part.index), graph.const_values)
+      fn, exe = build_device_step(part, plan.donated_to(part.index), graph.const_values,
+                                  cache, key)
       analyses[part.index] = memory_analysis(exe)
       ins = tuple(reg_of(v) for v in device_inputs(part))
       ops.append(Op(fn, ins, tuple(reg_of(v) for v in part.outputs),

@@ -24,8 +24,20 @@ costs a fraction of that. So Build writes the plan out once:
 Each register is deleted after its last reader (graph outputs excepted),
 prefetched values start their copy to the host right after the executable
 that makes them, and the observed variant calls `observe(partition)` after
-each partition.
+each partition. The profiled variant (runtime/profiler.py) runs each
+partition under a `jax.profiler.TraceAnnotation`, waits for a device
+partition's outputs, and reports its start and end (and those of each
+transfer that runs as a step of its own):
+
+        _t0 = now()
+        with TraceAnnotation(n0):           # "jaxsession graph 3 partition 0"
+            r2, = f0(r1)
+            r2.block_until_ready()          # the device work belongs to partition 0
+            del r1
+        done(0, _t0, now())
 """
+import time
+
 import jax
 
 from jaxsession.runtime.build import ARG_MISMATCH
@@ -35,10 +47,40 @@ def _names(regs):
   return ", ".join(f"r{r}" for r in regs) + ("," if len(regs) == 1 else "")
 
 
-def generate(program, conform_leaf, observed=False):
-  """fn(state leaves, user leaves, observe) -> output registers, as Python."""
+def _call_lines(k, op, program):
+  """The statements that run op k, with its error handling."""
+  call = f"{_names(op.outs) if op.outs else '_'} = f{k}({', '.join(f'r{r}' for r in op.ins)})"
+  if op.error is not None:  # a host op: whatever it raises names the node
+    return ["try:", f"  {call}", "except Exception as exc:", f"  raise e{k}(exc) from exc"]
+  if k == 0 and program.first_checked:
+    return (["try:", f"  {call}", "except ARG_MISMATCH:"]
+            + [f"  r{r} = conform({i}, {j}, r{r})" for r, i, j in program.first_checked]
+            + [f"  {call}",
+               "except RUNTIME_FAILURE:",  # a failure while running: as it is
+               "  raise",
+               "except RuntimeError:"]  # refused before running: a deleted array
+            + [f"  conform({i}, {j}, r{r})"  # InputError naming it
+               for r, i, j in program.first_checked]
+            + ["  raise"])
+  return [call]
+
+
+def generate(program, conform_leaf, observed=False, profile=None):
+  """fn(state leaves, user leaves, observe) -> output registers, as Python.
+
+  `profile` (a profiler.GraphHooks), when given, makes the profiled variant:
+  it reads `profile.annotation(partition)`, `profile.partition_done(
+  partition, start_ns, end_ns)`, `profile.transfer_done(transfer, start_ns,
+  end_ns)` and `profile.timed_ops(program)` ({op index: transfer index}, the
+  transfers that run as ops of their own)."""
   namespace = {"ARG_MISMATCH": ARG_MISMATCH, "conform": conform_leaf,
                "RUNTIME_FAILURE": jax.errors.JaxRuntimeError}
+  timed = {}
+  if profile is not None:
+    namespace.update(now=time.perf_counter_ns, TraceAnnotation=jax.profiler.TraceAnnotation,
+                     done=profile.partition_done, moved=profile.transfer_done,
+                     block=jax.block_until_ready)
+    timed = profile.timed_ops(program)
   fixed = set()
   for r, value in enumerate(program.template):
     if value is not None:
@@ -53,42 +95,38 @@ def generate(program, conform_leaf, observed=False):
     lines.append(f"  {_names(user)} = user")
   keep = set(program.outputs)
   ops = program.ops
+  group = []  # the statements of the current partition
   for k, op in enumerate(ops):
     namespace[f"f{k}"] = op.fn
-    args = ", ".join(f"r{r}" for r in op.ins)
-    call = f"{_names(op.outs) if op.outs else '_'} = f{k}({args})"
-    if op.error is not None:  # a host op: whatever it raises names the node
+    if op.error is not None:
       namespace[f"e{k}"] = op.error
-      lines.append("  try:")
-      lines.append(f"    {call}")
-      lines.append("  except Exception as exc:")
-      lines.append(f"    raise e{k}(exc) from exc")
-    elif k == 0 and program.first_checked:
-      lines.append("  try:")
-      lines.append(f"    {call}")
-      lines.append("  except ARG_MISMATCH:")
-      for r, i, j in program.first_checked:
-        lines.append(f"    r{r} = conform({i}, {j}, r{r})")
-      lines.append(f"    {call}")
-      lines.append("  except RUNTIME_FAILURE:")  # a failure while running: as it is
-      lines.append("    raise")
-      lines.append("  except RuntimeError:")  # refused before running: a deleted array
-      for r, i, j in program.first_checked:
-        lines.append(f"    conform({i}, {j}, r{r})")  # InputError naming it
-      lines.append("    raise")
-    else:
-      lines.append(f"  {call}")
-    for r in op.prefetch:
-      lines.append(f"  r{r}.copy_to_host_async()")
+    call = _call_lines(k, op, program)
+    if k in timed:  # a transfer step: timed on its own, its copy waited for
+      call = (["_t1 = now()"] + call
+              + [f"block([{', '.join(f'r{r}' for r in op.outs)}])",
+                 f"moved({timed[k]}, _t1, now())"])
+    group.extend(call)
+    group.extend(f"r{r}.copy_to_host_async()" for r in op.prefetch)
+    if profile is not None and op.error is None:  # a device op: wait for its work
+      group.extend(f"r{r}.block_until_ready()" for r in op.outs)
     dead = [r for r in op.frees if r not in keep and r not in fixed]
     if dead:
-      lines.append(f"  del {', '.join(f'r{r}' for r in dead)}")
-    if observed and (k + 1 == len(ops) or ops[k + 1].partition != op.partition):
-      lines.append(f"  observe({op.partition})")
+      group.append(f"del {', '.join(f'r{r}' for r in dead)}")
+    if k + 1 < len(ops) and ops[k + 1].partition == op.partition:
+      continue
+    if profile is not None:
+      namespace[f"n{op.partition}"] = profile.annotation(op.partition)
+      group = (["_t0 = now()", f"with TraceAnnotation(n{op.partition}):"]
+               + [f"  {line}" for line in group]
+               + [f"done({op.partition}, _t0, now())"])
+    if observed:
+      group.append(f"observe({op.partition})")
+    lines.extend(f"  {line}" for line in group)
+    group = []
   lines.append(f"  return [{', '.join(f'r{r}' for r in program.outputs)}]")
   source = "\n".join(lines) + "\n"
-  exec(compile(source, f"<jaxsession plan{' observed' if observed else ''}>", "exec"),
-       namespace)
+  variant = " profiled" if profile is not None else " observed" if observed else ""
+  exec(compile(source, f"<jaxsession plan{variant}>", "exec"), namespace)
   plan = namespace["plan"]
   plan.source = source
   return plan

@@ -13,12 +13,13 @@ leaves the state as it was. What differs is `execute`:
 The loop-sunk runners (loop_sink.py) are the same with N steps per call.
 """
 import jax
+import numpy as np
 from jax import tree_util
 
 from jaxsession.ir import Literal
 from jaxsession.lowering import graph_consts, lower_nodes
 from jaxsession.runtime import callbacks, codegen
-from jaxsession.runtime.build import ARG_MISMATCH, compile_fn, fast_call, shape_struct
+from jaxsession.runtime.build import ARG_MISMATCH, compile_recorded, fast_call, shape_struct
 from jaxsession.runtime.state import slots_lock
 
 
@@ -106,15 +107,52 @@ def graph_body(graph, layout, rest_tree, recorder):
   return step
 
 
+_MISSING = object()
+
+
 class Runner:
   """Locks, state in, execute, state out. Subclasses define `execute(args)
   -> (new values of the updated leaves, user outputs)`; it must not change
-  the slots itself."""
+  the slots itself.
+
+  `profile`: None, or the hooks of a profiler (`profiler.GraphHooks`).
+  Setting it picks the call path once - the profiled one records the run
+  and times each partition (blocking on its outputs), the plain one is the
+  runner's own - so an unprofiled call pays nothing, not even a check. It
+  replaces `self.call`: whoever holds a bound `runner.call` (the Session's
+  entry) must take it again after setting `profile`."""
+  _profile = None
+  steps = None                       # the steps each call runs (loop-sunk runners)
+  _PROFILED = ("call",)              # attributes the profiled path replaces
 
   def __init__(self, layout, spec):
     self.layout = layout
     self.spec = spec
     self.lock = slots_lock(layout.slots)
+
+  @property
+  def profile(self):
+    return self._profile
+
+  @profile.setter
+  def profile(self, hooks):
+    if hooks is self._profile:
+      return
+    if "_plain" not in self.__dict__:  # the unprofiled paths, as first built
+      self._plain = {name: self.__dict__.get(name, _MISSING) for name in self._PROFILED}
+    for name, value in self._plain.items():
+      if value is _MISSING:
+        self.__dict__.pop(name, None)  # back to the class's method
+      else:
+        setattr(self, name, value)
+    self._profile = hooks
+    if hooks is not None:
+      self._profile_paths(hooks)
+      self.call = hooks.run_call(self.call, self.steps)
+
+  def _profile_paths(self, hooks):
+    """Replaces the partition-level paths with timed ones (`profile` wraps
+    the run around `self.call` afterwards)."""
 
   def call(self, args):
     with self.lock:
@@ -135,17 +173,27 @@ class SingleRunner(Runner):
     * slotwise: the usual training step, every state leaf donated and
       updated - whole slots go in as tuples and come back replaced whole;
     * general: (donated leaves, kept leaves, *args).
+  Profiled, the same closure runs around the timed executable.
   """
+  _PROFILED = ("call", "run_exe")
 
-  def __init__(self, graph, spec, rest_tree, partition, layout):
+  def __init__(self, graph, spec, rest_tree, partition, layout, cache=None, key=None):
+    """`cache` and `key` (the graph's fingerprint, runtime/compile_cache.py):
+    the executable is looked up before it is traced; the key adds the output
+    pytree and the state layout, which shape it beyond the graph."""
     super().__init__(layout, spec)
     self.partition = partition
     self.recorder = callbacks.ErrorRecorder()
     step = graph_body(graph, layout, rest_tree, self.recorder)
     everything = list(range(layout.num_state))
+    if key is not None:
+      key = (key, "single", rest_tree, tuple(layout.donated_idx), tuple(layout.kept_idx),
+             tuple(layout.updated_idx), layout.num_outputs)
     if not layout.num_state:
-      self.exe = compile_fn(lambda *args: step([], args)[1], arg_structs(spec))
-      self.call = self._bare_call()
+      self.exe, self.recorder = compile_recorded(
+          lambda *args: step([], args)[1], self.recorder, arg_structs(spec), (), cache, key)
+      self.kind = "bare"
+      self.call = self._bare_call(fast_call(self.exe))
     elif layout.donated_idx == everything == layout.updated_idx:
       sizes = [len(slot.leaves) for slot in layout.slots]
 
@@ -153,22 +201,35 @@ class SingleRunner(Runner):
         new, out = step([x for leaves in slot_leaves for x in leaves], args)
         return _split(new, sizes), out
       donated_s, _ = layout.structs()
-      self.exe = compile_fn(slotwise_step, (_split(donated_s, sizes), *arg_structs(spec)),
-                            donate_argnums=(0,))
-      self.call = self._slotwise_call()
+      self.exe, self.recorder = compile_recorded(
+          slotwise_step, self.recorder, (_split(donated_s, sizes), *arg_structs(spec)),
+          (0,), cache, key)
+      self.kind = "slotwise"
+      self.call = self._slotwise_call(fast_call(self.exe))
     else:
       def whole_step(donated, kept, *args):
         new, out = step(layout.merge(donated, kept), args)
         return tuple(new), out
-      self.exe = compile_fn(whole_step, (*layout.structs(), *arg_structs(spec)),
-                            donate_argnums=(0,) if layout.donated_idx else ())
+      self.exe, self.recorder = compile_recorded(
+          whole_step, self.recorder, (*layout.structs(), *arg_structs(spec)),
+          (0,) if layout.donated_idx else (), cache, key)
+      self.kind = "general"
+    self.run_exe = self.exe  # what `execute` calls (the profiler times it)
+
+  def _profile_paths(self, hooks):
+    if self.kind == "bare":
+      self.call = self._bare_call(hooks.partition_call(0, fast_call(self.exe)))
+    elif self.kind == "slotwise":
+      self.call = self._slotwise_call(hooks.partition_call(0, fast_call(self.exe)))
+    else:
+      self.run_exe = hooks.partition_call(0, self.exe)
 
   def execute(self, args):
     donated, kept = self.layout.gather()
     try:
-      return self.exe(donated, kept, *args)
+      return self.run_exe(donated, kept, *args)
     except ARG_MISMATCH:  # checked before anything ran or was donated
-      return self.exe(donated, kept, *self.spec.conform(args))
+      return self.run_exe(donated, kept, *self.spec.conform(args))
     except RuntimeError as exc:
       raise self._failure(exc, args)
 
@@ -181,8 +242,8 @@ class SingleRunner(Runner):
       return exc
     return runtime_failure(self.partition, self.recorder, exc)
 
-  def _bare_call(self):
-    exe, conform, failure = fast_call(self.exe), self.spec.conform, self._failure
+  def _bare_call(self, exe):
+    conform, failure = self.spec.conform, self._failure
 
     def call(args):
       try:
@@ -193,8 +254,8 @@ class SingleRunner(Runner):
         raise failure(exc, args)
     return call
 
-  def _slotwise_call(self):
-    exe, conform, failure = fast_call(self.exe), self.spec.conform, self._failure
+  def _slotwise_call(self, exe):
+    conform, failure = self.spec.conform, self._failure
     slots, lock = tuple(self.layout.slots), self.lock
     if len(slots) == 1:  # one state arg: no tuple building at all
       slot, = slots
@@ -247,7 +308,9 @@ class PlanRunner(Runner):
   checks the user leaves it reads itself (a mismatch is conformed and
   retried before anything ran), the others are conformed up front.
   `observer(partition index)`, when set, is called after each partition
-  (tests sample live memory there); unset, it costs nothing."""
+  (tests sample live memory there); unset, it costs nothing. A profiled
+  runner runs the plan's profiled variant (and no observer)."""
+  _PROFILED = ("call", "plan")
 
   def __init__(self, graph, program, spec, rest_tree, layout):
     super().__init__(layout, spec)
@@ -266,6 +329,9 @@ class PlanRunner(Runner):
     self._all_bare = all(self._bare)
     if not layout.slots:
       self.call = self._stateless_call
+
+  def _profile_paths(self, hooks):
+    self.plan = hooks.plan(self.program, self.spec.conform_leaf)
 
   def user_leaves(self, args):
     """The flat user leaves, the pytree structure checked; leaves that no
@@ -303,7 +369,8 @@ class PlanRunner(Runner):
       return jax.numpy.asarray(out)  # a fresh array per run, as jax.jit returns
     if k in self.program.host_outputs:  # made on the host: stays there, a copy of
       # the callback's buffer, which the callback may reuse (jax.jit copies too)
-      return jax.device_put(out, jax.local_devices(backend="cpu")[0], may_alias=False)
+      # device_put may read its source after it returns: give it a private copy
+      return jax.device_put(np.array(out), jax.local_devices(backend="cpu")[0])
     return jax.numpy.array(out, copy=True) if k in self.program.copy_at else out
 
   def step_once(self, state_leaves, args):

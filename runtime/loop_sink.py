@@ -21,7 +21,9 @@ from jaxsession.runtime.state import owned_copy
 
 
 class SunkRunner(Runner):
-  """One executable that runs `steps` steps of a single-partition graph."""
+  """One executable that runs `steps` steps of a single-partition graph.
+  Profiled, the executable is one partition event for all the steps."""
+  _PROFILED = ("call", "run_exe")
 
   def __init__(self, graph, spec, rest_tree, layout, steps):
     super().__init__(layout, spec)
@@ -44,11 +46,15 @@ class SunkRunner(Runner):
     self.exe = compile_fn(
         sunk, (*layout.structs(), *arg_structs(spec, steps)),
         donate_argnums=(0,) if layout.donated_idx else ())
+    self.run_exe = self.exe  # what `execute` calls (the profiler times it)
+
+  def _profile_paths(self, hooks):
+    self.run_exe = hooks.partition_call(0, self.exe)  # all the steps: one event
 
   def execute(self, args):
     args = self.spec.conform(args, leading=self.steps)
     try:
-      return self.exe(*self.layout.gather(), *args)
+      return self.run_exe(*self.layout.gather(), *args)
     except jax.errors.JaxRuntimeError as exc:
       raise runtime_failure(self.partition, self.recorder, exc)
 
@@ -73,6 +79,9 @@ class SteppedRunner(Runner):
     self.splitters = [compile_fn(lambda a: [a[t] for t in range(steps)], [st])
                       if compiled else list for st in structs]
     self.stacker = None if compiled else self._stack_eagerly
+    # Its partitions are the inner runner's (its plan's profiled variant
+    # records them); this runner records the run around them.
+    self.profile = plan_runner.profile
 
   @staticmethod
   def _stack_eagerly(*columns):

@@ -24,6 +24,14 @@ class SessionOptions:
   disabled_passes: names of optional passes (see `pipeline.optional_pass_names()`)
     to skip.
   fold_limit_bytes: constant folding does not materialise larger results.
+  recompile_warn_limit: a bucketed graph warns (absl logging) when it has
+    compiled this many distinct batch sizes, and at every new one after.
+  precompile_buckets: compile every bucket at compile, not on first use.
+  run_op_cache_size: executables `run_op` keeps (least recently used evicted).
+  compilation_cache_dir: turns on JAX's persistent compilation cache there, so
+    a new process skips XLA compilation (a process-wide JAX setting).
+  enable_profiling: record every run, partition, transfer and compile stage
+    in `Session.profiler`.
   """
   save_graphs: Optional[str] = None
   verify_graphs: bool = True
@@ -34,15 +42,20 @@ class SessionOptions:
   place_all_on_device: bool = False
   disabled_passes: Sequence[str] = ()
   fold_limit_bytes: int = 1 << 16
+  recompile_warn_limit: int = 8
+  precompile_buckets: bool = False
+  run_op_cache_size: int = 128
+  compilation_cache_dir: Optional[str] = None
+  enable_profiling: bool = False
 
   def __post_init__(self):
     """Every option checked when it is made, before any work starts."""
     for name in ("verify_graphs", "donate_state", "host_callbacks", "partition_or_error",
-                 "place_all_on_device"):
+                 "place_all_on_device", "precompile_buckets", "enable_profiling"):
       if not isinstance(getattr(self, name), bool):
         raise InputError(f"SessionOptions.{name} must be True or False, got "
                          f"{getattr(self, name)!r}")
-    for name in ("save_graphs", "platform"):
+    for name in ("save_graphs", "platform", "compilation_cache_dir"):
       value = getattr(self, name)
       if value is not None and not isinstance(value, str):
         raise InputError(f"SessionOptions.{name} must be a str or None, got {value!r}")
@@ -50,6 +63,7 @@ class SessionOptions:
         isinstance(p, str) for p in self.disabled_passes):
       raise InputError("SessionOptions.disabled_passes must be a list of pass names, got "
                        f"{self.disabled_passes!r}")
-    limit = self.fold_limit_bytes
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-      raise InputError(f"SessionOptions.fold_limit_bytes must be an int >= 0, got {limit!r}")
+    for name in ("fold_limit_bytes", "recompile_warn_limit", "run_op_cache_size"):
+      limit = getattr(self, name)
+      if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise InputError(f"SessionOptions.{name} must be an int >= 0, got {limit!r}")

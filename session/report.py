@@ -48,11 +48,15 @@ class CompileReport:
   compile_seconds: float = 0.0
   transfers: List[Transfer] = dataclasses.field(default_factory=list)
   schedule: object = None  # ScheduleDecision: the node order kept, and why
+  buckets: object = None   # BucketedGraph: the buckets, compiled sizes and waste
+  cache: object = None     # compile_cache.CacheUse: hit or miss, and build seconds
 
   def __str__(self):
     lines = [f"compile report for graph '{self.graph_name}': {self.nodes_imported} "
              f"nodes imported, {self.nodes_final} after the pipeline, "
              f"{self.compile_seconds * 1e3:.1f} ms"]
+    if self.cache is not None:
+      lines.append(f"  {self.cache.describe()}")
     lines.append("  passes (stage/pass  changed  ms  nodes before -> after):")
     for rec in self.passes:
       lines.append(f"    {rec.stage + '/' + rec.name:32s} {'yes' if rec.changed else 'no ':4s}"
@@ -64,6 +68,8 @@ class CompileReport:
       lines.append(f"    #{i} {p.place:6s} {p.num_nodes} nodes, stream {p.stream}: {p.reason}")
     if self.schedule is not None:
       lines.append(f"  schedule: {self.schedule}")
+    if self.buckets is not None:
+      lines.append(f"  shape buckets: {self.buckets.describe()}")
     for t in self.transfers:
       lines.append(f"  transfer {t.direction} {t.value} {t.bytes} B, caused by node "
                    f"{t.caused_by}, {'sync' if t.sync else 'async (issued early)'}")

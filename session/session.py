@@ -12,7 +12,7 @@ import jax
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import importer, pipeline, tracing
+from jaxsession import bucketed, importer, pipeline, tracing
 from jaxsession.errors import InputError, UnknownGraphError
 from jaxsession.inputs import ArgSpec, is_weak, leaf_aval, paths_of
 from jaxsession.ir import aval_str
@@ -20,7 +20,9 @@ from jaxsession.dump import GraphDumper
 from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.options import SessionOptions
 from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_transfers
-from jaxsession.runtime import build, executor, loop_sink, memory
+from jaxsession.run_op import OpRunner
+from jaxsession.runtime import build, compile_cache, executor, loop_sink, memory
+from jaxsession.runtime.profiler import Profiler
 from jaxsession.runtime.state import StateSlot, check_matches, owned_copy, slots_lock
 
 
@@ -36,6 +38,7 @@ class _Entry:
   make_sunk: Any            # steps -> runner
   sunk: Dict[int, Any] = dataclasses.field(default_factory=dict)
   released: bool = False
+  bucketed: Any = None      # a BucketedGraph: run dispatches to its sub-graphs
 
   def __post_init__(self):
     self.call = self.runner.call  # run's hot path: one attribute, one call
@@ -110,17 +113,46 @@ class Session:
     self._graphs = {}
     self._ids = itertools.count()
     self._lock = threading.RLock()  # the graph table and the sunk-runner caches
+    self._executables = compile_cache.ExecutableCache(maxsize=64)  # the compile cache
+    self.profiler = Profiler(enabled=self.options.enable_profiling, platform=self.platform)
+    self._ops = OpRunner(self.platform, self.options.run_op_cache_size)
+    if self.options.compilation_cache_dir:  # JAX's persistent cache (process-wide)
+      compile_cache.enable_persistent_cache(self.options.compilation_cache_dir)
 
   # -- compile ------------------------------------------------------------
   def compile(self, fn, *example_args, state_argnums=(), static_argnums=(),
-              state_from=None, updates_state=True, name=None):
+              state_from=None, updates_state=True, name=None, buckets=None,
+              max_buckets=7, bucket_sizes_hint=None):
     """Traces `fn` on the example args, runs the pipeline, returns a graph id.
 
     With `updates_state=True` (the default), `fn` returns a tuple whose first
     len(state_argnums) items are the new values of the state args, and `run`
     returns the rest. With `updates_state=False`, `fn` only reads its state
     args and `run` returns its whole output. Runs no user code beyond tracing.
+
+    `buckets={argnum: [sizes] | "auto"}` makes the leading axis of those run
+    args a batch axis run on shape buckets (session/bucketed.py); compile
+    refuses it with an InputError when padding could reach a real row.
     """
+    if buckets is not None:
+      nargs = len(example_args)
+      fixed = set(_argnums(state_argnums, "state_argnums", nargs)) | set(
+          _argnums(static_argnums, "static_argnums", nargs))
+      return bucketed.compile_bucketed(
+          self, fn, example_args, dict(state_argnums=state_argnums,
+                                       static_argnums=static_argnums,
+                                       state_from=state_from, updates_state=updates_state),
+          name, buckets, max_buckets, bucket_sizes_hint,
+          [i for i in range(nargs) if i not in fixed])
+    if bucket_sizes_hint is not None:
+      raise InputError("compile: bucket_sizes_hint is given without buckets=")
+    return self._compile(fn, example_args, state_argnums, static_argnums, state_from,
+                         updates_state, name)
+
+  def _compile(self, fn, example_args, state_argnums=(), static_argnums=(),
+               state_from=None, updates_state=True, name=None, check_graph=None):
+    """compile; `check_graph(graph, spec)`, when given, sees the imported
+    graph before any state is bound (the bucket padding analysis)."""
     start = time.perf_counter()
     if isinstance(fn, jcore.ClosedJaxpr):
       fn = tracing.closed_jaxpr_fn(fn)
@@ -154,6 +186,8 @@ class Session:
     kinds, labels = tracing.input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
     graph.updates_state = updates
+    if check_graph is not None:
+      check_graph(graph, spec)
     nodes_imported = len(graph.nodes)
     slots = self._bind_state(name, state_nums, state_args, state_from, source)
     try:
@@ -183,7 +217,15 @@ class Session:
       self._assign_stream(optimizer, graph, ctx)
       self._allocate_memory(optimizer, graph, ctx)
     leaf_slots = [(slot, j) for slot in slots for j in range(len(slot.leaves))]
-    runner, make_sunk = self._build(graph, spec, rest_tree, leaf_slots)
+    # The compile cache: executables keyed by a fingerprint of the optimised
+    # graph (not the Python function), so a second compile of the same
+    # program with the same types and options compiles nothing.
+    cache = compile_cache.RecordingCache(self._executables)
+    key = compile_cache.fingerprint(graph, spec.avals, compile_cache.options_key(self.options),
+                                    self.platform, extra=(rest_tree,))
+    build_start = time.perf_counter()
+    runner, make_sunk = self._build(graph, spec, rest_tree, leaf_slots, cache, key)
+    build_seconds = time.perf_counter() - build_start
 
     if dumper:
       dumper.write_execution_order(graph)
@@ -194,13 +236,17 @@ class Session:
         transfers=list_transfers(graph), schedule=getattr(graph, "schedule", None),
         memory=memory.MemoryReport(graph.memory), donations=graph.memory.donations,
         kernels=count_kernels(graph), nodes_imported=nodes_imported,
-        nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start)
+        nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start,
+        cache=cache.use)
     with self._lock:  # a failed compile took no id and unpinned its slots
       for k, j, weak in weak_state:  # set_state keeps these leaves' weak types
         slots[k].weak_sensitive[j] = weak
       gid = next(self._ids)
       spec.where = f"run(graph {gid} '{name}')"
+      runner.profile = self.profiler.graph_hooks(gid, name, graph)  # before the entry
       self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk)
+    self.profiler.record_compile(gid, name, ctx.records, build_seconds,
+                                 report.compile_seconds)
     return gid
 
   def _optimize(self, optimizer, graph, ctx):
@@ -224,7 +270,7 @@ class Session:
     """Liveness, donation of session-owned state, peak estimate."""
     optimizer.run_stage("AllocateMemory", graph, ctx)
 
-  def _build(self, graph, spec, rest_tree, leaf_slots):
+  def _build(self, graph, spec, rest_tree, leaf_slots, cache=None, key=None):
     """One executable per device partition, compiled ahead of time (no
     warm-up: nothing of the user's runs here) with the graph's consts
     embedded as jax.jit embeds a closure's; the runner for `run` and a
@@ -233,14 +279,15 @@ class Session:
     parts = graph.partitions
     if len(parts) <= 1 and all(p.place == "device" for p in parts):
       part = parts[0] if parts else None
-      runner = executor.SingleRunner(graph, spec, rest_tree, part, layout)
+      runner = executor.SingleRunner(graph, spec, rest_tree, part, layout, cache, key)
       if part is not None:
         memory.refine(graph.memory, graph, parts, {0: build.memory_analysis(runner.exe)},
                       self.platform)
       make_sunk = lambda steps: loop_sink.SunkRunner(graph, spec, rest_tree, layout,
                                                      steps)
       return runner, make_sunk
-    program = build.build_program(graph, parts, graph.memory, spec, self.platform)
+    program = build.build_program(graph, parts, graph.memory, spec, self.platform, cache,
+                                  key)
     memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
     runner = executor.PlanRunner(graph, program, spec, rest_tree, layout)
     return runner, lambda n: loop_sink.SteppedRunner(runner, n)
@@ -280,7 +327,27 @@ class Session:
       for slot in slots:
         slot.owners -= 1
 
+  def _bucketed_entry(self, name, first_gid, dispatcher):
+    """The public id of a bucketed graph: its first sub-graph's graph, report
+    and state, with run dispatching to the bucket executables."""
+    first = self._entry(first_gid)
+    entry = _Entry(name, first.graph, first.report, first.runner, first.spec, first.slots,
+                   first.make_sunk, bucketed=dispatcher)
+    entry.call = dispatcher.call
+    first.report.buckets = dispatcher
+    with self._lock:
+      gid = next(self._ids)
+      self._graphs[gid] = entry
+    return gid
+
   # -- run ----------------------------------------------------------------
+  def run_op(self, op, /, *args, **params):
+    """Runs one primitive (or a small jax function) eagerly, MindSpore's RunOp:
+    a one-node graph through its own short pipeline, its executable cached by
+    (op, input types, params) in a bounded LRU (effectful ops are never
+    cached). Equals `op.bind(*args, **params)`."""
+    return self._ops.run(op, *args, **params)
+
   def run(self, graph_id, *args, steps=None):
     """Runs one step (or `steps` steps, loop-sunk) and returns fn's non-state
     outputs. State advances only if the whole call succeeds."""
@@ -295,13 +362,17 @@ class Session:
       if steps is None:
         return entry.call(args)
       steps = loop_sink.check_steps(steps)
+      if entry.bucketed is not None:
+        return entry.bucketed.run(args, steps)
       runner = entry.sunk.get(steps)
       if runner is None:
         entry.spec.conform(args, leading=steps)  # the args, before anything is built
         with self._lock:
           runner = entry.sunk.get(steps)
           if runner is None:
-            runner = entry.sunk[steps] = entry.make_sunk(steps)
+            runner = entry.make_sunk(steps)
+            runner.profile = entry.runner.profile
+            entry.sunk[steps] = runner
       return runner.call(args)
     except Exception:
       if entry.released:  # released by another thread while this call ran
@@ -358,6 +429,10 @@ class Session:
       if self._graphs.pop(_graph_id(graph_id), None) is None:
         raise UnknownGraphError(f"graph id {graph_id!r} was already released")
       entry.released = True
+    if entry.bucketed is not None:  # its sub-graphs own the executables and state
+      for sub in list(entry.bucketed.sizes.values()):
+        self.release(sub)
+      return
     with entry.lock:
       for slot in entry.slots:
         slot.owners -= 1

@@ -1,0 +1,495 @@
+"""The profiler: where every microsecond of a run goes.
+
+Paddle's profiler found the seed issue's 73% framework overhead with two
+tables; this one records the same things for a Session:
+  * every run: the graph, its steps (None or N), start and end;
+  * every partition execution: start and end of the host-side call, which
+    waits for the partition's outputs (`block_until_ready`), so a device
+    partition's time includes its device work - measured only here, since
+    blocking serialises what would otherwise overlap;
+  * every transfer: one per run of the partition it belongs to (a d2h on CPU
+    is elided from the plan, yet still counted: it happens logically), and
+    its time where it runs as a step of its own;
+  * every compile: the time of each stage and pass, Build, and the rest;
+  * at each partition boundary, the live device bytes (the allocator's
+    `bytes_in_use` where the device reports it, else the sum over
+    `jax.live_arrays()`, which costs O(live arrays); the overhead table
+    shows that time as the profiler's, not the framework's).
+Partitions run under `jax.profiler.TraceAnnotation("jaxsession graph G
+partition K")`, so JAX's own profiler shows them by name.
+
+Wiring: a runner's `profile` attribute takes `profiler.graph_hooks(...)`;
+setting it swaps the runner's call path once (executor.Runner), so a graph
+that is not profiled runs exactly the code it ran before. The hot path
+appends plain tuples to lists; names, tables and traces are made when asked.
+
+    prof = Profiler(enabled=True)
+    runner.profile = prof.graph_hooks(gid, name, graph)
+    entry_call = runner.call                # after setting profile
+    ...
+    prof.summary()
+    prof.export_chrome_trace("trace.json")  # open in https://ui.perfetto.dev
+"""
+import collections
+import json
+import time
+from typing import NamedTuple, Optional
+
+import jax
+
+from jaxsession.ir import aval_bytes
+from jaxsession.runtime import codegen
+
+now = time.perf_counter_ns
+TRANSFER_OPS = ("transfer_d2h", "transfer_h2d")
+QUEUE_NAMES = {0: "device queue", 1: "host queue"}  # runtime/streams.py's queues
+RUN_TRACK, COMPILE_TRACK = 100, 101                 # trace tids besides the queues
+
+
+class TransferInfo(NamedTuple):
+  """A transfer node of a graph (the row `report.transfers` lists)."""
+  index: int           # position among the graph's transfers, in node order
+  direction: str       # "d2h" or "h2d"
+  bytes: int
+  value: str           # the value moved, as the dump names it ("%12")
+  caused_by: int       # the node id that made it necessary
+  node: int            # the transfer node's id
+
+
+class PartitionInfo(NamedTuple):
+  index: int
+  place: str           # "device" or "host"
+  stream: int          # the queue it runs on
+  nodes: tuple         # node ids
+  transfers: tuple     # TransferInfo of its transfer nodes
+
+
+class RunRecord(NamedTuple):
+  graph_id: int
+  name: str
+  steps: Optional[int]  # None: one step; N: a loop-sunk run
+  start_ns: int
+  end_ns: int
+
+
+class PartitionRecord(NamedTuple):
+  graph_id: int
+  partition: int
+  place: str
+  stream: int
+  start_ns: int
+  end_ns: int           # after its outputs were ready
+  live_bytes: Optional[int]  # live device bytes after it (None: not sampled)
+
+
+class TransferRecord(NamedTuple):
+  graph_id: int
+  partition: int
+  direction: str
+  bytes: int
+  value: str
+  caused_by: int
+  start_ns: Optional[int]  # None: no time of its own (zero-copy, or copied
+  end_ns: Optional[int]    # in by the executable's call)
+
+
+class CompileRecord(NamedTuple):
+  graph_id: int
+  name: str
+  passes: tuple         # (stage, pass name, seconds), in the order they ran
+  build_seconds: float
+  total_seconds: float
+  end_ns: int
+
+
+class GraphInfo(NamedTuple):
+  name: str
+  partitions: dict      # index -> PartitionInfo
+  timed: set            # indices of transfers timed as steps of their own
+
+
+def describe_graph(graph):
+  """{partition index: PartitionInfo} from a built KernelGraph; transfers
+  are numbered in node order, as `list_transfers` lists them."""
+  parts, count = {}, 0
+  for part in graph.partitions:
+    moves = []
+    for node in part.nodes:
+      if node.op in TRANSFER_OPS:
+        moves.append(TransferInfo(count, node.op[-3:], aval_bytes(node.inputs[0].aval),
+                                  repr(node.inputs[0]), node.params["caused_by"], node.id))
+        count += 1
+    stream = 0 if part.stream is None else part.stream
+    parts[part.index] = PartitionInfo(part.index, part.place, stream,
+                                      tuple(n.id for n in part.nodes), tuple(moves))
+  return parts
+
+
+class GraphHooks:
+  """What a profiled runner of one graph calls (executor.Runner.profile).
+
+  `run_call(call, steps)` wraps a runner's call in a run record;
+  `partition_call(k, fn)` times an executable as partition k;
+  `plan(program, conform_leaf)` is the plan's profiled variant (codegen),
+  which calls `annotation`, `partition_done`, `transfer_done` and
+  `timed_ops`."""
+
+  def __init__(self, profiler, graph_id, name, graph):
+    self.graph_id = graph_id
+    self.name = name
+    self.info = GraphInfo(name, describe_graph(graph), set())
+    profiler.graphs[graph_id] = self.info
+    runs, parts, moves = profiler.raw_runs, profiler.raw_partitions, profiler.raw_transfers
+    gid = graph_id
+    sample = profiler.live_bytes
+
+    if sample is None:
+      def partition_done(k, start, end):
+        parts.append((gid, k, start, end, None, 0))
+    else:
+      def partition_done(k, start, end):  # the sample's own time is the profiler's
+        live = sample()
+        parts.append((gid, k, start, end, live, now() - end))
+
+    def transfer_done(i, start, end):
+      moves.append((gid, i, start, end))
+
+    def run_call(call, steps):
+      def profiled_run(args):
+        start = now()
+        try:
+          return call(args)
+        finally:  # a failed run took its time too
+          runs.append((gid, steps, start, now()))
+      return profiled_run
+
+    self.partition_done, self.transfer_done, self.run_call = (
+        partition_done, transfer_done, run_call)
+
+  def annotation(self, k):
+    """The TraceAnnotation name of partition k, as JAX's profiler shows it."""
+    return f"jaxsession graph {self.graph_id} partition {k}"
+
+  def partition_call(self, k, fn):
+    """fn (an executable's call) timed as partition k: the annotation, the
+    call, the wait for its outputs, the record."""
+    if k not in self.info.partitions:  # a graph without nodes: nothing to time
+      return fn
+    name, done, annotate = self.annotation(k), self.partition_done, jax.profiler.TraceAnnotation
+    block = jax.block_until_ready
+
+    def timed(*args):
+      start = now()
+      with annotate(name):
+        outs = fn(*args)
+        block(outs)
+      done(k, start, now())
+      return outs
+    return timed
+
+  def plan(self, program, conform_leaf):
+    return codegen.generate(program, conform_leaf, profile=self)
+
+  def timed_ops(self, program):
+    """{op index: transfer index} for the transfers that run as ops of
+    their own. A host partition's ops are its nodes in order, less each d2h
+    that the CPU platform elides (its value shares the device buffer)."""
+    by_part = collections.defaultdict(list)
+    for k, op in enumerate(program.ops):
+      by_part[op.partition].append(k)
+    timed = {}
+    for index, ks in by_part.items():
+      part = self.info.partitions.get(index)
+      if part is None or part.place != "host" or not part.transfers:
+        continue
+      moves = {m.node: m for m in part.transfers}
+      nodes = list(part.nodes)
+      if len(ks) != len(nodes):  # elided d2h: left out of the plan
+        nodes = [n for n in nodes if n not in moves or moves[n].direction != "d2h"]
+      if len(ks) != len(nodes):
+        continue  # a plan this mapping does not know: count, do not time
+      for k, node in zip(ks, nodes):
+        if node in moves:
+          timed[k] = moves[node].index
+    self.info.timed.update(timed.values())
+    return timed
+
+
+def _live_bytes_fn(platform):
+  """fn() -> live device bytes: the allocator's count where the device
+  reports one (GPU, TPU; O(1)), else the sum over the live arrays (CPU)."""
+  device = jax.devices(platform)[0] if platform else jax.devices()[0]
+  try:
+    stats = device.memory_stats()
+  except Exception:  # a backend without it
+    stats = None
+  if stats and "bytes_in_use" in stats:
+    memory_stats = device.memory_stats
+    return lambda: memory_stats()["bytes_in_use"]
+  client = getattr(device, "client", None)
+  live = client.live_arrays if client is not None else lambda: jax.live_arrays(platform)
+  sizes = {}  # aval -> bytes: x.nbytes costs 4x a lookup
+
+  def size(x):
+    n = sizes[x.aval] = x.size * x.dtype.itemsize
+    return n
+
+  def live_bytes():  # a loop: a comprehension is a call of its own before 3.12
+    total = 0
+    for x in live():
+      total += sizes.get(x.aval) or size(x)
+    return total
+  return live_bytes
+
+
+class Profiler:
+  """Records runs, partitions, transfers and compiles of the graphs whose
+  runners carry its hooks; `summary()` and `export_chrome_trace(path)`
+  present them.
+
+  enabled: `graph_hooks` returns None and `record_compile` records nothing
+    when False, so a Session wires the same way whether it profiles or not.
+  sample_memory: sample live device bytes at each partition boundary (the
+    trace's counter track). O(1) where the device has allocator stats; on
+    CPU a sum over `jax.live_arrays()`, about 0.1 µs per live array.
+  platform: the backend whose memory is sampled (default: jax's).
+  """
+
+  def __init__(self, enabled=False, sample_memory=True, platform=None):
+    self.enabled = enabled
+    self.live_bytes = _live_bytes_fn(platform) if sample_memory else None
+    self.graphs = {}          # graph id -> GraphInfo
+    self.raw_runs = []        # (gid, steps, start, end)
+    self.raw_partitions = []  # (gid, partition, start, end, live bytes, sampling ns)
+    self.raw_transfers = []   # (gid, transfer index, start, end): timed ones
+    self.raw_compiles = []    # CompileRecord
+
+  def graph_hooks(self, graph_id, name, graph):
+    """The hooks a runner of this graph takes as its `profile` (None when
+    the profiler is off): `runner.profile = profiler.graph_hooks(...)`."""
+    if not self.enabled:
+      return None
+    return GraphHooks(self, graph_id, name, graph)
+
+  def record_compile(self, graph_id, name, pass_records, build_seconds, total_seconds):
+    """One compile: its passes (PassRecord: .stage, .name, .seconds),
+    Build's seconds and the whole compile's, recorded as it ends."""
+    if not self.enabled:
+      return
+    passes = tuple((r.stage, r.name, r.seconds) for r in pass_records)
+    self.raw_compiles.append(CompileRecord(graph_id, name, passes, build_seconds,
+                                           total_seconds, now()))
+
+  def reset(self):
+    """Forgets every record (the graphs' descriptions stay: runners keep
+    their hooks)."""
+    for records in (self.raw_runs, self.raw_partitions, self.raw_transfers,
+                    self.raw_compiles):
+      records.clear()  # in place: the hooks append to these lists
+
+  # -- records, named ------------------------------------------------------
+  def _name(self, gid):
+    info = self.graphs.get(gid)
+    return info.name if info else "?"
+
+  def runs(self):
+    return [RunRecord(gid, self._name(gid), steps, s, e)
+            for gid, steps, s, e in list(self.raw_runs)]
+
+  def partitions(self):
+    out = []
+    for gid, k, s, e, live, _ in list(self.raw_partitions):
+      part = self.graphs[gid].partitions[k]
+      out.append(PartitionRecord(gid, k, part.place, part.stream, s, e, live))
+    return out
+
+  def transfers(self):
+    """Every transfer executed: the timed ones with their times, the others
+    once per execution of their partition, without a time of their own."""
+    where = {(gid, m.index): (part.index, m) for gid, info in self.graphs.items()
+             for part in info.partitions.values() for m in part.transfers}
+    out = []
+    for gid, i, s, e in list(self.raw_transfers):
+      k, m = where[gid, i]
+      out.append(TransferRecord(gid, k, m.direction, m.bytes, m.value, m.caused_by, s, e))
+    for gid, k, *_ in list(self.raw_partitions):
+      info = self.graphs[gid]
+      for m in info.partitions[k].transfers:
+        if m.index not in info.timed:
+          out.append(TransferRecord(gid, k, m.direction, m.bytes, m.value, m.caused_by,
+                                    None, None))
+    return out
+
+  def compiles(self):
+    return list(self.raw_compiles)
+
+  # -- presentation ---------------------------------------------------------
+  def summary(self, echo=True):
+    """Paddle-style tables - overhead, transfers, events - as a string,
+    also printed (to stdout) unless `echo` is False."""
+    text = "\n\n".join([self._overhead_table(), self._transfer_table(),
+                        self._event_table()])
+    if echo:
+      print(text)
+    return text
+
+  def _overhead_table(self):
+    runs = self.runs()
+    total = sum(r.end_ns - r.start_ns for r in runs)
+    by_place = collections.Counter()
+    for p in self.partitions():
+      by_place[p.place] += p.end_ns - p.start_ns
+    device, host = by_place["device"], by_place["host"]
+    sampling = sum(p[5] for p in list(self.raw_partitions))
+    rows = [("total run time", len(runs), total),
+            ("  device compute", None, device),
+            ("  host compute", None, host),
+            ("  framework overhead", None, total - device - host - sampling)]
+    if sampling:  # not the framework's: the profiler's own cost
+      rows.append(("  profiler: live-bytes samples", None, sampling))
+    body = [(what, "" if n is None else n, _us(t), _pct(t, total)) for what, n, t in rows]
+    steps = sum(r.steps or 1 for r in runs)
+    return _table(f"Overhead summary ({len(runs)} runs, {steps} steps, "
+                  f"{len({r.graph_id for r in runs})} graphs; device time includes "
+                  "waiting for each device partition's outputs)",
+                  ["what", "runs", "total µs", "ratio"], body)
+
+  def _transfer_table(self):
+    rows = []
+    moves = self.transfers()
+    for direction in ("d2h", "h2d"):
+      picked = [m for m in moves if m.direction == direction]
+      timed = [m.end_ns - m.start_ns for m in picked if m.start_ns is not None]
+      rows.append((direction, len(picked), sum(m.bytes for m in picked), len(timed),
+                   _us(sum(timed)), _us(sum(timed) / len(timed)) if timed else "-"))
+    return _table("Transfer summary (a transfer without a time of its own is zero-copy "
+                  "(d2h on CPU) or copied in by the executable's call (h2d))",
+                  ["direction", "count", "bytes", "timed", "time µs", "mean µs"], rows)
+
+  def _event_table(self):
+    runs_total = sum(r.end_ns - r.start_ns for r in self.runs())
+    events = collections.defaultdict(list)
+    for p in self.partitions():
+      key = (f"graph {p.graph_id} '{self._name(p.graph_id)}' / partition {p.partition} "
+             f"({p.place}, {QUEUE_NAMES.get(p.stream, p.stream)})")
+      events[key].append(p.end_ns - p.start_ns)
+    rows = [_event_row(k, ts, runs_total) for k, ts in events.items()]
+    stages = collections.defaultdict(list)
+    compile_total = 0
+    for c in self.raw_compiles:
+      compile_total += int(c.total_seconds * 1e9)
+      for stage, seconds in _stage_seconds(c):
+        stages[stage].append(int(seconds * 1e9))
+    rows += [_event_row(f"compile / {stage}", ts, compile_total)
+             for stage, ts in stages.items()]
+    return _table("Event summary (partition ratios: of the total run time; compile "
+                  "stages: of the total compile time)",
+                  ["event", "calls", "total µs", "min µs", "max µs", "mean µs", "ratio"],
+                  rows)
+
+  def export_chrome_trace(self, path):
+    """Writes the records as Chrome trace-event JSON (Perfetto opens it):
+    runs, partitions on their queue's track, timed transfers, compile stages
+    and passes, and a counter track of live device bytes."""
+    events = []
+    for gid, k, s, e, live, _ in list(self.raw_partitions):
+      part = self.graphs[gid].partitions[k]
+      events.append(_slice(f"graph {gid} / partition {k}", "partition", part.stream, s, e, {
+          "graph": gid, "name": self._name(gid), "place": part.place, "nodes": part.nodes,
+          "transfers": [f"{m.direction} {m.value} {m.bytes} B (node {m.node}, caused by "
+                        f"node {m.caused_by})" for m in part.transfers]}))
+      if live is not None:
+        events.append({"ph": "C", "name": "live device bytes", "pid": 1, "ts": e,
+                       "args": {"bytes": live}})
+    for r in self.runs():
+      events.append(_slice(f"graph {r.graph_id} run", "run", RUN_TRACK, r.start_ns,
+                           r.end_ns, {"graph": r.graph_id, "name": r.name,
+                                      "steps": r.steps}))
+    for m in self.transfers():
+      if m.start_ns is not None:
+        stream = self.graphs[m.graph_id].partitions[m.partition].stream
+        events.append(_slice(f"graph {m.graph_id} / transfer {m.direction} {m.value}",
+                             "transfer", stream, m.start_ns, m.end_ns,
+                             {"bytes": m.bytes, "caused_by": m.caused_by}))
+    for c in self.raw_compiles:
+      events.extend(_compile_slices(c))
+    origin = min((ev["ts"] for ev in events), default=0)
+    for ev in events:
+      ev["ts"] = (ev["ts"] - origin) / 1e3  # ns -> the format's µs
+    tracks = [(RUN_TRACK, "runs"), *QUEUE_NAMES.items(), (COMPILE_TRACK, "compile")]
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "jaxsession"}}]
+    for order, (tid, name) in enumerate(tracks):
+      meta.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid,
+                   "args": {"name": name}})
+      meta.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid,
+                   "args": {"sort_index": order}})
+    with open(path, "w") as f:
+      json.dump({"traceEvents": meta + events, "displayTimeUnit": "ns"}, f)
+
+
+def _slice(name, cat, tid, start_ns, end_ns, args):
+  """A complete ("X") event; ts in ns until export rebases it to µs."""
+  return {"ph": "X", "name": name, "cat": cat, "pid": 1, "tid": tid, "ts": start_ns,
+          "dur": (end_ns - start_ns) / 1e3, "args": args}
+
+
+def _stage_seconds(record):
+  """[(stage, seconds)] of one compile: its pipeline stages in order, Build,
+  and the rest (tracing, import, the report)."""
+  stages = {}
+  for stage, _, seconds in record.passes:
+    stages[stage] = stages.get(stage, 0.0) + seconds
+  stages["Build"] = record.build_seconds
+  rest = record.total_seconds - sum(stages.values())
+  return [("trace, import and the rest", max(rest, 0.0))] + list(stages.items())
+
+
+def _compile_slices(record):
+  """The compile's slices on the compile track, laid end to end from its
+  durations (only the durations are recorded): the compile, each stage,
+  each pass inside its stage."""
+  end = record.end_ns
+  start = end - int(record.total_seconds * 1e9)
+  gid = record.graph_id
+  out = [_slice(f"graph {gid} compile", "compile", COMPILE_TRACK, start, end,
+                {"graph": gid, "name": record.name})]
+  at = start
+  passes = collections.defaultdict(list)
+  for stage, name, seconds in record.passes:
+    passes[stage].append((name, seconds))
+  for stage, seconds in _stage_seconds(record):
+    length = int(seconds * 1e9)
+    out.append(_slice(f"graph {gid} compile / {stage}", "compile", COMPILE_TRACK, at,
+                      at + length, {}))
+    inner = at
+    for name, pass_seconds in passes.get(stage, ()):
+      out.append(_slice(f"graph {gid} {stage} / {name}", "pass", COMPILE_TRACK, inner,
+                        inner + int(pass_seconds * 1e9), {}))
+      inner += int(pass_seconds * 1e9)
+    at += length
+  return out
+
+
+def _event_row(name, times, whole):
+  total = sum(times)
+  return (name, len(times), _us(total), _us(min(times)), _us(max(times)),
+          _us(total / len(times)), _pct(total, whole))
+
+
+def _us(ns):
+  return f"{ns / 1e3:.1f}"
+
+
+def _pct(part, whole):
+  return f"{part / whole:.1%}" if whole else "-"
+
+
+def _table(title, headers, rows):
+  rows = [[str(c) for c in row] for row in rows]
+  widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+  rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
+
+  def line(cells):
+    return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(cells, widths)))
+  return "\n".join([title, rule, line(headers), rule] + [line(r) for r in rows] + [rule])

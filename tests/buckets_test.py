@@ -1,0 +1,262 @@
+"""Shape buckets (issue 8): padded runs equal exact-shape jax.jit runs bit for
+bit, unsafe padding is refused at compile naming the node, recompile warnings,
+buckets chosen from traffic, and bad bucket specs."""
+import collections
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from jaxsession.errors import InputError
+from jaxsession.runtime import buckets as policy_lib
+
+RNG = np.random.default_rng(8)
+F = 6
+
+
+def _rows(n, rng=RNG):
+  x = rng.standard_normal((n, F)).astype(np.float32)
+  if n >= 3:  # special values in real rows; padding must not disturb them
+    x[0, 0], x[1, 1], x[2, 2] = -0.0, np.inf, np.nan
+  return jnp.asarray(x)
+
+
+def _params(rng=RNG):
+  return {"w1": jnp.asarray(rng.standard_normal((F, 16)) / 4, jnp.float32),
+          "b1": jnp.asarray(rng.standard_normal(16), jnp.float32),
+          "w2": jnp.asarray(rng.standard_normal((16, 3)) / 4, jnp.float32)}
+
+
+def mlp(params, x):
+  h = jnp.tanh(x @ params["w1"] + params["b1"])
+  return jax.nn.softmax(h @ params["w2"], axis=-1), jnp.sum(params["w2"])
+
+
+def counted_mlp(params, count, x):
+  """State: params read, a counter advanced - neither depends on the rows."""
+  out, _ = mlp(params, x)
+  return params, count + 1, out
+
+
+def rowwise(scale, x):
+  """No dot: elementwise work and reductions over the feature axis."""
+  y = jnp.tanh(x * scale) + jnp.sin(x)
+  return jax.nn.softmax(y, axis=-1), jnp.max(y, axis=-1), jnp.sum(scale)
+
+
+def assert_within_ulp(got, want, ulps, msg=""):
+  got, want = np.asarray(got), np.asarray(want)
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=msg)
+  finite = np.isfinite(want)
+  np.testing.assert_array_equal(got[~finite & ~np.isnan(want)],
+                                want[~finite & ~np.isnan(want)], err_msg=msg)
+  bits = lambda a: a[finite].view(np.int32).astype(np.int64)
+  diff = np.abs(bits(got) - bits(want)).max() if finite.any() else 0
+  assert diff <= ulps, f"{msg}: {diff} ulp apart (allowed {ulps})"
+
+
+def mean_loss(params, x):
+  out, _ = mlp(params, x)
+  return jnp.mean(out)
+
+
+class BucketedRunTest(absltest.TestCase):
+
+  def test_every_size_equals_exact_jit_on_a_program_without_dots(self):
+    """Elementwise work and reductions over features: bit for bit."""
+    sess = js.Session()
+    scale = jnp.asarray(RNG.standard_normal(F), jnp.float32)
+    gid = sess.compile(rowwise, scale, _rows(5), state_argnums=0, updates_state=False,
+                       buckets={1: [1, 2, 4, 8, 16, 32, 64]})
+    jitted = jax.jit(rowwise)
+    for n in range(1, 65):
+      x = _rows(n)
+      got, want = sess.run(gid, x), jitted(scale, x)
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w, err_msg=f"n={n}")
+      self.assertEqual(got[0].shape, (n, F))
+    self.assertEqual(sorted(sess.report(gid).buckets.sizes), [1, 2, 4, 8, 16, 32, 64])
+
+  def test_every_size_matches_exact_jit_on_an_mlp(self):
+    """XLA:CPU's dot accumulates a row in another order for another row count
+    (jax.jit itself: x[:n] @ w differs from (x @ w)[:n] in the last bits for
+    most n), so the padded MLP matches the exact-shape one within 8 ulp
+    (measured: at most 4) and NaN/inf land on the same elements."""
+    sess = js.Session()
+    params = _params()
+    gid = sess.compile(mlp, params, _rows(5), state_argnums=0, updates_state=False,
+                       buckets={1: [1, 2, 4, 8, 16, 32, 64]})
+    jitted = jax.jit(mlp)
+    for n in range(1, 65):
+      x = _rows(n)
+      got, want = sess.run(gid, x), jitted(params, x)
+      assert_within_ulp(got[0], want[0], 8, f"n={n}")
+      np.testing.assert_array_equal(got[1], want[1], err_msg=f"n={n}")
+      self.assertEqual(got[0].shape, (n, 3))
+    self.assertEqual(sorted(sess.report(gid).buckets.sizes), [1, 2, 4, 8, 16, 32, 64])
+
+  def test_state_advances_from_real_rows_only(self):
+    sess = js.Session()
+    params = _params()
+    gid = sess.compile(counted_mlp, params, jnp.int32(0), _rows(4), state_argnums=(0, 1),
+                       buckets={2: [4, 16]})
+    count = 0
+    for n in (3, 4, 9, 16, 2):
+      x = _rows(n)
+      got = sess.run(gid, x)
+      _, count, want = jax.jit(counted_mlp)(params, count, x)
+      assert_within_ulp(got, want, 8, f"n={n}")  # the dot's row count: see above
+    state = sess.get_state(gid)
+    self.assertEqual(int(state[1]), 5)
+    np.testing.assert_array_equal(state[0]["w1"], params["w1"])
+
+  def test_sizes_above_the_largest_bucket_compile_exactly(self):
+    sess = js.Session()
+    params = _params()
+    gid = sess.compile(mlp, params, _rows(2), state_argnums=0, updates_state=False,
+                       buckets={1: [2, 4]})
+    x = _rows(7)  # exact shape: bit for bit
+    np.testing.assert_array_equal(sess.run(gid, x)[0], jax.jit(mlp)(params, x)[0])
+    self.assertIn(7, sess.report(gid).buckets.sizes)
+    self.assertEqual(sess.report(gid).buckets.policy.padded, 0)
+
+  def test_loop_sink_on_a_bucket(self):
+    sess = js.Session()
+    params = _params()
+    gid = sess.compile(mlp, params, _rows(4), state_argnums=0, updates_state=False,
+                       buckets={1: [4, 8]})
+    xs = jnp.stack([_rows(5) for _ in range(3)])  # steps=3 of 5 rows -> bucket 8
+    got = sess.run(gid, xs, steps=3)
+    for t in range(3):
+      assert_within_ulp(got[0][t], jax.jit(mlp)(params, xs[t])[0], 8)
+    self.assertEqual(got[0].shape, (3, 5, 3))
+
+  def test_precompile_buckets_compiles_every_bucket_at_compile(self):
+    sess = js.Session(js.SessionOptions(precompile_buckets=True))
+    gid = sess.compile(mlp, _params(), _rows(2), state_argnums=0, updates_state=False,
+                       buckets={1: [2, 4, 8]})
+    self.assertEqual(sorted(sess.report(gid).buckets.sizes), [2, 4, 8])
+    self.assertIn("compiled sizes [2, 4, 8]", str(sess.report(gid)))
+
+  def test_release_frees_every_bucket(self):
+    sess = js.Session()
+    gid = sess.compile(mlp, _params(), _rows(2), state_argnums=0, updates_state=False,
+                       buckets={1: [2, 4]})
+    sess.run(gid, _rows(3))
+    subs = list(sess.report(gid).buckets.sizes.values())
+    sess.release(gid)
+    for sub in [gid] + subs:
+      with self.assertRaises(js.errors.UnknownGraphError):
+        sess.run(sub, _rows(2))
+
+
+class PaddingRefusedTest(absltest.TestCase):
+
+  def test_mean_loss_is_refused_naming_the_reduction(self):
+    sess = js.Session()
+    with self.assertRaisesRegex(InputError, r"(?s)not safe.*reduce_sum.*without buckets"):
+      sess.compile(mean_loss, _params(), _rows(4), state_argnums=0, updates_state=False,
+                   buckets={1: [4, 8]})
+    self.assertEqual(len(sess._graphs), 0)  # nothing compiled, nothing kept
+
+  def test_state_from_a_batch_reduction_is_refused(self):
+    def step(w, x):
+      return w + x.sum(axis=0), x * 2
+    with self.assertRaisesRegex(InputError, "not safe"):
+      js.Session().compile(step, jnp.zeros(F), _rows(4), state_argnums=0,
+                           buckets={1: [4, 8]})
+
+
+class RecompileWarningTest(absltest.TestCase):
+
+  def test_warns_at_the_limit_and_at_every_new_size(self):
+    sess = js.Session(js.SessionOptions(recompile_warn_limit=3))
+    params = _params()
+    gid = sess.compile(mlp, params, _rows(1), state_argnums=0, updates_state=False,
+                       buckets={1: [1]})  # every larger size compiles exactly
+    sess.run(gid, _rows(2))  # 2 sizes: no warning yet
+    with self.assertLogs("absl", level="WARNING") as logs:
+      sess.run(gid, _rows(3))  # the 3rd size: at the limit
+      sess.run(gid, _rows(3))  # known: nothing new
+      sess.run(gid, _rows(4))  # a new size after the limit
+    self.assertLen(logs.records, 2)
+    self.assertIn("position(s) [1]", logs.output[0])
+    self.assertIn("[1, 2, 3]", logs.output[0])
+
+
+class AutoBucketsTest(absltest.TestCase):
+
+  def traffic(self, kind, rng):
+    if kind == "uniform":
+      return rng.integers(1, 65, 4000)
+    if kind == "small":
+      return np.minimum(64, rng.geometric(0.12, 4000))
+    return np.concatenate([rng.integers(1, 9, 2000), rng.integers(48, 65, 2000)])
+
+  def test_dynamic_program_meets_the_waste_target(self):
+    rng = np.random.default_rng(3)
+    uniform = collections.Counter(range(1, 65))
+    chosen = policy_lib.choose_buckets(uniform, 7)
+    self.assertLessEqual(policy_lib.padding_waste(uniform, chosen), 0.13)
+    self.assertAlmostEqual(policy_lib.padding_waste(uniform, [1, 2, 4, 8, 16, 32, 64]),
+                           0.31, delta=0.01)  # the powers of two, for comparison
+    for kind in ("uniform", "small", "bimodal"):
+      hist = collections.Counter(self.traffic(kind, rng).tolist())
+      chosen = policy_lib.choose_buckets(hist, 7)
+      self.assertLessEqual(len(chosen), 7)
+      self.assertEqual(chosen[-1], max(hist))
+      self.assertLessEqual(policy_lib.padding_waste(hist, chosen),
+                           policy_lib.padding_waste(hist, [1, 2, 4, 8, 16, 32, 64]), kind)
+      if kind == "uniform":
+        self.assertLessEqual(policy_lib.padding_waste(hist, chosen), 0.13)
+
+  def test_auto_learns_then_pads_and_reports_waste(self):
+    sess = js.Session(js.SessionOptions(recompile_warn_limit=0))
+    params = _params()
+    gid = sess.compile(mlp, params, _rows(3), state_argnums=0, updates_state=False,
+                       buckets={1: "auto"}, max_buckets=4)
+    rng = np.random.default_rng(4)
+    for n in rng.integers(1, 33, 120):
+      x = _rows(int(n), rng)
+      assert_within_ulp(sess.run(gid, x)[0], jax.jit(mlp)(params, x)[0], 8)
+    policy = sess.report(gid).buckets.policy
+    self.assertIsNotNone(policy.sizes)
+    self.assertLessEqual(len(policy.sizes), 4)
+    self.assertGreater(policy.measured_waste(), 0)
+    self.assertIn("measured waste", str(sess.report(gid)))
+
+  def test_hint_chooses_at_compile(self):
+    sess = js.Session()
+    gid = sess.compile(mlp, _params(), _rows(3), state_argnums=0, updates_state=False,
+                       buckets={1: "auto"}, max_buckets=3, bucket_sizes_hint=[1, 2, 3, 9, 10])
+    self.assertEqual(sess.report(gid).buckets.policy.sizes,
+                     policy_lib.choose_buckets(collections.Counter([1, 2, 3, 9, 10]), 3))
+    self.assertIsNotNone(sess.report(gid).buckets.policy.expected_waste)
+
+
+class BadBucketSpecTest(absltest.TestCase):
+
+  def test_bad_specs_name_what_is_wrong(self):
+    sess = js.Session()
+    args = (_params(), _rows(4))
+    kw = dict(state_argnums=0, updates_state=False)
+    for buckets, pattern in (({0: [4]}, "not a run argument"),
+                             ({1: []}, "non-empty list"),
+                             ({1: [0, 4]}, "positive ints"),
+                             ({1: "some"}, "'auto'"),
+                             ([4, 8], "must be a dict")):
+      with self.assertRaisesRegex(InputError, pattern):
+        sess.compile(mlp, *args, buckets=buckets, **kw)
+    with self.assertRaisesRegex(InputError, "max_buckets"):
+      sess.compile(mlp, *args, buckets={1: "auto"}, max_buckets=0, **kw)
+    with self.assertRaisesRegex(InputError, "without buckets"):
+      sess.compile(mlp, *args, bucket_sizes_hint=[1, 2], **kw)
+    gid = sess.compile(mlp, *args, buckets={1: [4, 8]}, **kw)
+    with self.assertRaisesRegex(InputError, "no batch axis|disagree"):
+      sess.run(gid, jnp.float32(1.0))
+
+
+if __name__ == "__main__":
+  absltest.main()

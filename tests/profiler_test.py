@@ -1,0 +1,422 @@
+"""The profiler (runtime/profiler.py): records of runs, partitions, transfers
+and compiles, the summary tables, the Chrome trace, and the runner hooks -
+on small programs whose results still match jax.jit bit for bit, profiled
+or not. No timing is asserted: these machines are shared and noisy."""
+import json
+import os
+import re
+import tempfile
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from jaxsession.errors import HostOpError
+from jaxsession.runtime import profiler as profiler_lib
+from jaxsession.runtime.profiler import Profiler
+
+from exact import assert_same_bits
+
+RNG = np.random.default_rng(8)
+
+
+def _f32(*shape):
+  return jnp.asarray(RNG.standard_normal(shape), jnp.float32)
+
+
+def _host_affine(a):
+  return (np.asarray(a) * np.float32(0.5) - np.float32(1.25)).astype(np.float32)
+
+
+def _cb(fn, x):
+  return jax.pure_callback(fn, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def chain(x):
+  """device -> host -> device: three partitions, a d2h and an h2d."""
+  return jnp.cos(_cb(_host_affine, jnp.sin(x) * 3.0)) + x
+
+
+def single(x):
+  return jnp.tanh(x) * 2.0 + 1.0
+
+
+def stateful_step(w, x):
+  new = w * 0.9 + x
+  return new, jnp.sum(new * x)
+
+
+def stateful_chain(w, x):
+  """A training step with a callback: several partitions and state."""
+  h = _cb(_host_affine, jnp.sin(w * x))
+  new = w - 0.1 * jnp.cos(h)
+  return new, jnp.sum(new)
+
+
+def host_made_state(w, x):
+  """The new state is a callback's result with no device reader: a
+  host-placed h2d (jax.device_put), a transfer that runs as a step of its own."""
+  return _cb(_host_affine, w), x * 2.0
+
+
+def enable(sess, gid, prof):
+  """What the Session will do when profiling is on: hooks on the graph's
+  runners, then the entry's call taken again (it binds runner.call)."""
+  entry = sess._graphs[gid]  # pylint: disable=protected-access
+  hooks = prof.graph_hooks(gid, entry.name, entry.graph)
+  entry.runner.profile = hooks
+  for runner in entry.sunk.values():
+    runner.profile = hooks
+  entry.call = entry.runner.call
+  return hooks
+
+
+def make_sunk(sess, gid, steps):
+  """The loop-sunk runner for `steps`, made and profiled as the Session will
+  make it (run makes it on first use; the Session gives it the hooks)."""
+  entry = sess._graphs[gid]  # pylint: disable=protected-access
+  runner = entry.sunk[steps] = entry.make_sunk(steps)
+  runner.profile = entry.runner.profile
+  return runner
+
+
+class RecordsTest(absltest.TestCase):
+
+  def test_partition_and_transfer_counts_match_the_graph(self):
+    sess, prof = js.Session(), Profiler(enabled=True)
+    x = _f32(16)
+    gid = sess.compile(chain, x)
+    enable(sess, gid, prof)
+    runs = 5
+    for _ in range(runs):
+      sess.run(gid, x)
+    graph, report = sess.graph(gid), sess.report(gid)
+    self.assertLen(prof.runs(), runs)
+    self.assertEqual({(r.graph_id, r.name, r.steps) for r in prof.runs()},
+                     {(gid, "chain", None)})
+    parts = prof.partitions()
+    self.assertLen(parts, len(graph.partitions) * runs)
+    for p in graph.partitions:
+      mine = [r for r in parts if r.partition == p.index]
+      self.assertLen(mine, runs)
+      self.assertEqual({(r.place, r.stream) for r in mine}, {(p.place, p.stream)})
+    moves = prof.transfers()
+    self.assertNotEmpty(report.transfers)
+    self.assertLen(moves, len(report.transfers) * runs)
+    for t in report.transfers:
+      mine = [m for m in moves if (m.direction, m.value, m.caused_by) ==
+              (t.direction, t.value, t.caused_by)]
+      self.assertLen(mine, runs)
+      self.assertEqual({m.bytes for m in mine}, {t.bytes})
+    for r in parts + prof.runs():
+      self.assertLessEqual(r.start_ns, r.end_ns)
+
+  def test_runs_contain_their_partitions(self):
+    sess, prof = js.Session(), Profiler(enabled=True)
+    x = _f32(16)
+    gid = sess.compile(chain, x)
+    enable(sess, gid, prof)
+    for _ in range(3):
+      sess.run(gid, x)
+    runs = prof.runs()
+    for p in prof.partitions():
+      self.assertTrue(any(r.start_ns <= p.start_ns <= p.end_ns <= r.end_ns for r in runs))
+    total = sum(r.end_ns - r.start_ns for r in runs)
+    self.assertGreaterEqual(total, sum(p.end_ns - p.start_ns for p in prof.partitions()))
+
+  def test_single_partition_graph(self):
+    sess, prof = js.Session(), Profiler(enabled=True)
+    x = _f32(8)
+    gid = sess.compile(single, x)
+    enable(sess, gid, prof)
+    for _ in range(4):
+      sess.run(gid, x)
+    self.assertLen(prof.runs(), 4)
+    self.assertEqual([(p.partition, p.place) for p in prof.partitions()],
+                     [(0, "device")] * 4)
+    self.assertEmpty(prof.transfers())
+
+  def test_stateful_steps_one_event_per_sunk_run(self):
+    sess, prof = js.Session(), Profiler(enabled=True)
+    w, xs = _f32(8), _f32(6, 8)
+    gid = sess.compile(stateful_step, w, xs[0], state_argnums=0)
+    enable(sess, gid, prof)
+    make_sunk(sess, gid, 6)
+    sess.run(gid, xs[0])
+    out = sess.run(gid, xs, steps=6)
+    self.assertEqual([r.steps for r in prof.runs()], [None, 6])
+    self.assertLen(prof.partitions(), 2)  # a sunk run is one executable
+    plain = js.Session()
+    pid = plain.compile(stateful_step, w, xs[0], state_argnums=0)
+    plain.run(pid, xs[0])
+    assert_same_bits(out, plain.run(pid, xs, steps=6), "sunk run")
+    assert_same_bits(sess.get_state(gid), plain.get_state(pid), "state after the sunk run")
+
+  def test_stepped_plan_records_each_step(self):
+    sess, prof = js.Session(), Profiler(enabled=True)
+    w, xs = _f32(8), _f32(4, 8)
+    gid = sess.compile(stateful_chain, w, xs[0], state_argnums=0)
+    hooks = enable(sess, gid, prof)
+    graph, report = sess.graph(gid), sess.report(gid)
+    self.assertGreater(len(graph.partitions), 1)
+    sess.run(gid, xs, steps=4)  # a SteppedRunner takes its plan runner's hooks
+    self.assertIs(sess._graphs[gid].sunk[4].profile, hooks)  # pylint: disable=protected-access
+    self.assertEqual([r.steps for r in prof.runs()], [4])
+    self.assertLen(prof.partitions(), len(graph.partitions) * 4)
+    self.assertLen(prof.transfers(), len(report.transfers) * 4)
+
+  def test_transfer_run_as_its_own_step_is_timed(self):
+    sess, prof = js.Session(), Profiler(enabled=True)
+    w, x = _f32(8), _f32(8)
+    gid = sess.compile(host_made_state, w, x, state_argnums=0)
+    report = sess.report(gid)
+    self.assertIn("host:h2d", [n.kernel.name for n in sess.graph(gid).nodes])
+    enable(sess, gid, prof)
+    for _ in range(3):
+      sess.run(gid, x)
+    moves = prof.transfers()
+    self.assertLen(moves, len(report.transfers) * 3)
+    h2d = [m for m in moves if m.direction == "h2d"]
+    self.assertLen(h2d, 3)
+    for m in h2d:  # a jax.device_put step: timed, and inside its partition
+      self.assertIsNotNone(m.start_ns)
+      self.assertLessEqual(m.start_ns, m.end_ns)
+    for m in moves:
+      if m.direction == "d2h":  # zero-copy on CPU: counted, no time of its own
+        self.assertIsNone(m.start_ns)
+
+  def test_memory_samples(self):
+    sess, x = js.Session(), _f32(64)
+    gid = sess.compile(chain, x)
+    prof = Profiler(enabled=True)
+    enable(sess, gid, prof)
+    sess.run(gid, x)
+    live = [p.live_bytes for p in prof.partitions()]
+    self.assertTrue(all(isinstance(b, int) and b >= x.nbytes for b in live), live)
+    quiet = Profiler(enabled=True, sample_memory=False)
+    enable(sess, gid, quiet)
+    sess.run(gid, x)
+    self.assertEqual({p.live_bytes for p in quiet.partitions()}, {None})
+
+  def test_failed_run_is_recorded_and_raises_as_before(self):
+    def boom(a):
+      raise ValueError("no")
+
+    def failing(w, x):
+      return w + _cb(boom, x), jnp.sum(x)
+    sess, prof = js.Session(), Profiler(enabled=True)
+    w, x = _f32(4), _f32(4)
+    gid = sess.compile(failing, w, x, state_argnums=0)
+    enable(sess, gid, prof)
+    before = sess.get_state(gid)
+    with self.assertRaises(HostOpError):
+      sess.run(gid, x)
+    assert_same_bits(sess.get_state(gid), before, "state after a failed run")
+    self.assertLen(prof.runs(), 1)
+
+  def test_reset_and_disabled(self):
+    sess, prof = js.Session(), Profiler(enabled=True)
+    x = _f32(8)
+    gid = sess.compile(single, x)
+    enable(sess, gid, prof)
+    sess.run(gid, x)
+    prof.reset()
+    self.assertEqual((prof.runs(), prof.partitions(), prof.compiles()), ([], [], []))
+    sess.run(gid, x)  # the hooks append to the same lists after a reset
+    self.assertLen(prof.runs(), 1)
+    off = Profiler(enabled=False)
+    self.assertIsNone(off.graph_hooks(gid, "single", sess.graph(gid)))
+    off.record_compile(gid, "single", sess.report(gid).passes, 0.01, 0.1)
+    self.assertEmpty(off.compiles())
+
+
+class HooksTest(absltest.TestCase):
+
+  def graphs(self, sess, w=None, x=None):
+    w = _f32(8) if w is None else w
+    x = _f32(8) if x is None else x
+    return {
+        "single bare": sess.compile(single, x),
+        "single slotwise": sess.compile(stateful_step, w, x, state_argnums=0),
+        "single general": sess.compile(stateful_step, w, x, state_argnums=0,
+                                       updates_state=False),
+        "plan stateless": sess.compile(chain, x),
+        "plan stateful": sess.compile(stateful_chain, w, x, state_argnums=0),
+    }
+
+  def test_profile_none_keeps_the_plain_call(self):
+    sess = js.Session()
+    for what, gid in self.graphs(sess).items():
+      runner = sess._graphs[gid].runner  # pylint: disable=protected-access
+      before, own = runner.call, "call" in vars(runner)
+      plan = getattr(runner, "plan", None)
+      runner.profile = None  # nothing to do: nothing changes
+      self.assertEqual(runner.call, before, what)
+      self.assertNotIn("_plain", vars(runner), what)
+      runner.profile = Profiler(enabled=True).graph_hooks(gid, what, sess.graph(gid))
+      self.assertNotEqual(runner.call, before, what)
+      runner.profile = None  # back to the very same call and plan
+      self.assertEqual(runner.call, before, what)
+      self.assertEqual("call" in vars(runner), own, what)
+      if own:
+        self.assertIs(runner.call, before, what)
+      self.assertIs(getattr(runner, "plan", None), plan, what)
+      if hasattr(runner, "run_exe"):
+        self.assertIs(runner.run_exe, runner.exe, what)
+
+  def test_results_equal_unprofiled_and_jit(self):
+    fns = {"single bare": single, "single slotwise": stateful_step,
+           "single general": stateful_step, "plan stateless": chain,
+           "plan stateful": stateful_chain}
+    plain, profiled = js.Session(), js.Session()
+    w, x = _f32(8), _f32(8)
+    plain_ids, prof_ids = self.graphs(plain, w, x), self.graphs(profiled, w, x)
+    prof = Profiler(enabled=True)
+    for gid in prof_ids.values():
+      enable(profiled, gid, prof)
+    for what, fn in fns.items():
+      state = plain.get_state(plain_ids[what])
+      for step in range(3):
+        x = _f32(8)
+        want = plain.run(plain_ids[what], x)
+        got = profiled.run(prof_ids[what], x)
+        assert_same_bits(got, want, f"{what} step {step}")
+        if not state:
+          assert_same_bits(got, jax.jit(fn)(x), f"{what} vs jit")
+          continue
+        jit_out = jax.jit(fn)(state[0], x)
+        if what != "single general":
+          state = (jit_out[0],)
+          jit_out = jit_out[1]
+        assert_same_bits(got, jit_out, f"{what} vs jit, step {step}")
+      assert_same_bits(profiled.get_state(prof_ids[what]), plain.get_state(plain_ids[what]),
+                       f"{what} state")
+    self.assertLen(prof.runs(), 3 * len(fns))
+
+  def test_partitions_run_under_trace_annotations(self):
+    names = []
+    real = jax.profiler.TraceAnnotation
+
+    class Recording(real):
+      def __init__(self, name, **kwargs):
+        names.append(name)
+        super().__init__(name, **kwargs)
+    sess, prof = js.Session(), Profiler(enabled=True)
+    x = _f32(8)
+    chain_id, single_id = sess.compile(chain, x), sess.compile(single, x)
+    jax.profiler.TraceAnnotation = Recording
+    try:
+      enable(sess, chain_id, prof)
+      enable(sess, single_id, prof)
+      sess.run(chain_id, x)
+      sess.run(single_id, x)
+    finally:
+      jax.profiler.TraceAnnotation = real
+    count = len(sess.graph(chain_id).partitions)
+    self.assertEqual(names, [f"jaxsession graph {chain_id} partition {k}"
+                             for k in range(count)]
+                     + [f"jaxsession graph {single_id} partition 0"])
+
+  def test_jax_profiler_shows_the_partitions(self):
+    sess, prof = js.Session(), Profiler(enabled=True)
+    x = _f32(8)
+    gid = sess.compile(chain, x)
+    enable(sess, gid, prof)
+    folder = tempfile.mkdtemp()
+    with jax.profiler.trace(folder):
+      sess.run(gid, x)
+    data = b""
+    for root, _, files in os.walk(folder):
+      for name in files:
+        if name.endswith(".xplane.pb"):
+          with open(os.path.join(root, name), "rb") as f:
+            data += f.read()
+    for p in sess.graph(gid).partitions:
+      self.assertIn(f"jaxsession graph {gid} partition {p.index}".encode(), data)
+
+
+class PresentationTest(absltest.TestCase):
+
+  def profiled(self, runs=4):
+    sess, prof = js.Session(), Profiler(enabled=True)
+    x = _f32(16)
+    gid = sess.compile(chain, x)
+    report = sess.report(gid)
+    prof.record_compile(gid, "chain", report.passes, 0.002, report.compile_seconds)
+    enable(sess, gid, prof)
+    for _ in range(runs):
+      sess.run(gid, x)
+    return sess, gid, prof
+
+  def test_summary_tables(self):
+    sess, gid, prof = self.profiled()
+    text = prof.summary(echo=False)
+    for title in ("Overhead summary", "Transfer summary", "Event summary"):
+      self.assertIn(title, text)
+    ratios = [float(r) for r in re.findall(r"(-?\d+\.\d)%", text)]
+    self.assertNotEmpty(ratios)
+    for ratio in ratios:
+      self.assertBetween(ratio, 0.0, 100.0)
+    overhead = text.split("\n\n")[0]
+    micros = {what: float(re.search(rf"{what}\s+(?:\d+\s+)?(-?[\d.]+)", overhead).group(1))
+              for what in ("total run time", "device compute", "host compute",
+                           "framework overhead")}
+    self.assertGreaterEqual(micros["total run time"],
+                            micros["device compute"] + micros["host compute"] - 0.2)
+    self.assertGreater(micros["device compute"], 0)
+    transfers = text.split("\n\n")[1]
+    n = len(sess.report(gid).transfers)
+    d2h = sum(1 for t in sess.report(gid).transfers if t.direction == "d2h")
+    self.assertRegex(transfers, rf"d2h\s+{d2h * 4}\s")
+    self.assertRegex(transfers, rf"h2d\s+{(n - d2h) * 4}\s")
+    events = text.split("\n\n")[2]
+    for p in sess.graph(gid).partitions:
+      self.assertRegex(events, rf"graph {gid} 'chain' / partition {p.index} .*\s4\s")
+    for stage in ("Optimize", "SelectKernel", "HardwareOptimize", "Build"):
+      self.assertIn(f"compile / {stage}", events)
+
+  def test_chrome_trace(self):
+    sess, gid, prof = self.profiled(runs=3)
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+      trace = json.load(f)
+    events = trace["traceEvents"]
+    self.assertTrue({ev["ph"] for ev in events} >= {"M", "X", "C"})
+    tracks = {ev["tid"]: ev["args"]["name"] for ev in events
+              if ev["ph"] == "M" and ev["name"] == "thread_name"}
+    self.assertEqual(tracks[0], "device queue")
+    self.assertEqual(tracks[1], "host queue")
+    self.assertIn("runs", tracks.values())
+    self.assertIn("compile", tracks.values())
+    graph = sess.graph(gid)
+    slices = [ev for ev in events if ev["ph"] == "X"]
+    for p in graph.partitions:
+      mine = [ev for ev in slices if ev["name"] == f"graph {gid} / partition {p.index}"]
+      self.assertLen(mine, 3)
+      for ev in mine:
+        self.assertEqual(ev["tid"], p.stream)
+        self.assertEqual(ev["args"]["nodes"], [n.id for n in p.nodes])
+        self.assertGreaterEqual(ev["dur"], 0)
+    self.assertLen([ev for ev in slices if ev["name"] == f"graph {gid} run"], 3)
+    self.assertIn(f"graph {gid} compile / Optimize", {ev["name"] for ev in slices})
+    counters = [ev for ev in events if ev["ph"] == "C"]
+    self.assertLen(counters, 3 * len(graph.partitions))
+    for ev in counters:
+      self.assertEqual(ev["name"], "live device bytes")
+      self.assertIsInstance(ev["args"]["bytes"], int)
+    self.assertGreaterEqual(min(ev["ts"] for ev in events if "ts" in ev), 0)
+
+  def test_describe_graph_numbers_transfers_as_the_report(self):
+    sess, gid, _ = self.profiled(runs=1)
+    parts = profiler_lib.describe_graph(sess.graph(gid))
+    moves = sorted((m for p in parts.values() for m in p.transfers), key=lambda m: m.index)
+    self.assertEqual([(m.direction, m.bytes, m.value, m.caused_by) for m in moves],
+                     [(t.direction, t.bytes, t.value, t.caused_by)
+                      for t in sess.report(gid).transfers])
+
+
+if __name__ == "__main__":
+  absltest.main()
