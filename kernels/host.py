@@ -43,7 +43,8 @@ def _callback_args(args):
   a callback takes jax.Arrays on the CPU, as under jax.jit."""
   for a in args:
     if not isinstance(a, jax.Array):  # copies: the producer may reuse its buffer
-      return jax.device_put(list(args), _cpu(), may_alias=False)
+      # a private copy: device_put may read its source after it returns
+      return jax.device_put([np.array(a) for a in args], _cpu())
   return args
 
 
@@ -154,7 +155,7 @@ def host_to_device_put(node, x):
   device reader to carry it: an explicit jax.device_put."""
   # the default device, the session's; a copy even on CPU: the callback may
   # reuse the buffer it returned, and the state must not change with it
-  return [jax.device_put(np.asarray(x), may_alias=False)]
+  return [jax.device_put(np.array(x))]  # a private copy: device_put may read it later
 
 
 # -- small integer computations -------------------------------------------------
