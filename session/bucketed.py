@@ -62,6 +62,7 @@ class BucketedGraph:
     num_state = len(graph.state_updates())
     self.verdict = verdict
     self.output_axes = list(verdict.output_axes[num_state:])
+    return "traced only"
 
   def executable(self, size):
     """The sub-graph id for `size`, compiled on first use."""
@@ -75,8 +76,12 @@ class BucketedGraph:
         self._warn_recompiles(size)
     return gid
 
-  def compile_first(self, size):
-    self.sizes[size] = self.compile_one(size, self.check_graph)
+  def compile_first(self, size, probe):
+    """The padding analysis on a trace at `probe` rows (at least 2, and a size
+    no other axis of the example has, so a row axis cannot pass for another
+    or for a broadcast), then the first bucket."""
+    self.compile_one(probe, self.check_graph)
+    self.sizes[size] = self.compile_one(size, None)
 
   def precompile(self):
     for k, size in enumerate(self.policy.sizes or ()):
@@ -170,7 +175,7 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
       options["state_from"] = first_gid[0]
     gid = session._compile(fn, tuple(examples), name=f"{name}[batch {size}]",
                            check_graph=check_graph, **options)
-    if not first_gid:
+    if gid is not None and not first_gid:
       first_gid.append(gid)
     return gid
 
@@ -180,7 +185,12 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
   if policy.sizes is not None:
     larger = [b for b in policy.sizes if b >= n0]
     first = larger[0] if larger else n0
-  dispatcher.compile_first(first)
+  other = {d for i, arg in enumerate(example_args) for leaf in tree_util.tree_leaves(arg)
+           for d in tuple(getattr(leaf, "shape", ()))[1 if i in positions else 0:]}
+  probe = max([2, n0] + list(policy.sizes or []))
+  while probe in other:
+    probe += 1
+  dispatcher.compile_first(first, probe)
   if session.options.precompile_buckets:
     dispatcher.precompile()
   return session._bucketed_entry(name, first_gid[0], dispatcher)

@@ -152,7 +152,8 @@ class Session:
   def _compile(self, fn, example_args, state_argnums=(), static_argnums=(),
                state_from=None, updates_state=True, name=None, check_graph=None):
     """compile; `check_graph(graph, spec)`, when given, sees the imported
-    graph before any state is bound (the bucket padding analysis)."""
+    graph before any state is bound (the bucket padding analysis); if it
+    returns "traced only", nothing is compiled and the result is None."""
     start = time.perf_counter()
     if isinstance(fn, jcore.ClosedJaxpr):
       fn = tracing.closed_jaxpr_fn(fn)
@@ -187,7 +188,8 @@ class Session:
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
     graph.updates_state = updates
     if check_graph is not None:
-      check_graph(graph, spec)
+      if check_graph(graph, spec) == "traced only":
+        return None  # the caller wanted the imported graph checked, nothing compiled
     nodes_imported = len(graph.nodes)
     slots = self._bind_state(name, state_nums, state_args, state_from, source)
     try:

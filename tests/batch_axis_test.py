@@ -11,13 +11,15 @@ A real run checks two things, bit for bit:
   * same rows: those real rows equal the exact-size run's, for 2 rows and up.
 Exact-size runs use jax.jit with ROW_STABLE compiler options, because XLA on
 CPU is not row-stable across batch sizes by default (measured, jax 0.10.2):
-its YNNPACK dot fusion is chosen by shape, and its vectorised row reductions
-((x * x).sum(-1) over 5..8 features) round differently at some batch sizes.
-ROW_STABLE turns off the one and vectorisation; what remains is the one-row
-dot, which XLA emits as a matrix-vector product with its own summation order
-(flax Dense at 1 row vs 4 rows: 1 ulp), so 1 row is checked for leaks only.
-These are properties of the kernels, not of the program: no graph analysis
-sees them, and bit-exact buckets need the same care.
+its YNNPACK dot fusion is chosen by shape (x @ w, w: f32[4, 6], at 1 row vs
+8); its vectorised row reductions round differently at some batch sizes
+((x * x).sum(-1) over 5..8 features); and its fusion emitters flush a
+subnormal in one size's kernel and keep it in another's (x * iota at 3 rows
+vs 8). ROW_STABLE turns off all three; what remains is the one-row dot, which
+XLA emits as a matrix-vector product with its own summation order (flax Dense
+at 1 row vs 4 rows: 1 ulp), so 1 row is checked for leaks only. These are
+properties of the kernels, not of the program: no graph analysis sees them,
+and bit-exact buckets need the same care.
 """
 import dataclasses
 
@@ -34,7 +36,8 @@ from jaxsession.ir import KernelGraph
 from jaxsession.runtime import batch_axis
 from exact import assert_same_bits, with_specials
 
-ROW_STABLE = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_prefer_vector_width": 1}
+ROW_STABLE = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_prefer_vector_width": 1,
+              "xla_cpu_use_fusion_emitters": False}
 EXAMPLE_ROWS = 7  # the batch size the graphs are traced at: unlike every other size here
 F, T, H, V = 6, 4, 5, 11
 
@@ -452,7 +455,7 @@ def random_program(seed):
   def f(x):
     outs = []
     for (_, fn), show in zip(ops, shown):
-      x = fn(x)
+      x = fn(x) if x.ndim else x  # a scalar (after a gram of vectors) has no axis to use
       outs += [x] if show else []
     return tuple(outs)
   return f, shape, " ".join(name for name, _ in ops)
