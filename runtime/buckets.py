@@ -22,8 +22,7 @@ from jaxsession.errors import InputError
 
 AUTO = "auto"
 AUTO_MIN_SIZES = 8  # distinct sizes seen (or 4x as many requests) before auto buckets
-                    # are chosen: the default recompile_warn_limit, so learning alone
-                    # never triggers the warning
+                    # are chosen
 
 
 def choose_buckets(histogram, max_buckets):
@@ -143,8 +142,14 @@ class BucketPolicy:
       policy.choose(collections.Counter(hint))
     return policy
 
-  def choose(self, histogram):
+  def choose(self, histogram, learned=False):
+    """The buckets for `histogram`. Learned from the first requests only,
+    the largest bucket is raised to the next power of two, so the tail of
+    sizes not seen yet still lands in a bucket instead of compiling exactly
+    (the expected waste is then of that early histogram)."""
     self.sizes = choose_buckets(histogram, self.max_buckets)
+    if learned:
+      self.sizes[-1] = 1 << (self.sizes[-1] - 1).bit_length()
     self.expected_waste = padding_waste(histogram, self.sizes)
 
   def target(self, n):
@@ -152,7 +157,7 @@ class BucketPolicy:
     self.seen[n] += 1
     if self.auto and self.sizes is None:
       if len(self.seen) >= AUTO_MIN_SIZES or sum(self.seen.values()) >= 4 * AUTO_MIN_SIZES:
-        self.choose(self.seen)
+        self.choose(self.seen, learned=True)
       else:
         self.rows += n
         return n  # still learning the traffic: exact

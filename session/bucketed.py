@@ -11,13 +11,16 @@ slots. Every distinct compiled size counts towards
 `SessionOptions(recompile_warn_limit)`: a warning names the argument and the
 sizes at the limit and once per new size after it.
 """
+import re
 import threading
 
 import jax
+import numpy as np
 from absl import logging
 from jax import tree_util
 
-from jaxsession.errors import InputError
+from jaxsession.errors import InputError, UnknownGraphError
+from jaxsession.ir import Literal, aval_str
 from jaxsession.runtime import buckets as policy_lib
 
 
@@ -35,6 +38,8 @@ class BucketedGraph:
     self.sizes = {}                   # compiled size -> sub-graph id
     self.output_axes = None           # per run output leaf: the row axis or None
     self.verdict = None
+    self.signatures = []              # the probe traces' programs, row count named
+    self.released = False
     self.lock = threading.Lock()
 
   # -- compile --------------------------------------------------------------
@@ -46,10 +51,11 @@ class BucketedGraph:
     for i, avals in enumerate(spec.avals):
       if i in self.run_index:
         for j, aval in enumerate(avals):
-          if not aval.shape:
+          if not aval.shape or not _paddable(aval.dtype):
             raise InputError(f"compile({self.name}): bucketed argument at position "
-                             f"{spec.positions[i]} has a scalar leaf "
-                             f"{spec.paths[i][j] or '(root)'}: nothing to pad")
+                             f"{spec.positions[i]}, leaf {spec.paths[i][j] or '(root)'}, "
+                             f"is {aval.str_short()}: only numeric or bool arrays with a "
+                             "batch axis can be padded")
           dynamic[leaf_ids[first + j]] = 0
       first += len(avals)
     from jaxsession.runtime import batch_axis  # pylint: disable=import-outside-toplevel
@@ -62,6 +68,7 @@ class BucketedGraph:
     num_state = len(graph.state_updates())
     self.verdict = verdict
     self.output_axes = list(verdict.output_axes[num_state:])
+    self.signatures.append(program_signature(graph, len_of_rows(graph, dynamic)))
     return "traced only"
 
   def executable(self, size):
@@ -72,15 +79,34 @@ class BucketedGraph:
     with self.lock:
       gid = self.sizes.get(size)
       if gid is None:
+        if self.released:
+          raise UnknownGraphError(f"graph '{self.name}' was released")
         gid = self.sizes[size] = self.compile_one(size, None)
         self._warn_recompiles(size)
     return gid
 
-  def compile_first(self, size, probe):
-    """The padding analysis on a trace at `probe` rows (at least 2, and a size
-    no other axis of the example has, so a row axis cannot pass for another
-    or for a broadcast), then the first bucket."""
-    self.compile_one(probe, self.check_graph)
+  def release(self):
+    """Marks the graph released; returns its sub-graph ids (no new ones after)."""
+    with self.lock:
+      self.released = True
+      return list(self.sizes.values())
+
+  def compile_first(self, size, probes):
+    """The padding analysis on traces at two `probes` row counts (at least
+    2, and sizes no other axis of the example has, so a row axis cannot pass
+    for another or for a broadcast), then the first bucket. The two traces
+    must be the same program once the row count is named: a program that
+    reads the batch size (x / x.shape[0], an arange of it, a Python branch
+    on it) is refused, naming the first node that differs."""
+    for probe in probes:
+      self.compile_one(probe, self.check_graph)
+    first, second = self.signatures
+    if first != second:
+      where = next((a for a, b in zip(first, second) if a != b), "the number of nodes")
+      raise InputError(
+          f"compile({self.name}): the program depends on the batch size itself (traced "
+          f"at {probes[0]} and {probes[1]} rows it differs at: {where}); padding would "
+          "change its result. Compile without buckets= to run every batch size exactly.")
     self.sizes[size] = self.compile_one(size, None)
 
   def precompile(self):
@@ -101,15 +127,24 @@ class BucketedGraph:
 
   # -- run ------------------------------------------------------------------
   def batch_size(self, args, axis):
+    """The rows of the bucketed arguments, checked against the example's
+    dtypes and trailing shapes before any size is chosen or compiled."""
     sizes = set()
     for i in self.run_index:
       if i >= len(args):
         return None  # run reports the arity
-      for leaf in tree_util.tree_leaves(args[i]):
-        shape = jax.numpy.shape(leaf)
-        if len(shape) <= axis:
-          raise InputError(f"run(graph '{self.name}'): bucketed argument {i} has a leaf "
-                           f"of shape {list(shape)}: no batch axis {axis}")
+      leaves = tree_util.tree_leaves(args[i])
+      if len(leaves) != len(self.example_avals[i]):
+        return None  # run reports the structure
+      for leaf, want in zip(leaves, self.example_avals[i]):
+        shape = tuple(jax.numpy.shape(leaf))
+        dtype = getattr(leaf, "dtype", None)
+        if len(shape) <= axis or shape[axis + 1:] != tuple(want.shape[1:]) or (
+            dtype is not None and np.dtype(dtype) != np.dtype(want.dtype)):
+          raise InputError(
+              f"run(graph '{self.name}'): bucketed argument {i} has a leaf "
+              f"{dtype}{list(shape)}; expected {want.dtype}[n, "
+              f"{', '.join(map(str, want.shape[1:]))}] with the batch on axis {axis}")
         sizes.add(shape[axis])
     if len(sizes) > 1:
       raise InputError(f"run(graph '{self.name}'): the bucketed arguments disagree on "
@@ -132,6 +167,7 @@ class BucketedGraph:
     leaves, treedef = tree_util.tree_flatten(out)
     leaves = [x if ax is None else policy_lib.slice_rows(x, n, ax + axis)
               for x, ax in zip(leaves, self.output_axes)]
+    leaves = [_weak_like(x, y) for x, y in zip(leaves, tree_util.tree_leaves(out))]
     return tree_util.tree_unflatten(treedef, leaves)
 
   def call(self, args):
@@ -187,10 +223,62 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
     first = larger[0] if larger else n0
   other = {d for i, arg in enumerate(example_args) for leaf in tree_util.tree_leaves(arg)
            for d in tuple(getattr(leaf, "shape", ()))[1 if i in positions else 0:]}
-  probe = max([2, n0] + list(policy.sizes or []))
-  while probe in other:
-    probe += 1
-  dispatcher.compile_first(first, probe)
+  probes = []
+  candidate = max([2, n0] + list(policy.sizes or []))
+  while len(probes) < 2:
+    if candidate not in other:
+      probes.append(candidate)
+    candidate += 1
+  dispatcher.example_avals = {i: [jax.api_util.shaped_abstractify(x) for x in
+                                  tree_util.tree_leaves(example_args[p])]
+                              for i, p in zip(run_index, positions)}
+  dispatcher.compile_first(first, probes)
   if session.options.precompile_buckets:
     dispatcher.precompile()
   return session._bucketed_entry(name, first_gid[0], dispatcher)
+
+
+def _paddable(dtype):
+  try:
+    kind = np.dtype(dtype).kind
+  except TypeError:  # extended dtypes (PRNG keys)
+    return False
+  return kind in "biufc"
+
+
+def _weak_like(sliced, original):
+  """A sliced output keeps the padded output's weak type (jax.jit's would
+  have it at the exact shape too)."""
+  if sliced is original or not getattr(original, "weak_type", False):
+    return sliced
+  from jax._src.lax import lax as lax_internal  # pylint: disable=import-outside-toplevel
+  return lax_internal._convert_element_type(sliced, weak_type=True)  # pylint: disable=protected-access
+
+
+def len_of_rows(graph, dynamic):
+  """The row count of a trace: the batch axis size of a dynamic input."""
+  vid = next(iter(dynamic))
+  value = next(v for v in graph.inputs if v.id == vid)
+  return value.aval.shape[dynamic[vid]]
+
+
+def program_signature(graph, rows):
+  """The program a trace computes with its row count named "B": op, params,
+  literals and types of every node in order (no ids, no source lines), so
+  two traces at different row counts compare equal unless the program reads
+  the row count itself."""
+  pattern = re.compile(rf"(?<![0-9.]){rows}(?![0-9.])")
+  name = lambda text: pattern.sub("B", text)
+  lines = [name(" ".join(aval_str(v.aval) for v in graph.inputs))]
+  for node in graph.nodes:
+    params = name(", ".join(f"{k}={v}" for k, v in sorted(node.params.items())))
+    # literal values stay as they are: a literal equal to the row count is the
+    # program reading it (n + x.shape[0])
+    ins = ", ".join(repr(v) if isinstance(v, Literal) else name(aval_str(v.aval))
+                    for v in node.inputs)
+    outs = name(", ".join(aval_str(o.aval) for o in node.outputs))
+    lines.append(f"{node.op}[{params}]({ins}) -> {outs}")
+  consts = [graph.const_values[v.id] for v in graph.inputs_of_kind("const")]
+  lines.extend(f"const {np.asarray(c).dtype}{np.shape(c)} {hash(np.asarray(c).tobytes())}"
+               for c in consts)  # an array built from the row count differs too
+  return lines

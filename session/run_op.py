@@ -195,7 +195,7 @@ class OpRunner:
     except jax.errors.JaxRuntimeError as exc:
       if not compiled.user_code:
         raise
-      raise callbacks.callback_failure(compiled.nodes, 0, exc, compiled.recorder) from None
+      raise callbacks.callback_failure(compiled.nodes, 0, exc, compiled.recorder)
     return compiled.unpack(list(outs))
 
 

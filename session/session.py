@@ -432,7 +432,7 @@ class Session:
         raise UnknownGraphError(f"graph id {graph_id!r} was already released")
       entry.released = True
     if entry.bucketed is not None:  # its sub-graphs own the executables and state
-      for sub in list(entry.bucketed.sizes.values()):
+      for sub in entry.bucketed.release():
         self.release(sub)
       return
     with entry.lock:

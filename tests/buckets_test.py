@@ -254,8 +254,41 @@ class BadBucketSpecTest(absltest.TestCase):
     with self.assertRaisesRegex(InputError, "without buckets"):
       sess.compile(mlp, *args, bucket_sizes_hint=[1, 2], **kw)
     gid = sess.compile(mlp, *args, buckets={1: [4, 8]}, **kw)
-    with self.assertRaisesRegex(InputError, "no batch axis|disagree"):
+    with self.assertRaisesRegex(InputError, r"float32\[\]; expected float32\[n, 6\]"):
       sess.run(gid, jnp.float32(1.0))
+    with self.assertRaisesRegex(InputError, "expected float32"):  # before any compile
+      sess.run(gid, jnp.ones((100, F), jnp.int32))
+    self.assertNotIn(100, sess.report(gid).buckets.sizes)
+    keys = jax.random.split(jax.random.key(0), 4)
+    with self.assertRaisesRegex(InputError, "only numeric or bool arrays"):
+      sess.compile(lambda k, v: v * 2, keys, jnp.ones(4), buckets={0: [4, 8]})
+
+
+class BatchSizeReadByTheProgramTest(absltest.TestCase):
+  """Found by review: a program that reads the batch size itself is not a
+  row-mixing program, yet padding changes its result; two probe traces
+  catch it."""
+
+  def test_programs_reading_the_batch_size_are_refused(self):
+    sess = js.Session()
+    x = jnp.ones((8, 3))
+    for fn in (lambda x: jnp.sum(x * x, axis=1) / x.shape[0],
+               lambda x: (x * 2, jnp.arange(2 * x.shape[0])),
+               lambda x: x - x.mean(0) if x.shape[0] <= 64 else x * 2):
+      with self.assertRaisesRegex(InputError, "depends on the batch size|not safe"):
+        sess.compile(fn, x, buckets={0: [4, 8]})
+    with self.assertRaisesRegex(InputError, "depends on the batch size"):
+      sess.compile(lambda n, x: (n + x.shape[0], x * 2), jnp.int32(0), x, state_argnums=0,
+                   buckets={1: [4, 8]})
+
+  def test_padded_outputs_keep_the_weak_type(self):
+    sess = js.Session()
+    gid = sess.compile(lambda x: x * 2, jnp.full((8, 3), 1.0), buckets={0: [4, 8]})
+    for n in (3, 4):
+      out = sess.run(gid, jnp.full((n, 3), 1.0))
+      want = jax.jit(lambda x: x * 2)(jnp.full((n, 3), 1.0))
+      self.assertEqual(out.weak_type, want.weak_type)
+      self.assertEqual((out + jnp.ones(3, jnp.bfloat16)).dtype, jnp.bfloat16)
 
 
 if __name__ == "__main__":
