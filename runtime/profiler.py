@@ -11,10 +11,10 @@ tables; this one records the same things for a Session:
     is elided from the plan, yet still counted: it happens logically), and
     its time where it runs as a step of its own;
   * every compile: the time of each stage and pass, Build, and the rest;
-  * at each partition boundary, the live device bytes (the allocator's
-    `bytes_in_use` where the device reports it, else the sum over
-    `jax.live_arrays()`, which costs O(live arrays); the overhead table
-    shows that time as the profiler's, not the framework's).
+  * at each partition boundary, the live device bytes: the allocator's
+    `bytes_in_use` where the device reports it (the overhead table shows
+    that time as the profiler's), else - on CPU - the memory plan's bytes
+    after that partition, which the executor holds (read at no cost).
 Partitions run under `jax.profiler.TraceAnnotation("jaxsession graph G
 partition K")`, so JAX's own profiler shows them by name.
 
@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional
 import jax
 
 from jaxsession.ir import aval_bytes
-from jaxsession.runtime import codegen
+from jaxsession.runtime import codegen, memory
 
 now = time.perf_counter_ns
 TRANSFER_OPS = ("transfer_d2h", "transfer_h2d")
@@ -143,7 +143,12 @@ class GraphHooks:
     gid = graph_id
     sample = profiler.live_bytes
 
-    if sample is None:
+    planned = (planned_live_bytes(graph, profiler.platform) if profiler.planned_memory
+               else None)
+    if sample is None and planned:
+      def partition_done(k, start, end):
+        parts.append((gid, k, start, end, planned[k], 0))
+    elif sample is None:
       def partition_done(k, start, end):
         parts.append((gid, k, start, end, None, 0))
     else:
@@ -215,9 +220,9 @@ class GraphHooks:
     return timed
 
 
-def _live_bytes_fn(platform):
-  """fn() -> live device bytes: the allocator's count where the device
-  reports one (GPU, TPU; O(1)), else the sum over the live arrays (CPU)."""
+def _allocator_bytes_fn(platform):
+  """fn() -> live device bytes from the allocator (GPU, TPU: O(1)), or None
+  where the device keeps no such count (CPU)."""
   device = jax.devices(platform)[0] if platform else jax.devices()[0]
   try:
     stats = device.memory_stats()
@@ -226,20 +231,21 @@ def _live_bytes_fn(platform):
   if stats and "bytes_in_use" in stats:
     memory_stats = device.memory_stats
     return lambda: memory_stats()["bytes_in_use"]
-  client = getattr(device, "client", None)
-  live = client.live_arrays if client is not None else lambda: jax.live_arrays(platform)
-  sizes = {}  # aval -> bytes: x.nbytes costs 4x a lookup
+  return None
 
-  def size(x):
-    n = sizes[x.aval] = x.size * x.dtype.itemsize
-    return n
 
-  def live_bytes():  # a loop: a comprehension is a call of its own before 3.12
-    total = 0
-    for x in live():
-      total += sizes.get(x.aval) or size(x)
-    return total
-  return live_bytes
+def planned_live_bytes(graph, platform):
+  """Per partition: the device bytes the memory plan holds after it (values
+  made by it or before and read after it, graph inputs and outputs), which
+  the executor holds exactly - computed once, read at no cost per run."""
+  plan = graph.memory
+  if plan is None or not graph.partitions:
+    return []
+  sizes = {v.id: aval_bytes(v.aval) for v in graph.values()
+           if memory.device_resident(v, platform)}
+  return [sum(size for vid, size in sizes.items()
+              if plan.live_ranges[vid][0] <= part.index < plan.live_ranges[vid][1])
+          for part in graph.partitions]
 
 
 class Profiler:
@@ -249,15 +255,20 @@ class Profiler:
 
   enabled: `graph_hooks` returns None and `record_compile` records nothing
     when False, so a Session wires the same way whether it profiles or not.
-  sample_memory: sample live device bytes at each partition boundary (the
-    trace's counter track). O(1) where the device has allocator stats; on
-    CPU a sum over `jax.live_arrays()`, about 0.1 µs per live array.
+  sample_memory: a live device bytes counter at each partition boundary
+    (the trace's counter track): the allocator's count where the device has
+    one, the memory plan's figure on CPU.
   platform: the backend whose memory is sampled (default: jax's).
   """
 
   def __init__(self, enabled=False, sample_memory=True, platform=None):
     self.enabled = enabled
-    self.live_bytes = _live_bytes_fn(platform) if sample_memory else None
+    # The counter track: the allocator's count where the device keeps one;
+    # on CPU the memory plan's bytes after each partition (a sum over
+    # jax.live_arrays() would cost ~0.1 µs per live array per partition).
+    self.live_bytes = _allocator_bytes_fn(platform) if sample_memory else None
+    self.planned_memory = sample_memory and self.live_bytes is None
+    self.platform = platform or jax.default_backend()
     self.graphs = {}          # graph id -> GraphInfo
     self.raw_runs = []        # (gid, steps, start, end)
     self.raw_partitions = []  # (gid, partition, start, end, live bytes, sampling ns)
