@@ -6,6 +6,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 
 def _time_once(fn, calls):
@@ -54,3 +55,14 @@ def print_table(title, rows, headers):
   for row in rows:
     print("| " + " | ".join(f"{c:.2f}" if isinstance(c, float) else str(c)
                             for c in row) + " |")
+
+
+def tiny(x):
+  """The tiny stateless graph the dispatch benchmarks time."""
+  return x * 2.0 + 1.0
+
+
+def tiny_step(state, x):
+  """The tiny stateful step the dispatch benchmarks time."""
+  new = state * 0.9 + x
+  return new, jnp.sum(new)

@@ -11,7 +11,6 @@ import sys
 
 from absl import app, flags
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import common  # noqa: E402
@@ -22,13 +21,7 @@ flags.DEFINE_integer("calls", 5000, "calls per repeat for per-call timings")
 FLAGS = flags.FLAGS
 
 
-def tiny(x):
-  return x * 2.0 + 1.0
-
-
-def tiny_step(state, x):
-  new = state * 0.9 + x
-  return new, jnp.sum(new)
+tiny, tiny_step = common.tiny, common.tiny_step
 
 
 def ok(ratio, target):

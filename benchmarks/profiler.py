@@ -45,13 +45,7 @@ flags.DEFINE_integer("callback_calls", 1500, "calls per repeat for the 3-partiti
 FLAGS = flags.FLAGS
 
 
-def tiny(x):
-  return x * 2.0 + 1.0
-
-
-def tiny_step(state, x):
-  new = state * 0.9 + x
-  return new, jnp.sum(new)
+tiny, tiny_step = common.tiny, common.tiny_step
 
 
 def _host_affine(a):

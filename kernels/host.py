@@ -184,23 +184,16 @@ def _small_integer(node):
 
 SMALL_ELEMENTS = 1024
 
+# primitive -> the numpy function that computes it elementwise, as XLA does
+HOST_UFUNCS = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "neg": np.negative,
+    "max": np.maximum, "min": np.minimum, "and": np.bitwise_and, "or": np.bitwise_or,
+    "xor": np.bitwise_xor, "not": np.invert, "eq": np.equal, "ne": np.not_equal,
+    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+}
+# primitive -> fn(node, *operands) for the ops that read the node's params
 HOST_INTEGER_OPS = {
-    "add": lambda n, a, b: np.add(a, b),
-    "sub": lambda n, a, b: np.subtract(a, b),
-    "mul": lambda n, a, b: np.multiply(a, b),
-    "neg": lambda n, a: np.negative(a),
-    "max": lambda n, a, b: np.maximum(a, b),
-    "min": lambda n, a, b: np.minimum(a, b),
-    "and": lambda n, a, b: np.bitwise_and(a, b),
-    "or": lambda n, a, b: np.bitwise_or(a, b),
-    "xor": lambda n, a, b: np.bitwise_xor(a, b),
-    "not": lambda n, a: np.invert(a),
-    "eq": lambda n, a, b: np.equal(a, b),
-    "ne": lambda n, a, b: np.not_equal(a, b),
-    "lt": lambda n, a, b: np.less(a, b),
-    "le": lambda n, a, b: np.less_equal(a, b),
-    "gt": lambda n, a, b: np.greater(a, b),
-    "ge": lambda n, a, b: np.greater_equal(a, b),
+    **{op: (lambda ufunc: lambda n, *xs: ufunc(*xs))(ufunc) for op, ufunc in HOST_UFUNCS.items()},
     "convert_element_type": lambda n, a: a.astype(n.params["new_dtype"]),
     "reshape": lambda n, a: np.reshape(a, n.params["new_sizes"]),
     "squeeze": lambda n, a: np.squeeze(a, axis=tuple(n.params["dimensions"])),

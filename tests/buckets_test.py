@@ -64,38 +64,36 @@ def mean_loss(params, x):
 
 class BucketedRunTest(absltest.TestCase):
 
-  def test_every_size_equals_exact_jit_on_a_program_without_dots(self):
-    """Elementwise work and reductions over features: bit for bit."""
+  def sweep(self, fn, state, check):
+    """Every batch size 1..64 through buckets of powers of two, each output
+    set compared by `check(got, want, n)` with exact-shape jax.jit."""
     sess = js.Session()
-    scale = jnp.asarray(RNG.standard_normal(F), jnp.float32)
-    gid = sess.compile(rowwise, scale, _rows(5), state_argnums=0, updates_state=False,
+    gid = sess.compile(fn, state, _rows(5), state_argnums=0, updates_state=False,
                        buckets={1: [1, 2, 4, 8, 16, 32, 64]})
-    jitted = jax.jit(rowwise)
+    jitted = jax.jit(fn)
     for n in range(1, 65):
       x = _rows(n)
-      got, want = sess.run(gid, x), jitted(scale, x)
+      got = sess.run(gid, x)
+      check(got, jitted(state, x), n)
+      self.assertEqual(got[0].shape[0], n)
+    self.assertEqual(sorted(sess.report(gid).buckets.sizes), [1, 2, 4, 8, 16, 32, 64])
+
+  def test_every_size_equals_exact_jit_on_a_program_without_dots(self):
+    """Elementwise work and reductions over features: bit for bit."""
+    def exact(got, want, n):
       for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w, err_msg=f"n={n}")
-      self.assertEqual(got[0].shape, (n, F))
-    self.assertEqual(sorted(sess.report(gid).buckets.sizes), [1, 2, 4, 8, 16, 32, 64])
+    self.sweep(rowwise, jnp.asarray(RNG.standard_normal(F), jnp.float32), exact)
 
   def test_every_size_matches_exact_jit_on_an_mlp(self):
     """XLA:CPU's dot accumulates a row in another order for another row count
     (jax.jit itself: x[:n] @ w differs from (x @ w)[:n] in the last bits for
     most n), so the padded MLP matches the exact-shape one within 8 ulp
     (measured: at most 4) and NaN/inf land on the same elements."""
-    sess = js.Session()
-    params = _params()
-    gid = sess.compile(mlp, params, _rows(5), state_argnums=0, updates_state=False,
-                       buckets={1: [1, 2, 4, 8, 16, 32, 64]})
-    jitted = jax.jit(mlp)
-    for n in range(1, 65):
-      x = _rows(n)
-      got, want = sess.run(gid, x), jitted(params, x)
+    def close(got, want, n):
       assert_within_ulp(got[0], want[0], 8, f"n={n}")
       np.testing.assert_array_equal(got[1], want[1], err_msg=f"n={n}")
-      self.assertEqual(got[0].shape, (n, 3))
-    self.assertEqual(sorted(sess.report(gid).buckets.sizes), [1, 2, 4, 8, 16, 32, 64])
+    self.sweep(mlp, _params(), close)
 
   def test_state_advances_from_real_rows_only(self):
     sess = js.Session()

@@ -73,6 +73,16 @@ def enable(sess, gid, prof):
   return hooks
 
 
+def profiled_runs(fn, x, runs):
+  """A fresh profiler over `runs` runs of fn(x) compiled in a fresh Session."""
+  sess, prof = js.Session(), Profiler(enabled=True)
+  gid = sess.compile(fn, x)
+  enable(sess, gid, prof)
+  for _ in range(runs):
+    sess.run(gid, x)
+  return prof
+
+
 def make_sunk(sess, gid, steps):
   """The loop-sunk runner for `steps`, made and profiled as the Session will
   make it (run makes it on first use; the Session gives it the hooks)."""
@@ -114,12 +124,7 @@ class RecordsTest(absltest.TestCase):
       self.assertLessEqual(r.start_ns, r.end_ns)
 
   def test_runs_contain_their_partitions(self):
-    sess, prof = js.Session(), Profiler(enabled=True)
-    x = _f32(16)
-    gid = sess.compile(chain, x)
-    enable(sess, gid, prof)
-    for _ in range(3):
-      sess.run(gid, x)
+    prof = profiled_runs(chain, _f32(16), 3)
     runs = prof.runs()
     for p in prof.partitions():
       self.assertTrue(any(r.start_ns <= p.start_ns <= p.end_ns <= r.end_ns for r in runs))
@@ -127,12 +132,7 @@ class RecordsTest(absltest.TestCase):
     self.assertGreaterEqual(total, sum(p.end_ns - p.start_ns for p in prof.partitions()))
 
   def test_single_partition_graph(self):
-    sess, prof = js.Session(), Profiler(enabled=True)
-    x = _f32(8)
-    gid = sess.compile(single, x)
-    enable(sess, gid, prof)
-    for _ in range(4):
-      sess.run(gid, x)
+    prof = profiled_runs(single, _f32(8), 4)
     self.assertLen(prof.runs(), 4)
     self.assertEqual([(p.partition, p.place) for p in prof.partitions()],
                      [(0, "device")] * 4)
@@ -416,6 +416,36 @@ class PresentationTest(absltest.TestCase):
     self.assertEqual([(m.direction, m.bytes, m.value, m.caused_by) for m in moves],
                      [(t.direction, t.bytes, t.value, t.caused_by)
                       for t in sess.report(gid).transfers])
+
+
+class SessionWiringTest(absltest.TestCase):
+  """The public switch: SessionOptions(enable_profiling=True) and sess.profiler."""
+
+  def test_enable_profiling_records_runs_sunk_runs_and_compiles(self):
+    sess = js.Session(js.SessionOptions(enable_profiling=True))
+    x, w = _f32(16), _f32(16)
+    gid = sess.compile(chain, x)
+    step = sess.compile(stateful_step, w, x, state_argnums=0)
+    for _ in range(3):
+      np.testing.assert_array_equal(sess.run(gid, x), jax.jit(chain)(x))
+    sess.run(step, jnp.stack([x, x]), steps=2)
+    runs = sess.profiler.runs()
+    self.assertEqual([r.graph_id for r in runs].count(gid), 3)
+    self.assertEqual([(r.graph_id, r.steps) for r in runs if r.graph_id == step], [(step, 2)])
+    self.assertEqual(sorted({c.graph_id for c in sess.profiler.compiles()}), [gid, step])
+    self.assertLen([p for p in sess.profiler.partitions() if p.graph_id == gid],
+                   3 * len(sess.report(gid).partitions))
+    text = sess.profiler.summary(echo=False)
+    self.assertIn("compile / Build", text)
+    self.assertIn("framework overhead", text)
+
+  def test_profiling_off_leaves_no_hooks_and_no_records(self):
+    sess = js.Session()
+    gid = sess.compile(chain, _f32(8))
+    sess.run(gid, _f32(8))
+    self.assertIsNone(sess._graphs[gid].runner.profile)  # pylint: disable=protected-access
+    self.assertEmpty(sess.profiler.runs())
+    self.assertEmpty(sess.profiler.compiles())
 
 
 if __name__ == "__main__":

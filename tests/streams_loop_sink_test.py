@@ -1,0 +1,217 @@
+"""AssignStream and loop sink over host partitions (issue 7): launch order
+and overlap, N plan runs all-or-nothing, and failures that leave the state
+as it was - bit for bit against jax.jit."""
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from jaxsession.runtime import loop_sink
+
+from exact import assert_same_bits
+from host_ops import _cb, _f32, _host_affine
+
+
+class StreamTest(absltest.TestCase):
+
+  def check_streams(self, graph):
+    self.assertEqual([n for p in graph.partitions for n in p.nodes], graph.nodes)
+    for part in graph.partitions:
+      self.assertEqual(part.stream, 1 if part.place == "host" else 0)
+      for node in part.nodes:
+        self.assertEqual(node.stream, part.stream, f"node {node.id}")
+
+  def test_independent_host_work_overlaps_the_device(self):
+    def program(x, y):
+      h = _cb(_host_affine, y)  # written first: the launch order moves the device ahead
+      return jnp.tanh(x) * 3.0 + x, h
+    sess = js.Session()
+    x, y = _f32(64), _f32(64)
+    gid = sess.compile(program, x, y)
+    graph = sess.graph(gid)
+    self.assertEqual([p.place for p in graph.partitions], ["device", "host"])
+    self.check_streams(graph)
+    host = graph.partitions[1]
+    self.assertEqual(host.stream, 1)
+    self.assertEqual(host.overlaps, [0])
+    self.assertEqual(graph.partitions[0].overlaps, [])
+    self.assertIn("launched ahead of host partition", graph.partitions[0].reason)
+    self.assertEqual([p.stream for p in sess.report(gid).partitions], [0, 1])
+    dump = graph.dump()
+    self.assertIn("stream=0", dump)
+    self.assertIn("stream=1", dump)
+    self.assertIn("overlaps device partition(s) [0]", dump)
+    x, y = _f32(64), _f32(64)
+    assert_same_bits(sess.run(gid, x, y), jax.jit(program)(x, y), "overlap")
+
+  def test_host_reading_the_device_result_does_not_overlap(self):
+    def program(x):
+      return _cb(_host_affine, jnp.tanh(x) * 3.0)
+    sess = js.Session()
+    gid = sess.compile(program, _f32(64))
+    graph = sess.graph(gid)
+    self.assertEqual([p.place for p in graph.partitions], ["device", "host"])
+    self.check_streams(graph)
+    self.assertEqual(graph.partitions[1].overlaps, [])
+    self.assertNotIn("overlaps", graph.dump())
+    x = _f32(64)
+    assert_same_bits(sess.run(gid, x), jax.jit(program)(x), "no overlap")
+
+
+# -- 4. loop sink over host partitions, 5. failures with donated state -------
+
+class InjectedFailure(Exception):
+  pass
+
+
+def _host_mix(s, x, flag):
+  """Host op of the stateful step: raises on a non-zero flag."""
+  if int(np.asarray(flag)) != 0:
+    raise InjectedFailure(f"flag {int(np.asarray(flag))}")
+  return (np.asarray(s) * np.float32(0.5) + np.asarray(x)).astype(np.float32)
+
+
+def stateful_step(w, v, x, flag):
+  """d h d: `v` is updated before the callback (partition 0), `w` after it
+  (its last reader is partition 2)."""
+  s = jnp.tanh(w) * 2.0
+  new_v = v * 0.75 + x
+  h = _cb(_host_mix, s, x, flag, like=x)
+  new_w = w * 0.5 + h
+  return new_w, new_v, new_w * x - new_v
+
+
+def _single_runs(xs, flags, w, v):
+  sess = js.Session()
+  gid = sess.compile(stateful_step, w, v, xs[0], flags[0], state_argnums=(0, 1))
+  outs = [sess.run(gid, xs[t], flags[t]) for t in range(len(xs))]
+  return jnp.stack(outs), sess.get_state(gid)
+
+
+def _jit_runs(xs, flags, w, v):
+  step = jax.jit(stateful_step)
+  outs = []
+  for t in range(len(xs)):
+    w, v, out = step(w, v, xs[t], flags[t])
+    outs.append(out)
+  return jnp.stack(outs), (w, v)
+
+
+class LoopSinkHostTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.w, self.v = _f32(32), _f32(32)
+    self.xs = _f32(4, 32)
+    self.sess = js.Session()
+    self.gid = self.sess.compile(stateful_step, self.w, self.v, self.xs[0], jnp.int32(0),
+                                 state_argnums=(0, 1))
+
+  def test_sunk_steps_equal_single_runs(self):
+    self.assertGreater(len(self.sess.report(self.gid).partitions), 1)
+    flags = jnp.zeros(4, jnp.int32)
+    outs = self.sess.run(self.gid, self.xs, flags, steps=4)
+    self.assertIsInstance(self.sess._graphs[self.gid].sunk[4], loop_sink.SteppedRunner)
+    want_outs, want_state = _single_runs(self.xs, flags, self.w, self.v)
+    assert_same_bits(outs, want_outs, "sunk outputs")
+    assert_same_bits(self.sess.get_state(self.gid), want_state, "sunk state")
+    jit_outs, jit_state = _jit_runs(self.xs, flags, self.w, self.v)
+    assert_same_bits(outs, jit_outs, "sunk vs jit outputs")
+    assert_same_bits(self.sess.get_state(self.gid), jit_state, "sunk vs jit state")
+
+  def test_failure_at_step_two_of_four_keeps_the_state(self):
+    self.sess.run(self.gid, self.xs, jnp.zeros(4, jnp.int32), steps=4)  # state moved on
+    before = self.sess.get_state(self.gid)
+    bad = jnp.asarray([0, 0, 1, 0], jnp.int32)
+    with self.assertRaises(js.HostOpError) as caught:
+      self.sess.run(self.gid, self.xs, bad, steps=4)
+    self.assertIsInstance(caught.exception.__cause__, InjectedFailure)
+    self.assertEqual(str(caught.exception.__cause__), "flag 1")  # raised at step 2
+    self.assertIn("pure_callback", str(caught.exception))
+    assert_same_bits(self.sess.get_state(self.gid), before, "state after failure")
+    # and the session goes on from exactly that state
+    good = jnp.zeros(4, jnp.int32)
+    outs = self.sess.run(self.gid, self.xs, good, steps=4)
+    want_outs, want_state = _single_runs(self.xs, good, *before)
+    assert_same_bits(outs, want_outs, "after failure")
+    assert_same_bits(self.sess.get_state(self.gid), want_state, "state after recovery")
+
+  def test_dead_callback_leaves_one_executable(self):
+    def step(w, x):
+      _cb(_host_affine, x * 2.0)  # unused: DCE drops it
+      return w * 0.5 + x, jnp.tanh(w) - x
+    self.check_one_executable(js.Session(), step)
+
+  def test_callback_kept_in_the_executable_leaves_one_executable(self):
+    def step(w, x):
+      return w * 0.5 + _cb(_host_affine, x), jnp.tanh(w) - x
+    self.check_one_executable(js.Session(js.SessionOptions(host_callbacks=False)), step)
+
+  def test_failure_inside_one_sunk_executable_keeps_the_state(self):
+    sess = js.Session(js.SessionOptions(host_callbacks=False))
+    gid = sess.compile(stateful_step, self.w, self.v, self.xs[0], jnp.int32(0),
+                       state_argnums=(0, 1))
+    self.assertLen(sess.report(gid).partitions, 1)
+    sess.run(gid, self.xs, jnp.zeros(4, jnp.int32), steps=4)
+    self.assertIsInstance(sess._graphs[gid].sunk[4], loop_sink.SunkRunner)
+    before = sess.get_state(gid)
+    with self.assertRaises(js.HostOpError) as caught:
+      sess.run(gid, self.xs, jnp.asarray([0, 0, 1, 0], jnp.int32), steps=4)
+    self.assertIsInstance(caught.exception.__cause__, InjectedFailure)
+    assert_same_bits(sess.get_state(gid), before, "state after a failure in the scan")
+    good = jnp.zeros(4, jnp.int32)
+    outs = sess.run(gid, self.xs, good, steps=4)
+    want_outs, want_state = _jit_runs(self.xs, good, *before)
+    assert_same_bits(outs, want_outs, "sunk scan after failure")
+    assert_same_bits(sess.get_state(gid), want_state, "sunk scan state after failure")
+
+  def check_one_executable(self, sess, step):
+    w, xs = _f32(16), _f32(3, 16)
+    gid = sess.compile(step, w, xs[0], state_argnums=0)
+    self.assertLen(sess.report(gid).partitions, 1)
+    self.assertEqual(sess.report(gid).partitions[0].place, "device")
+    outs = sess.run(gid, xs, steps=3)
+    self.assertIsInstance(sess._graphs[gid].sunk[3], loop_sink.SunkRunner)
+    jit_step, want_w, want = jax.jit(step), w, []
+    for t in range(3):
+      want_w, out = jit_step(want_w, xs[t])
+      want.append(out)
+    assert_same_bits(outs, jnp.stack(want), "one-executable sunk outputs")
+    assert_same_bits(sess.get_state(gid)[0], want_w, "one-executable sunk state")
+
+
+class HostFailureWithDonationTest(absltest.TestCase):
+
+  def test_failed_host_op_leaves_donated_state_intact(self):
+    w, v, x = _f32(32), _f32(32), _f32(32)
+    sess = js.Session()
+    gid = sess.compile(stateful_step, w, v, x, jnp.int32(0), state_argnums=(0, 1))
+    graph = sess.graph(gid)
+    self.assertEqual([p.place for p in graph.partitions], ["device", "host", "device"])
+    donated = {d.state.name: d for d in sess.report(gid).donations}
+    # w dies in the last partition, after the callback: donated to it;
+    # v is updated before the callback, which could fail: kept
+    w_decision, = [d for name, d in donated.items() if "state 0" in name]
+    v_decision, = [d for name, d in donated.items() if "state 1" in name]
+    self.assertTrue(w_decision.donated, w_decision.reason)
+    self.assertEqual(w_decision.partition, 2)
+    self.assertFalse(v_decision.donated, v_decision.reason)
+    self.assertIn("can fail", v_decision.reason)
+
+    sess.run(gid, x, jnp.int32(0))  # a good run first: the slots hold session buffers
+    before = sess.get_state(gid)
+    with self.assertRaises(js.HostOpError) as caught:
+      sess.run(gid, _f32(32), jnp.int32(3))
+    self.assertIsInstance(caught.exception.__cause__, InjectedFailure)
+    assert_same_bits(sess.get_state(gid), before, "state after the failed run")
+
+    x2 = _f32(32)
+    got = sess.run(gid, x2, jnp.int32(0))
+    want_w, want_v, want = jax.jit(stateful_step)(*before, x2, jnp.int32(0))
+    assert_same_bits(got, want, "the next good run")
+    assert_same_bits(sess.get_state(gid), (want_w, want_v), "state after the next run")
+
+
+if __name__ == "__main__":
+  absltest.main()
