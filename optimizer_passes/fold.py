@@ -83,7 +83,7 @@ def evaluate(node, args, platform=None):
   fn = kernel_fn(node)
   # The operands are closed over, so they are HLO constants and XLA folds the
   # node as it would inside the user's jax.jit.
-  with jax.default_device(jax.devices(platform)[0] if platform else None):
+  with jax.default_device(jax.local_devices(backend=platform)[0] if platform else None):
     outs = jax.jit(lambda: fn(node, *arrays))()
   return [np.asarray(out) for out in outs]
 

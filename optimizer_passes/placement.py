@@ -95,8 +95,12 @@ class PlaceNodes(Pass):
         if kernel is not None:
           decided[id(node)] = (node, kernel, reason)
           break
-    for node, kernel in small_integer_nodes(graph, decided):
-      decided[id(node)] = (node, kernel, SMALL_INTEGER_REASON)
+    mesh = getattr(ctx.options, "mesh", None)
+    if mesh is None:  # under a mesh small integers stay in the one SPMD executable
+      for node, kernel in small_integer_nodes(graph, decided):
+        decided[id(node)] = (node, kernel, SMALL_INTEGER_REASON)
+    if mesh is not None:
+      _refuse_host_work_under_mesh(graph, decided)
     if decided and getattr(ctx.options, "place_all_on_device", False):
       raise PartitionError(
           f"graph {graph.name}: place_all_on_device is set but {len(decided)} node(s) "
@@ -118,6 +122,27 @@ class PlaceNodes(Pass):
       changed |= node.place != place
       node.place = place
     return PassResult(changed)
+
+
+def _refuse_host_work_under_mesh(graph, decided):
+  """A graph on a mesh is one SPMD executable. Host partitions would need
+  every process's shards, and a callback left inside the executable runs on
+  one device: when it raises, XLA:CPU's other devices wait for it in their
+  next collective until the process aborts (measured, jax 0.10.2) - state
+  lost. So both are refused, callbacks nested in control flow included."""
+  nodes = {id(n): (n, reason) for n, _, reason in decided.values()}
+  for node in graph.nodes:
+    if node.props.user_code and id(node) not in nodes:
+      nodes[id(node)] = (node, "runs a host callback (inside the executable it would run on "
+                               "one device, and a failure there aborts the process)")
+  if nodes:
+    raise PartitionError(
+        f"graph {graph.name}: host work under a mesh is not supported (a graph on a mesh is "
+        f"one SPMD executable), and {len(nodes)} node(s) would run on the host:\n" +
+        "\n".join(f"  node {n.id} '{n.op}'{' at ' + n.source if n.source else ''}: {reason}"
+                   for n, reason in nodes.values())
+        + "\nMove the host work out of the compiled function (before or after run), or "
+        "compile it without a mesh.")
 
 
 def placement_reason(node):

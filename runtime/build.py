@@ -25,13 +25,15 @@ from jaxsession.runtime.compile_cache import executable_key
 ARG_MISMATCH = (TypeError, OverflowError, ValueError)
 
 
-def shape_struct(aval):
-  """The ShapeDtypeStruct an executable is compiled for (weak type kept)."""
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+def shape_struct(aval, sharding=None):
+  """The ShapeDtypeStruct an executable is compiled for (weak type kept;
+  under a mesh, the value's NamedSharding)."""
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding,
                               weak_type=getattr(aval, "weak_type", False))
 
 
-def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None):
+def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
+               compiler_options=None):
   """jit + lower + compile, ahead of time, for exactly these argument types.
   Its call checks the argument types before it runs or consumes anything.
 
@@ -40,7 +42,8 @@ def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None):
   executable is looked up under `key` + the argument types + the donation
   before anything is traced, and stored after a compile."""
   def compile_now():
-    return jax.jit(fn, donate_argnums=donate_argnums).lower(*arg_structs).compile()
+    lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*arg_structs)
+    return lowered.compile(compiler_options=compiler_options or None)
   if cache is None or key is None:
     return compile_now()
   exe, _ = cache.get_or_compile(executable_key(key, arg_structs, donate_argnums),
@@ -48,14 +51,16 @@ def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None):
   return exe
 
 
-def compile_recorded(fn, recorder, arg_structs, donate_argnums=(), cache=None, key=None):
+def compile_recorded(fn, recorder, arg_structs, donate_argnums=(), cache=None, key=None,
+                     compiler_options=None):
   """(executable, recorder) for `fn`, whose callbacks leave their exceptions
   in `recorder` (a callbacks.ErrorRecorder). A cached executable keeps
   calling the callbacks it was compiled with, so the recorder is cached with
   it: on a hit, this returns the recorder that executable writes to, which
   the runner must read instead of its own."""
   def compile_now():
-    return compile_fn(fn, arg_structs, donate_argnums), recorder
+    return compile_fn(fn, arg_structs, donate_argnums,
+                      compiler_options=compiler_options), recorder
   if cache is None or key is None:
     return compile_now()
   key = (*key, "recorded") if isinstance(key, tuple) else (key, "recorded")

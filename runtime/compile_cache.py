@@ -191,6 +191,11 @@ def canonical(x, memo=None):
     return _jaxpr_text(x, memo)
   if isinstance(x, jcore.Primitive):
     return f"prim:{x.name}{identity(x)}"
+  if isinstance(x, jax.sharding.Mesh):  # its repr leaves out the devices
+    ids = [getattr(d, "id", d) for d in x.devices.flat]
+    return f"mesh:{x.axis_names}:{x.devices.shape}:{ids}"
+  if isinstance(x, jax.sharding.NamedSharding):
+    return f"named:{canonical(x.mesh, memo)}:{x.spec}:{x.memory_kind}"
   if hasattr(x, "_fields") and isinstance(x, tuple):  # NamedTuple (dimension numbers)
     return (f"{type(x).__qualname__}(" + ",".join(
         f"{f}={canonical(getattr(x, f), memo)}" for f in x._fields) + ")")
@@ -332,7 +337,7 @@ def executable_key(key, arg_structs, donate_argnums=()):
   (pytree, shapes, dtypes, weak types, shardings) and the donated positions."""
   leaves, treedef = jax.tree_util.tree_flatten(arg_structs)
   types_ = tuple((tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)),
-                  repr(getattr(leaf, "sharding", None))) for leaf in leaves)
+                  canonical(getattr(leaf, "sharding", None))) for leaf in leaves)
   return (key, treedef, types_, tuple(donate_argnums))
 
 

@@ -18,7 +18,7 @@ from jax import tree_util
 
 from jaxsession.ir import Literal
 from jaxsession.lowering import graph_consts, lower_nodes
-from jaxsession.runtime import callbacks, codegen
+from jaxsession.runtime import callbacks, codegen, sharding
 from jaxsession.runtime.build import ARG_MISMATCH, compile_recorded, fast_call, shape_struct
 from jaxsession.runtime.state import slots_lock
 
@@ -39,6 +39,7 @@ class StateLayout:
     self.updated_idx = [i for i, (s, new) in enumerate(graph.state_updates())
                         if new is not s]
     self.state_avals = [s.aval for s in states]
+    self.state_shardings = [s.sharding for s in states]  # None without a mesh
     self._donated_refs = [leaf_slots[i] for i in self.donated_idx]
     self._kept_refs = [leaf_slots[i] for i in self.kept_idx]
     self._updated_refs = [leaf_slots[i] for i in self.updated_idx]
@@ -75,18 +76,24 @@ class StateLayout:
     return leaves
 
   def structs(self):
-    return (tuple(shape_struct(self.state_avals[i]) for i in self.donated_idx),
-            tuple(shape_struct(self.state_avals[i]) for i in self.kept_idx))
+    def struct(i):
+      return shape_struct(self.state_avals[i], self.state_shardings[i])
+    return (tuple(struct(i) for i in self.donated_idx),
+            tuple(struct(i) for i in self.kept_idx))
 
 
 def arg_structs(spec, leading=None):
   """ShapeDtypeStruct pytrees for the run arguments (optionally with a leading
-  steps axis)."""
+  steps axis), with their shardings under a mesh."""
   lead = () if leading is None else (leading,)
   out = []
-  for treedef, avals in zip(spec.treedefs, spec.avals):
-    leaves = [jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype,
-                                   weak_type=getattr(a, "weak_type", False)) for a in avals]
+  for i, (treedef, avals) in enumerate(zip(spec.treedefs, spec.avals)):
+    shardings = spec.shardings[i] if spec.shardings else [None] * len(avals)
+    if leading is not None:
+      shardings = [s if s is None else sharding.stacked(s) for s in shardings]
+    leaves = [jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype, sharding=s,
+                                   weak_type=getattr(a, "weak_type", False))
+              for a, s in zip(avals, shardings)]
     out.append(tree_util.tree_unflatten(treedef, leaves))
   return out
 
@@ -99,11 +106,15 @@ def graph_body(graph, layout, rest_tree, recorder):
                      [v for v in graph.inputs if v.kind != "const"], graph.outputs,
                      graph_consts(graph))
   k = layout.num_outputs
+  keep = [layout.state_shardings[i] for i in layout.updated_idx]
 
   def step(state, args):
     outs = body(*state, *tree_util.tree_leaves(args))
-    return ([outs[i] for i in layout.updated_idx],
-            tree_util.tree_unflatten(rest_tree, outs[k:]))
+    new = [outs[i] for i in layout.updated_idx]
+    if any(s is not None for s in keep):  # under a mesh: new state keeps its layout,
+      new = [x if s is None else jax.lax.with_sharding_constraint(x, s)  # so it is
+             for x, s in zip(new, keep)]                                 # donated in place
+    return new, tree_util.tree_unflatten(rest_tree, outs[k:])
   return step
 
 
@@ -191,7 +202,8 @@ class SingleRunner(Runner):
              tuple(layout.updated_idx), layout.num_outputs)
     if not layout.num_state:
       self.exe, self.recorder = compile_recorded(
-          lambda *args: step([], args)[1], self.recorder, arg_structs(spec), (), cache, key)
+          lambda *args: step([], args)[1], self.recorder, arg_structs(spec), (), cache, key,
+          graph.compiler_options)
       self.kind = "bare"
       self.call = self._bare_call(fast_call(self.exe))
     elif layout.donated_idx == everything == layout.updated_idx:
@@ -203,7 +215,7 @@ class SingleRunner(Runner):
       donated_s, _ = layout.structs()
       self.exe, self.recorder = compile_recorded(
           slotwise_step, self.recorder, (_split(donated_s, sizes), *arg_structs(spec)),
-          (0,), cache, key)
+          (0,), cache, key, graph.compiler_options)
       self.kind = "slotwise"
       self.call = self._slotwise_call(fast_call(self.exe))
     else:
@@ -212,7 +224,7 @@ class SingleRunner(Runner):
         return tuple(new), out
       self.exe, self.recorder = compile_recorded(
           whole_step, self.recorder, (*layout.structs(), *arg_structs(spec)),
-          (0,) if layout.donated_idx else (), cache, key)
+          (0,) if layout.donated_idx else (), cache, key, graph.compiler_options)
       self.kind = "general"
     self.run_exe = self.exe  # what `execute` calls (the profiler times it)
 

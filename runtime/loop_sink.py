@@ -45,7 +45,8 @@ class SunkRunner(Runner):
 
     self.exe = compile_fn(
         sunk, (*layout.structs(), *arg_structs(spec, steps)),
-        donate_argnums=(0,) if layout.donated_idx else ())
+        donate_argnums=(0,) if layout.donated_idx else (),
+        compiler_options=graph.compiler_options)
     self.run_exe = self.exe  # what `execute` calls (the profiler times it)
 
   def _profile_paths(self, hooks):

@@ -18,19 +18,24 @@ from jax import tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.ir import aval_str
+from jaxsession.runtime import sharding
 
 _SERIAL = itertools.count()
 
 
 def session_device():
   """The device the session's executables run on (jax's default device)."""
-  return jax.config.jax_default_device or jax.devices()[0]
+  return jax.config.jax_default_device or jax.local_devices()[0]
 
 
-def owned_copy(x):
+def owned_copy(x, layout=None):
   """A device array the session owns, on the session's device: never the
   caller's buffer, since the session donates its state buffers and must not
-  invalidate the caller's (an array on another device is moved, which copies)."""
+  invalidate the caller's (an array on another device is moved, which copies).
+  Under a mesh, `layout` is the leaf's NamedSharding: the copy is laid out
+  so, whatever the layout of `x` (host, one device, another sharding)."""
+  if layout is not None:
+    return sharding.put_global(x, layout)
   device = session_device()
   if isinstance(x, jax.Array):
     if x.devices() == {device}:
@@ -50,6 +55,7 @@ class StateSlot:
     self.lock = threading.Lock()
     self.serial = next(_SERIAL)
     self.owners = 0              # graphs bound to this slot (release frees at 0)
+    self.shardings = None        # under a mesh: a NamedSharding per leaf
     self.weak_sensitive = {}     # leaf index -> weak type a graph was compiled for,
                                  # where the weak type changes that graph's program
 

@@ -6,6 +6,7 @@ from jax import tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.ir import aval_str
+from jaxsession.runtime import sharding
 from jaxsession.runtime.state import session_device
 
 _PY_SCALARS = (bool, int, float, complex)
@@ -67,6 +68,8 @@ class ArgSpec:
     self.where = where                  # "run(graph 'name')"
     self.positions = list(positions)    # each argument's position in fn
     self.weak_sensitive = []  # [(arg, leaf, compiled weak type)], set by compile
+    self.shardings = None     # under a mesh: [[NamedSharding per leaf] per argument]
+    self.local_pieces = False  # many processes: run gets each process's local piece
     self.treedefs = []
     self.avals = []
     self.paths = []
@@ -135,6 +138,17 @@ class ArgSpec:
     want = self.avals[i][j]
     shape = tuple(want.shape) if leading is None else (leading,) + tuple(want.shape)
     place = f"{self.where}: {self._arg_name(i)} at path {self.paths[i][j] or '(root)'}"
+    target = None
+    if self.shardings is not None:
+      target = self.shardings[i][j]
+      target = target if leading is None else sharding.stacked(target)
+      if self.local_pieces and not isinstance(x, _PY_SCALARS):
+        try:
+          x = sharding.global_array(x, target)
+        except (ValueError, TypeError) as exc:
+          raise InputError(f"{place}: this process's piece (shape "
+                           f"{np.shape(x)}) does not make the global "
+                           f"{aval_str(want)} laid out as {target.spec}: {exc}") from None
     if isinstance(x, _PY_SCALARS) and leading is None and shape == ():
       converted = python_scalar(x, want.dtype)
       if converted is None:
@@ -153,6 +167,10 @@ class ArgSpec:
           f"{want.str_short(short_dtypes=True).split('[')[0]}{list(shape)} "
           f"(steps={leading} on a leading axis of {aval_str(want)})")
       raise InputError(f"{place}: expected {expect}, got {aval_str(got)}")
+    if target is not None:  # under a mesh: laid out as compiled
+      if isinstance(x, jax.Array) and x.sharding != target:
+        return jax.device_put(x, target)
+      return x
     if isinstance(x, jax.Array) and x.committed:
       device = session_device()
       if x.devices() != {device}:  # the executables run on the session's device

@@ -33,7 +33,7 @@ def aval_bytes(aval):
 
 class Value:
   """A value of the graph: a graph input or a node output."""
-  __slots__ = ("id", "aval", "producer", "users", "kind", "name", "index")
+  __slots__ = ("id", "aval", "producer", "users", "kind", "name", "index", "sharding")
 
   def __init__(self, vid, aval, producer=None, kind="node", name=None, index=0):
     self.id = vid
@@ -43,6 +43,8 @@ class Value:
     self.kind = kind          # "node" or one of INPUT_KINDS
     self.name = name          # for inputs: the argument and pytree path
     self.index = index        # position among the producer's outputs
+    self.sharding = None      # under a mesh: its jax.sharding.NamedSharding, where
+                              # the session fixes it (inputs, state, all-reduce plan)
 
   def __repr__(self):
     return f"%{self.id}"
@@ -97,6 +99,12 @@ class Node:
     return f"Node({self.id}, {self.op})"
 
 
+def _sharded(value):
+  """` @P('data')`-style text for a value whose sharding is fixed, else ''."""
+  sharding = value.sharding
+  return "" if sharding is None else f" @{getattr(sharding, 'spec', sharding)}"
+
+
 def _param_str(value):
   if hasattr(value, "jaxpr") or type(value).__name__ in ("Jaxpr", "ClosedJaxpr"):
     return "{jaxpr}"
@@ -122,6 +130,8 @@ class KernelGraph:
     self.partitions = None  # HardwareOptimize: list of runtime.partition.Partition
     # outputs[:len(state inputs)] are the new values of the state inputs, in order
     self.updates_state = False
+    self.mesh = None              # a jax.sharding.Mesh: executables are SPMD-partitioned
+    self.compiler_options = None  # XLA options every executable is compiled with
     self._ids = itertools.count()
 
   # -- construction -------------------------------------------------------
@@ -252,11 +262,15 @@ class KernelGraph:
   def dump(self):
     """The graph as text: inputs, one node a line with every decision, outputs."""
     lines = [f"graph {self.name} ({len(self.nodes)} nodes)"]
+    if self.mesh is not None:
+      lines.append(f"  mesh {dict(self.mesh.shape)} ({self.mesh.devices.size} devices); "
+                   "values marked @P(...) carry that sharding, XLA's SPMD partitioner "
+                   "propagates the rest")
     for value in self.inputs:
-      lines.append(f"  {value.kind:5s} {value}: {aval_str(value.aval)}"
+      lines.append(f"  {value.kind:5s} {value}: {aval_str(value.aval)}{_sharded(value)}"
                    + (f"  # {value.name}" if value.name else ""))
     for node in self.nodes:
-      outs = ", ".join(f"{o}: {aval_str(o.aval)}" for o in node.outputs)
+      outs = ", ".join(f"{o}: {aval_str(o.aval)}{_sharded(o)}" for o in node.outputs)
       params = " ".join(f"{k}={_param_str(v)}" for k, v in node.params.items()
                         if v is not None)
       decided = []

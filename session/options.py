@@ -1,6 +1,8 @@
 """SessionOptions: the knobs of a Session."""
 import dataclasses
-from typing import Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
+
+import jax
 
 from jaxsession.errors import InputError
 
@@ -32,6 +34,17 @@ class SessionOptions:
     a new process skips XLA compilation (a process-wide JAX setting).
   enable_profiling: record every run, partition, transfer and compile stage
     in `Session.profiler`.
+  mesh: a `jax.sharding.Mesh`: graphs run on it through XLA's SPMD
+    partitioner (runtime/sharding.py); `compile` then takes `in_specs` and
+    `state_specs`.
+  allreduce_bucket_bytes, first_bucket_bytes: under a mesh, gradient
+    all-reduces are fused into buckets of about this many bytes (the first,
+    in the backward pass's order, of `first_bucket_bytes`; default: the same)
+    by the session's all-reduce plan (runtime/allreduce.py), and XLA's own
+    combine threshold is set to it per compile where the platform has one.
+  compiler_options: XLA options (`jax.stages.Lowered.compile(compiler_options=)`)
+    for every executable the session compiles, e.g.
+    {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}; never global flags.
   """
   save_graphs: Optional[str] = None
   verify_graphs: bool = True
@@ -47,6 +60,10 @@ class SessionOptions:
   run_op_cache_size: int = 128
   compilation_cache_dir: Optional[str] = None
   enable_profiling: bool = False
+  mesh: Optional[Any] = None
+  allreduce_bucket_bytes: Optional[int] = None
+  first_bucket_bytes: Optional[int] = None
+  compiler_options: Optional[Dict[str, Any]] = None
 
   def __post_init__(self):
     """Every option checked when it is made, before any work starts."""
@@ -67,3 +84,22 @@ class SessionOptions:
       limit = getattr(self, name)
       if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise InputError(f"SessionOptions.{name} must be an int >= 0, got {limit!r}")
+    if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
+      raise InputError(f"SessionOptions.mesh must be a jax.sharding.Mesh, got "
+                       f"{type(self.mesh).__name__}")
+    for name in ("allreduce_bucket_bytes", "first_bucket_bytes"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"SessionOptions.{name} must be an int >= 1 or None, got {value!r}")
+      if self.mesh is None:
+        raise InputError(f"SessionOptions.{name} is set without a mesh: there is nothing "
+                         "to all-reduce on one device")
+    if self.first_bucket_bytes is not None and self.allreduce_bucket_bytes is None:
+      raise InputError("SessionOptions.first_bucket_bytes needs allreduce_bucket_bytes")
+    if self.compiler_options is not None and (
+        not isinstance(self.compiler_options, dict)
+        or not all(isinstance(k, str) for k in self.compiler_options)):
+      raise InputError("SessionOptions.compiler_options must be a dict of XLA option "
+                       f"names (str) to values, got {self.compiler_options!r}")

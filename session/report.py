@@ -50,6 +50,8 @@ class CompileReport:
   schedule: object = None  # ScheduleDecision: the node order kept, and why
   buckets: object = None   # BucketedGraph: the buckets, compiled sizes and waste
   cache: object = None     # compile_cache.CacheUse: hit or miss, and build seconds
+  sharding: object = None  # spmd.ShardingReport under a mesh: what each device holds
+  collectives: List = dataclasses.field(default_factory=list)  # runtime.collectives
 
   def __str__(self):
     lines = [f"compile report for graph '{self.graph_name}': {self.nodes_imported} "
@@ -70,6 +72,11 @@ class CompileReport:
       lines.append(f"  schedule: {self.schedule}")
     if self.buckets is not None:
       lines.append(f"  shape buckets: {self.buckets.describe()}")
+    if self.sharding is not None:
+      lines += ["  " + line for line in self.sharding.describe()]
+    if self.sharding is not None or self.collectives:
+      lines.append(f"  collectives in the executables: {len(self.collectives)}")
+      lines += [f"    {c.describe()}" for c in self.collectives]
     for t in self.transfers:
       lines.append(f"  transfer {t.direction} {t.value} {t.bytes} B, caused by node "
                    f"{t.caused_by}, {'sync' if t.sync else 'async (issued early)'}")

@@ -12,7 +12,7 @@ import jax
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import bucketed, importer, pipeline, tracing
+from jaxsession import bucketed, importer, pipeline, spmd, tracing
 from jaxsession.errors import InputError, UnknownGraphError
 from jaxsession.inputs import ArgSpec, is_weak, leaf_aval, paths_of
 from jaxsession.ir import aval_str
@@ -44,6 +44,9 @@ class _Entry:
     self.call = self.runner.call  # run's hot path: one attribute, one call
     if self.spec.weak_sensitive:  # only where a weak type changes the program
       self.call = self.spec.weak_guard(self.call)
+    if self.spec.local_pieces:  # many processes: assemble the global batch first
+      call, conform = self.call, self.spec.conform
+      self.call = lambda args: call(conform(args))
     self.lock = slots_lock(self.slots)
 
 
@@ -122,7 +125,7 @@ class Session:
   # -- compile ------------------------------------------------------------
   def compile(self, fn, *example_args, state_argnums=(), static_argnums=(),
               state_from=None, updates_state=True, name=None, buckets=None,
-              max_buckets=7, bucket_sizes_hint=None):
+              max_buckets=7, bucket_sizes_hint=None, in_specs=None, state_specs=None):
     """Traces `fn` on the example args, runs the pipeline, returns a graph id.
 
     With `updates_state=True` (the default), `fn` returns a tuple whose first
@@ -133,7 +136,14 @@ class Session:
     `buckets={argnum: [sizes] | "auto"}` makes the leading axis of those run
     args a batch axis run on shape buckets (session/bucketed.py); compile
     refuses it with an InputError when padding could reach a real row.
+
+    Under `SessionOptions(mesh=...)`, `in_specs` and `state_specs` lay the
+    run arguments and the state out on the mesh (session/spmd.py).
     """
+    spmd.check_no_specs(self.options, in_specs, state_specs)
+    if buckets is not None and self.options.mesh is not None:
+      raise InputError("compile: buckets= under a mesh is not supported (each bucket's "
+                       "batch would have to divide over the mesh); compile exact shapes")
     if buckets is not None:
       nargs = len(example_args)
       fixed = set(_argnums(state_argnums, "state_argnums", nargs)) | set(
@@ -147,10 +157,11 @@ class Session:
     if bucket_sizes_hint is not None:
       raise InputError("compile: bucket_sizes_hint is given without buckets=")
     return self._compile(fn, example_args, state_argnums, static_argnums, state_from,
-                         updates_state, name)
+                         updates_state, name, in_specs=in_specs, state_specs=state_specs)
 
   def _compile(self, fn, example_args, state_argnums=(), static_argnums=(),
-               state_from=None, updates_state=True, name=None, check_graph=None):
+               state_from=None, updates_state=True, name=None, check_graph=None,
+               in_specs=None, state_specs=None):
     """compile; `check_graph(graph, spec)`, when given, sees the imported
     graph before any state is bound (the bucket padding analysis); if it
     returns "traced only", nothing is compiled and the result is None."""
@@ -176,7 +187,9 @@ class Session:
     dyn_nums = [i for i in range(nargs) if i not in state_nums and i not in static_nums]
     state_args = [example_args[i] for i in state_nums]
     dyn_args = [example_args[i] for i in dyn_nums]
-    spec = ArgSpec(f"compile({name})", dyn_nums, dyn_args)  # non-arrays: InputError
+    mesh_layout, dyn_args, spec = spmd.layout(  # non-arrays, bad specs: InputError
+        self.options, self.platform, name, dyn_nums, dyn_args, in_specs, state_nums,
+        state_args, state_specs, None if source is None else source.slots)
     wrapped = tracing.stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates)
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
                                                                   *dyn_args)
@@ -187,20 +200,22 @@ class Session:
     kinds, labels = tracing.input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
     graph.updates_state = updates
+    spmd.mark_graph(graph, mesh_layout, self.options, self.platform)
     if check_graph is not None:
       if check_graph(graph, spec) == "traced only":
         return None  # the caller wanted the imported graph checked, nothing compiled
     nodes_imported = len(graph.nodes)
-    slots = self._bind_state(name, state_nums, state_args, state_from, source)
+    slots = self._bind_state(name, state_nums, state_args, state_from, source,
+                             mesh_layout and mesh_layout.state)
     try:
       return self._compile_bound(name, graph, slots, spec, weak_state, rest_tree,
-                                 nodes_imported, start)
+                                 nodes_imported, start, mesh_layout)
     except BaseException:
       self._unpin(slots)
       raise
 
   def _compile_bound(self, name, graph, slots, spec, weak_state, rest_tree, nodes_imported,
-                     start):
+                     start, mesh_layout=None):
     """The pipeline and Build for a graph whose state slots are bound."""
     ctx = PassContext(platform=self.platform, options=self.options,
                       verify=self.options.verify_graphs)
@@ -224,7 +239,7 @@ class Session:
     # program with the same types and options compiles nothing.
     cache = compile_cache.RecordingCache(self._executables)
     key = compile_cache.fingerprint(graph, spec.avals, compile_cache.options_key(self.options),
-                                    self.platform, extra=(rest_tree,))
+                                    self.platform, extra=(rest_tree, spmd.key_text(mesh_layout)))
     build_start = time.perf_counter()
     runner, make_sunk = self._build(graph, spec, rest_tree, leaf_slots, cache, key)
     build_seconds = time.perf_counter() - build_start
@@ -239,7 +254,8 @@ class Session:
         memory=memory.MemoryReport(graph.memory), donations=graph.memory.donations,
         kernels=count_kernels(graph), nodes_imported=nodes_imported,
         nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start,
-        cache=cache.use)
+        cache=cache.use, sharding=spmd.sharding_report(graph, slots, mesh_layout),
+        collectives=spmd.collectives_of(graph, runner))
     with self._lock:  # a failed compile took no id and unpinned its slots
       for k, j, weak in weak_state:  # set_state keeps these leaves' weak types
         slots[k].weak_sensitive[j] = weak
@@ -294,7 +310,7 @@ class Session:
     runner = executor.PlanRunner(graph, program, spec, rest_tree, layout)
     return runner, lambda n: loop_sink.SteppedRunner(runner, n)
 
-  def _bind_state(self, name, state_nums, state_args, state_from, source):
+  def _bind_state(self, name, state_nums, state_args, state_from, source, layouts=None):
     """The state slots of a new graph, pinned (owners counted) so that a
     concurrent release of the source graph cannot free them; a compile that
     fails afterwards unpins them (`_unpin`)."""
@@ -303,9 +319,11 @@ class Session:
       for k, (i, arg) in enumerate(zip(state_nums, state_args)):
         leaves, treedef = tree_util.tree_flatten(arg)
         avals = [leaf_aval(x) for x in leaves]
+        row = layouts[k] if layouts else [None] * len(leaves)
         slots.append(StateSlot(f"{name}:state{k}(arg {i})", treedef, avals,
-                               [owned_copy(x) for x in leaves]))
+                               [owned_copy(x, s) for x, s in zip(leaves, row)]))
         slots[-1].owners = 1
+        slots[-1].shardings = layouts[k] if layouts else None
       return slots
     if len(state_args) > len(source.slots):
       raise InputError(f"compile({name}): {len(state_args)} state args but graph "
@@ -388,8 +406,9 @@ class Session:
     buffers are copied, so later runs cannot invalidate what you hold)."""
     entry = self._entry(graph_id)
     with entry.lock:
-      return tuple(tree_util.tree_unflatten(s.treedef, [owned_copy(x) for x in s.leaves])
-                   for s in entry.slots)
+      return tuple(tree_util.tree_unflatten(s.treedef, [
+          owned_copy(x, None if s.shardings is None else s.shardings[j])
+          for j, x in enumerate(s.leaves)]) for s in entry.slots)
 
   def set_state(self, graph_id, *values):
     """Replaces the state args' values; checks every value before changing any."""
@@ -418,7 +437,8 @@ class Session:
         if got.shape != aval.shape or got.dtype != aval.dtype:
           raise InputError(f"{where} at path {path or '(root)'}: expected "
                            f"{aval_str(aval)}, got {aval_str(got)}")
-      new.append(tuple(owned_copy(x) for x in leaves))
+      new.append(tuple(owned_copy(x, None if slot.shardings is None else slot.shardings[j])
+                       for j, x in enumerate(leaves)))
     with entry.lock:
       for slot, leaves in zip(entry.slots, new):
         slot.leaves = leaves

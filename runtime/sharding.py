@@ -1,0 +1,190 @@
+"""Shardings under a mesh: what every run argument and state leaf holds on
+each device, decided once at compile from `in_specs` and `state_specs`.
+
+The session does not partition anything itself: it gives each executable's
+arguments and new state a `NamedSharding`, and XLA's SPMD partitioner
+(GSPMD) splits the program and inserts the collectives. Defaults:
+  * run arguments: data parallel - the leading axis split over the mesh's
+    first axis (a scalar or a leaf whose leading axis does not divide is an
+    InputError naming it, never silently replicated);
+  * state: replicated; "zero" shards each state leaf along its largest axis
+    that divides by the number of devices, over every mesh axis (ZeRO stage 1,
+    MindSpore's parallel optimizer: each device holds 1/N of the leaf), and
+    replicates the leaves with no such axis.
+Specs may be one PartitionSpec for every leaf, or a pytree prefix of the
+argument (one spec per non-state argument, or per subtree); None inside a
+prefix means replicated.
+
+Many processes (`jax.distributed`): a run argument is each process's local
+piece of the global batch, and `global_array` assembles the global array
+(`jax.make_array_from_process_local_data`); state is global.
+"""
+import jax
+import numpy as np
+from jax import tree_util
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxsession.errors import InputError
+from jaxsession.ir import aval_str
+
+ZERO = "zero"
+
+
+def _is_spec(x):
+  return x is None or isinstance(x, P)
+
+
+def axis_size(mesh, entry):
+  """Devices one PartitionSpec entry splits a dimension over."""
+  if entry is None:
+    return 1
+  names = entry if isinstance(entry, tuple) else (entry,)
+  return int(np.prod([mesh.shape[n] for n in names]))
+
+
+def check_axes(mesh, spec, where):
+  """InputError unless every mesh axis `spec` names is the mesh's; the
+  NamedSharding otherwise."""
+  for entry in spec:
+    names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+    for name in names:
+      if name not in mesh.shape:
+        raise InputError(f"{where}: PartitionSpec {spec} names mesh axis {name!r}; the "
+                         f"mesh has {tuple(mesh.axis_names)}")
+  try:
+    return NamedSharding(mesh, spec)
+  except ValueError as exc:  # e.g. one mesh axis used twice
+    raise InputError(f"{where}: PartitionSpec {spec}: {exc}") from None
+
+
+def check_spec(mesh, spec, aval, where):
+  """InputError unless `spec` fits a value of `aval` on `mesh`."""
+  shape = tuple(getattr(aval, "shape", ()))
+  if len(spec) > len(shape):
+    raise InputError(f"{where}: PartitionSpec {spec} has {len(spec)} entries for a "
+                     f"{len(shape)}-d value {aval_str(aval)}")
+  check_axes(mesh, spec, where)
+  for dim, entry in enumerate(spec):
+    size = axis_size(mesh, entry)
+    if shape[dim] % size:
+      raise InputError(f"{where}: axis {dim} of {aval_str(aval)} has {shape[dim]} "
+                       f"entries, which do not divide over the {size} devices of mesh "
+                       f"axis {entry!r} (PartitionSpec {spec})")
+
+
+def data_parallel(mesh, aval):
+  """The default spec of a run argument: its leading axis over the first mesh axis."""
+  return P(mesh.axis_names[0]) if getattr(aval, "shape", ()) else P()
+
+
+def zero(mesh, aval):
+  """ZeRO stage 1: the largest axis that divides by the device count, split
+  over every mesh axis; replicated if none does."""
+  shape = tuple(getattr(aval, "shape", ()))
+  n = mesh.devices.size
+  names = tuple(mesh.axis_names)
+  fits = [d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n]
+  if not fits or n == 1:
+    return P()
+  dim = max(fits, key=lambda d: (shape[d], -d))
+  return P(*([None] * dim), names[0] if len(names) == 1 else names)
+
+
+def leaf_specs(what, mesh, specs, args, arg_names, avals, default):
+  """One PartitionSpec per leaf of every argument: `specs` is None (each
+  leaf gets `default(mesh, aval)`), "zero" (state only), one PartitionSpec,
+  or a sequence with one spec / pytree prefix per argument."""
+  if specs is None:
+    per_arg = [None] * len(args)
+  elif isinstance(specs, P) or (isinstance(specs, str) and specs == ZERO):
+    per_arg = [specs] * len(args)
+  elif isinstance(specs, (tuple, list)) and len(specs) == len(args):
+    per_arg = list(specs)
+  else:
+    zero_text = ', "zero"' if what == "state_specs" else ""
+    raise InputError(f"compile: {what} must be None, a PartitionSpec{zero_text} or a sequence of "
+                     f"{len(args)} (one per {'state' if what == 'state_specs' else 'run'} "
+                     f"argument), got {specs!r}")
+  out = []
+  for k, (arg, spec, name, leaf_avals) in enumerate(zip(args, per_arg, arg_names, avals)):
+    if spec is None or (isinstance(spec, str) and spec == ZERO):
+      rule = zero if spec == ZERO and what == "state_specs" else default
+      if isinstance(spec, str) and what != "state_specs":
+        raise InputError(f"compile: {what}[{k}] = 'zero' is for state_specs only")
+      leaves = [rule(mesh, aval) for aval in leaf_avals]
+    else:
+      prefix, prefix_def = tree_util.tree_flatten(spec, is_leaf=_is_spec)
+      if not all(_is_spec(s) for s in prefix):
+        raise InputError(f"compile: {what} for {name} must hold PartitionSpecs, got {spec!r}")
+      try:
+        subtrees = prefix_def.flatten_up_to(arg)
+      except (ValueError, TypeError) as exc:
+        raise InputError(f"compile: {what} for {name} is not a pytree prefix of the "
+                         f"argument: {exc}") from None
+      leaves = []
+      for s, sub in zip(prefix, subtrees):
+        leaves += [s or P()] * len(tree_util.tree_leaves(sub))
+    out.append(leaves)
+  return out
+
+
+def named(mesh, specs_per_arg, avals_per_arg, names_per_arg):
+  """NamedShardings for the leaf specs, each checked against its leaf."""
+  out = []
+  for specs, avals, names in zip(specs_per_arg, avals_per_arg, names_per_arg):
+    row = []
+    for spec, aval, where in zip(specs, avals, names):
+      check_spec(mesh, spec, aval, where)
+      row.append(NamedSharding(mesh, spec))
+    out.append(row)
+  return out
+
+
+def stacked(sharding):
+  """The sharding of a leaf stacked over a leading steps axis (loop sink)."""
+  return NamedSharding(sharding.mesh, P(None, *sharding.spec))
+
+
+def is_multiprocess(sharding):
+  return not sharding.is_fully_addressable
+
+
+def global_array(x, sharding):
+  """The global array of a process-local piece `x` (many processes)."""
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+
+def put_global(x, sharding):
+  """A session-owned copy of a whole value `x`, laid out as `sharding`
+  (resharded if it is a jax.Array laid out otherwise). Every process passes
+  the same whole value; each puts its addressable shards."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if x.sharding == sharding:
+      return jax.jit(lambda a: a.copy(), out_shardings=sharding)(x)
+    return jax.jit(lambda a: a, out_shardings=sharding)(x)  # a reshard copies
+  if isinstance(x, jax.Array) and sharding.is_fully_addressable:
+    # device_put may keep the caller's buffer as the shard on its own device
+    # (may_alias=False notwithstanding, measured with jax 0.10.2), and the
+    # session donates its state: copy first, then lay the copy out.
+    return jax.device_put(jax.numpy.array(x, copy=True), sharding)
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def device_bytes(arrays):
+  """The largest bytes any one device holds of `arrays` (summed over
+  addressable shards, per device)."""
+  per_device = {}
+  for x in arrays:
+    for shard in x.addressable_shards:
+      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  return max(per_device.values(), default=0)
+
+
+def describe(sharding):
+  """`P('data')`-style text for dumps and reports ('' without a mesh)."""
+  if sharding is None:
+    return ""
+  return str(sharding.spec) if isinstance(sharding, NamedSharding) else str(sharding)

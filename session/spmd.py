@@ -1,0 +1,169 @@
+"""What `compile` does differently under a mesh (SessionOptions.mesh).
+
+It decides, before tracing, the NamedSharding of every run-argument leaf and
+every state leaf (runtime/sharding.py has the rules), checks each against its
+value (InputError naming the argument and path), and, when the mesh spans
+several processes, turns each process's example batch into the global array
+the program is traced for. After import it writes the shardings on the
+graph's inputs (so `dump()` shows them) with the mesh and the per-compile
+XLA options; Build compiles every executable for them.
+"""
+import dataclasses
+from typing import Any, List, Optional
+
+import jax
+from jax import tree_util
+
+from jaxsession.errors import InputError
+from jaxsession.inputs import ArgSpec, leaf_aval, paths_of
+from jaxsession.runtime import collectives, compile_cache, sharding
+
+
+@dataclasses.dataclass
+class MeshLayout:
+  """The shardings of one graph's arguments and state under a mesh."""
+  mesh: Any
+  args: List[List[Any]]            # NamedSharding per leaf, per run argument
+  state: List[List[Any]]           # NamedSharding per leaf, per state argument
+  local_pieces: bool               # many processes: run takes process-local batches
+  compiler_options: Optional[dict]
+
+  def describe(self):
+    """Lines for the report: the mesh and what each leaf holds."""
+    return [f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} devices"
+            f"{' in ' + str(jax.process_count()) + ' processes' if self.local_pieces else ''}"]
+
+
+def check_no_specs(options, in_specs, state_specs):
+  if options.mesh is None and (in_specs is not None or state_specs is not None):
+    raise InputError("compile: in_specs / state_specs need SessionOptions(mesh=...)")
+
+
+def compiler_options(options, platform):
+  """The XLA options of every executable: the user's, plus XLA's all-reduce
+  combine threshold where the platform takes one (GPU)."""
+  opts = dict(options.compiler_options or {})
+  if options.mesh is not None and options.allreduce_bucket_bytes and platform in ("gpu", "cuda",
+                                                                                 "rocm"):
+    opts.setdefault("xla_gpu_all_reduce_combine_threshold_bytes",
+                    options.allreduce_bucket_bytes)
+  return opts or None
+
+
+def layout(options, platform, name, dyn_nums, dyn_args, in_specs, state_nums, state_args,
+           state_specs, source_slots):
+  """(MeshLayout, dyn_args, ArgSpec) for a compile under `options.mesh`;
+  (None, dyn_args, ArgSpec) without one. With `source_slots` (state_from)
+  the state keeps the source's layout."""
+  where = f"compile({name})"
+  spec = ArgSpec(where, dyn_nums, dyn_args)
+  mesh = options.mesh
+  if mesh is None:
+    return None, dyn_args, spec
+  arg_names = [f"run argument at position {i}" for i in dyn_nums]
+  arg_specs = sharding.leaf_specs("in_specs", mesh, in_specs, dyn_args, arg_names, spec.avals,
+                                  sharding.data_parallel)
+  targets = [[sharding.check_axes(mesh, s, f"{where}: {arg_name}") for s in row]
+             for row, arg_name in zip(arg_specs, arg_names)]
+  local = jax.process_count() > 1 and any(not t.is_fully_addressable for row in targets
+                                          for t in row)
+  if local:  # each process's example is its piece of the global batch
+    dyn_args = [tree_util.tree_unflatten(tree_util.tree_structure(arg), [
+        sharding.global_array(x, t) for x, t in zip(tree_util.tree_leaves(arg), row)])
+        for arg, row in zip(dyn_args, targets)]
+    spec = ArgSpec(where, dyn_nums, dyn_args)
+  leaf_names = [[f"{where}: {name_} path {p or '(root)'}" for p in paths_of(arg)]
+                for name_, arg in zip(arg_names, dyn_args)]
+  spec.shardings = sharding.named(mesh, arg_specs, spec.avals, leaf_names)
+  spec.local_pieces = local
+
+  state_avals = [[leaf_aval(x) for x in tree_util.tree_leaves(arg)] for arg in state_args]
+  if source_slots is not None:
+    if state_specs is not None:
+      raise InputError(f"{where}: state_specs is given with state_from; shared state keeps "
+                       "the layout of the graph it comes from")
+    state = [list(slot.shardings) for slot in source_slots[:len(state_args)]]
+  else:
+    state_names = [f"state argument at position {i}" for i in state_nums]
+    specs = sharding.leaf_specs("state_specs", mesh, state_specs, state_args, state_names,
+                                state_avals, lambda mesh, aval: jax.sharding.PartitionSpec())
+    state_leaf_names = [[f"{where}: {n} path {p or '(root)'}" for p in paths_of(arg)]
+                        for n, arg in zip(state_names, state_args)]
+    state = sharding.named(mesh, specs, state_avals, state_leaf_names)
+  return (MeshLayout(mesh, spec.shardings, state, local, compiler_options(options, platform)),
+          dyn_args, spec)
+
+
+def mark_graph(graph, mesh_layout, options, platform):
+  """Writes the layout on the imported graph: each input's sharding, the
+  mesh, the XLA options (also set without a mesh, from the options)."""
+  graph.compiler_options = compiler_options(options, platform)
+  if mesh_layout is None:
+    return
+  graph.mesh = mesh_layout.mesh
+  leaves = [s for row in mesh_layout.state for s in row] + [
+      s for row in mesh_layout.args for s in row]
+  inputs = [v for v in graph.inputs if v.kind != "const"]
+  assert len(inputs) == len(leaves), (len(inputs), len(leaves))
+  for value, s in zip(inputs, leaves):
+    value.sharding = s
+
+
+def key_text(mesh_layout):
+  """What the executables' cache key needs of the layout."""
+  if mesh_layout is None:
+    return ()
+  return compile_cache.canonical([mesh_layout.args, mesh_layout.state])
+
+
+@dataclasses.dataclass
+class ShardingReport:
+  """What each device holds and which collectives run (report.sharding)."""
+  mesh: str
+  leaves: List[Any]                # (state leaf name, spec text, bytes per device)
+  state_bytes_per_device: int      # the most any one device holds of the state
+  state_bytes_replicated: int      # what each device would hold, replicated
+  plan: Any = None                 # runtime.allreduce plan (allreduce_bucket_bytes)
+
+  def describe(self):
+    ratio = (self.state_bytes_per_device / self.state_bytes_replicated
+             if self.state_bytes_replicated else 0.0)
+    lines = [f"{self.mesh}: state {self.state_bytes_per_device} B per device "
+             f"({ratio:.3f} of replicated, {self.state_bytes_replicated} B)"]
+    lines += [f"  {name}: {spec} ({nbytes} B per device)" for name, spec, nbytes in self.leaves]
+    if self.plan is not None:
+      lines += ["  " + line for line in self.plan.describe()]
+    return lines
+
+
+def sharding_report(graph, slots, mesh_layout):
+  """The per-device state bytes of a graph compiled under a mesh."""
+  if mesh_layout is None:
+    return None
+  leaves, rows = [], []
+  for slot in slots:
+    for (path, x, s) in zip(paths_of(tree_util.tree_unflatten(slot.treedef, slot.leaves)),
+                            slot.leaves, slot.shardings):
+      leaves.append(x)
+      rows.append((f"{slot.name}{path}", sharding.describe(s), sharding.device_bytes([x])))
+  return ShardingReport(
+      mesh_layout.describe()[0], rows, sharding.device_bytes(leaves),
+      sum(int(x.size) * x.dtype.itemsize for x in leaves),
+      getattr(graph, "allreduce_plan", None))
+
+
+def output_names(graph, layout):
+  """Names of an executable's flat outputs: the updated state leaves, then
+  the user outputs (for the collectives' `serves`)."""
+  states = graph.inputs_of_kind("state")
+  names = [states[i].name or f"state {i}" for i in layout.updated_idx]
+  names += [f"output {k}" for k in range(len(graph.outputs) - layout.num_outputs)]
+  return names
+
+
+def collectives_of(graph, runner):
+  """The collectives XLA put in a mesh graph's executable (read from its HLO)."""
+  exe = getattr(runner, "exe", None)
+  if graph.mesh is None or exe is None:
+    return []
+  return collectives.collectives(exe, output_names(graph, runner.layout))
