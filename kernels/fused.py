@@ -216,3 +216,47 @@ def adam_math(k, p, g, m, v, scalars):
   if k["form"] == "optax_adamw":
     u = _add(u, lit("wd") * p, k["u_first"])
   return _add(p, lit("neg_lr") * u, k["p_first"]), m_new, v_new
+
+
+# -- the all-reduce plan's ops (runtime/allreduce.py) ---------------------------------
+_SUM_PRIMITIVES = {"reduce_sum": lax.reduce_sum_p, "dot_general": lax.dot_general_p}
+
+
+def _constrain(x, sharding):
+  return x if sharding is None else lax.with_sharding_constraint(x, sharding)
+
+
+@fused_kernel("dp_partial", "xla:dp_partial")
+def dp_partial(node, *operands):
+  """The node's reduction computed per device on its own rows: each split
+  operand axis becomes [devices, rows per device] and the primitive is
+  vmapped over the devices; [devices, *S], laid out one partial per device."""
+  p = node.params
+  devices = p["devices"]
+  prim, params = _SUM_PRIMITIVES[p["reduces"]], dict(p["params"])
+  split, in_axes = [], []
+  for x, axis in zip(operands, p["split"]):
+    if axis is not None:
+      shape = tuple(np.shape(x))
+      x = lax.reshape(x, shape[:axis] + (devices, shape[axis] // devices) + shape[axis + 1:])
+    split.append(x)
+    in_axes.append(axis)
+  out = jax.vmap(lambda *ops: prim.bind(*ops, **params), in_axes=in_axes)(*split)
+  return [_constrain(out, node.outputs[0].sharding)]
+
+
+@fused_kernel("allreduce_bucket", "xla:allreduce_bucket")
+def allreduce_bucket(node, *partials):
+  """Every partial flattened to [devices, n_i], concatenated, summed over the
+  devices (one all-reduce under GSPMD), then split back into the values."""
+  devices = node.params["devices"]
+  flat = [lax.reshape(x, (devices, n)) for x, n in zip(partials, node.params["sizes"])]
+  stacked = flat[0] if len(flat) == 1 else lax.concatenate(flat, 1)
+  stacked = _constrain(stacked, node.inputs[0].sharding)
+  total = lax.reduce(stacked, np.array(0, stacked.dtype), lax.add, (0,))
+  total = _constrain(total, node.outputs[0].sharding)
+  outs, start = [], 0
+  for value, n in zip(node.outputs, node.params["sizes"]):
+    outs.append(lax.reshape(lax.slice(total, (start,), (start + n,)), tuple(value.aval.shape)))
+    start += n
+  return outs

@@ -132,6 +132,7 @@ class KernelGraph:
     self.updates_state = False
     self.mesh = None              # a jax.sharding.Mesh: executables are SPMD-partitioned
     self.compiler_options = None  # XLA options every executable is compiled with
+    self.allreduce_plan = None    # HardwareOptimize under a mesh: runtime.allreduce plan
     self._ids = itertools.count()
 
   # -- construction -------------------------------------------------------
@@ -294,6 +295,9 @@ class KernelGraph:
     if self.partitions is not None:
       lines.append("partitions:")
       lines.extend(f"  {p.describe()}" for p in self.partitions)
+    if self.allreduce_plan is not None:
+      lines.append("all-reduce plan:")
+      lines.extend("  " + line for line in self.allreduce_plan.describe())
     if self.memory is not None:
       lines.append("memory:")
       lines.extend("  " + line for line in self.memory.describe())

@@ -26,6 +26,7 @@ from jaxsession.optimizer_passes.reorder import ReorderForPartitions
 from jaxsession.optimizer_passes.transfers import InsertTransfers
 from jaxsession.optimizer_passes.simplify import Simplify
 from jaxsession.runtime import memory, partition, streams
+from jaxsession.runtime.allreduce import PlanAllReduce
 
 STAGES = ("Optimize", "SelectKernel", "HardwareOptimize", "AssignStream",
           "AllocateMemory", "Build")
@@ -153,6 +154,7 @@ def default_passes():
       "SelectKernel": [FunctionPass("select_kernels", select_kernels, required=True)],
       "HardwareOptimize": [
           FuseBatchNormRelu(),                                             # selects its kernels
+          PlanAllReduce(),                      # under a mesh with allreduce_bucket_bytes only
           PlaceNodes(),                                                    # needs kernels
           ReorderForPartitions(),                                          # needs places
           InsertTransfers(),                                               # on the final order

@@ -149,7 +149,7 @@ def sharding_report(graph, slots, mesh_layout):
   return ShardingReport(
       mesh_layout.describe()[0], rows, sharding.device_bytes(leaves),
       sum(int(x.size) * x.dtype.itemsize for x in leaves),
-      getattr(graph, "allreduce_plan", None))
+      graph.allreduce_plan)
 
 
 def output_names(graph, layout):

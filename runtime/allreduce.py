@@ -1,0 +1,415 @@
+"""The all-reduce bucket plan: gradient all-reduces fused into buckets.
+
+What: under a mesh (SessionOptions.mesh) with `allreduce_bucket_bytes` set,
+the pass `PlanAllReduce` (HardwareOptimize, before placement) rewrites every
+sum over the sharded batch axis - a `reduce_sum` over the rows, a
+`dot_general` contracting the rows of both operands (a weight gradient
+dW = x^T dy) - into two steps:
+  * `dp_partial`: the same reduction, computed by each device on its own rows
+    only, stacked over the devices: output [D, *S] laid out P(axis), so each
+    device's partial sum stays on it (no communication yet);
+  * `allreduce_bucket`: many partials at once - each flattened to [D, n_i],
+    concatenated to [D, N], summed over the devices (XLA's SPMD partitioner,
+    GSPMD, makes that exactly one all-reduce), split and reshaped back into
+    the reduced values, replicated.
+The points are grouped in graph order - the backward pass's order, so the
+last layer's gradients come first - into buckets of at most
+`first_bucket_bytes` (the first one) and `allreduce_bucket_bytes` (the
+others); a value larger than the limit gets a bucket of its own; a point
+that depends on an earlier member of the open bucket (BatchNorm statistics
+in the forward pass, then gradients computed from them) or has another
+dtype closes it. The plan is `graph.allreduce_plan` (an `AllReducePlan`).
+
+Why: left alone, GSPMD puts one all-reduce after each such reduction (one per
+gradient leaf); XLA's combiners merge them later by their own thresholds, or,
+on CPU, all into one. Planning the buckets in the graph (MindSpore's
+AllReduceFusion, PyTorch DDP's buckets) makes the collective count and sizes a
+decision the session states: with the backend's combiner disabled, the
+executable has exactly one all-reduce per bucket.
+
+Which values carry the sharded rows is tracked from the run arguments whose
+sharding splits axis 0 over the mesh's first axis, through the batch-axis
+rules of the padding analysis (runtime/batch_axis.py `step`). The walk is
+this module's own: a reduction point's output is replicated (no rows), and a
+row-free operand meeting the rows is fine here (each device reads its slice
+of a replicated value), where padding must refuse it. An operation the rules
+cannot follow makes its outputs unknown; reductions of unknown values, and
+ops without a rule (unknown fused ops, control flow that mixes), are left to
+GSPMD. Results differ from single-device jax.jit only by summation order
+(partial sums per device, then a sum over devices - what GSPMD does anyway).
+"""
+import dataclasses
+import heapq
+from typing import List, Optional
+
+from absl import logging
+import numpy as np
+from jax.core import ShapedArray
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxsession.ir import Value, aval_bytes
+from jaxsession.optimizer_passes.base import Pass, PassResult
+from jaxsession.runtime.batch_axis import step
+from jaxsession.runtime.batch_rules import Eqn, Fact, FREE, Mixing
+
+PARTIAL_OP = "dp_partial"
+BUCKET_OP = "allreduce_bucket"
+SUM_OPS = ("reduce_sum", "dot_general")  # the primitives a dp_partial may compute
+_UNKNOWN_INPUT = -1  # mixed_by of an input whose rows are not the batch's
+
+
+@dataclasses.dataclass
+class Bucket:
+  """One fused all-reduce: its members' partials summed over the devices."""
+  index: int
+  bytes: int
+  dtype: str
+  members: List[int]       # dp_partial node ids, in graph order
+  replaced: List[int]      # the reduction node ids they replaced
+  serves: List[str]        # state leaves whose new value reads a member; outputs
+  closed: str = ""         # why no further point joined
+  node: Optional[int] = None  # the allreduce_bucket node id
+
+  def describe(self):
+    serves = _short(self.serves)
+    return (f"bucket {self.index}: {len(self.members)} point(s), {self.bytes} B {self.dtype}, "
+            f"node {self.node}, partials {self.members} (replacing nodes {self.replaced})"
+            + (f", serves {serves}" if serves else "") + f"; closed: {self.closed}")
+
+
+@dataclasses.dataclass
+class AllReducePlan:
+  """The buckets of one graph, and the reductions left to GSPMD."""
+  mesh_axis: str
+  devices: int
+  bucket_bytes: int
+  first_bucket_bytes: int
+  buckets: List[Bucket] = dataclasses.field(default_factory=list)
+  left: List[str] = dataclasses.field(default_factory=list)  # not planned, and why
+
+  def describe(self):
+    """Lines for dumps and reports."""
+    lines = [f"all-reduce plan over mesh axis {self.mesh_axis!r} ({self.devices} devices): "
+             f"{len(self.buckets)} bucket(s), limit {self.bucket_bytes} B "
+             f"(first {self.first_bucket_bytes} B)"]
+    lines += ["  " + b.describe() for b in self.buckets]
+    lines += ["  left to GSPMD: " + why for why in self.left]
+    return lines
+
+
+def _short(names, limit=6):
+  if len(names) <= limit:
+    return ", ".join(names)
+  return ", ".join(names[:limit]) + f" (+{len(names) - limit} more)"
+
+
+# -- where the rows are ---------------------------------------------------------------
+def _row_axis_name(graph):
+  """The mesh axis the batch rows are split over: the mesh's first axis."""
+  return graph.mesh.axis_names[0]
+
+
+def _splits_rows(sharding, axis_name):
+  spec = getattr(sharding, "spec", None)
+  if not spec:
+    return False
+  return spec[0] == axis_name or spec[0] == (axis_name,)
+
+
+def _input_facts(graph, axis_name):
+  """(batch size, {value id: Fact}) for the graph inputs: a run argument split
+  on axis 0 over `axis_name` carries rows on axis 0."""
+  facts, batch = {}, None
+  for value in graph.inputs:
+    facts[value.id] = FREE
+    shape = tuple(getattr(value.aval, "shape", ()))
+    if value.kind != "input" or not shape or not _splits_rows(value.sharding, axis_name):
+      continue
+    batch = shape[0] if batch is None else batch
+    # another batch size: its rows are not these; unknown, never planned
+    facts[value.id] = Fact(axis=0) if shape[0] == batch else Fact(mixed_by=_UNKNOWN_INPUT)
+  return batch, facts
+
+
+def _lenient(fact, aval):
+  """A row-free value meeting the rows is each device's slice of a replicated
+  value: as good as a constant for where the rows go (padding must refuse it,
+  sharding need not)."""
+  if fact.axis is not None or fact.mixed_by is not None:
+    return fact
+  return Fact(uniform=frozenset(range(len(getattr(aval, "shape", ())))))
+
+
+def _dot_point(node, facts, batch):
+  """(lhs axis, rhs axis) when `node` contracts the rows: both operands carry
+  them on a paired contracting axis, or one does and the other is row-free."""
+  (lc, rc), _ = node.params["dimension_numbers"]
+  la, ra = facts[0].axis, facts[1].axis
+  if la is None and ra is None:
+    return None
+  if la is not None and la in tuple(lc):
+    pair = (la, tuple(rc)[tuple(lc).index(la)])
+  elif ra is not None and ra in tuple(rc):
+    pair = (tuple(lc)[tuple(rc).index(ra)], ra)
+  else:
+    return None
+  if (la is not None and la != pair[0]) or (ra is not None and ra != pair[1]):
+    return None  # one operand's rows sit elsewhere: rows times rows, not a sum
+  for value, axis in zip(node.inputs, pair):
+    if not isinstance(value, Value) or value.aval.shape[axis] != batch:
+      return None
+  return pair
+
+
+def reduction_point(node, facts, batch, devices):
+  """The operand axes split over the devices (one per operand, None for an
+  operand read whole) when `node` sums over the sharded rows; else None."""
+  if node.prim is None or node.op not in SUM_OPS or node.effects or batch % devices:
+    return None
+  if any(f.mixed_by is not None for f in facts):
+    return None
+  if node.params.get("out_sharding") is not None:
+    return None  # an explicit-sharding op: its layout is the user's
+  if node.op == "reduce_sum":
+    axis = facts[0].axis
+    if axis is None or axis not in tuple(node.params["axes"]):
+      return None
+    return (axis,)
+  return _dot_point(node, facts, batch)
+
+
+def find_points(graph, axis_name, devices):
+  """(points, deps, facts): `points` [(node, split axes, mask)] in graph
+  order - the reductions over the sharded rows, each with the bit mask of
+  the earlier points it depends on (bit k: points[k]); `deps` {value id:
+  mask of the points it depends on}; `facts` {value id: Fact} - where each
+  value's rows are (mixed_by set: lost, the value's layout is GSPMD's)."""
+  batch, facts = _input_facts(graph, axis_name)
+  deps = {v.id: 0 for v in graph.inputs}
+  points = []
+  read = lambda v: facts.get(v.id, FREE) if isinstance(v, Value) else FREE
+  mask = lambda v: deps.get(v.id, 0) if isinstance(v, Value) else 0
+  for node in graph.nodes:
+    in_facts = [read(v) for v in node.inputs]
+    upstream = 0
+    for v in node.inputs:
+      upstream |= mask(v)
+    split = reduction_point(node, in_facts, batch, devices) if batch else None
+    if split is not None:
+      bit = 1 << len(points)
+      points.append((node, split, upstream))
+      outs = [FREE] * len(node.outputs)  # summed over every device: replicated
+      upstream |= bit
+    else:
+      eqn = Eqn(node.op, node.params, [v.aval for v in node.inputs],
+                [o.aval for o in node.outputs],
+                [_lenient(f, v.aval) for f, v in zip(in_facts, node.inputs)], batch or 0,
+                node.effects)
+      try:
+        outs = step(eqn) if batch else [FREE] * len(node.outputs)
+      except Mixing:
+        outs = [Fact(mixed_by=node.id)] * len(node.outputs)
+    for out, fact in zip(node.outputs, outs):
+      facts[out.id] = fact
+      deps[out.id] = upstream
+  return points, deps, facts
+
+
+def _left_to_gspmd(graph, facts):
+  """Reductions the plan does not own: sums over unknown layouts."""
+  left = []
+  for node in graph.nodes:
+    if node.op in ("reduce_sum", "reduce_max", "reduce_min", "dot_general", "MatMulBiasAdd"):
+      mixed = [f for v in node.inputs if isinstance(v, Value)
+               for f in [facts.get(v.id, FREE)] if f.mixed_by is not None]
+      if mixed:
+        by = mixed[0].mixed_by
+        left.append(f"node {node.id} '{node.op}' reads a value whose rows the batch rules lost "
+                    + ("(an input of another batch size)" if by == _UNKNOWN_INPUT
+                       else f"at node {by}"))
+  return left
+
+
+# -- buckets --------------------------------------------------------------------------------
+def plan_buckets(points, bucket_bytes, first_bytes):
+  """[(bucket index, [point index], bytes, dtype, why closed)]."""
+  buckets = []
+  current = None
+
+  def close(reason):
+    current["closed"] = reason
+    buckets.append(current)
+
+  for k, (node, _, upstream) in enumerate(points):
+    out = node.outputs[0]
+    size, dtype = aval_bytes(out.aval), str(out.aval.dtype)
+    reason = None
+    if current is not None:
+      limit = first_bytes if not buckets else bucket_bytes
+      clash = upstream & current["mask"]
+      if clash:
+        first = next(points[j][0].id for j in current["points"] if clash >> j & 1)
+        reason = f"node {node.id} depends on member node {first}"
+      elif dtype != current["dtype"]:
+        reason = f"node {node.id} is {dtype}, the bucket {current['dtype']}"
+      elif current["bytes"] + size > limit:
+        reason = (f"full: node {node.id} ({size} B) would make {current['bytes'] + size} B "
+                  f"> {limit} B")
+      if reason:
+        close(reason)
+        current = None
+    if current is None:
+      current = {"points": [], "bytes": 0, "dtype": dtype, "mask": 0}
+    current["points"].append(k)
+    current["bytes"] += size
+    current["mask"] |= 1 << k
+  if current is not None:
+    close("the last reduction over the rows")
+  return buckets
+
+
+def _serves(graph, deps, nbits):
+  """Per point index: the state leaves whose new value reads it, then the
+  other outputs (by position) that do."""
+  names = [[] for _ in range(nbits)]
+  updates = graph.state_updates()
+  for k, value in enumerate(graph.outputs):
+    mask = deps.get(value.id, 0) if isinstance(value, Value) else 0
+    if k < len(updates):
+      label = updates[k][0].name or f"state {k}"
+    else:
+      label = f"output {k - len(updates)}"
+    while mask:
+      low = mask & -mask
+      names[low.bit_length() - 1].append(label)
+      mask ^= low
+  return names
+
+
+# -- the rewrite ------------------------------------------------------------------------------
+def _partial_node(graph, node, split, devices, axis_name, sharding):
+  out = node.outputs[0].aval
+  aval = ShapedArray((devices,) + tuple(out.shape), out.dtype,
+                     weak_type=getattr(out, "weak_type", False))
+  params = {"reduces": node.op, "params": tuple(sorted(node.params.items())),
+            "split": tuple(split), "devices": devices, "mesh_axis": axis_name}
+  partial = graph.make_node(PARTIAL_OP, None, params, node.inputs, [aval], source=node.source)
+  partial.outputs[0].sharding = sharding
+  return partial
+
+
+def _bucket_node(graph, index, members, originals, devices, axis_name, sharding):
+  params = {"bucket": index, "devices": devices, "mesh_axis": axis_name,
+            "sizes": tuple(int(np.prod(o.outputs[0].aval.shape, dtype=np.int64))
+                           for o in originals)}
+  node = graph.make_node(BUCKET_OP, None, params, [m.outputs[0] for m in members],
+                         [o.outputs[0].aval for o in originals],
+                         source=originals[-1].source)
+  for out in node.outputs:
+    out.sharding = sharding
+  return node
+
+
+def _stable_topo(nodes, key):
+  """`nodes` in a topological order, each as early as `key` (its wanted
+  position) allows; ties and free choices follow `key`."""
+  index = {id(n): n for n in nodes}
+  waiting = {}
+  readers = {}
+  for n in nodes:
+    producers = {id(v.producer) for v in n.inputs
+                 if isinstance(v, Value) and v.producer is not None and id(v.producer) in index}
+    waiting[id(n)] = len(producers)
+    for p in producers:
+      readers.setdefault(p, []).append(n)
+  ready = [(key[id(n)], n.id, n) for n in nodes if not waiting[id(n)]]
+  heapq.heapify(ready)
+  order = []
+  while ready:
+    _, _, n = heapq.heappop(ready)
+    order.append(n)
+    for r in readers.get(id(n), ()):
+      waiting[id(r)] -= 1
+      if not waiting[id(r)]:
+        heapq.heappush(ready, (key[id(r)], r.id, r))
+  if len(order) != len(nodes):
+    raise ValueError("the all-reduce rewrite made a cycle")  # not reached: see plan_buckets
+  return order
+
+
+def rewrite(graph, points, buckets, plan, serves, axis_name, devices):
+  """Replaces each point by its dp_partial and each bucket by one
+  allreduce_bucket node; keeps a topological order close to the old one."""
+  mesh = graph.mesh
+  split_sharding = NamedSharding(mesh, P(axis_name))
+  replicated = NamedSharding(mesh, P())
+  position = {id(n): float(i) for i, n in enumerate(graph.nodes)}
+  partial_of = {}
+  for node, split, _ in points:
+    partial = _partial_node(graph, node, split, devices, axis_name, split_sharding)
+    graph.link(partial)
+    position[id(partial)] = position[id(node)]
+    partial_of[id(node)] = partial
+  new_nodes = []
+  for b, spec in enumerate(buckets):
+    originals = [points[k][0] for k in spec["points"]]
+    members = [partial_of[id(o)] for o in originals]
+    node = _bucket_node(graph, b, members, originals, devices, axis_name, replicated)
+    graph.link(node)
+    position[id(node)] = position[id(originals[-1])] + 0.5
+    new_nodes.append(node)
+    names = list(dict.fromkeys(n for k in spec["points"] for n in serves[k]))
+    bucket = Bucket(index=b, bytes=spec["bytes"], dtype=spec["dtype"],
+                    members=[m.id for m in members], replaced=[o.id for o in originals],
+                    serves=names, closed=spec["closed"], node=node.id)
+    plan.buckets.append(bucket)
+    node.notes.append(f"all-reduce bucket {b}: {len(members)} partial(s), {spec['bytes']} B "
+                      f"{spec['dtype']} summed over the {devices} devices of mesh axis "
+                      f"{axis_name!r} as one all-reduce; closed: {spec['closed']}")
+    if names:
+      node.notes.append(f"bucket {b} serves {_short(names)}")
+    for j, (orig, partial) in enumerate(zip(originals, members)):
+      partial.notes.append(
+          f"all-reduce bucket {b} (member {j + 1} of {len(members)}): node {orig.id} "
+          f"'{orig.op}' summed over the rows, each device its own rows (operand axes "
+          f"{partial.params['split']}); {aval_bytes(orig.outputs[0].aval)} B to all-reduce")
+      graph.replace_uses(orig.outputs[0], node.outputs[j])
+  doomed = {id(n) for n, _, _ in points}
+  for node, _, _ in points:
+    graph.unlink(node)
+  kept = [partial_of.get(id(n), n) for n in graph.nodes]
+  graph.nodes = _stable_topo(kept + new_nodes, position)
+  assert not any(id(n) in doomed for n in graph.nodes)
+
+
+class PlanAllReduce(Pass):
+  """HardwareOptimize, before placement: the all-reduce bucket plan (module
+  docstring). Runs only under a mesh with `allreduce_bucket_bytes` set."""
+  name = "plan_allreduce"
+
+  def run(self, graph, ctx):
+    options = ctx.options
+    limit = getattr(options, "allreduce_bucket_bytes", None)
+    if graph.mesh is None or getattr(options, "mesh", None) is None or not limit:
+      return PassResult(False)
+    if any(n.op in (PARTIAL_OP, BUCKET_OP) for n in graph.nodes):
+      return PassResult(False)  # planned already
+    first = getattr(options, "first_bucket_bytes", None) or limit
+    axis_name = _row_axis_name(graph)
+    devices = int(graph.mesh.shape[axis_name])
+    plan = AllReducePlan(axis_name, devices, int(limit), int(first))
+    graph.allreduce_plan = plan
+    if devices == 1:
+      plan.left.append(f"mesh axis {axis_name!r} has one device: nothing to all-reduce")
+      return PassResult(False)
+    points, deps, facts = find_points(graph, axis_name, devices)
+    plan.left.extend(_left_to_gspmd(graph, facts))
+    if not points:
+      logging.info("all-reduce plan of %s: no sum over the sharded rows", graph.name)
+      return PassResult(False)
+    buckets = plan_buckets(points, int(limit), int(first))
+    serves = _serves(graph, deps, len(points))
+    rewrite(graph, points, buckets, plan, serves, axis_name, devices)
+    logging.info("all-reduce plan of %s: %d reduction(s) in %d bucket(s)", graph.name,
+                 len(points), len(buckets))
+    return PassResult(True)
