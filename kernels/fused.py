@@ -237,6 +237,7 @@ def dp_partial(node, *operands):
   split, in_axes = [], []
   for x, axis in zip(operands, p["split"]):
     if axis is not None:
+      axis = int(axis)  # the batch rules may hand a numpy int; vmap takes only ints
       shape = tuple(np.shape(x))
       x = lax.reshape(x, shape[:axis] + (devices, shape[axis] // devices) + shape[axis + 1:])
     split.append(x)

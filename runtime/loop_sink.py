@@ -41,7 +41,11 @@ class SunkRunner(Runner):
         return tuple(state), out
       state = tuple(layout.merge(donated, kept))
       final, ys = lax.scan(one_step, state, tuple(stacked), length=steps)
-      return tuple(final[i] for i in layout.updated_idx), ys
+      new = [final[i] for i in layout.updated_idx]
+      keep = [layout.state_shardings[i] for i in layout.updated_idx]
+      # under a mesh: the carry's layout is XLA's choice; the slots keep theirs
+      return tuple(x if s is None else lax.with_sharding_constraint(x, s)
+                   for x, s in zip(new, keep)), ys
 
     self.exe = compile_fn(
         sunk, (*layout.structs(), *arg_structs(spec, steps)),

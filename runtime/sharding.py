@@ -5,15 +5,17 @@ The session does not partition anything itself: it gives each executable's
 arguments and new state a `NamedSharding`, and XLA's SPMD partitioner
 (GSPMD) splits the program and inserts the collectives. Defaults:
   * run arguments: data parallel - the leading axis split over the mesh's
-    first axis (a scalar or a leaf whose leading axis does not divide is an
-    InputError naming it, never silently replicated);
+    first axis (a leaf whose leading axis does not divide is an InputError
+    naming it, never silently replicated; a scalar, a learning rate say, is
+    replicated);
   * state: replicated; "zero" shards each state leaf along its largest axis
     that divides by the number of devices, over every mesh axis (ZeRO stage 1,
     MindSpore's parallel optimizer: each device holds 1/N of the leaf), and
     replicates the leaves with no such axis.
 Specs may be one PartitionSpec for every leaf, or a pytree prefix of the
-argument (one spec per non-state argument, or per subtree); None inside a
-prefix means replicated.
+argument (one spec per non-state argument, or per subtree). None as a whole
+argument's entry means that argument's default (data parallel, or
+replicated for state); None inside a prefix means replicated.
 
 Many processes (`jax.distributed`): a run argument is each process's local
 piece of the global batch, and `global_array` assembles the global array
@@ -53,7 +55,7 @@ def check_axes(mesh, spec, where):
                          f"mesh has {tuple(mesh.axis_names)}")
   try:
     return NamedSharding(mesh, spec)
-  except ValueError as exc:  # e.g. one mesh axis used twice
+  except Exception as exc:  # pylint: disable=broad-except  # e.g. DuplicateSpecError
     raise InputError(f"{where}: PartitionSpec {spec}: {exc}") from None
 
 
@@ -84,7 +86,7 @@ def zero(mesh, aval):
   n = mesh.devices.size
   names = tuple(mesh.axis_names)
   fits = [d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n]
-  if not fits or n == 1:
+  if not fits or n == 1 or 0 in shape:  # an empty leaf has nothing to split
     return P()
   dim = max(fits, key=lambda d: (shape[d], -d))
   return P(*([None] * dim), names[0] if len(names) == 1 else names)
@@ -135,6 +137,8 @@ def named(mesh, specs_per_arg, avals_per_arg, names_per_arg):
     row = []
     for spec, aval, where in zip(specs, avals, names):
       check_spec(mesh, spec, aval, where)
+      if 0 in tuple(getattr(aval, "shape", ())):  # XLA hands empty arrays back
+        spec = P()                                # replicated: keep them so
       row.append(NamedSharding(mesh, spec))
     out.append(row)
   return out

@@ -138,11 +138,13 @@ class ArgSpec:
     want = self.avals[i][j]
     shape = tuple(want.shape) if leading is None else (leading,) + tuple(want.shape)
     place = f"{self.where}: {self._arg_name(i)} at path {self.paths[i][j] or '(root)'}"
-    target = None
+    target, piece = None, ""
     if self.shardings is not None:
       target = self.shardings[i][j]
       target = target if leading is None else sharding.stacked(target)
       if self.local_pieces and not isinstance(x, _PY_SCALARS):
+        piece = (f" (assembled from this process's piece of shape {tuple(np.shape(x))}; "
+                 f"each of the {jax.process_count()} processes passes its own rows)")
         try:
           x = sharding.global_array(x, target)
         except (ValueError, TypeError) as exc:
@@ -166,7 +168,7 @@ class ArgSpec:
       expect = f"{aval_str(want)}" if leading is None else (
           f"{want.str_short(short_dtypes=True).split('[')[0]}{list(shape)} "
           f"(steps={leading} on a leading axis of {aval_str(want)})")
-      raise InputError(f"{place}: expected {expect}, got {aval_str(got)}")
+      raise InputError(f"{place}: expected {expect}, got {aval_str(got)}{piece}")
     if target is not None:  # under a mesh: laid out as compiled
       if isinstance(x, jax.Array) and x.sharding != target:
         return jax.device_put(x, target)

@@ -110,6 +110,7 @@ class Session:
     except RuntimeError as exc:
       raise InputError(f"SessionOptions.platform={self.platform!r} is not available "
                        f"here: {exc}") from None
+    spmd.check_compiler_options(self.options.compiler_options, self.platform)
     save = self.options.save_graphs
     if save is not None and os.path.exists(save) and not os.path.isdir(save):
       raise InputError(f"SessionOptions.save_graphs={save!r} is a file, not a folder")
@@ -427,6 +428,9 @@ class Session:
           got = leaf_aval(leaf)
         except InputError as exc:
           raise InputError(f"{where} at path {path or '(root)'}: {exc}") from None
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+          raise InputError(f"{where} at path {path or '(root)'}: the array has been deleted "
+                           "(donated or freed)")
         weak = slot.weak_sensitive.get(j)
         if weak is not None and is_weak(leaf) != weak:
           raise InputError(f"{where} at path {path or '(root)'} is "

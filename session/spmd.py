@@ -50,6 +50,20 @@ def compiler_options(options, platform):
   return opts or None
 
 
+def check_compiler_options(opts, platform):
+  """InputError naming an XLA option this platform's compiler does not take
+  (checked on an empty program, before any graph is compiled)."""
+  if not opts:
+    return
+  arg = jax.ShapeDtypeStruct((), "float32", sharding=jax.sharding.SingleDeviceSharding(
+      jax.local_devices(backend=platform)[0]))
+  try:
+    jax.jit(lambda a: a).lower(arg).compile(compiler_options=dict(opts))
+  except Exception as exc:  # pylint: disable=broad-except  # XLA's error, restated
+    raise InputError(f"SessionOptions.compiler_options={opts!r} is not taken by the "
+                     f"{platform} compiler: {str(exc).splitlines()[0]}") from None
+
+
 def layout(options, platform, name, dyn_nums, dyn_args, in_specs, state_nums, state_args,
            state_specs, source_slots):
   """(MeshLayout, dyn_args, ArgSpec) for a compile under `options.mesh`;
