@@ -60,5 +60,70 @@ class DemoTest(absltest.TestCase):
       self.assertNotIn("loss", result.stdout)  # refused before any training
 
 
+def _demo(*flags_, timeout=300):
+  """`python -m jaxsession demo FLAGS` in a fresh process (JAX must start
+  with the devices the flags ask for)."""
+  return subprocess.run([sys.executable, "-m", "jaxsession", "demo", *flags_],
+                        capture_output=True, text=True, timeout=timeout)
+
+
+class MeshDemoTest(absltest.TestCase):
+  """`jaxsession demo --devices 8` and `--processes 2` (issue 9)."""
+
+  def check_mesh_output(self, text, where):
+    self.assertIn(f"on the same mesh ({where}): equal bit for bit: yes", text)
+    self.assertRegex(text, r"first \d+ steps match \(rtol 1e-06\): yes")
+    rel = float(re.search(r"max relative difference (\S+) over the first", text).group(1))
+    self.assertLessEqual(rel, 1e-6)
+    self.assertIn("loop sink", text)
+    losses = [float(v) for v in re.findall(r"step +\d+  loss (\d+\.\d+)", text)]
+    self.assertGreater(len(losses), 3)
+    self.assertLess(losses[-1], losses[0])
+    self.assertRegex(text, r"collectives in the executable \(report.collectives\): .*all-reduce")
+    self.assertIn("all-reduce [", text)  # the describe lines
+    return float(re.search(r"state \d+ B per device \((\S+) of replicated", text).group(1))
+
+  def test_devices_8_trains_data_parallel_with_zero_state(self):
+    result = _demo("--devices=8", "--steps=20", "--sink=5", "--batch=64")
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    text = result.stdout
+    self.assertIn("mesh {'data': 8}: 8 cpu devices in one process", text)
+    ratio = self.check_mesh_output(text, "8 devices")
+    self.assertLessEqual(ratio, 0.15)  # "zero": each device holds about 1/8 of the state
+    self.assertIn("P('data',)", text)
+
+  def test_devices_replicated_state(self):
+    result = _demo("--devices=4", "--steps=8", "--sink=3", "--batch=32",
+                   "--state_specs=replicated")
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    self.assertEqual(self.check_mesh_output(result.stdout, "4 devices"), 1.0)
+
+  def test_processes_2_trains_across_two_processes(self):
+    result = _demo("--processes=2", "--steps=12", "--sink=4", "--batch=32")
+    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+    text = result.stdout
+    self.assertIn("4 cpu devices in 2 processes (2 per process, jax.distributed)", text)
+    self.assertIn("each process passes its 16 rows of every 32-row batch", text)
+    ratio = self.check_mesh_output(text, "2 processes x 2 devices")
+    self.assertLessEqual(ratio, 0.3)  # "zero" over 4 devices
+    self.assertNotIn("[Gloo]", text)
+
+  def test_processes_launcher_fails_when_a_process_fails(self):
+    result = _demo("--processes=2", "--batch=30", timeout=120)  # 30 rows over 4 devices
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("does not divide over the 4 devices", result.stderr)
+    self.assertRegex(result.stderr, r"error: process \d exited with status 2")
+    self.assertNotIn("loss", result.stdout)
+
+  def test_internal_flags_are_not_in_help(self):
+    result = subprocess.run([sys.executable, "-m", "jaxsession", "--help"],
+                            capture_output=True, text=True, timeout=120)
+    self.assertEqual(result.returncode, 0)
+    for shown in ("--devices", "--processes", "--state_specs"):
+      self.assertIn(shown, result.stdout)
+    for hidden in ("--process_id", "--coordinator"):
+      self.assertNotIn(hidden, result.stdout)
+
+
 if __name__ == "__main__":
   absltest.main()
