@@ -7,14 +7,12 @@ disabled (it merges every all-reduce into one whatever the thresholds), so
 the executable's all-reduce count is the session's own plan. The bucketing
 rules themselves are pinned in-process on hand-made points.
 """
-import json
-import os
-import subprocess
-import sys
 import textwrap
 import types
 
 from absl.testing import absltest
+
+from tests.subproc import run_json
 import numpy as np
 from jax.core import ShapedArray
 
@@ -111,13 +109,8 @@ def compare(step, state, xs, ys, sess_options, gspmd=False):
 def run_jax(snippet):
   """Runs `snippet` after the 8-device prelude in a subprocess; the snippet
   sets `result`, which comes back decoded from JSON."""
-  code = _PRELUDE + textwrap.dedent(snippet) + "\nprint(json.dumps(result))\n"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                        text=True, env=env, timeout=300)
-  if proc.returncode:
-    raise AssertionError(f"subprocess failed:\n{proc.stderr[-4000:]}")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return run_json(_PRELUDE + textwrap.dedent(snippet) + "\nprint(json.dumps(result))\n",
+                  env={"JAX_PLATFORMS": "cpu"})
 
 
 # The session's arithmetic differs from single-device jax.jit only by

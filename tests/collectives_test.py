@@ -6,13 +6,11 @@ without %, while bodies). Real-compile tests need 8 CPU devices, which must be
 configured before JAX initializes, so each runs in a fresh subprocess and
 hands its findings back as JSON.
 """
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 from absl.testing import absltest
+
+from tests.subproc import run_json
 
 from jaxsession.runtime import collectives as C
 
@@ -37,13 +35,8 @@ def names_of(tree):
 def run_jax(snippet):
   """Runs `snippet` after the 8-device prelude in a subprocess; the snippet
   sets `result`, which comes back decoded from JSON."""
-  code = _PRELUDE + textwrap.dedent(snippet) + "\nprint(json.dumps(result))\n"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                        text=True, env=env, timeout=300)
-  if proc.returncode:
-    raise AssertionError(f"subprocess failed:\n{proc.stderr[-4000:]}")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return run_json(_PRELUDE + textwrap.dedent(snippet) + "\nprint(json.dumps(result))\n",
+                  env={"JAX_PLATFORMS": "cpu"})
 
 
 # ------------------------------------------------------------ text snippets

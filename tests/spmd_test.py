@@ -8,10 +8,20 @@ XLA's SPMD partitioner does for any data-parallel jit), so results are
 compared to 1e-6 relative, the issue's bound, with an absolute floor of
 1e-7 for values that cross zero.
 """
-import numpy as np
 from absl.testing import absltest
 
 from tests.subproc import run_json
+
+
+class SnippetTest(absltest.TestCase):
+  """Runs the class's SNIPPET once, in a subprocess with 8 CPU devices; the
+  tests read what it printed (`self.out`)."""
+  SNIPPET = None
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.out = run_json(cls.SNIPPET)
 
 TRAIN = r"""
 import json, warnings
@@ -102,14 +112,11 @@ print(json.dumps(out))
 """
 
 
-class DataParallelTrainingTest(absltest.TestCase):
+class DataParallelTrainingTest(SnippetTest):
   """An MLP with optax AdamW, data parallel on 8 devices: 1, 10 and 100
   (sunk) steps, replicated and ZeRO-sharded optimizer state."""
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.out = run_json(TRAIN)
+  SNIPPET = TRAIN
 
   def test_losses_and_params_equal_single_device_jit(self):
     for key in ("replicated", "zero"):
@@ -346,13 +353,10 @@ print(json.dumps(out))
 """
 
 
-class SpmdContractTest(absltest.TestCase):
+class SpmdContractTest(SnippetTest):
   """Errors, state layout, sharing, threads and host work under a mesh."""
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.out = run_json(CONTRACT)
+  SNIPPET = CONTRACT
 
   def test_errors_name_what_is_wrong(self):
     kind, text = self.out["indivisible"]
@@ -490,13 +494,10 @@ print(json.dumps(out))
 """
 
 
-class SpmdRegressionTest(absltest.TestCase):
+class SpmdRegressionTest(SnippetTest):
   """What a review found: each case failed before its fix."""
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.out = run_json(REGRESSIONS)
+  SNIPPET = REGRESSIONS
 
   def test_sunk_runs_keep_each_slot_layout(self):
     a, b = self.out["sunk_layout"]

@@ -18,7 +18,7 @@ jax.config.update("jax_enable_x64", {x64})
 
 def run_json(code, devices=8, x64=False, timeout=600, env=None, args=()):
   """Runs `code` (after a prelude that gives JAX `devices` CPU devices) and
-  returns the JSON object on the last line of its stdout; raises with the
+  returns the JSON object or list on the last line of its stdout; raises with the
   process's output if it fails."""
   script = PRELUDE.format(devices=devices, x64=x64) + textwrap.dedent(code)
   proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
@@ -26,7 +26,7 @@ def run_json(code, devices=8, x64=False, timeout=600, env=None, args=()):
   if proc.returncode != 0:
     raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                          f"{proc.stderr[-6000:]}")
-  lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+  lines = [line for line in proc.stdout.splitlines() if line.startswith(("{", "["))]
   if not lines:
     raise AssertionError(f"subprocess printed no JSON:\n{proc.stdout[-3000:]}\n"
                          f"{proc.stderr[-3000:]}")
