@@ -43,6 +43,9 @@ _COMMENT = re.compile(r"/\*.*?\*/")
 _CLOSE = {"(": ")", "[": "]", "{": "}"}
 
 
+SERVES_SHOWN = 4  # names describe() lists; `serves` keeps them all
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
   """One collective of an executable (an async start/done pair counts once)."""
@@ -63,8 +66,10 @@ class Collective:
       parts.append(f"groups {self.replica_groups}")
     if self.computation:
       parts.append(f"inside {self.computation}")
-    elif self.serves:
-      parts.append("serves " + ", ".join(self.serves))
+    elif self.serves:  # every output downstream: after a global norm, all of them
+      shown = ", ".join(self.serves[:SERVES_SHOWN])
+      more = len(self.serves) - SERVES_SHOWN
+      parts.append(f"serves {shown}" + (f" (+{more} more)" if more > 0 else ""))
     if self.op_names:
       parts.append("from " + "; ".join(self.op_names))
     return ", ".join(parts)

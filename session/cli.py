@@ -18,7 +18,6 @@ Commands:
          its half of every batch and the session trains across them. Process 0
          prints what --devices prints.
 """
-import dataclasses
 import os
 import socket
 import statistics
@@ -286,16 +285,8 @@ def mesh_demo(devices):
   say(f"\ncollectives in the executable (report.collectives): "
       f"{', '.join(f'{v} {k}' for k, v in kinds.items()) or 'none'}")
   for c in rep.collectives:
-    say(f"  {_short(c).describe()}")
+    say(f"  {c.describe()}")
   return 0
-
-
-def _short(collective, keep=3):
-  """The collective with a long `serves` list cut to its first names."""
-  serves = collective.serves
-  if len(serves) > keep:
-    serves = (*serves[:keep], f"... {len(serves)} values in all")
-  return dataclasses.replace(collective, serves=serves)
 
 
 def _free_port():
