@@ -100,7 +100,7 @@ class PlaceNodes(Pass):
       for node, kernel in small_integer_nodes(graph, decided):
         decided[id(node)] = (node, kernel, SMALL_INTEGER_REASON)
     if mesh is not None:
-      _refuse_host_work_under_mesh(graph, decided)
+      _refuse_host_work_under_mesh(graph, decided, mesh)
     if decided and getattr(ctx.options, "place_all_on_device", False):
       raise PartitionError(
           f"graph {graph.name}: place_all_on_device is set but {len(decided)} node(s) "
@@ -124,25 +124,32 @@ class PlaceNodes(Pass):
     return PassResult(changed)
 
 
-def _refuse_host_work_under_mesh(graph, decided):
-  """A graph on a mesh is one SPMD executable. Host partitions would need
-  every process's shards, and a callback left inside the executable runs on
-  one device: when it raises, XLA:CPU's other devices wait for it in their
-  next collective until the process aborts (measured, jax 0.10.2) - state
-  lost. So both are refused, callbacks nested in control flow included."""
-  nodes = {id(n): (n, reason) for n, _, reason in decided.values()}
+def _refuse_host_work_under_mesh(graph, decided, mesh):
+  """Under a mesh, host partitions run between the SPMD executables on the
+  whole (gathered) values - possible only where one process addresses every
+  device; across processes host work is refused. A callback left inside an
+  SPMD executable (host_callbacks=False, or nested in control flow that
+  stays on the device) runs on one device: when it raises, XLA:CPU's other
+  devices wait for it in their next collective until the process aborts
+  (measured, jax 0.10.2) - state lost - so it is refused too."""
+  single_process = all(d.process_index == mesh.devices.flat[0].process_index
+                       for d in mesh.devices.flat)
+  nodes = {} if single_process else {id(n): (n, reason) for n, _, reason in decided.values()}
   for node in graph.nodes:
-    if node.props.user_code and id(node) not in nodes:
-      nodes[id(node)] = (node, "runs a host callback (inside the executable it would run on "
-                               "one device, and a failure there aborts the process)")
+    if node.props.user_code and id(node) not in nodes and id(node) not in decided:
+      nodes[id(node)] = (node, "runs a host callback inside the SPMD executable, where it "
+                               "runs on one device and a failure aborts the process")
   if nodes:
+    where = ("the mesh spans several processes" if not single_process else
+             "callbacks must run on the host, between the executables")
     raise PartitionError(
-        f"graph {graph.name}: host work under a mesh is not supported (a graph on a mesh is "
-        f"one SPMD executable), and {len(nodes)} node(s) would run on the host:\n" +
+        f"graph {graph.name}: host work under this mesh is not supported ({where}), and "
+        f"{len(nodes)} node(s) would need it:\n" +
         "\n".join(f"  node {n.id} '{n.op}'{' at ' + n.source if n.source else ''}: {reason}"
                    for n, reason in nodes.values())
-        + "\nMove the host work out of the compiled function (before or after run), or "
-        "compile it without a mesh.")
+        + "\nMove the host work out of the compiled function (before or after run)"
+        + (", or leave SessionOptions(host_callbacks=True) so that top-level callbacks run "
+           "between the executables" if single_process else "") + ".")
 
 
 def placement_reason(node):

@@ -143,13 +143,30 @@ def device_inputs(part):
   return [v for v in part.inputs if v.kind != "const"]
 
 
-def _arg_struct(value):
+def _arg_struct(value, layouts=None):
+  """The struct a partition input is compiled for; under a mesh with its
+  layout (`layouts`: value id -> sharding; host values come replicated)."""
+  sharding = None if layouts is None else layouts.get(value.id)
   if value.producer is not None and value.producer.place == "host":
-    return jax.ShapeDtypeStruct(value.aval.shape, value.aval.dtype)  # numpy: never weak
-  return shape_struct(value.aval)
+    return jax.ShapeDtypeStruct(value.aval.shape, value.aval.dtype,  # numpy: never weak
+                                sharding=sharding)
+  return shape_struct(value.aval, sharding)
 
 
-def build_device_step(part, donated_ids, consts, cache=None, key=None):
+def _keep_layouts(body, layouts):
+  """`body` with each output whose layout is fixed (new state under a mesh)
+  constrained to it, so the slot keeps its layout and is donated in place."""
+  if not any(s is not None for s in layouts):
+    return body
+
+  def constrained(*xs):
+    return [x if s is None else jax.lax.with_sharding_constraint(x, s)
+            for x, s in zip(body(*xs), layouts)]
+  return constrained
+
+
+def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=None,
+                      fixed=None, compiler_options=None):
   """Compiles one device partition with the values donated to it; returns
   (the call, the compiled executable). A failing callback inside it raises
   HostOpError with the user's exception as the cause. With `cache` and
@@ -160,9 +177,12 @@ def build_device_step(part, donated_ids, consts, cache=None, key=None):
   body = lower_nodes(callbacks.instrumented(part.nodes, recorder), inputs, part.outputs,
                      {v.id: consts[v.id] for v in part.inputs if v.kind == "const"})
   donate = tuple(i for i, v in enumerate(inputs) if v.id in donated_ids)
+  if fixed:
+    body = _keep_layouts(body, [fixed.get(v.id) for v in part.outputs])
   exe, recorder = compile_recorded(lambda *xs: body(*xs), recorder,
-                                   [_arg_struct(v) for v in inputs], donate, cache,
-                                   None if key is None else (key, "partition", part.index))
+                                   [_arg_struct(v, layouts) for v in inputs], donate, cache,
+                                   None if key is None else (key, "partition", part.index),
+                                   compiler_options)
   call = fast_call(exe)
   if not part.may_fail:
     return call, exe
@@ -208,10 +228,13 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None)
     return regs[value.id] if value.id in regs else register(value)
 
   ops, analyses = [], {}
+  layouts, fixed = _mesh_layouts(graph)
   for part in partitions:
     if part.place == "device":
       fn, exe = build_device_step(part, plan.donated_to(part.index), graph.const_values,
-                                  cache, key)
+                                  cache, key, layouts, fixed, graph.compiler_options)
+      if layouts is not None:  # later partitions take these values as laid out here
+        layouts.update((v.id, s) for v, s in zip(part.outputs, exe.output_shardings))
       analyses[part.index] = memory_analysis(exe)
       ins = tuple(reg_of(v) for v in device_inputs(part))
       ops.append(Op(fn, ins, tuple(reg_of(v) for v in part.outputs),
@@ -247,6 +270,25 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None)
   return Program(ops, template, num_state, len(flat), outputs, frozenset(copy_at),
                  frozenset(host_outputs), [(r,) + user_leaf[r] for r in checked],
                  [(r,) + user_leaf[r] for r in sorted(first) if r in user_leaf], analyses)
+
+
+def _mesh_layouts(graph):
+  """Under a mesh: (value id -> layout of every value a partition reads,
+  value id -> layout a new state value must keep); (None, None) without.
+  Graph inputs carry theirs; a host value reaches an executable replicated;
+  a device partition's outputs are laid out as its executable returns them
+  (filled in as partitions are compiled, in order)."""
+  if graph.mesh is None:
+    return None, None
+  replicated = jax.sharding.NamedSharding(graph.mesh, jax.sharding.PartitionSpec())
+  layouts = {v.id: v.sharding for v in graph.inputs if v.sharding is not None}
+  for node in graph.nodes:
+    if node.place == "host":
+      layouts.update((o.id, replicated) for o in node.outputs)
+  states = graph.inputs_of_kind("state")
+  fixed = {new.id: state.sharding for state, new in zip(states, graph.outputs)
+           if not isinstance(new, Literal) and new is not state and state.sharding is not None}
+  return layouts, fixed
 
 
 def _set_frees(ops, outputs):

@@ -339,6 +339,9 @@ class PlanRunner(Runner):
                                or self._literal_outputs)
     self._single_output = rest_tree == leaf  # run returns it bare
     self._all_bare = all(self._bare)
+    keep = [(i, layout.state_shardings[i]) for i in layout.updated_idx
+            if layout.state_shardings[i] is not None]
+    self._keep = keep or None
     if not layout.slots:
       self.call = self._stateless_call
 
@@ -372,6 +375,11 @@ class PlanRunner(Runner):
       if self._observed is None:
         self._observed = codegen.generate(self.program, self.spec.conform_leaf, True)
       outs = self._observed(state_leaves, user_leaves, self.observer)
+    if self._keep is not None:  # new state made on the host, laid out as its slot
+      outs = list(outs)
+      for i, s in self._keep:
+        if getattr(outs[i], "sharding", None) != s:
+          outs[i] = jax.device_put(outs[i], s)
     if self._plain_outputs:
       return outs
     return [self._output(k, out) for k, out in enumerate(outs)]

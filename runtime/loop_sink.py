@@ -98,8 +98,11 @@ class SteppedRunner(Runner):
       return self._stack_eagerly(*columns)
     flat = [x for column in columns for x in column]
     if self.stacker is None:
-      structs = [jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype,
-                                      weak_type=getattr(x, "weak_type", False)) for x in flat]
+      structs = [jax.ShapeDtypeStruct(  # under a mesh, as the plan laid them out
+          jax.numpy.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False),
+          sharding=x.sharding if isinstance(getattr(x, "sharding", None),
+                                            jax.sharding.NamedSharding) else None)
+          for x in flat]
       sizes = [len(column) for column in columns]
 
       def stack(*xs):
@@ -116,7 +119,7 @@ class SteppedRunner(Runner):
     # so the slots' buffers survive a failure at any step.
     state = layout.gather_all()
     for i in layout.donated_idx:
-      state[i] = owned_copy(state[i])
+      state[i] = owned_copy(state[i], self.layout.state_shardings[i])
     outs = []
     for t in range(self.steps):
       flat = inner.run_flat(state, [column[t] for column in columns])

@@ -280,7 +280,10 @@ def partition_figures(graph, partitions, ranges, figures, platform):
 def plan_memory(graph, partitions, allow_donation=True, platform="cpu"):
   ranges = live_ranges(graph, partitions)
   donations, free = decide_donations(graph, partitions, allow_donation)
-  intermediates = decide_intermediate_donations(graph, partitions, ranges, free)
+  # under a mesh an intermediate's layout is XLA's choice, and a donated
+  # buffer of another layout is not usable: state only
+  intermediates = ([] if getattr(graph, "mesh", None) is not None else
+                   decide_intermediate_donations(graph, partitions, ranges, free))
   figures = {p.index: (estimate(p, platform), "session estimate") for p in partitions}
   rows, peak = partition_figures(graph, partitions, ranges, figures, platform)
   return MemoryPlan(

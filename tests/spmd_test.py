@@ -318,9 +318,44 @@ threads = [threading.Thread(target=worker) for _ in range(4)]
 [t.start() for t in threads]; [t.join() for t in threads]
 out["thread_count"] = int(sess.get_state(tid)[0])
 
-# host work under a mesh is refused at compile, in both callback modes and
-# inside control flow (a callback inside an SPMD executable runs on one
-# device; when it raises, XLA:CPU aborts the process)
+# host work under a mesh: a top-level callback runs on the host between the
+# SPMD executables; a callback that would stay inside one (host_callbacks=
+# False, or nested in control flow) is refused - it would run on one device,
+# and when it raises XLA:CPU aborts the process
+calls = []
+def clip(g):
+  calls.append(1)
+  if len(calls) == 4:
+    raise RuntimeError("disk full")
+  return np.clip(np.asarray(g), -0.5, 0.5)
+def clipped(w, x):
+  loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+  g = jax.pure_callback(clip, jax.ShapeDtypeStruct(g.shape, g.dtype), g)
+  return w - 0.1 * g, loss
+def plain_clipped(w, x):  # what the callback computes, for jax.jit
+  loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+  return w - 0.1 * jnp.clip(g, -0.5, 0.5), loss
+hid = sess.compile(clipped, w0, x, state_argnums=0, state_specs=P(None, "data"))
+out["host_partitions"] = [p.place for p in sess.report(hid).partitions]
+hl = [float(sess.run(hid, x)), float(sess.run(hid, x))]
+hl += [float(v) for v in sess.run(hid, np.stack([x]), steps=1)]  # 3 callbacks so far
+rw, rl = w0, []
+for _ in range(3):
+  rw, l = jax.jit(plain_clipped)(rw, x)
+  rl.append(float(l))
+(hw,) = sess.get_state(hid)
+out["host_equal"] = [max(abs(a - b) / abs(b) for a, b in zip(hl, rl)),
+                     float(np.max(np.abs(np.asarray(hw) - np.asarray(rw)))), str(hw.sharding.spec)]
+snap = [np.asarray(s.data).tolist() for s in hw.addressable_shards]
+out["host_fault"] = err(lambda: sess.run(hid, x))
+out["unchanged_after_host_fault"] = snap == [np.asarray(s.data).tolist()
+                                              for s in sess.get_state(hid)[0].addressable_shards]
+calls.clear()
+snap = [np.asarray(s.data).tolist() for s in sess.get_state(hid)[0].addressable_shards]
+out["sunk_host_fault"] = err(lambda: sess.run(hid, np.stack([x] * 5), steps=5))  # 4th step
+out["unchanged_after_sunk_host_fault"] = snap == [
+    np.asarray(s.data).tolist() for s in sess.get_state(hid)[0].addressable_shards]
+
 def with_callback(w, x):
   y = jax.pure_callback(lambda a: np.asarray(a) * 2, jax.ShapeDtypeStruct((4, 8), np.float32), w)
   return w + y, jnp.sum(x)
@@ -328,10 +363,9 @@ def callback_in_scan(w, x):
   def body(c, _):
     return jax.pure_callback(lambda a: np.asarray(a) + 1, jax.ShapeDtypeStruct((4, 8), np.float32), c), None
   return jax.lax.scan(body, w, None, length=2)[0], jnp.sum(x)
-out["host_refused"] = err(lambda: sess.compile(with_callback, w0, x, state_argnums=0))
 inside = js.Session(js.SessionOptions(mesh=mesh, host_callbacks=False))
 out["inside_refused"] = err(lambda: inside.compile(with_callback, w0, x, state_argnums=0))
-out["scan_refused"] = err(lambda: inside.compile(callback_in_scan, w0, x, state_argnums=0))
+out["scan_refused"] = err(lambda: sess.compile(callback_in_scan, w0, x, state_argnums=0))
 
 # a fault in a sunk run (the 3rd step's batch is bad): every shard unchanged
 snap = shards()
@@ -399,12 +433,28 @@ class SpmdContractTest(SnippetTest):
   def test_threads_lose_no_update(self):
     self.assertEqual(self.out["thread_count"], 20)
 
-  def test_host_work_is_refused(self):
-    for key in ("host_refused", "inside_refused", "scan_refused"):
+  def test_host_partitions_between_spmd_executables(self):
+    self.assertEqual(self.out["host_partitions"], ["device", "host", "device"])
+    loss_rel, state_diff, spec = self.out["host_equal"]
+    # the gradient's sums over 8 devices vs one: summation order only
+    self.assertLess(loss_rel, 1e-6)
+    self.assertLess(state_diff, 1e-6)
+    self.assertIn("'data'", spec)
+
+  def test_a_host_fault_leaves_every_shard(self):
+    for key in ("host_fault", "sunk_host_fault"):
+      kind, text = self.out[key]
+      self.assertEqual(kind, "HostOpError", key)
+      self.assertIn("disk full", text)
+    self.assertTrue(self.out["unchanged_after_host_fault"])
+    self.assertTrue(self.out["unchanged_after_sunk_host_fault"])
+
+  def test_callbacks_inside_an_spmd_executable_are_refused(self):
+    for key in ("inside_refused", "scan_refused"):
       kind, text = self.out[key]
       self.assertEqual(kind, "PartitionError", key)
-      self.assertIn("host work under a mesh is not supported", text)
-    self.assertIn("pure_callback", self.out["host_refused"][1])
+      self.assertIn("host work under this mesh is not supported", text)
+      self.assertIn("inside the SPMD executable", text)
     self.assertIn("scan", self.out["scan_refused"][1])
 
   def test_a_failed_sunk_run_leaves_every_shard(self):
