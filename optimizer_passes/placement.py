@@ -100,7 +100,8 @@ class PlaceNodes(Pass):
       for node, kernel in small_integer_nodes(graph, decided):
         decided[id(node)] = (node, kernel, SMALL_INTEGER_REASON)
     if mesh is not None:
-      _refuse_host_work_under_mesh(graph, decided, mesh)
+      _refuse_host_work_under_mesh(graph, decided, mesh,
+                                   getattr(ctx.options, "host_callbacks", True))
     if decided and getattr(ctx.options, "place_all_on_device", False):
       raise PartitionError(
           f"graph {graph.name}: place_all_on_device is set but {len(decided)} node(s) "
@@ -124,7 +125,7 @@ class PlaceNodes(Pass):
     return PassResult(changed)
 
 
-def _refuse_host_work_under_mesh(graph, decided, mesh):
+def _refuse_host_work_under_mesh(graph, decided, mesh, host_callbacks):
   """Under a mesh, host partitions run between the SPMD executables on the
   whole (gathered) values - possible only where one process addresses every
   device; across processes host work is refused. A callback left inside an
@@ -137,8 +138,12 @@ def _refuse_host_work_under_mesh(graph, decided, mesh):
   nodes = {} if single_process else {id(n): (n, reason) for n, _, reason in decided.values()}
   for node in graph.nodes:
     if node.props.user_code and id(node) not in nodes and id(node) not in decided:
-      nodes[id(node)] = (node, "runs a host callback inside the SPMD executable, where it "
-                               "runs on one device and a failure aborts the process")
+      what = ("an effectful callback (io_callback, jax.debug.print/callback), which always "
+              "stays inside the executable" if node.props.effects else
+              "a host callback nested in control flow" if node.op != "pure_callback" else
+              "a host callback kept inside the executable (host_callbacks=False)")
+      nodes[id(node)] = (node, f"{what}: inside the SPMD executable it runs on one device, "
+                               "and a failure there aborts the process")
   if nodes:
     where = ("the mesh spans several processes" if not single_process else
              "callbacks must run on the host, between the executables")
@@ -148,8 +153,9 @@ def _refuse_host_work_under_mesh(graph, decided, mesh):
         "\n".join(f"  node {n.id} '{n.op}'{' at ' + n.source if n.source else ''}: {reason}"
                    for n, reason in nodes.values())
         + "\nMove the host work out of the compiled function (before or after run)"
-        + (", or leave SessionOptions(host_callbacks=True) so that top-level callbacks run "
-           "between the executables" if single_process else "") + ".")
+        + (", or set SessionOptions(host_callbacks=True) so that top-level pure_callbacks "
+           "run between the executables" if single_process and not host_callbacks else "")
+        + ".")
 
 
 def placement_reason(node):

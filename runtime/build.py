@@ -106,6 +106,7 @@ class Program:
   user_checked: List[Tuple]    # (register, arg, leaf) conformed before the run
   first_checked: List[Tuple]   # (register, arg, leaf) the first executable checks
   analyses: dict               # partition index -> compiled.memory_analysis()
+  executables: dict = dataclasses.field(default_factory=dict)  # partition index -> exe
 
 
 def host_op(node):
@@ -227,7 +228,7 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None)
       return literals[id(value)]
     return regs[value.id] if value.id in regs else register(value)
 
-  ops, analyses = [], {}
+  ops, analyses, executables = [], {}, {}
   layouts, fixed = _mesh_layouts(graph)
   for part in partitions:
     if part.place == "device":
@@ -236,6 +237,7 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None)
       if layouts is not None:  # later partitions take these values as laid out here
         layouts.update((v.id, s) for v, s in zip(part.outputs, exe.output_shardings))
       analyses[part.index] = memory_analysis(exe)
+      executables[part.index] = exe
       ins = tuple(reg_of(v) for v in device_inputs(part))
       ops.append(Op(fn, ins, tuple(reg_of(v) for v in part.outputs),
                     prefetch=tuple(reg_of(v) for v in part.prefetch), partition=part.index))
@@ -269,7 +271,8 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None)
   checked = sorted(r for r in user_leaf if r in read and r not in first)
   return Program(ops, template, num_state, len(flat), outputs, frozenset(copy_at),
                  frozenset(host_outputs), [(r,) + user_leaf[r] for r in checked],
-                 [(r,) + user_leaf[r] for r in sorted(first) if r in user_leaf], analyses)
+                 [(r,) + user_leaf[r] for r in sorted(first) if r in user_leaf], analyses,
+                 executables)
 
 
 def _mesh_layouts(graph):
@@ -284,7 +287,8 @@ def _mesh_layouts(graph):
   layouts = {v.id: v.sharding for v in graph.inputs if v.sharding is not None}
   for node in graph.nodes:
     if node.place == "host":
-      layouts.update((o.id, replicated) for o in node.outputs)
+      for o in node.outputs:  # written on the value too, for dump()
+        layouts[o.id] = o.sharding = replicated
   states = graph.inputs_of_kind("state")
   fixed = {new.id: state.sharding for state, new in zip(states, graph.outputs)
            if not isinstance(new, Literal) and new is not state and state.sharding is not None}

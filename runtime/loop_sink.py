@@ -97,6 +97,10 @@ class SteppedRunner(Runner):
     if self.stacker is self._stack_eagerly:
       return self._stack_eagerly(*columns)
     flat = [x for column in columns for x in column]
+    if self.stacker is None and len({isinstance(getattr(x, "sharding", None),
+                                                jax.sharding.NamedSharding) for x in flat}) > 1:
+      self.stacker = self._stack_eagerly  # under a mesh with host outputs: one
+      return self._stack_eagerly(*columns)  # executable cannot take both kinds
     if self.stacker is None:
       structs = [jax.ShapeDtypeStruct(  # under a mesh, as the plan laid them out
           jax.numpy.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False),

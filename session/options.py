@@ -87,6 +87,8 @@ class SessionOptions:
     if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
       raise InputError(f"SessionOptions.mesh must be a jax.sharding.Mesh, got "
                        f"{type(self.mesh).__name__}")
+    if self.mesh is not None and len(set(self.mesh.axis_names)) != len(self.mesh.axis_names):
+      raise InputError(f"SessionOptions.mesh names an axis twice: {self.mesh.axis_names}")
     for name in ("allreduce_bucket_bytes", "first_bucket_bytes"):
       value = getattr(self, name)
       if value is None:

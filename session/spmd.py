@@ -176,8 +176,28 @@ def output_names(graph, layout):
 
 
 def collectives_of(graph, runner):
-  """The collectives XLA put in a mesh graph's executable (read from its HLO)."""
-  exe = getattr(runner, "exe", None)
-  if graph.mesh is None or exe is None:
+  """The collectives XLA put in a mesh graph's executables (read from their
+  HLO): the one executable's, or every device partition's, in order."""
+  if graph.mesh is None:
     return []
-  return collectives.collectives(exe, output_names(graph, runner.layout))
+  exe = getattr(runner, "exe", None)
+  if exe is not None:
+    return collectives.collectives(exe, output_names(graph, runner.layout))
+  program = getattr(runner, "program", None)
+  found = []
+  for part in graph.partitions:
+    exe = None if program is None else program.executables.get(part.index)
+    if exe is not None:
+      names = [f"partition #{part.index} -> {_value_name(graph, v)}" for v in part.outputs]
+      found += collectives.collectives(exe, names)
+  return found
+
+
+def _value_name(graph, value):
+  """A state leaf's name, 'output k', or the value's id."""
+  states = graph.inputs_of_kind("state")
+  for k, out in enumerate(graph.outputs):
+    if out is value:
+      n = len(graph.state_updates())
+      return (states[k].name or f"state {k}") if k < n else f"output {k - n}"
+  return repr(value)

@@ -535,6 +535,24 @@ cid = s2.compile(ce_step, p0, x, labels, state_argnums=0)
 l = s2.run(cid, x, labels)
 out["ce_rel"] = abs(float(l) - float(jax.jit(ce_step)(p0, x, labels)[1])) / abs(float(l))
 
+# a sunk run whose outputs mix a host value and device values; collectives
+# are read from every partition's executable
+def mixed(w, x):
+  m = jax.pure_callback(lambda a: np.asarray(a).max(), jax.ShapeDtypeStruct((), np.float32), x)
+  return w * 1.0, (x * 2.0, m)
+xs1 = rng.standard_normal((16, 4)).astype(np.float32)
+mid = s1.compile(mixed, w, xs1, state_argnums=0)
+ys, ms = s1.run(mid, np.stack([xs1, xs1 + 1, xs1 - 1]), steps=3)
+out["sunk_mixed"] = [list(ys.shape), [float(v) for v in ms],
+                     [float(xs1.max()), float((xs1 + 1).max()), float((xs1 - 1).max())]]
+def host_then_grad(w, x):  # the batch mean before the callback: an all-reduce
+  g = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+  scale = jax.pure_callback(lambda a: np.float32(1 / (1 + np.abs(a).max())),
+                            jax.ShapeDtypeStruct((), np.float32), g)
+  return w - scale * g, scale
+hid = s1.compile(host_then_grad, w, xs1, state_argnums=0)
+out["plan_collectives"] = [c.kind for c in s1.report(hid).collectives]
+
 # bad specs and deleted arrays are InputErrors naming where
 out["dup_axis"] = err(lambda: sess.compile(swap, s0, x, state_argnums=0, in_specs=(P("data", "data"),)))
 gone = jnp.array(s0["a"])
@@ -564,6 +582,14 @@ class SpmdRegressionTest(SnippetTest):
   def test_integer_labels_with_buckets(self):
     self.assertLess(self.out["ce_rel"], 1e-6)  # summation order only
 
+  def test_sunk_outputs_mixing_host_and_device_values(self):
+    shape, got, want = self.out["sunk_mixed"]
+    self.assertEqual(shape, [3, 16, 4])
+    self.assertEqual(got, want)
+
+  def test_collectives_of_a_plan_with_host_partitions(self):
+    self.assertIn("all-reduce", self.out["plan_collectives"])
+
   def test_errors(self):
     self.assertEqual(self.out["dup_axis"][0], "InputError")
     self.assertIn("position 1", self.out["dup_axis"][1])
@@ -580,6 +606,11 @@ class CompilerOptionsTest(absltest.TestCase):
       js.Session(js.SessionOptions(compiler_options={"xla_no_such_flag": 1}))
     with self.assertRaisesRegex(js.errors.InputError, "without a mesh"):
       js.SessionOptions(allreduce_bucket_bytes=1024)
+    import jax  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    twice = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("a", "a"))
+    with self.assertRaisesRegex(js.errors.InputError, "names an axis twice"):
+      js.SessionOptions(mesh=twice)
 
 
 if __name__ == "__main__":
