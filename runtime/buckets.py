@@ -8,7 +8,9 @@ padded rows never mix with real ones). Sizes above the largest bucket compile
 exactly. With "auto", the buckets are chosen from the sizes seen: an exact
 dynamic program picks at most K sizes minimising the padded rows of that
 histogram (vLLM pads to a fixed list; powers of two waste ~31% of the rows on
-sizes uniform in 1..64, seven chosen buckets ~12%).
+sizes uniform in 1..64, seven chosen buckets ~12%). Learning the histogram
+compiles no exact sizes: the first requests pad to one learning bucket, which
+the chosen buckets keep (BucketPolicy), so learning costs no extra compiles.
 """
 import bisect
 import collections
@@ -21,48 +23,69 @@ import numpy as np
 from jaxsession.errors import InputError
 
 AUTO = "auto"
-AUTO_MIN_SIZES = 8  # distinct sizes seen (or 4x as many requests) before auto buckets
-                    # are chosen
+AUTO_FIRST_CHOICE = 4  # requests padded to the learning bucket before buckets are first
+                       # chosen; they are chosen again at 8, 16 and 32 requests
+AUTO_RESERVE = 3       # buckets held back at the first choice, one freed at each later one
 
 
-def choose_buckets(histogram, max_buckets):
-  """At most `max_buckets` sizes, the largest seen among them, minimising the
-  padded rows sum(count(s) * (bucket(s) - s)) - an exact O(K m^2) dynamic
-  program over the m distinct sizes (a bucket is only ever worth placing at
-  a size that occurs)."""
-  sizes = sorted(histogram)
-  if not sizes:
+def _next_pow2(n):
+  return 1 << (int(n) - 1).bit_length()
+
+
+def choose_buckets(histogram, max_buckets, fixed=()):
+  """At most `max_buckets` sizes minimising the padded rows
+  sum(count(s) * (bucket(s) - s)) of `histogram` - an exact O(K m^2)
+  dynamic program over the m candidate sizes (a bucket is only ever worth
+  placing at a size that occurs). `fixed` sizes (executables already
+  compiled) are buckets whatever they cost and count towards `max_buckets`;
+  the largest bucket is the largest seen size, or a larger fixed one. With
+  more fixed sizes than `max_buckets`, the fixed sizes are returned (plus the
+  largest seen size if none covers it)."""
+  fixed = {int(s) for s in fixed}
+  cands = sorted(set(histogram) | fixed)
+  if not cands:
     return []
-  m = len(sizes)
-  counts = [histogram[s] for s in sizes]
-  prefix_n = [0] * (m + 1)   # requests among sizes[:i]
-  prefix_r = [0] * (m + 1)   # rows among sizes[:i]
-  for i, (s, c) in enumerate(zip(sizes, counts)):
+  m = len(cands)
+  counts = [histogram.get(s, 0) for s in cands]
+  prefix_n = [0] * (m + 1)   # requests among cands[:i]
+  prefix_r = [0] * (m + 1)   # rows among cands[:i]
+  for i, (s, c) in enumerate(zip(cands, counts)):
     prefix_n[i + 1] = prefix_n[i] + c
     prefix_r[i + 1] = prefix_r[i] + c * s
 
-  def waste(lo, hi):  # sizes[lo..hi] all padded to sizes[hi]
+  def waste(lo, hi):  # cands[lo..hi] all padded to cands[hi]
     n = prefix_n[hi + 1] - prefix_n[lo]
-    return n * sizes[hi] - (prefix_r[hi + 1] - prefix_r[lo])
+    return n * cands[hi] - (prefix_r[hi + 1] - prefix_r[lo])
 
-  k_max = min(max_buckets, m)
+  is_fixed = [s in fixed for s in cands]
+  free = max(max_buckets - len(fixed), 0 if is_fixed[-1] else 1)
+  # a bucket at j may follow one at i only if no fixed size lies between them
+  first_fixed = next((j for j in range(m) if is_fixed[j]), m)
   inf = float("inf")
-  # best[k][j]: least waste covering sizes[:j+1] with k buckets, the last at j
-  best = [[inf] * m for _ in range(k_max + 1)]
-  back = [[-1] * m for _ in range(k_max + 1)]
+  # best[k][j]: least waste covering cands[:j+1] with k free buckets, the last at j
+  best = [[inf] * m for _ in range(free + 1)]
+  back = [[-1] * m for _ in range(free + 1)]
+  for j in range(min(first_fixed + 1, m)):
+    k = 0 if is_fixed[j] else 1
+    if k <= free:
+      best[k][j] = waste(0, j)
   for j in range(m):
-    best[1][j] = waste(0, j)
-  for k in range(2, k_max + 1):
-    for j in range(k - 1, m):
-      for i in range(k - 2, j):
-        cost = best[k - 1][i] + waste(i + 1, j)
-        if cost < best[k][j]:
-          best[k][j], back[k][j] = cost, i
-  k = min(range(1, k_max + 1), key=lambda k: best[k][m - 1])
+    step = 0 if is_fixed[j] else 1
+    lo = j - 1
+    while lo >= 0 and not is_fixed[lo]:
+      lo -= 1
+    lo = max(lo, 0)  # the previous bucket lies at or after the nearest fixed size
+    for k in range(step, free + 1):
+      for i in range(lo, j):
+        if best[k - step][i] < inf:
+          cost = best[k - step][i] + waste(i + 1, j)
+          if cost < best[k][j]:
+            best[k][j], back[k][j] = cost, i
+  k = min(range(free + 1), key=lambda k: (best[k][m - 1], k))
   chosen, j = [], m - 1
-  while k >= 1 and j >= 0:
-    chosen.append(sizes[j])
-    j, k = back[k][j], k - 1
+  while j >= 0:
+    chosen.append(cands[j])
+    j, k = back[k][j], k - (0 if is_fixed[j] else 1)
   return sorted(chosen)
 
 
@@ -125,7 +148,21 @@ def check_spec(buckets, positions, max_buckets, hint):
 
 @dataclasses.dataclass
 class BucketPolicy:
-  """Which size each batch runs at, and the statistics behind it."""
+  """Which size each batch runs at, and the statistics behind it.
+
+  Auto buckets without a hint learn the traffic without compiling its exact
+  sizes: the first AUTO_FIRST_CHOICE requests pad to one learning bucket, the
+  next power of two of the largest size seen (~1 compile). Then the buckets
+  are chosen by the exact dynamic program with every size already compiled
+  kept as a bucket (it costs no compile; the learning bucket stays the top),
+  at first with AUTO_RESERVE buckets held back; the histogram is chosen from
+  again at 2x, 4x and 8x AUTO_FIRST_CHOICE requests, one held-back bucket
+  freed each time (a chosen size never run is dropped for free). So learning
+  plus the chosen buckets compile at most max_buckets executables, unless the
+  traffic outgrows them: a size above the top bucket runs at its next power
+  of two, a new top bucket (one compile, over the budget once it is spent;
+  a doubling top costs fewer compiles than exact sizes in a long tail).
+  """
   sizes: Optional[List[int]]      # None until auto buckets are chosen
   auto: bool
   max_buckets: int
@@ -133,6 +170,12 @@ class BucketPolicy:
   rows: int = 0                   # real rows run
   padded: int = 0                 # padding rows run
   expected_waste: Optional[float] = None
+  learning: Optional[int] = None  # auto: the learning bucket, before the first choice
+  learning_rows: int = 0          # real rows run while learning
+  learning_padded: int = 0        # padding rows run while learning
+  choices: int = 0                # times the buckets were chosen from traffic
+  chosen_from: int = 0            # requests in the histogram of the last choice
+  next_choice: Optional[int] = None  # request count of the next choice
 
   @classmethod
   def make(cls, spec_sizes, max_buckets, hint):
@@ -140,44 +183,81 @@ class BucketPolicy:
     policy = cls(None if auto else list(spec_sizes), auto, max_buckets)
     if auto and hint:
       policy.choose(collections.Counter(hint))
+    elif auto:
+      policy.next_choice = AUTO_FIRST_CHOICE
     return policy
 
-  def choose(self, histogram, learned=False):
-    """The buckets for `histogram`. Learned from the first requests only,
-    the largest bucket is raised to the next power of two, so the tail of
-    sizes not seen yet still lands in a bucket instead of compiling exactly
-    (the expected waste is then of that early histogram)."""
-    self.sizes = choose_buckets(histogram, self.max_buckets)
-    if learned:
-      self.sizes[-1] = 1 << (self.sizes[-1] - 1).bit_length()
+  def choose(self, histogram, compiled=()):
+    """The buckets for `histogram` (the sizes in `compiled` are kept)."""
+    budget = self.max_buckets
+    if self.next_choice is not None:  # learning from traffic: some held back
+      budget -= max(0, AUTO_RESERVE - self.choices)
+    self.sizes = choose_buckets(histogram, budget, fixed=compiled)
     self.expected_waste = padding_waste(histogram, self.sizes)
+    self.chosen_from = sum(histogram.values())
+    self.choices += 1
 
-  def target(self, n):
-    """The size to run a batch of n rows at (n itself: exact)."""
+  def first_size(self, n):
+    """The size the example's batch of n rows compiles at."""
+    if self.sizes is None:
+      self.learning = _next_pow2(n)  # the first learning bucket
+      return self.learning
+    larger = [b for b in self.sizes if b >= n]
+    return larger[0] if larger else n
+
+  def target(self, n, compiled=()):
+    """The size to run a batch of n rows at (n itself: exact); `compiled`:
+    the sizes that have an executable already."""
     self.seen[n] += 1
-    if self.auto and self.sizes is None:
-      if len(self.seen) >= AUTO_MIN_SIZES or sum(self.seen.values()) >= 4 * AUTO_MIN_SIZES:
-        self.choose(self.seen, learned=True)
-      else:
-        self.rows += n
-        return n  # still learning the traffic: exact
-    i = bisect.bisect_left(self.sizes, n)
-    size = self.sizes[i] if i < len(self.sizes) else n
     self.rows += n
+    if self.sizes is None:  # learning the traffic: pad to the learning bucket
+      if self.learning is None or n > self.learning:
+        self.learning = _next_pow2(n)
+      size = self.learning
+      self.learning_rows += n
+      self.learning_padded += size - n
+    else:
+      i = bisect.bisect_left(self.sizes, n)
+      if i < len(self.sizes):
+        size = self.sizes[i]
+      elif self.auto:
+        size = _next_pow2(n)  # the traffic outgrew the top bucket: a new top
+        self.sizes.append(size)
+      else:
+        size = n
     self.padded += size - n
+    total = sum(self.seen.values())
+    if self.next_choice is not None and total >= self.next_choice:
+      self.choose(self.seen, set(compiled) | {size})
+      self.next_choice = 2 * total if self.choices <= AUTO_RESERVE else None
     return size
 
   def measured_waste(self):
-    """Padded rows per real row run so far."""
+    """Padded rows per real row run so far (the learning phase included)."""
     return self.padded / self.rows if self.rows else 0.0
 
   def describe(self):
-    sizes = "not chosen yet (learning the traffic)" if self.sizes is None else self.sizes
+    if self.sizes is None:
+      sizes = ("not chosen yet (learning the traffic: padding to "
+               f"{self.learning or 'the first learning bucket'})")
+    else:
+      sizes = self.sizes
+    auto = ""
+    if self.auto:
+      auto = f" (auto, at most {self.max_buckets}"
+      if self.chosen_from:
+        auto += f", chosen from {self.chosen_from} requests"
+      auto += ")"
     expected = ("" if self.expected_waste is None
-                else f", expected waste {self.expected_waste:.1%}")
-    return (f"buckets {sizes}{' (auto, at most %d)' % self.max_buckets if self.auto else ''}"
-            f"{expected}, measured waste {self.measured_waste():.1%} over "
-            f"{sum(self.seen.values())} runs")
+                else f", expected waste {self.expected_waste:.1%} on that histogram")
+    learning = ""
+    if self.learning_rows:
+      rest = self.rows - self.learning_rows
+      after = (self.padded - self.learning_padded) / rest if rest else 0.0
+      learning = (f" (learning phase {self.learning_padded / self.learning_rows:.1%}, "
+                  f"after it {after:.1%})")
+    return (f"buckets {sizes}{auto}{expected}, measured waste "
+            f"{self.measured_waste():.1%} over {sum(self.seen.values())} runs{learning}")
 
 
 def pad_rows(x, size, axis):

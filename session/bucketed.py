@@ -156,7 +156,7 @@ class BucketedGraph:
     n = self.batch_size(args, axis)
     if n is None:  # the arity is wrong: the first executable's run says how
       return self.session.run(next(iter(self.sizes.values())), *args, steps=steps)
-    size = self.policy.target(n)
+    size = self.policy.target(n, self.sizes)
     gid = self.executable(size)
     if size != n:
       args = tuple(tree_util.tree_map(lambda x: policy_lib.pad_rows(x, size, axis), a)
@@ -175,7 +175,7 @@ class BucketedGraph:
 
   def describe(self):
     compiled = sorted(self.sizes)
-    return f"{self.policy.describe()}; compiled sizes {compiled}"
+    return f"{self.policy.describe()}; {len(compiled)} compiled sizes {compiled}"
 
 
 def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_buckets, hint,
@@ -217,10 +217,7 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
 
   dispatcher = BucketedGraph(session, name, compile_one, positions, run_index, policy,
                              session.options)
-  first = n0
-  if policy.sizes is not None:
-    larger = [b for b in policy.sizes if b >= n0]
-    first = larger[0] if larger else n0
+  first = policy.first_size(n0)
   other = {d for i, arg in enumerate(example_args) for leaf in tree_util.tree_leaves(arg)
            for d in tuple(getattr(leaf, "shape", ()))[1 if i in positions else 0:]}
   probes = []

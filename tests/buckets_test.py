@@ -2,6 +2,7 @@
 bit, unsafe padding is refused at compile naming the node, recompile warnings,
 buckets chosen from traffic, and bad bucket specs."""
 import collections
+import itertools
 
 from absl.testing import absltest
 import jax
@@ -215,15 +216,91 @@ class AutoBucketsTest(absltest.TestCase):
     params = _params()
     gid = sess.compile(mlp, params, _rows(3), state_argnums=0, updates_state=False,
                        buckets={1: "auto"}, max_buckets=4)
+    self.assertEqual(sorted(sess.report(gid).buckets.sizes), [4])  # the learning bucket
+    self.assertIn("learning the traffic", str(sess.report(gid)))
     rng = np.random.default_rng(4)
     for n in rng.integers(1, 33, 120):
       x = _rows(int(n), rng)
       assert_within_ulp(sess.run(gid, x)[0], jax.jit(mlp)(params, x)[0], 8)
-    policy = sess.report(gid).buckets.policy
+    dispatcher = sess.report(gid).buckets
+    policy = dispatcher.policy
     self.assertIsNotNone(policy.sizes)
     self.assertLessEqual(len(policy.sizes), 4)
+    self.assertLessEqual(len(dispatcher.sizes), 4)  # learning included
+    self.assertTrue(set(dispatcher.sizes) <= set(policy.sizes))
     self.assertGreater(policy.measured_waste(), 0)
+    self.assertGreater(policy.learning_padded, 0)
     self.assertIn("measured waste", str(sess.report(gid)))
+    self.assertIn("learning phase", str(sess.report(gid)))
+
+  def test_learning_and_chosen_buckets_compile_at_most_max_buckets(self):
+    """Uniform traffic in 1..64, no hint: the learning phase pads to one
+    learning bucket instead of compiling exact sizes, and the chosen buckets
+    keep it, so everything compiled fits in max_buckets; the waste reported
+    is what was padded (the learning phase included)."""
+    sess = js.Session(js.SessionOptions(recompile_warn_limit=0))
+    params = _params()
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 65, 200).tolist()
+    gid = sess.compile(mlp, params, _rows(sizes[0], rng), state_argnums=0,
+                       updates_state=False, buckets={1: "auto"}, max_buckets=7)
+    padded = real = 0
+    for i, n in enumerate(sizes):
+      x = _rows(n, rng)
+      got = sess.run(gid, x)
+      self.assertEqual(got[0].shape, (n, 3))
+      if i % 8 == 0:  # the comparison is slow: a sample of the sizes
+        assert_within_ulp(got[0], jax.jit(mlp)(params, x)[0], 8, f"n={n}")
+      dispatcher = sess.report(gid).buckets
+      size = min(b for b in dispatcher.sizes if b >= n)
+      padded, real = padded + size - n, real + n
+    self.assertLessEqual(len(dispatcher.sizes), 7)
+    self.assertEqual(sorted(dispatcher.sizes), dispatcher.policy.sizes)
+    self.assertAlmostEqual(dispatcher.policy.measured_waste(), padded / real)
+    self.assertLessEqual(dispatcher.policy.expected_waste, 0.13)
+    self.assertEqual(dispatcher.policy.expected_waste, policy_lib.padding_waste(
+        collections.Counter(sizes[:dispatcher.policy.chosen_from]), dispatcher.policy.sizes))
+
+  def test_policy_alone_stays_within_max_buckets_on_uniform_and_bimodal_traffic(self):
+    """The policy without a session, over many traffic samples: the sizes it
+    sends to executables (the example's learning bucket included) number at
+    most max_buckets."""
+    for seed in range(30):
+      rng = np.random.default_rng(seed)
+      for traffic, k in ((rng.integers(1, 65, 300), 7), (rng.integers(1, 200, 300), 5),
+                         (rng.permutation(np.concatenate([rng.integers(1, 9, 150),
+                                                          rng.integers(48, 65, 150)])), 7)):
+        policy = policy_lib.BucketPolicy.make("auto", k, None)
+        compiled = {policy.first_size(int(traffic[0]))}
+        for n in traffic.tolist():
+          size = policy.target(n, compiled)
+          self.assertGreaterEqual(size, n)
+          compiled.add(size)
+        self.assertLessEqual(len(compiled), k, f"seed {seed}: {sorted(compiled)}")
+        self.assertTrue(compiled <= set(policy.sizes))
+
+  def test_choose_buckets_keeps_fixed_sizes_and_stays_exact(self):
+    """With sizes already compiled (`fixed`), the dynamic program equals a
+    brute force over every bucket set that keeps them."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+      hist = collections.Counter(rng.integers(1, 16, rng.integers(1, 12)).tolist())
+      k = int(rng.integers(1, 6))
+      fixed = set(rng.choice(np.arange(1, 20), rng.integers(0, 4), replace=False).tolist())
+      got = policy_lib.choose_buckets(hist, k, fixed=fixed)
+      self.assertTrue(fixed <= set(got))
+      self.assertGreaterEqual(got[-1], max(hist))
+      top = max(set(hist) | fixed)
+      others = sorted((set(hist) | fixed) - fixed - {top})
+      limit = max(k, len(fixed | {top}))
+      best = min(
+          policy_lib.padding_waste(hist, sorted(fixed | {top} | set(extra)))
+          for r in range(len(others) + 1) for extra in itertools.combinations(others, r)
+          if len(fixed | {top} | set(extra)) <= limit)
+      self.assertLessEqual(len(got), limit)
+      self.assertAlmostEqual(policy_lib.padding_waste(hist, got), best)
+    self.assertEqual(policy_lib.choose_buckets(collections.Counter(range(1, 65)), 7),
+                     policy_lib.choose_buckets(collections.Counter(range(1, 65)), 7, ()))
 
   def test_hint_chooses_at_compile(self):
     sess = js.Session()
