@@ -233,30 +233,30 @@ class KernelGraph:
     Values are compared by identity, so a value of another graph is caught."""
     defined = set()
     for value in self.inputs:
-      _check(value.producer is None, f"input {value} has a producer")
-      _check(value not in defined, f"{value} defined twice")
+      _check(value.producer is None, lambda: f"input {value} has a producer")
+      _check(value not in defined, lambda: f"{value} defined twice")
       defined.add(value)
     readers = {}
     for node in self.nodes:
       for value in node.inputs:
         if isinstance(value, Literal):
           continue
-        _check(value in defined,
-               f"{node} reads {value} before it is defined (not in topological order)")
+        _check(value in defined, lambda: f"{node} reads {value} before it is defined "
+               "(not in topological order)")
         readers.setdefault(value, []).append(node)
       for i, out in enumerate(node.outputs):
-        _check(out not in defined, f"{out} defined twice")
+        _check(out not in defined, lambda: f"{out} defined twice")
         _check(out.producer is node and out.index == i,
-               f"{out} does not name {node} output {i} as its producer")
+               lambda: f"{out} does not name {node} output {i} as its producer")
         defined.add(out)
       _check_avals(node)
     for value in defined:
       expect = sorted(n.id for n in readers.get(value, []))
       _check(sorted(n.id for n in value.users) == expect,
-             f"users of {value} out of sync: recorded {value.users}, actual {expect}")
+             lambda: f"users of {value} out of sync: recorded {value.users}, actual {expect}")
     for value in self.outputs:
       _check(isinstance(value, Literal) or value in defined,
-             f"graph output {value} is not defined")
+             lambda: f"graph output {value} is not defined")
     return True
 
   # -- text and Graphviz ----------------------------------------------------
@@ -332,8 +332,10 @@ class KernelGraph:
 
 
 def _check(condition, message):
+  """`message`: a function building the text, called only on a violation
+  (an f-string built for every check cost verify() most of its time)."""
   if not condition:
-    raise ValueError(message)
+    raise ValueError(message())
 
 
 def _check_avals(node):
@@ -341,9 +343,10 @@ def _check_avals(node):
   its primitive's shape rule gives for its inputs' avals and params (so a
   pass that rewires a node to values of another shape or dtype is caught)."""
   for value in node.inputs:
-    _check(getattr(value, "aval", None) is not None, f"{node} input {value} has no aval")
+    _check(getattr(value, "aval", None) is not None,
+           lambda: f"{node} input {value} has no aval")
   for out in node.outputs:
-    _check(out.aval is not None, f"{node} output {out} has no aval")
+    _check(out.aval is not None, lambda: f"{node} output {out} has no aval")
   if node.prim is None:
     return  # a fused op: its kernel's outputs are checked at build
   expected = _expected_avals(node)
@@ -352,11 +355,11 @@ def _check_avals(node):
   if isinstance(expected, str):
     raise ValueError(f"{node}: its inputs do not fit primitive {node.op}: {expected}")
   _check(len(expected) == len(node.outputs),
-         f"{node} has {len(node.outputs)} outputs, {node.op} gives {len(expected)}")
+         lambda: f"{node} has {len(node.outputs)} outputs, {node.op} gives {len(expected)}")
   for out, want in zip(node.outputs, expected):
     got = (tuple(out.aval.shape), out.aval.dtype, getattr(out.aval, "weak_type", False))
-    _check(got == want, f"{node} output {out} is {aval_str(out.aval)} but {node.op} of its "
-           f"inputs gives {want[1]}{list(want[0])}{'~' if want[2] else ''}")
+    _check(got == want, lambda: f"{node} output {out} is {aval_str(out.aval)} but {node.op} "
+           f"of its inputs gives {want[1]}{list(want[0])}{'~' if want[2] else ''}")
 
 
 _SHAPE_RULE_CACHE = {}

@@ -3,6 +3,7 @@ the checks of its new state, and the weak-type analysis (which scalars'
 weak types change the traced program). Nothing here runs user code beyond
 jax tracing."""
 import jax
+import numpy as np
 from jax import tree_util
 from jax.extend import core as jcore
 
@@ -82,8 +83,8 @@ def _arithmetic(jaxpr):
   change only the weak type are left out."""
   out = []
   for eqn in jaxpr.eqns:
-    ins = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars)
-    outs = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars)
+    ins = tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.invars)
+    outs = tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars)
     if eqn.primitive.name == "convert_element_type" and ins == outs:
       continue
     subs = tuple(_arithmetic(p.jaxpr if hasattr(p, "jaxpr") else p)
@@ -109,7 +110,52 @@ def _retyped_state_changes_program(wrapped, closed, state_args, dyn_args, k, pat
       closed.jaxpr)
 
 
-def weak_sensitive(wrapped, closed, state_args, dyn_args, limit=8):
+def _dtypes_of(jaxpr, found):
+  """Every dtype a jaxpr's values have (its inputs, constants, literals,
+  equations' inputs and outputs, sub-jaxprs included), added to `found`."""
+  for v in (*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars):
+    found.add(getattr(v.aval, "dtype", None))
+  for eqn in jaxpr.eqns:
+    for v in (*eqn.invars, *eqn.outvars):
+      found.add(getattr(v.aval, "dtype", None))
+    for value in eqn.params.values():
+      for p in (value if isinstance(value, (tuple, list)) else (value,)):
+        if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+          _dtypes_of(p.jaxpr if hasattr(p, "jaxpr") else p, found)
+  return found
+
+
+def weak_type_is_moot(jaxpr):
+  """True when no weak type of any input can change the program: every value
+  of the traced program is of one dtype d, the default dtype of its kind
+  (float32, int32 or complex64 without x64), or bool, and promotion is
+  JAX's standard. Then every promotion the trace did had operands among
+  bool, d (strong or weak) and Python scalars (weak, of a kind no higher than
+  d's - else the result would not be d or bool), and it gives d however the
+  d operands' weak flags are set: with one strong d operand d is the least
+  upper bound, with none the bound is d's weak kind, whose dtype is the
+  default of the kind, d again; a bool result has no numeric operand. So
+  flipping weak types (one leaf or several) traces the same arithmetic, and
+  weak_sensitive need not trace again (tests/compile_cache_test.py checks
+  this against the retrace)."""
+  if jax.config.jax_numpy_dtype_promotion != "standard":
+    return False
+  dtypes = _dtypes_of(jaxpr, set())
+  if None in dtypes:  # a value without a dtype (a token, a ref): not reasoned about
+    return False
+  dtypes.discard(np.dtype(bool))
+  if len(dtypes) != 1:
+    return len(dtypes) == 0
+  (d,) = dtypes
+  try:
+    d = np.dtype(d)
+  except TypeError:  # extended dtypes (PRNG keys)
+    return False
+  defaults = {"f": np.float64, "i": np.int64, "c": np.complex128}
+  return d.kind in defaults and d == jax.dtypes.canonicalize_dtype(defaults[d.kind])
+
+
+def weak_sensitive(wrapped, closed, state_args, dyn_args, limit=8, fast=True):
   """The leaves whose weak type changes the traced program (mixed precision: a
   weak Python float times a bfloat16 stays bfloat16, a float32 one does not),
   as ([(arg, leaf, weak)] of the run args, [(state arg, leaf, weak)]). Found by
@@ -119,7 +165,10 @@ def weak_sensitive(wrapped, closed, state_args, dyn_args, limit=8):
   set_state of a weak array, which nothing builds by accident). The first
   `limit` are flipped one by one - flipping two at once can cancel out (weak
   bf16 times weak f32 is f32 again) - and the rest together, all counted as
-  sensitive if that changes the program."""
+  sensitive if that changes the program. With `fast`, a program whose dtypes
+  make every weak type moot (weak_type_is_moot) is not traced again."""
+  if fast and weak_type_is_moot(closed.jaxpr):
+    return [], []
   base = _arithmetic(closed.jaxpr)
   groups = {"state": list(state_args), "dyn": list(dyn_args)}
   candidates = []

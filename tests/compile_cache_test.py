@@ -13,6 +13,7 @@ import time
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import tree_util
 
 import jaxsession as js
@@ -428,6 +429,79 @@ class PersistentCacheTest(absltest.TestCase):
   def test_enable_checks_its_argument(self):
     with self.assertRaises(TypeError):
       compile_cache.enable_persistent_cache(3)
+
+
+class WeakTypeCheckCostTest(absltest.TestCase):
+  """compile's weak-type check (session/tracing.py) traces the program again
+  per numeric run argument, unless no weak type can matter
+  (weak_type_is_moot: one default dtype, or bool, everywhere); the skip must
+  agree with the re-traces it replaces."""
+
+  @staticmethod
+  def programs():
+    f32 = lambda *s: jnp.asarray(np.random.default_rng(0).standard_normal(s), jnp.float32)
+    w = f32(4, 4)
+    scan = lambda x, s: jax.lax.scan(lambda c, _: (c * s + 1.0, c), x, None, length=3)
+    return [  # (name, fn, args, moot)
+        ("f32 mlp, weak scalar", lambda x, s: jnp.tanh(x @ w * s + 1) - 2, (f32(3, 4), 0.5),
+         True),
+        ("f32 mlp, strong scalar", lambda x, s: jnp.tanh(x @ w * s + 1), (f32(3, 4),
+                                                                          jnp.float32(0.5)),
+         True),
+        ("f32 where, comparisons", lambda x, s: jnp.where(x > s, x * 2, s), (f32(5), 0.1),
+         True),
+        ("f32 scan", lambda x, s: scan(x, s), (f32(4), 0.3), True),
+        ("f32 cond (an int32 branch index: not moot, checked by retracing)",
+         lambda x, s: jax.lax.cond(s > 0, lambda: x * s, lambda: x), (f32(4), 0.3), False),
+        ("int32 with python ints", lambda i, j: i * 2 + j // 3,
+         (jnp.arange(4, dtype=jnp.int32), 7), True),
+        ("bf16 times a weak f32", lambda x, lr: x * lr, (f32(3).astype(jnp.bfloat16), 0.1),
+         False),
+        ("f32 plus an int32 arange", lambda x, s: x * s + jnp.arange(3), (f32(3), 2.0), False),
+        ("int32 divided: f32", lambda i, s: i / s, (jnp.arange(3, dtype=jnp.int32), 2), False),
+        ("f16 mixed with f32", lambda x, s: x.astype(jnp.float16) * s, (f32(3), 0.5), False),
+    ]
+
+  def test_skip_agrees_with_the_retraces(self):
+    from jaxsession import tracing  # pylint: disable=import-outside-toplevel
+    for name, fn, args, moot in self.programs():
+      wrapped = tracing.stateful_fn(fn, name, args, (), list(range(len(args))), False)
+      closed = jax.make_jaxpr(wrapped)((), *args)
+      self.assertEqual(tracing.weak_type_is_moot(closed.jaxpr), moot, name)
+      slow = tracing.weak_sensitive(wrapped, closed, [], list(args), fast=False)
+      fast = tracing.weak_sensitive(wrapped, closed, [], list(args))
+      if moot:
+        self.assertEqual(slow, ([], []), name)
+        self.assertEqual(fast, ([], []), name)
+        # flipping every subset of the leaves at once changes nothing either
+        arithmetic = tracing._arithmetic  # pylint: disable=protected-access
+        base = arithmetic(closed.jaxpr)
+        avals = [jax.api_util.shaped_abstractify(a) for a in args]
+        for mask in range(1, 1 << len(args)):
+          flipped = [jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                          weak_type=a.weak_type ^ bool(mask >> k & 1))
+                     for k, a in enumerate(avals)]
+          again = jax.make_jaxpr(wrapped)((), *flipped)
+          self.assertEqual(arithmetic(again.jaxpr), base, f"{name}, flips {mask:b}")
+      else:
+        self.assertEqual(fast, slow, name)
+    self.assertNotEqual(slow, ([], []))  # the f16 program: its scalar's weak type matters
+
+  def test_compile_traces_an_all_float32_program_once(self):
+    traces = []
+
+    def f32_program(x, s):
+      traces.append(1)
+      return jnp.tanh(x * s) + 1.0
+    js.Session().compile(f32_program, jnp.ones((2, 3)), 0.5)
+    self.assertLen(traces, 1)
+    traces.clear()
+
+    def mixed(x, s):
+      traces.append(1)
+      return x * s
+    js.Session().compile(mixed, jnp.ones(3, jnp.bfloat16), 0.5)
+    self.assertGreater(len(traces), 1)  # the check traces again: the weak type matters
 
 
 if __name__ == "__main__":
