@@ -30,11 +30,16 @@ partition's outputs, and reports its start and end (and those of each
 transfer that runs as a step of its own):
 
         _t0 = now()
-        with TraceAnnotation(n0):           # "jaxsession graph 3 partition 0"
-            r2, = f0(r1)
-            r2.block_until_ready()          # the device work belongs to partition 0
-            del r1
-        done(0, _t0, now())
+        if _traced:                         # JAX's profiler is tracing (read per run)
+            with TraceAnnotation(n0):       # "jaxsession graph 3 partition 0"
+                r2, = f0(r1)
+                r2.block_until_ready()      # the device work belongs to partition 0
+                del r1
+        else:                               # the same statements, not annotated
+            ...
+        rec((G, 0, _t0, now(), 4096, 0))    # the record; live bytes from the plan
+
+(`done(0, _t0, now())` instead where the allocator is asked for live bytes.)
 """
 import time
 
@@ -79,7 +84,8 @@ def generate(program, conform_leaf, observed=False, profile=None):
   if profile is not None:
     namespace.update(now=time.perf_counter_ns, TraceAnnotation=jax.profiler.TraceAnnotation,
                      done=profile.partition_done, moved=profile.transfer_done,
-                     block=jax.block_until_ready)
+                     block=jax.block_until_ready, traced=profile.trace_active,
+                     rec=profile.record, G=profile.graph_id)
     timed = profile.timed_ops(program)
   fixed = set()
   for r, value in enumerate(program.template):
@@ -93,6 +99,8 @@ def generate(program, conform_leaf, observed=False, profile=None):
     lines.append(f"  {_names(state)} = state")
   if user:
     lines.append(f"  {_names(user)} = user")
+  if profile is not None:
+    lines.append("  _traced = traced()")  # JAX's profiler tracing: annotate
   keep = set(program.outputs)
   ops = program.ops
   group = []  # the statements of the current partition
@@ -107,18 +115,23 @@ def generate(program, conform_leaf, observed=False, profile=None):
                  f"moved({timed[k]}, _t1, now())"])
     group.extend(call)
     group.extend(f"r{r}.copy_to_host_async()" for r in op.prefetch)
-    if profile is not None and op.error is None:  # a device op: wait for its work
-      group.extend(f"r{r}.block_until_ready()" for r in op.outs)
+    if profile is not None and op.error is None and op.outs:  # a device op: wait for
+      group.append(f"r{op.outs[0]}.block_until_ready()")  # its work (one execution
+                                                         # makes every output ready)
     dead = [r for r in op.frees if r not in keep and r not in fixed]
     if dead:
       group.append(f"del {', '.join(f'r{r}' for r in dead)}")
     if k + 1 < len(ops) and ops[k + 1].partition == op.partition:
       continue
     if profile is not None:
-      namespace[f"n{op.partition}"] = profile.annotation(op.partition)
-      group = (["_t0 = now()", f"with TraceAnnotation(n{op.partition}):"]
+      k = op.partition
+      namespace[f"n{k}"] = profile.annotation(k)
+      live = None if profile.live is None else profile.live(k)
+      group = (["_t0 = now()", "if _traced:", f"  with TraceAnnotation(n{k}):"]
+               + [f"    {line}" for line in group] + ["else:"]
                + [f"  {line}" for line in group]
-               + [f"done({op.partition}, _t0, now())"])
+               + [f"done({k}, _t0, now())" if profile.live is None
+                  else f"rec((G, {k}, _t0, now(), {live!r}, 0))"])
     if observed:
       group.append(f"observe({op.partition})")
     lines.extend(f"  {line}" for line in group)
