@@ -13,6 +13,14 @@ Commands:
          sharded ZeRO-style (--state_specs); prints the losses beside
          single-device jax.jit, the per-device state bytes and the collectives.
 
+         demo --model decode: greedy decoding with the bundled GPT-style
+         decoder, the KV cache as session state, --tokens per run in one
+         dispatch (steps=N); tokens/s beside a per-token jax.jit loop that
+         reads each token on the host, and the profiler's tables.
+
+         demo --model serve: --requests batches of sizes 1..64 through auto
+         shape buckets; compiles, padding waste and requests/s beside jax.jit.
+
          demo --processes 2: launches 2 local processes on localhost, each
          with 2 CPU devices (--devices), joined by jax.distributed; each passes
          its half of every batch and the session trains across them. Process 0
@@ -51,6 +59,14 @@ flags.DEFINE_integer("processes", None, "demo: launch this many local processes 
 flags.DEFINE_enum("state_specs", "zero", ["zero", "replicated"],
                   "demo under a mesh: the state's layout (compile's state_specs): 'zero' shards "
                   "each state leaf on its largest axis that divides by the device count")
+flags.DEFINE_enum("model", "mlp", ["mlp", "decode", "serve"],
+                  "demo: mlp trains the MLP with Adam; decode runs greedy decoding with "
+                  "the KV cache as state; serve runs requests through auto shape buckets")
+flags.DEFINE_integer("tokens", 32, "demo --model decode: tokens per run (the cache holds 32)",
+                     lower_bound=1)
+flags.DEFINE_integer("requests", 200, "demo --model serve: requests", lower_bound=1)
+flags.DEFINE_integer("max_buckets", 7, "demo --model serve: auto buckets at most",
+                     lower_bound=1)
 flags.DEFINE_integer("timeout", 600, "demo --processes: seconds before the launcher kills the "
                      "processes (also their jax.distributed start-up timeout)", lower_bound=1)
 # Internal: what the launcher of `demo --processes` passes to each process it
@@ -363,6 +379,15 @@ def main(argv):
     print(f"error: unexpected arguments {args[1:]}; see --help", file=sys.stderr)
     return 2
   np.set_printoptions(precision=4)
+  if FLAGS.model != "mlp":
+    if FLAGS.processes is not None or FLAGS.devices is not None:
+      print(f"error: --model={FLAGS.model} runs on one device; --devices and --processes "
+            "train the MLP", file=sys.stderr)
+      return 2
+    from jaxsession import demo_models  # pylint: disable=g-import-not-at-top
+    if FLAGS.model == "decode":
+      return demo_models.decode(FLAGS.seed, FLAGS.tokens, FLAGS.repeats)
+    return demo_models.serve(FLAGS.seed, FLAGS.requests, FLAGS.max_buckets)
   if FLAGS.processes is not None:
     per_process = FLAGS.devices or 2
     if FLAGS.process_id is None:

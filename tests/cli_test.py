@@ -7,6 +7,7 @@ import sys
 
 from absl import flags
 from absl.testing import absltest
+from absl.testing import flagsaver
 
 from jaxsession import cli
 
@@ -35,6 +36,38 @@ class DemoTest(absltest.TestCase):
     self.assertLess(losses[-2], losses[0])  # the last one is the eval graph
     diff = float(re.search(r"plain jax.jit loop params\| = (\S+)", text).group(1))
     self.assertLess(diff, 1e-5)
+
+  def _demo(self, **flag_values):
+    out = io.StringIO()
+    with flagsaver.flagsaver(**flag_values), contextlib.redirect_stdout(out):
+      code = cli.main(["jaxsession", "demo"])
+    return code, out.getvalue()
+
+  def test_decode_demo(self):
+    code, text = self._demo(model="decode", tokens=8, repeats=1)
+    self.assertEqual(code, 0, text)
+    self.assertIn("equal to the per-token jax.jit loop's: yes", text)
+    self.assertIn("Session.run(steps=8), state on the device", text)
+    self.assertIn("Overhead summary", text)
+    self.assertIn("framework overhead", text)
+    tokens = re.search(r"tokens \(sequence 0\): \[([^\]]*)\]", text).group(1).split(",")
+    self.assertLen(tokens, 8)
+
+  def test_serve_demo(self):
+    code, text = self._demo(model="serve", requests=40, max_buckets=5)
+    self.assertEqual(code, 0, text)
+    self.assertIn("the caller sees exactly its rows (yes)", text)
+    compiles = int(re.search(r"auto buckets \(at most 5\)\s+(\d+)", text).group(1))
+    self.assertLessEqual(compiles, 5)
+    self.assertIn("measured waste", text)
+    worst = float(re.search(r"max \|session - jax.jit\| = (\S+)", text).group(1))
+    self.assertLess(worst, 1e-5)  # the dot's per-row rounding only (README)
+
+  def test_decode_and_serve_run_on_one_device(self):
+    err = io.StringIO()
+    with flagsaver.flagsaver(model="decode", devices=8), contextlib.redirect_stderr(err):
+      self.assertEqual(cli.main(["jaxsession", "demo"]), 2)
+    self.assertIn("runs on one device", err.getvalue())
 
   def test_unknown_command(self):
     err = io.StringIO()
