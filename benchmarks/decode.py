@@ -13,19 +13,13 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import common  # noqa: E402  (benchmarks/common.py)
 
 import jaxsession as js  # noqa: E402
+from jaxsession import demo_models  # noqa: E402
 from jaxsession.examples import transformer_decode as td  # noqa: E402
 
 flags.DEFINE_integer("tokens", 32, "tokens per decode (the cache holds 32)")
 flags.DEFINE_integer("calls", 20, "decodes per repeat")
 flags.DEFINE_integer("repeats", 7, "interleaved repeats (medians reported)")
 FLAGS = flags.FLAGS
-
-
-def greedy_step(params, cache, token, pos):
-  """One token: the state (cache, token, pos) advances; the token is output."""
-  cache, logits = td.decode_step(params, cache, token, pos)
-  nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return cache, nxt, pos + 1, nxt
 
 
 def main(argv):
@@ -36,8 +30,8 @@ def main(argv):
   steps = FLAGS.tokens
 
   sess = js.Session()
-  gid = sess.compile(lambda p, c, t, i: (p,) + greedy_step(p, c, t, i), params, cache0,
-                     token0, pos0, state_argnums=(0, 1, 2, 3))
+  gid = sess.compile(demo_models.greedy_step, params, cache0, token0, pos0,
+                     state_argnums=(0, 1, 2, 3))
 
   def session_decode():
     sess.set_state(gid, params, cache0, token0, pos0)
@@ -46,12 +40,7 @@ def main(argv):
   jitted = jax.jit(td.decode_step)
 
   def jit_decode():
-    cache, token, out = cache0, token0, []
-    for t in range(steps):
-      cache, logits = jitted(params, cache, token, np.int32(t))
-      token = np.asarray(jnp.argmax(logits, axis=-1)).astype(np.int32)  # read on the host
-      out.append(token)
-    return np.stack(out)
+    return demo_models.jit_decode(jitted, params, cache0, token0, steps)
 
   np.testing.assert_array_equal(np.asarray(session_decode()), jit_decode())
   samples = []

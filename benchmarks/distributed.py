@@ -105,20 +105,9 @@ def step_times(mesh, params, opt, batches):
   per_device = {}
   for specs in (None, "zero"):
     sess, gid = session(mesh, params, opt, batches[0], specs)
-    jitted, holder = gspmd_jit(mesh, sess, gid)
     calls = FLAGS.calls
-
-    def jit_loop():
-      for b in batches[:calls]:
-        holder[0], holder[1], loss = jitted(holder[0], holder[1], b)
-        loss.block_until_ready()  # see SYNC
-      return loss
-
-    def session_loop():
-      for b in batches[:calls]:
-        loss = sess.run(gid, b)
-        loss.block_until_ready()  # see SYNC
-      return loss
+    jit_loop, session_loop = call_loops(sess, gid, gspmd_jit(mesh, sess, gid),
+                                        batches[:calls])
 
     samples = []
     jit_us, sess_us = common.compare_us([jit_loop, session_loop], 1, FLAGS.repeats, warmup=2,
@@ -164,19 +153,7 @@ def sunk_vs_calls(mesh, params, opt, batches, stacked):
   """Table 4: 100 steps, three ways."""
   n = FLAGS.sunk
   sess, gid = session(mesh, params, opt, batches[0], None)
-  jitted, holder = gspmd_jit(mesh, sess, gid)
-
-  def jit_calls():
-    for b in batches[:n]:
-      holder[0], holder[1], loss = jitted(holder[0], holder[1], b)
-      loss.block_until_ready()  # see SYNC
-    return loss
-
-  def session_calls():
-    for b in batches[:n]:
-      loss = sess.run(gid, b)
-      loss.block_until_ready()  # see SYNC
-    return loss
+  jit_calls, session_calls = call_loops(sess, gid, gspmd_jit(mesh, sess, gid), batches[:n])
 
   def session_sunk():
     return sess.run(gid, stacked, steps=n)
@@ -190,6 +167,25 @@ def sunk_vs_calls(mesh, params, opt, batches, stacked):
           (f"one Session.run(steps={n}) (loop sink)", f"{sunk_us / n:.0f}",
            f"{common.paired_ratio(samples[2], samples[0]):.2f}x")]
   return rows
+
+
+def call_loops(sess, gid, jit_and_holder, batches):
+  """(a jax.jit loop, a Session.run loop) over `batches`, one call a step,
+  each step's loss waited for (see SYNC)."""
+  jitted, holder = jit_and_holder
+
+  def jit_loop():
+    for b in batches:
+      holder[0], holder[1], loss = jitted(holder[0], holder[1], b)
+      loss.block_until_ready()
+    return loss
+
+  def session_loop():
+    for b in batches:
+      loss = sess.run(gid, b)
+      loss.block_until_ready()
+    return loss
+  return jit_loop, session_loop
 
 
 def main(argv):

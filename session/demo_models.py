@@ -21,12 +21,25 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _greedy_step(params, cache, token, pos):
-  """One token: the state (cache, token, position) advances, the token is output."""
+def greedy_step(params, cache, token, pos):
+  """One token, everything state: (params, cache, token, position) in, the
+  same advanced and the token out. The params are state too: resident,
+  never passed to `run`."""
   from jaxsession.examples import transformer_decode as td
   cache, logits = td.decode_step(params, cache, token, pos)
   nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return cache, nxt, pos + 1, nxt
+  return params, cache, nxt, pos + 1, nxt
+
+
+def jit_decode(jitted, params, cache, token, tokens):
+  """The usual loop: `jitted` (jax.jit of decode_step) per token, each token
+  read on the host to feed the next step; the tokens, stacked."""
+  out = []
+  for t in range(tokens):
+    cache, logits = jitted(params, cache, token, np.int32(t))
+    token = np.asarray(jnp.argmax(logits, axis=-1)).astype(np.int32)  # read on the host
+    out.append(token)
+  return np.stack(out)
 
 
 def _median_rate(fn, units, repeats):
@@ -51,13 +64,10 @@ def decode(seed, tokens, repeats, say=print):
     return 2
   token0, pos0 = jnp.array([3, 7], jnp.int32), jnp.int32(0)
 
-  def stateful(p, c, t, i):  # the params are state too: resident, never passed
-    return (p,) + _greedy_step(p, c, t, i)
-
   sessions = {}
   for profiled in (False, True):
     sess = js.Session(js.SessionOptions(enable_profiling=profiled))
-    gid = sess.compile(stateful, params, cache0, token0, pos0, state_argnums=(0, 1, 2, 3),
+    gid = sess.compile(greedy_step, params, cache0, token0, pos0, state_argnums=(0, 1, 2, 3),
                        name="greedy_step")
     sessions[profiled] = (sess, gid)
   sess, gid = sessions[False]
@@ -68,25 +78,20 @@ def decode(seed, tokens, repeats, say=print):
 
   jitted = jax.jit(td.decode_step)
 
-  def jit_decode():
-    cache, token, out = cache0, token0, []
-    for t in range(tokens):
-      cache, logits = jitted(params, cache, token, np.int32(t))
-      token = np.asarray(jnp.argmax(logits, axis=-1)).astype(np.int32)  # read on the host
-      out.append(token)
-    return np.stack(out)
+  def jit_loop():
+    return jit_decode(jitted, params, cache0, token0, tokens)
 
-  got, want = np.asarray(session_decode()), jit_decode()
+  got, want = np.asarray(session_decode()), jit_loop()
   same = np.array_equal(got, want)
   say(f"greedy decode, {tokens} tokens x batch {token0.shape[0]}, "
       f"{len(params['layers'])}-layer decoder, random weights")
   say(f"  tokens (sequence 0): {got[:, 0].tolist()}")
   say(f"  equal to the per-token jax.jit loop's: {'yes' if same else 'NO'}")
-  for fn in (session_decode, jit_decode):  # warm up
+  for fn in (session_decode, jit_loop):  # warm up
     jax.block_until_ready(fn())
   rates = {"jax.jit per token, token read on the host": [],
            f"Session.run(steps={tokens}), state on the device": []}
-  fns = [jit_decode, session_decode]
+  fns = [jit_loop, session_decode]
   for _ in range(repeats):  # interleaved
     for name, fn in zip(rates, fns):
       rates[name].append(_median_rate(fn, tokens, 1))

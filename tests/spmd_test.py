@@ -13,6 +13,17 @@ from absl.testing import absltest
 from tests.subproc import run_json
 
 
+# Snippets' helper: what `fn()` raised, as [type name, text], or None.
+HELPERS = r"""
+def err(fn):
+  try:
+    fn()
+  except Exception as exc:  # the test checks the type and the text
+    return [type(exc).__name__, str(exc)]
+  return None
+"""
+
+
 class SnippetTest(absltest.TestCase):
   """Runs the class's SNIPPET once, in a subprocess with 8 CPU devices; the
   tests read what it printed (`self.out`)."""
@@ -21,7 +32,7 @@ class SnippetTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.out = run_json(cls.SNIPPET)
+    cls.out = run_json(HELPERS + cls.SNIPPET)
 
 TRAIN = r"""
 import json, warnings
@@ -236,12 +247,6 @@ from jaxsession import errors
 mesh = Mesh(np.array(jax.devices()), ("data",))
 rng = np.random.default_rng(11)
 out = {}
-def err(fn):
-  try:
-    fn()
-  except Exception as exc:  # the test checks the type and the text
-    return [type(exc).__name__, str(exc)]
-  return None
 
 def step(w, x, scale):
   loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
@@ -476,12 +481,6 @@ import jaxsession as js
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
 rng = np.random.default_rng(5)
 out = {}
-def err(fn):
-  try:
-    fn()
-  except Exception as exc:  # the test checks the type and the text
-    return [type(exc).__name__, str(exc)]
-  return None
 x = rng.standard_normal((16, 4)).astype(np.float32)
 
 # swapping two leaves of different layouts in a sunk run keeps each slot's layout
