@@ -552,6 +552,18 @@ def host_then_grad(w, x):  # the batch mean before the callback: an all-reduce
 hid = s1.compile(host_then_grad, w, xs1, state_argnums=0)
 out["plan_collectives"] = [c.kind for c in s1.report(hid).collectives]
 
+# ZeRO stage 1 proper: params replicated, only the optimizer state sharded
+def sgd_momentum(p, m, x):
+  g = jax.grad(lambda p: jnp.mean((x @ p) ** 2))(p)
+  m = 0.9 * m + g
+  return p - 0.1 * m, m, jnp.sum(x)
+p8 = rng.standard_normal((4, 8)).astype(np.float32)
+zid = s1.compile(sgd_momentum, p8, np.zeros_like(p8), xs1, state_argnums=(0, 1),
+                 state_specs=(None, "zero"))
+float(s1.run(zid, xs1))
+zp, zm = s1.get_state(zid)
+out["zero1_specs"] = [str(zp.sharding.spec), str(zm.sharding.spec)]
+
 # bad specs and deleted arrays are InputErrors naming where
 out["dup_axis"] = err(lambda: sess.compile(swap, s0, x, state_argnums=0, in_specs=(P("data", "data"),)))
 gone = jnp.array(s0["a"])
@@ -588,6 +600,11 @@ class SpmdRegressionTest(SnippetTest):
 
   def test_collectives_of_a_plan_with_host_partitions(self):
     self.assertIn("all-reduce", self.out["plan_collectives"])
+
+  def test_zero_on_the_optimizer_state_only(self):
+    params_spec, moment_spec = self.out["zero1_specs"]
+    self.assertNotIn("data", params_spec)
+    self.assertIn("'data'", moment_spec)
 
   def test_errors(self):
     self.assertEqual(self.out["dup_axis"][0], "InputError")
