@@ -22,6 +22,8 @@ import collections
 import dataclasses
 from typing import Dict, List, Tuple
 
+import numpy as np
+
 from jaxsession.ir import Literal, aval_bytes, aval_str
 
 
@@ -124,8 +126,8 @@ def live_ranges(graph, partitions):
 def estimate(part, platform):
   """The session's figure for a partition: the device bytes of its arguments
   and outputs plus the largest set of its own intermediates live at once."""
-  args = sum(aval_bytes(v.aval) for v in part.inputs if device_resident(v, platform))
-  outs = sum(aval_bytes(v.aval) for v in part.outputs if device_resident(v, platform))
+  args = sum(value_bytes(v) for v in part.inputs if device_resident(v, platform))
+  outs = sum(value_bytes(v) for v in part.outputs if device_resident(v, platform))
   if part.place == "host":
     return args + outs
   exported = {v.id for v in part.outputs}
@@ -139,11 +141,22 @@ def estimate(part, platform):
   for pos, node in enumerate(part.nodes):
     for out in node.outputs:
       if out.id not in exported:
-        live += aval_bytes(out.aval)
-        dies[last.get(out.id, pos)] += aval_bytes(out.aval)
+        live += value_bytes(out)
+        dies[last.get(out.id, pos)] += value_bytes(out)
     peak = max(peak, live)
     live -= dies[pos]
   return args + outs + peak
+
+
+def value_bytes(value):
+  """Bytes one device holds of `value`: under a mesh, one shard of a value
+  whose layout the session fixed (inputs, state, the all-reduce plan's
+  values); otherwise, and for values XLA lays out, the whole value."""
+  sharding = getattr(value, "sharding", None)
+  if sharding is None or not hasattr(sharding, "shard_shape"):
+    return aval_bytes(value.aval)
+  shape = sharding.shard_shape(tuple(value.aval.shape))
+  return int(np.prod(shape, dtype=np.int64)) * int(value.aval.dtype.itemsize)
 
 
 def node_floor(nodes, platform="cpu"):
@@ -155,14 +168,16 @@ def node_floor(nodes, platform="cpu"):
                if not isinstance(v, Literal) and device_resident(v, platform)}
     if node.op != "transfer_d2h":  # on CPU its result is its operand's buffer
       touched.update((o.id, o) for o in node.outputs if device_resident(o, platform))
-    bound = max(bound, sum(aval_bytes(v.aval) for v in touched.values()))
+    bound = max(bound, sum(value_bytes(v) for v in touched.values()))
   return bound
 
 
 def lower_bound(graph, platform="cpu"):
   """Device bytes any schedule must hold at once: all graph inputs, or one
   node's operands and results."""
-  inputs = sum(aval_bytes(v.aval) for v in graph.inputs if device_resident(v, platform))
+  inputs = sum(value_bytes(v) for v in graph.inputs if device_resident(v, platform))
+  if graph.mesh is not None:  # an intermediate's layout is XLA's: no per-device floor
+    return inputs
   return max(inputs, node_floor(graph.nodes, platform))
 
 
@@ -263,7 +278,7 @@ def _key(value):
 def partition_figures(graph, partitions, ranges, figures, platform):
   """[PartitionMemory] and the planned peak, from each partition's figure
   ((bytes, source) by index) and the device values live across it."""
-  sizes = {v.id: aval_bytes(v.aval) for v in graph.values()
+  sizes = {v.id: value_bytes(v) for v in graph.values()
            if device_resident(v, platform)}
   rows, peak = [], 0
   for part in partitions:
@@ -288,7 +303,7 @@ def plan_memory(graph, partitions, allow_donation=True, platform="cpu"):
   rows, peak = partition_figures(graph, partitions, ranges, figures, platform)
   return MemoryPlan(
       live_ranges=ranges, peak_bytes=peak, lower_bound_bytes=lower_bound(graph, platform),
-      donated_bytes=sum(aval_bytes(d.state.aval) for d in donations + intermediates
+      donated_bytes=sum(value_bytes(d.state) for d in donations + intermediates
                         if d.donated),
       donations=donations, intermediate_donations=intermediates, partitions=rows)
 
@@ -304,6 +319,9 @@ def refine(plan, graph, partitions, analyses, platform="cpu"):
     else:
       xla = (stats.argument_size_in_bytes + stats.output_size_in_bytes
              + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+      if graph.mesh is not None:  # per device, as XLA reports it; the node floor
+        figures[part.index] = (xla, "xla memory_analysis, per device")  # is global
+        continue
       floor = node_floor(part.nodes, platform)
       # XLA:CPU reports no temporaries for some programs whose nodes plainly
       # need them (a chain of matmuls): never plan below one node's operands

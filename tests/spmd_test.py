@@ -564,6 +564,18 @@ float(s1.run(zid, xs1))
 zp, zm = s1.get_state(zid)
 out["zero1_specs"] = [str(zp.sharding.spec), str(zm.sharding.spec)]
 
+# the memory plan under a mesh is per device
+def tanh_step(w, x):
+  loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+  return w - 0.1 * g, loss
+wm, xm = np.ones((64, 128), np.float32), np.ones((256, 64), np.float32)
+mem = {}
+for name, options in (("mesh", js.SessionOptions(mesh=mesh1)), ("one", js.SessionOptions())):
+  s3 = js.Session(options)
+  g3 = s3.compile(tanh_step, wm, xm, state_argnums=0, state_specs="zero" if name == "mesh" else None)
+  mem[name] = list(s3.report(g3).memory) + [str(s3.report(g3))]
+out["memory"] = mem
+
 # bad specs and deleted arrays are InputErrors naming where
 out["dup_axis"] = err(lambda: sess.compile(swap, s0, x, state_argnums=0, in_specs=(P("data", "data"),)))
 gone = jnp.array(s0["a"])
@@ -605,6 +617,15 @@ class SpmdRegressionTest(SnippetTest):
     params_spec, moment_spec = self.out["zero1_specs"]
     self.assertNotIn("data", params_spec)
     self.assertIn("'data'", moment_spec)
+
+  def test_the_memory_plan_is_per_device(self):
+    peak, donated, bound, text = self.out["memory"]["mesh"]
+    one_peak, one_donated, one_bound, _ = self.out["memory"]["one"]
+    self.assertEqual(donated * 8, one_donated)  # the "zero" state: one shard each
+    self.assertEqual(bound, (64 * 128 + 256 * 64) * 4 // 8)  # inputs, one shard each
+    self.assertLess(peak, one_peak)
+    self.assertGreaterEqual(peak, bound)
+    self.assertIn("per device", text)
 
   def test_errors(self):
     self.assertEqual(self.out["dup_axis"][0], "InputError")
