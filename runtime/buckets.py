@@ -136,11 +136,15 @@ def check_spec(buckets, positions, max_buckets, hint):
     raise InputError("compile: every bucketed argument shares one batch axis: give them "
                      "the same bucket list (or all 'auto')")
   if hint is not None:
-    try:
-      hint = [int(s) for s in hint]
-    except (TypeError, ValueError):
-      raise InputError(f"compile: bucket_sizes_hint must be a list of sizes, got "
-                       f"{hint!r}") from None
+    if AUTO not in kinds:
+      raise InputError("compile: bucket_sizes_hint is for buckets='auto'; the buckets "
+                       "here are a fixed list")
+    if isinstance(hint, (str, bytes, dict)) or not all(
+        isinstance(s, numbers.Integral) and not isinstance(s, bool)
+        for s in (hint if isinstance(hint, (list, tuple, np.ndarray)) else [None])):
+      raise InputError(f"compile: bucket_sizes_hint must be a list of int sizes (the "
+                       f"batch sizes seen), got {hint!r}")
+    hint = [int(s) for s in hint]
     if not hint or min(hint) < 1:
       raise InputError(f"compile: bucket_sizes_hint must hold sizes >= 1, got {hint!r}")
   return checked, hint
@@ -208,7 +212,8 @@ class BucketPolicy:
   def target(self, n, compiled=()):
     """The size to run a batch of n rows at (n itself: exact); `compiled`:
     the sizes that have an executable already."""
-    self.seen[n] += 1
+    if n:  # an empty batch runs on the smallest bucket; it takes no bucket slot
+      self.seen[n] += 1
     self.rows += n
     if self.sizes is None:  # learning the traffic: pad to the learning bucket
       if self.learning is None or n > self.learning:

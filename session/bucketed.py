@@ -41,6 +41,7 @@ class BucketedGraph:
     self.signatures = []              # the probe traces' programs, row count named
     self.released = False
     self.lock = threading.Lock()
+    self.where = f"run(graph '{name}')"  # with the public id once it has one
 
   # -- compile --------------------------------------------------------------
   def check_graph(self, graph, spec):
@@ -141,20 +142,49 @@ class BucketedGraph:
         dtype = getattr(leaf, "dtype", None)
         if len(shape) <= axis or shape[axis + 1:] != tuple(want.shape[1:]) or (
             dtype is not None and np.dtype(dtype) != np.dtype(want.dtype)):
+          got = (f"{dtype}{list(shape)}" if dtype is not None else
+                 f"a Python {type(leaf).__name__} ({leaf!r})")
           raise InputError(
-              f"run(graph '{self.name}'): bucketed argument {i} has a leaf "
-              f"{dtype}{list(shape)}; expected {want.dtype}[n, "
+              f"{self.where}: bucketed argument {i} (position "
+              f"{self.positions[self.run_index.index(i)]} of the function) has a leaf "
+              f"{got}; expected {want.dtype}[n, "
               f"{', '.join(map(str, want.shape[1:]))}] with the batch on axis {axis}")
         sizes.add(shape[axis])
     if len(sizes) > 1:
-      raise InputError(f"run(graph '{self.name}'): the bucketed arguments disagree on "
+      raise InputError(f"{self.where}: the bucketed arguments disagree on "
                        f"the batch size: {sorted(sizes)}")
     return sizes.pop() if sizes else None
 
+  def precheck(self, args, steps):
+    """What the bucket's run would refuse, refused first - the arity, each
+    argument's structure, the other arguments' leaves - so that a failed
+    run neither counts in the traffic nor compiles a bucket."""
+    spec = self.session._entry(next(iter(self.sizes.values()))).spec
+    spec.check_arity(args)
+    for i, arg in enumerate(args):
+      leaves, treedef = tree_util.tree_flatten(arg)
+      if treedef != spec.treedefs[i]:
+        spec.conform(args)  # raises the InputError naming the argument
+      if i not in self.run_index:
+        for j, leaf in enumerate(leaves):
+          spec._conform_leaf(i, j, leaf, steps)  # pylint: disable=protected-access
+
   def run(self, args, steps=None):
+    """A bucketed run; errors name the graph the user compiled (not the
+    bucket's sub-graph)."""
+    try:
+      return self._run(args, steps)
+    except InputError as exc:
+      text = _SUB_GRAPH.sub(self.where, str(exc))
+      if text == str(exc):
+        raise
+      raise InputError(text) from None
+
+  def _run(self, args, steps):
     axis = 0 if steps is None else 1
+    self.precheck(args, steps)
     n = self.batch_size(args, axis)
-    if n is None:  # the arity is wrong: the first executable's run says how
+    if n is None:  # nothing left unchecked: the first bucket's run says what is wrong
       return self.session.run(next(iter(self.sizes.values())), *args, steps=steps)
     size = self.policy.target(n, self.sizes)
     gid = self.executable(size)
@@ -233,6 +263,10 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
   if session.options.precompile_buckets:
     dispatcher.precompile()
   return session._bucketed_entry(name, first_gid[0], dispatcher)
+
+
+# A bucket sub-graph's name in an error: "run(graph 3 'step[batch 32]')".
+_SUB_GRAPH = re.compile(r"run\(graph \d+ '[^']*\[batch \d+\]'\)")
 
 
 def _paddable(dtype):

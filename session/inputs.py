@@ -36,9 +36,10 @@ def is_weak(x):
 
 def python_scalar(x, dtype):
   """`x` (a Python scalar) as a 0-d array of `dtype`, converted the way jax.jit
-  converts it (a float rounds to the float type), or None when that would
-  change its kind or its value: a float for an int, an int past the int's
-  range or not exact in the float type, a bool for anything but a bool."""
+  converts it (a float rounds to the float type), or None when jax.jit would
+  trace another program for it or the value would change: a float for an
+  int, an int for a float or complex (jax.jit traces a weak int: int
+  arithmetic), an int past the int's range, a bool for anything but a bool."""
   dtype = np.dtype(dtype)
   kind = ("f" if jax.numpy.issubdtype(dtype, jax.numpy.floating) else
           "c" if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating) else dtype.kind)
@@ -48,9 +49,7 @@ def python_scalar(x, dtype):
     if kind in "iu":
       info = np.iinfo(dtype)
       return np.asarray(x, dtype) if info.min <= x <= info.max else None
-    with np.errstate(over="ignore"):
-      converted = np.asarray(x, dtype)
-    return converted if np.isfinite(converted) and int(converted.real) == x else None
+    return None
   if isinstance(x, float):
     if kind not in "fc":
       return None
@@ -153,6 +152,11 @@ class ArgSpec:
                            f"{aval_str(want)} laid out as {target.spec}: {exc}") from None
     if isinstance(x, _PY_SCALARS) and leading is None and shape == ():
       converted = python_scalar(x, want.dtype)
+      if converted is None and type(x) is int and jax.numpy.issubdtype(want.dtype,
+                                                                        jax.numpy.inexact):
+        raise InputError(f"{place}: Python int {x!r} where {aval_str(want)} was compiled: "
+                         "jax.jit would trace int arithmetic for it (another program); "
+                         f"pass {float(x)!r} or an array of that dtype")
       if converted is None:
         raise InputError(f"{place}: Python scalar {x!r} does not fit {aval_str(want)} "
                          "(jax.jit would compile another program for it; pass an array "

@@ -359,6 +359,7 @@ class Session:
     with self._lock:
       gid = next(self._ids)
       self._graphs[gid] = entry
+    dispatcher.where = f"run(graph {gid} '{name}')"
     return gid
 
   # -- run ----------------------------------------------------------------

@@ -155,18 +155,17 @@ def weak_type_is_moot(jaxpr):
   return d.kind in defaults and d == jax.dtypes.canonicalize_dtype(defaults[d.kind])
 
 
-def weak_sensitive(wrapped, closed, state_args, dyn_args, limit=8, fast=True):
+def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
   """The leaves whose weak type changes the traced program (mixed precision: a
   weak Python float times a bfloat16 stays bfloat16, a float32 one does not),
   as ([(arg, leaf, weak)] of the run args, [(state arg, leaf, weak)]). Found by
   tracing again with weak types flipped, no user code running. Candidates are
   the run args' numeric leaves and the state's scalar or weakly typed leaves
   (strongly typed state arrays, the parameters, only change type through
-  set_state of a weak array, which nothing builds by accident). The first
-  `limit` are flipped one by one - flipping two at once can cancel out (weak
-  bf16 times weak f32 is f32 again) - and the rest together, all counted as
-  sensitive if that changes the program. With `fast`, a program whose dtypes
-  make every weak type moot (weak_type_is_moot) is not traced again."""
+  set_state of a weak array, which nothing builds by accident). Each is
+  flipped on its own: flipping two at once can cancel out (weak bf16 times
+  weak f32 is f32 again). With `fast`, a program whose dtypes make every weak
+  type moot (weak_type_is_moot) is not traced again."""
   if fast and weak_type_is_moot(closed.jaxpr):
     return [], []
   base = _arithmetic(closed.jaxpr)
@@ -189,10 +188,7 @@ def weak_sensitive(wrapped, closed, state_args, dyn_args, limit=8, fast=True):
     traced = jax.make_jaxpr(wrapped)(tuple(flipped["state"]), *flipped["dyn"])
     return _arithmetic(traced.jaxpr) != base
 
-  found = [c for c in candidates[:limit] if changes([c])]
-  rest = candidates[limit:]
-  if rest and changes(rest):
-    found += rest
+  found = [c for c in candidates if changes([c])]
   pick = lambda group: [(i, j, bool(aval.weak_type)) for g, i, j, aval in found if g == group]
   return pick("dyn"), pick("state")
 

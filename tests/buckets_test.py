@@ -366,5 +366,44 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
       self.assertEqual((out + jnp.ones(3, jnp.bfloat16)).dtype, jnp.bfloat16)
 
 
+class FailedRunTest(absltest.TestCase):
+  """A bucketed run that fails changes nothing: no traffic counted, no
+  bucket compiled, errors naming the graph the user compiled."""
+
+  def test_failed_runs_leave_the_policy_and_the_buckets(self):
+    sess = js.Session()
+    scale = jnp.asarray(RNG.standard_normal(F), jnp.float32)
+    gid = sess.compile(lambda s, c, x: (s, c + 1, rowwise(s, x)[0]), scale, jnp.int32(0),
+                       _rows(5), state_argnums=(0, 1), buckets={2: "auto"})
+    sess.run(gid, _rows(5))
+    dispatcher = sess.report(gid).buckets
+    before = (dispatcher.describe(), sorted(dispatcher.sizes), sess.get_state(gid)[1])
+    bad = [(_rows(100), 1.0), (), (_rows(100).astype(jnp.int32),), ({"x": _rows(3)},)]
+    for args in bad:
+      with self.assertRaises(InputError) as caught:
+        sess.run(gid, *args)
+      self.assertIn(f"run(graph {gid} ", str(caught.exception))
+      self.assertNotIn("[batch", str(caught.exception))
+    after = (dispatcher.describe(), sorted(dispatcher.sizes), sess.get_state(gid)[1])
+    self.assertEqual(before[:2], after[:2])
+    self.assertEqual(int(before[2]), int(after[2]))
+
+  def test_empty_batches_take_no_bucket(self):
+    policy = policy_lib.BucketPolicy.make("auto", 3, [8, 16, 16])
+    self.assertEqual(policy.target(0), 8)
+    self.assertNotIn(0, policy.seen)
+
+  def test_bad_hints(self):
+    sess = js.Session()
+    for hint, text in (("64", "list of int sizes"), ([3.7, 9.2], "list of int sizes"),
+                       ({8: 1}, "list of int sizes"), ([True, 2], "list of int sizes")):
+      with self.assertRaisesRegex(InputError, text):
+        sess.compile(rowwise, jnp.ones(F), _rows(5), buckets={1: "auto"},
+                     bucket_sizes_hint=hint)
+    with self.assertRaisesRegex(InputError, "for buckets='auto'"):
+      sess.compile(rowwise, jnp.ones(F), _rows(5), buckets={1: [8, 16]},
+                   bucket_sizes_hint=[8])
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -504,5 +504,22 @@ class WeakTypeCheckCostTest(absltest.TestCase):
     self.assertGreater(len(traces), 1)  # the check traces again: the weak type matters
 
 
+class ManyScalarArgumentsTest(absltest.TestCase):
+
+  def test_a_weak_type_past_the_eighth_argument_is_still_guarded(self):
+    # flipping x and y together cancels out (weak bf16 times weak f32 is f32):
+    # each candidate is traced on its own, however many there are
+    def f(d0, d1, d2, d3, d4, d5, d6, d7, x, y):
+      return x * y, d0 + d1 + d2 + d3 + d4 + d5 + d6 + d7
+    ds = [jnp.float32(i) for i in range(8)]
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(3), jnp.bfloat16)
+    sess = js.Session()
+    gid = sess.compile(f, *ds, x, jnp.float32(1.3))
+    got = sess.run(gid, *ds, x, jnp.float32(1.3))[0]
+    np.testing.assert_array_equal(got, jax.jit(f)(*ds, x, jnp.float32(1.3))[0])
+    with self.assertRaisesRegex(js.InputError, "argument 9 .* weakly typed"):
+      sess.run(gid, *ds, x, 1.3)  # jax.jit gives bf16 here, the graph f32
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -88,7 +88,14 @@ class BadInputTest(absltest.TestCase):
   def test_python_scalar_is_accepted_where_exact(self):
     sess = js.Session()
     gid = sess.compile(lambda x, s: x * s, jnp.arange(3.0), 2.5)
-    np.testing.assert_allclose(sess.run(gid, jnp.arange(3.0) + 1, 2), [2.0, 4.0, 6.0])
+    np.testing.assert_allclose(sess.run(gid, jnp.arange(3.0) + 1, 2.0), [2.0, 4.0, 6.0])
+    # an int where a float was compiled: jax.jit would trace int arithmetic
+    # (x // 2 differs), so it is refused rather than converted
+    with self.assertRaisesRegex(js.InputError, r"Python int 2 .*f32\[\].*pass 2\.0"):
+      sess.run(gid, jnp.arange(3.0), 2)
+    gf = sess.compile(lambda x: x // 2 + x, jnp.float32(1.0))
+    with self.assertRaisesRegex(js.InputError, "Python int 7"):
+      sess.run(gf, 7)
     gi = sess.compile(lambda x, k: x + k, jnp.arange(3), jnp.int32(2))
     with self.assertRaisesRegex(js.InputError, r"Python scalar 2.5 does not fit i32"):
       sess.run(gi, jnp.arange(3), 2.5)
