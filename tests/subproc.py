@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+from absl.testing import absltest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRELUDE = """
@@ -31,3 +33,25 @@ def run_json(code, devices=8, x64=False, timeout=600, env=None, args=()):
     raise AssertionError(f"subprocess printed no JSON:\n{proc.stdout[-3000:]}\n"
                          f"{proc.stderr[-3000:]}")
   return json.loads(lines[-1])
+
+
+# Snippets' helper: what `fn()` raised, as [type name, text], or None.
+HELPERS = r"""
+def err(fn):
+  try:
+    fn()
+  except Exception as exc:  # the test checks the type and the text
+    return [type(exc).__name__, str(exc)]
+  return None
+"""
+
+
+class SnippetTest(absltest.TestCase):
+  """Runs the class's SNIPPET once, in a subprocess with 8 CPU devices; the
+  tests read what it printed (`self.out`)."""
+  SNIPPET = None
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.out = run_json(HELPERS + cls.SNIPPET)
