@@ -205,7 +205,7 @@ class TwoProcessTrainingTest(absltest.TestCase):
         # The next good run continues from the untouched state: its loss is
         # the reference's, which never saw a bad batch.
         np.testing.assert_allclose(proc[key]["losses"][-1], self.single[key]["losses"][-1],
-                                   rtol=1e-6)
+                                   rtol=1e-6)  # gloo's summation order: the docstring
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 fix (found by reviews), plus per-compile XLA options."""
 from absl.testing import absltest
 
-from tests.subproc import SnippetTest
+from tests.subproc import HELPERS, SnippetTest, run_json
 
 REGRESSIONS = r"""
 import json
@@ -181,6 +181,66 @@ class CompilerOptionsTest(absltest.TestCase):
     twice = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("a", "a"))
     with self.assertRaisesRegex(js.errors.InputError, "names an axis twice"):
       js.SessionOptions(mesh=twice)
+
+
+  def test_the_gpu_combine_threshold_is_set_per_compile(self):
+    # what Build passes to XLA on GPU (no GPU here: the options, not XLA's use)
+    import jax  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import jaxsession as js  # pylint: disable=g-import-not-at-top
+    from jaxsession import spmd  # pylint: disable=g-import-not-at-top
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    options = js.SessionOptions(mesh=mesh, allreduce_bucket_bytes=1 << 20,
+                                compiler_options={"xla_cpu_enable_fast_math": False})
+    self.assertEqual(spmd.compiler_options(options, "gpu"),
+                     {"xla_cpu_enable_fast_math": False,
+                      "xla_gpu_all_reduce_combine_threshold_bytes": 1 << 20})
+    self.assertEqual(spmd.compiler_options(options, "cpu"),
+                     {"xla_cpu_enable_fast_math": False})
+
+
+X64 = r"""
+import json
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import jaxsession as js
+
+mesh = Mesh(np.array(jax.devices()), ("data",))
+rng = np.random.default_rng(2)
+def step(s, x, k):
+  # elementwise per shard: the same arithmetic as jax.jit, so bit for bit
+  return {"f": s["f"] * x + 1e-300, "i": s["i"] + k}, jnp.where(x > 0, x, -x) * 2.5
+s0 = {"f": rng.standard_normal(16), "i": rng.integers(-2**62, 2**62, 16)}
+x = np.array([-0.0, 0.0, np.nan, np.inf, -np.inf, 1e308, 5e-324, 3.0] * 2)
+k = np.int64(2**40 + 3)
+sess = js.Session(js.SessionOptions(mesh=mesh))
+gid = sess.compile(step, s0, x, k, state_argnums=0, state_specs="zero")
+got = [sess.run(gid, x, k) for _ in range(2)]
+ref, want = s0, []
+for _ in range(2):
+  ref, y = jax.jit(step)(ref, x, k)
+  want.append(y)
+state = sess.get_state(gid)[0]
+out = dict(
+    outputs=[np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(got, want)],
+    state=[np.asarray(state[n]).tobytes() == np.asarray(ref[n]).tobytes() for n in ("f", "i")],
+    dtypes=[str(state["f"].dtype), str(state["i"].dtype)],
+    spec=str(state["f"].sharding.spec),
+    weak=err(lambda: sess.run(gid, x, 7)))
+print(json.dumps(out))
+"""
+
+
+class X64MeshTest(absltest.TestCase):
+
+  def test_float64_int64_and_specials_bit_for_bit(self):
+    out = run_json(HELPERS + X64, x64=True)
+    self.assertEqual(out["outputs"], [True, True])
+    self.assertEqual(out["state"], [True, True])
+    self.assertEqual(out["dtypes"], ["float64", "int64"])
+    self.assertIn("'data'", out["spec"])
+    # a Python int where an int64 array was compiled: converted, it fits
+    self.assertIsNone(out["weak"])
 
 
 if __name__ == "__main__":

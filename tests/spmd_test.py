@@ -286,6 +286,7 @@ def constrained(w, x):
   return w, jnp.sum(h * 2.0, axis=0)
 cid = sess.compile(constrained, w0, x, state_argnums=0)
 out["constraint_kept"] = [n.op for n in sess.graph(cid).nodes].count("sharding_constraint")
+# the sum over the batch crosses devices: summation order only, 1e-6 relative
 out["constraint_equal"] = bool(np.allclose(np.asarray(sess.run(cid, x)),
                                            np.asarray(jax.jit(constrained)(w0, x)[1]), rtol=1e-6))
 
