@@ -149,10 +149,6 @@ def stacked(sharding):
   return NamedSharding(sharding.mesh, P(None, *sharding.spec))
 
 
-def is_multiprocess(sharding):
-  return not sharding.is_fully_addressable
-
-
 def global_array(x, sharding):
   """The global array of a process-local piece `x` (many processes)."""
   if isinstance(x, jax.Array) and x.sharding == sharding:

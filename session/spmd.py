@@ -29,9 +29,9 @@ class MeshLayout:
   compiler_options: Optional[dict]
 
   def describe(self):
-    """Lines for the report: the mesh and what each leaf holds."""
-    return [f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} devices"
-            f"{' in ' + str(jax.process_count()) + ' processes' if self.local_pieces else ''}"]
+    """The mesh, for the report."""
+    return (f"mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} devices"
+            f"{' in ' + str(jax.process_count()) + ' processes' if self.local_pieces else ''}")
 
 
 def check_no_specs(options, in_specs, state_specs):
@@ -161,7 +161,7 @@ def sharding_report(graph, slots, mesh_layout):
       leaves.append(x)
       rows.append((f"{slot.name}{path}", sharding.describe(s), sharding.device_bytes([x])))
   return ShardingReport(
-      mesh_layout.describe()[0], rows, sharding.device_bytes(leaves),
+      mesh_layout.describe(), rows, sharding.device_bytes(leaves),
       sum(int(x.size) * x.dtype.itemsize for x in leaves),
       graph.allreduce_plan)
 
