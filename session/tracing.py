@@ -8,8 +8,7 @@ from jax import tree_util
 from jax.extend import core as jcore
 
 from jaxsession.errors import InputError
-from jaxsession.inputs import leaf_aval, paths_of
-from jaxsession.ir import aval_str
+from jaxsession.inputs import check_aval, leaf_aval, paths_of, weak_type_error
 from jaxsession.runtime.state import tree_difference
 
 
@@ -64,17 +63,15 @@ def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dy
                        "eval step), pass updates_state=False.")
     for path, a, b in zip(paths_of(old), old_leaves, new_leaves):
       a = leaf_aval(a)
+      place = f"{where} at path {path or '(root)'}"
       if getattr(b, "weak_type", False) != a.weak_type and _retyped_state_changes_program(
           wrapped, closed, state_args, dyn_args, k, path):
-        raise InputError(
-            f"{where} at path {path or '(root)'} is {'weakly' if b.weak_type else 'strongly'}"
-            f" typed, the arg is {'weakly' if a.weak_type else 'strongly'} typed: jax.jit "
-            "would compile another program from the second step on. Give the state "
-            "arg the new value's typing (e.g. jnp.asarray(x, dtype) for a strong type).")
-      if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-        raise InputError(f"{where} at path {path or '(root)'} is "
-                         f"{b.dtype}{list(b.shape)}, the arg is {aval_str(a)}. If fn "
-                         "only reads its state (an eval step), pass updates_state=False.")
+        raise weak_type_error(
+            place, b.weak_type, "the arg", "jax.jit would compile another program from the "
+            "second step on", "Give the state arg the new value's typing (e.g. "
+            "jnp.asarray(x, dtype) for a strong type).")
+      check_aval(place, b, a, note=". If fn only reads its state (an eval step), pass "
+                 "updates_state=False.")
 
 
 def _arithmetic(jaxpr):
