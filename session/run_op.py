@@ -214,9 +214,6 @@ def _arg_aval(name, i, x):
   if isinstance(x, jax.core.Tracer):
     raise InputError(f"run_op({name}): argument {i} is a tracer; run_op runs eagerly "
                      "(call the primitive itself inside traced code)")
-  if not isinstance(x, (jax.Array, np.ndarray, np.generic) + _PY_SCALARS):
-    raise InputError(f"run_op({name}): argument {i} is a {type(x).__name__}, not an "
-                     "array or a Python scalar")
   return leaf_aval(x, f"run_op({name}): argument {i}")
 
 

@@ -191,6 +191,8 @@ class Session:
     state_flats = [inputs.flatten_example(where, i, a, state=True)
                    for i, a in zip(state_nums, state_args)]
     dyn_flats = [inputs.flatten_example(where, i, a) for i, a in zip(dyn_nums, dyn_args)]
+    if source is not None:
+      self._check_shared(name, state_nums, state_flats, state_from, source)
     mesh_layout, dyn_args = spmd.layout(  # bad specs: InputError
         self.options, self.platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, state_nums,
         state_flats, state_specs, None if source is None else source.slots)
@@ -318,6 +320,21 @@ class Session:
     runner = executor.PlanRunner(graph, program, spec, rest_tree, layout)
     return runner, lambda n: loop_sink.SteppedRunner(runner, n)
 
+  def _check_shared(self, name, state_nums, state_flats, state_from, source):
+    """InputError unless the state examples fit `state_from`'s slots: the
+    same structure and leaf types, weak ones too."""
+    if len(state_flats) > len(source.slots):
+      raise InputError(f"compile({name}): {len(state_flats)} state args but graph "
+                       f"{state_from} ('{source.name}') has {len(source.slots)} state slots")
+    for k, flat in enumerate(state_flats):
+      slot = source.slots[k]
+      where = (f"compile({name}): state arg {k} (position {state_nums[k]}) shared from "
+               f"graph {state_from}")
+      check_structure(slot, tree_util.tree_unflatten(flat.treedef, flat.leaves), where)
+      for path, x, aval in zip(flat.paths, flat.leaves, slot.avals):
+        check_leaf(f"{where} at path {path or '(root)'}", x, aval, weak=aval.weak_type,
+                   note=f" (the state slot {slot.name} holds the former)")
+
   def _bind_state(self, name, state_nums, state_flats, state_from, source, layouts=None):
     """The state slots of a new graph, pinned (owners counted) so that a
     concurrent release of the source graph cannot free them; a compile that
@@ -332,17 +349,6 @@ class Session:
         slots[-1].owners = 1
         slots[-1].shardings = layouts[k] if layouts else None
       return slots
-    if len(state_flats) > len(source.slots):
-      raise InputError(f"compile({name}): {len(state_flats)} state args but graph "
-                       f"{state_from} ('{source.name}') has {len(source.slots)} state slots")
-    for k, flat in enumerate(state_flats):  # shared: the same types, weak ones too
-      slot = source.slots[k]
-      where = (f"compile({name}): state arg {k} (position {state_nums[k]}) shared from "
-               f"graph {state_from}")
-      check_structure(slot, tree_util.tree_unflatten(flat.treedef, flat.leaves), where)
-      for path, x, aval in zip(flat.paths, flat.leaves, slot.avals):
-        check_leaf(f"{where} at path {path or '(root)'}", x, aval, weak=aval.weak_type,
-                   note=f" (the state slot {slot.name} holds the former)")
     slots = source.slots[:len(state_flats)]
     with self._lock:
       if source.released:

@@ -87,7 +87,8 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
     dyn_args = [tree_util.tree_unflatten(f.treedef, [
         sharding.global_array(x, t) for x, t in zip(f.leaves, row)])
         for f, row in zip(dyn_flats, targets)]
-    arg_avals = [[leaf_aval(x) for x in tree_util.tree_leaves(arg)] for arg in dyn_args]
+    arg_avals = [[leaf_aval(x, type_only=True) for x in tree_util.tree_leaves(arg)]
+                 for arg in dyn_args]
   leaf_names = [[f"{where}: {name_} path {p or '(root)'}" for p in f.paths]
                 for name_, f in zip(arg_names, dyn_flats)]
   args = sharding.named(mesh, arg_specs, arg_avals, leaf_names)
