@@ -40,8 +40,6 @@ from jaxsession.runtime.build import ARG_MISMATCH, compile_fn, fast_call, shape_
 from jaxsession.runtime.compile_cache import CacheInfo, DoNotStore, ExecutableCache
 from jaxsession.runtime.state import session_device
 
-_PY_SCALARS = (bool, int, float, complex)
-
 
 def run_op_passes():
   """The RunOp stage pipeline, in order: kernel selection only. A single op

@@ -70,8 +70,8 @@ def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dy
             place, b.weak_type, "the arg", "jax.jit would compile another program from the "
             "second step on", "Give the state arg the new value's typing (e.g. "
             "jnp.asarray(x, dtype) for a strong type).")
-      check_aval(place, jax.core.ShapedArray(b.shape, b.dtype), a, note=". If fn only reads its state (an eval step), pass "
-                 "updates_state=False.")
+      check_aval(place, jax.core.ShapedArray(b.shape, b.dtype), a,
+                 note=". If fn only reads its state (an eval step), pass updates_state=False.")
 
 
 def _arithmetic(jaxpr):
