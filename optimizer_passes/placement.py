@@ -55,7 +55,7 @@ def small_integer_nodes(graph, host):
   """The largest set S of nodes with a host kernel such that every node in S
   reads only host values (from `host` or S, or constants) and is read only by
   host nodes, at least one (a greatest fixed point)."""
-  state_news = {v.id for _, v in graph.state_updates()}
+  state_news = {v.id for _, v in graph.state_updates() if not isinstance(v, Literal)}
   kernels = {}
   for node in graph.nodes:
     if id(node) in host or node.props.effects or any(o.id in state_news for o in node.outputs):

@@ -17,7 +17,6 @@ import numpy as np
 from jax import tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.ir import aval_str
 from jaxsession.runtime import sharding
 
 _SERIAL = itertools.count()
@@ -150,17 +149,12 @@ def _short(value):
   return text if len(text) <= 80 else text[:77] + "..."
 
 
-def check_matches(slot, treedef, avals, where, value=None):
-  """Raises InputError unless (treedef, avals) equal the slot's; with the
-  value given, the error names the first field that differs."""
-  if treedef != slot.treedef:
-    detail = None
-    if value is not None:
-      detail = tree_difference(tree_util.tree_unflatten(slot.treedef, slot.leaves), value)
+def check_structure(slot, value, where):
+  """Raises InputError unless pytree `value` has the slot's structure,
+  naming the first field that differs (its leaves are checked by the one
+  leaf check, jaxsession.inputs.check_leaf)."""
+  if tree_util.tree_structure(value) != slot.treedef:
+    detail = tree_difference(tree_util.tree_unflatten(slot.treedef, slot.leaves), value)
     raise InputError(f"{where}: pytree structure does not match state slot {slot.name}: "
-                     + (detail or f"expected {slot.treedef}, got {treedef}"))
-  for i, (a, b) in enumerate(zip(avals, slot.avals)):
-    if (a.shape != b.shape or a.dtype != b.dtype
-        or getattr(a, "weak_type", False) != getattr(b, "weak_type", False)):
-      raise InputError(f"{where}: leaf {i} is {aval_str(a)}, state slot {slot.name} "
-                       f"holds {aval_str(b)}")
+                     + (detail or f"expected {slot.treedef}, got "
+                        f"{tree_util.tree_structure(value)}"))

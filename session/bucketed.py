@@ -167,7 +167,7 @@ class BucketedGraph:
         spec.conform(args)  # raises the InputError naming the argument
       if i not in self.run_index:
         for j, leaf in enumerate(leaves):
-          spec._conform_leaf(i, j, leaf, steps)  # pylint: disable=protected-access
+          spec.conform_leaf(i, j, leaf, steps)
 
   def run(self, args, steps=None):
     """A bucketed run; errors name the graph the user compiled (not the

@@ -1,5 +1,17 @@
-"""Argument specs: what `run` expects at each position, and the errors that
-name exactly what is wrong (argument index, pytree path, expected and actual)."""
+"""Call signatures and the one leaf check.
+
+An `ArgSpec` is what a graph's `run` takes at each position: one pytree
+each (its treedef, leaf paths and avals with weak types, under a mesh each
+leaf's NamedSharding), built complete once compile has traced the function
+and never changed after. `check_leaf` is the one check of a leaf against
+what was compiled - used by `run`, `set_state`, compile's examples,
+`state_from`, `run_op` and buckets - and every message about a bad leaf is
+written here once; each names the argument, the pytree path, what was
+expected and what came.
+"""
+import dataclasses
+from typing import Any, Tuple
+
 import jax
 import numpy as np
 from jax import tree_util
@@ -11,17 +23,102 @@ from jaxsession.runtime.state import session_device
 
 _PY_SCALARS = (bool, int, float, complex)
 
+# What to do with a pytree leaf that is not an array (a module's function,
+# string or object field): jax traces arrays and scalars only.
+_NOT_ARRAY_HINT = (
+    "jax traces only arrays and scalars. A pytree's non-array fields (functions, strings, "
+    "other objects) must be static: mark them as static fields (pytree metadata, not "
+    "children), or split them off before compile and close over them in fn (as "
+    "equinox.partition / equinox.filter do); a whole non-array argument goes in "
+    "static_argnums")
 
-def leaf_aval(x):
-  """The aval jax would see for leaf `x` (dtype canonicalised)."""
+
+def leaf_aval(x, place="a leaf", type_only=False):
+  """The aval jax.jit sees for leaf `x` (dtype canonicalised, Python scalars
+  weakly typed). InputError naming `place` for a Python scalar out of its
+  type's range or a leaf that is not an array at all, and, unless only the
+  type is wanted (`type_only`, as jax.jit's `lower` takes them), for a
+  deleted array or a jax.ShapeDtypeStruct (a type where a value is needed)."""
+  if not type_only:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+      raise InputError(f"{place}: the array has been deleted (donated or freed)")
+    if isinstance(x, jax.ShapeDtypeStruct):
+      raise InputError(f"{place} is a jax.ShapeDtypeStruct ({x.dtype}{list(x.shape)}), a "
+                       "type where a value is needed: pass an array (a state argument's "
+                       "example is its initial value)")
   try:
     return jax.api_util.shaped_abstractify(x)
-  except TypeError as exc:
-    raise InputError(f"{type(x).__name__} is not an array type: {exc}") from None
+  except (TypeError, OverflowError, ValueError) as exc:
+    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(x, _PY_SCALARS):
+      raise InputError(f"{place} is a Python {type(x).__name__} {x!r} that no array type "
+                       f"of jax holds: {detail}") from None
+    hint = "" if hasattr(x, "dtype") else f". {_NOT_ARRAY_HINT}"
+    raise InputError(f"{place} is a {type(x).__name__}, not an array ({detail}){hint}") from None
+
+
+def check_aval(place, got, want, leading=None, note=""):
+  """InputError unless aval `got` has `want`'s dtype and shape (with
+  `leading` steps on a new first axis)."""
+  shape = tuple(want.shape) if leading is None else (leading,) + tuple(want.shape)
+  if tuple(got.shape) != shape or got.dtype != want.dtype:
+    expect = aval_str(want) if leading is None else (
+        f"{want.str_short(short_dtypes=True).split('[')[0]}{list(shape)} "
+        f"(steps={leading} on a leading axis of {aval_str(want)})")
+    raise InputError(f"{place}: expected {expect}, got {aval_str(got)}{note}")
+
+
+def weak_type_error(place, weak, against, why, remedy):
+  """The InputError for a leaf whose weak type (`weak`: is it weakly typed)
+  differs from `against`'s."""
+  return InputError(f"{place} is {'weakly' if weak else 'strongly'} typed, {against} is "
+                    f"{'strongly' if weak else 'weakly'} typed: {why}. {remedy}")
+
+
+def check_leaf(place, x, want, weak=None, leading=None, note=""):
+  """The one leaf check: `x`'s aval, or InputError naming `place` when `x` is
+  not an array value (leaf_aval), does not have `want`'s shape and dtype
+  (check_aval), or - with `weak` given, where the weak type changes the
+  program - is not typed as weakly as `weak` says."""
+  got = leaf_aval(x, place)
+  if weak is not None and is_weak(x) != weak:  # first: a Python float is f64 under x64
+    raise weak_type_error(place, not weak, "the value it was compiled for",
+                          "here the weak type changes the program (jax.jit would compile "
+                          "another one)", "Pass " + ("a Python scalar (or jnp.asarray of "
+                                                     "one)" if weak else
+                                                     "an array of that dtype") + ".")
+  check_aval(place, got, want, leading, note)
+  return got
 
 
 def paths_of(tree):
   return [tree_util.keystr(path) for path, _ in tree_util.tree_flatten_with_path(tree)[0]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat:
+  """One checked example argument: its treedef, leaves, paths and avals."""
+  treedef: Any
+  leaves: Tuple[Any, ...]
+  paths: Tuple[str, ...]
+  avals: Tuple[Any, ...]
+
+
+def example_place(where, position, path, state=False):
+  return (f"{where}: example argument at position {position}"
+          f"{' (a state argument)' if state else ''}, path {path or '(root)'}")
+
+
+def flatten_example(where, position, arg, state=False):
+  """A compile example checked leaf by leaf (InputError naming the position
+  and path): a run argument's example gives only its type (it may be a
+  jax.ShapeDtypeStruct), a state argument's is its initial value."""
+  pairs, treedef = tree_util.tree_flatten_with_path(arg)
+  paths = tuple(tree_util.keystr(p) for p, _ in pairs)
+  leaves = tuple(x for _, x in pairs)
+  avals = tuple(leaf_aval(x, example_place(where, position, path, state),
+                          type_only=not state) for path, x in zip(paths, leaves))
+  return Flat(treedef, leaves, paths, avals)
 
 
 def is_weak(x):
@@ -61,29 +158,37 @@ def python_scalar(x, dtype):
 
 
 class ArgSpec:
-  """The positional arguments a graph's `run` takes: one pytree each."""
+  """The positional arguments a graph's `run` takes: one pytree each.
 
-  def __init__(self, where, positions, example_args):
-    self.where = where                  # "run(graph 'name')"
-    self.positions = list(positions)    # each argument's position in fn
-    self.weak_sensitive = []  # [(arg, leaf, compiled weak type)], set by compile
-    self.shardings = None     # under a mesh: [[NamedSharding per leaf] per argument]
-    self.local_pieces = False  # many processes: run gets each process's local piece
-    self.treedefs = []
-    self.avals = []
-    self.paths = []
-    for i, arg in enumerate(example_args):
-      leaves, treedef = tree_util.tree_flatten(arg)
-      self.treedefs.append(treedef)
-      self.paths.append(paths_of(arg))
-      avals = []
-      for path, x in zip(self.paths[-1], leaves):
-        try:
-          avals.append(leaf_aval(x))
-        except InputError as exc:
-          raise InputError(f"{where}: example argument at position {self.positions[i]}, "
-                           f"path {path or '(root)'}: {exc}") from None
-      self.avals.append(avals)
+  Built complete once (compile builds it after tracing) and frozen:
+  `where` names the graph in every message ("run(graph 3 'step')"),
+  `positions` each argument's position in fn, `treedefs`, `paths` and
+  `avals` (with weak types) per argument and leaf, `shardings` (under a
+  mesh: a NamedSharding per leaf, per argument, else None), `local_pieces`
+  (many processes: run gets each process's piece of the batch) and
+  `weak_sensitive` ([(argument, leaf, compiled weak type)] where a weak type
+  changes the program). The examples may be arrays or jax.ShapeDtypeStructs.
+  """
+
+  def __init__(self, where, positions, example_args, shardings=None, local_pieces=False,
+               weak_sensitive=()):
+    flats = [flatten_example(where, p, a) for p, a in zip(positions, example_args)]
+    values = dict(
+        where=where, positions=tuple(positions),
+        treedefs=tuple(f.treedef for f in flats), paths=tuple(f.paths for f in flats),
+        avals=tuple(f.avals for f in flats),
+        shardings=None if shardings is None else tuple(tuple(row) for row in shardings),
+        local_pieces=bool(local_pieces), weak_sensitive=tuple(weak_sensitive))
+    for name, value in values.items():
+      object.__setattr__(self, name, value)
+
+  def __setattr__(self, name, value):
+    raise AttributeError(f"ArgSpec is frozen (built complete once, at compile): {name}")
+
+  def place(self, i, j):
+    """Where leaf `j` of argument `i` is, for messages."""
+    return (f"{self.where}: argument {i} (position {self.positions[i]} of the function) "
+            f"at path {self.paths[i][j] or '(root)'}")
 
   def weak_guard(self, call):
     """`call`, refusing a scalar whose weak type differs from the compiled one
@@ -93,24 +198,15 @@ class ArgSpec:
         if i < len(args):
           leaves = tree_util.tree_leaves(args[i])
           if j < len(leaves) and is_weak(leaves[j]) != weak:
-            raise InputError(
-                f"{self.where}: {self._arg_name(i)} at path {self.paths[i][j] or '(root)'}"
-                f" is {'weakly' if not weak else 'strongly'} typed; the graph was compiled "
-                f"for a {'weakly typed value (a Python scalar)' if weak else 'strongly typed array'}"
-                " and here the weak type changes the result's dtype (jax.jit would compile "
-                "another program). Pass " + ("a Python scalar" if weak else
-                                              "an array of that dtype") + ".")
+            check_leaf(self.place(i, j), leaves[j], self.avals[i][j], weak=weak)
       return call(args)
     return guarded
-
-  def _arg_name(self, i):
-    return f"argument {i} (position {self.positions[i]} of the function)"
 
   def check_arity(self, args):
     if len(args) != len(self.treedefs):
       raise InputError(
           f"{self.where}: expected {len(self.treedefs)} positional argument(s) "
-          f"(the function's positions {self.positions}; state and static arguments "
+          f"(the function's positions {list(self.positions)}; state and static arguments "
           f"are not passed to run), got {len(args)}")
 
   def conform(self, args, leading=None):
@@ -122,21 +218,19 @@ class ArgSpec:
     for i, arg in enumerate(args):
       leaves, treedef = tree_util.tree_flatten(arg)
       if treedef != self.treedefs[i]:
-        raise InputError(f"{self.where}: {self._arg_name(i)} has pytree structure "
-                         f"{treedef}, expected {self.treedefs[i]}")
-      new_leaves = [self._conform_leaf(i, j, x, leading) for j, x in enumerate(leaves)]
+        raise InputError(f"{self.where}: argument {i} (position {self.positions[i]} of the "
+                         f"function) has pytree structure {treedef}, expected "
+                         f"{self.treedefs[i]}")
+      new_leaves = [self.conform_leaf(i, j, x, leading) for j, x in enumerate(leaves)]
       fixed.append(tree_util.tree_unflatten(treedef, new_leaves))
     return tuple(fixed)
 
-  def conform_leaf(self, i, j, x):
-    """Leaf `j` of argument `i`, conformed as `conform` does (InputError if
-    it does not fit)."""
-    return self._conform_leaf(i, j, x, None)
-
-  def _conform_leaf(self, i, j, x, leading):
+  def conform_leaf(self, i, j, x, leading=None):
+    """Leaf `j` of argument `i`, conformed as `conform` does: a Python
+    scalar converted where exact, an array moved to the compiled layout or
+    the session's device; InputError if it does not fit."""
     want = self.avals[i][j]
-    shape = tuple(want.shape) if leading is None else (leading,) + tuple(want.shape)
-    place = f"{self.where}: {self._arg_name(i)} at path {self.paths[i][j] or '(root)'}"
+    place = self.place(i, j)
     target, piece = None, ""
     if self.shardings is not None:
       target = self.shardings[i][j]
@@ -150,7 +244,7 @@ class ArgSpec:
           raise InputError(f"{place}: this process's piece (shape "
                            f"{np.shape(x)}) does not make the global "
                            f"{aval_str(want)} laid out as {target.spec}: {exc}") from None
-    if isinstance(x, _PY_SCALARS) and leading is None and shape == ():
+    if isinstance(x, _PY_SCALARS) and leading is None and want.shape == ():
       converted = python_scalar(x, want.dtype)
       if converted is None and type(x) is int and jax.numpy.issubdtype(want.dtype,
                                                                         jax.numpy.inexact):
@@ -162,17 +256,7 @@ class ArgSpec:
                          "(jax.jit would compile another program for it; pass an array "
                          "of that dtype)")
       return converted
-    try:
-      got = leaf_aval(x)
-    except InputError as exc:
-      raise InputError(f"{place}: {exc}") from None
-    if isinstance(x, jax.Array) and x.is_deleted():
-      raise InputError(f"{place}: the array has been deleted (donated or freed)")
-    if tuple(got.shape) != shape or got.dtype != want.dtype:
-      expect = f"{aval_str(want)}" if leading is None else (
-          f"{want.str_short(short_dtypes=True).split('[')[0]}{list(shape)} "
-          f"(steps={leading} on a leading axis of {aval_str(want)})")
-      raise InputError(f"{place}: expected {expect}, got {aval_str(got)}{piece}")
+    check_leaf(place, x, want, leading=leading, note=piece)
     if target is not None:  # under a mesh: laid out as compiled
       if isinstance(x, jax.Array) and x.sharding != target:
         return jax.device_put(x, target)

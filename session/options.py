@@ -13,7 +13,10 @@ class SessionOptions:
 
   save_graphs: a folder; each compile writes its graph before the pipeline,
     after every pass that changed it (`NNN_<stage>_<pass>.ir`) and the final
-    execution order, into a subfolder named after the graph.
+    execution order, into a subfolder of its own, `<graph id>_<name>` (the
+    id in 4 digits, the name sanitized and cut to 64 characters; `-2`, `-3`
+    appended where a folder of that name exists). A dump that cannot be
+    written is logged and the compile goes on.
   verify_graphs: run `KernelGraph.verify()` after every pass that changed the graph.
   platform: the platform kernels are selected for (default: jax's default backend).
   donate_state: let executables update state buffers in place.

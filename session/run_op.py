@@ -30,6 +30,7 @@ from jax.extend import core as jcore
 
 from jaxsession import importer, pipeline
 from jaxsession.errors import InputError, KernelSelectError
+from jaxsession.inputs import leaf_aval
 from jaxsession.ir import KernelGraph, aval_str
 from jaxsession.lowering import graph_consts, lower_nodes
 from jaxsession.op_properties import jaxpr_props, primitive_props
@@ -38,8 +39,6 @@ from jaxsession.runtime import callbacks
 from jaxsession.runtime.build import ARG_MISMATCH, compile_fn, fast_call, shape_struct
 from jaxsession.runtime.compile_cache import CacheInfo, DoNotStore, ExecutableCache
 from jaxsession.runtime.state import session_device
-
-_PY_SCALARS = (bool, int, float, complex)
 
 
 def run_op_passes():
@@ -125,7 +124,7 @@ class OpRunner:
   def _function(self, fn, args, params):
     name = getattr(fn, "__name__", type(fn).__name__)
     leaves, in_tree = tree_util.tree_flatten(args)
-    avals = [_arg_aval(name, i, x) for i, x in enumerate(leaves)]
+    avals = _leaf_avals(name, args, leaves)
     frozen = []
     for k, v in sorted(params.items()):
       try:
@@ -208,18 +207,24 @@ def _runs_user_code(props):
 
 
 def _arg_aval(name, i, x):
-  """The aval jax.jit sees for argument `i` (Python scalars weakly typed);
-  InputError for what is not an array."""
+  """The aval jax.jit sees for argument `i` of a primitive (Python scalars
+  weakly typed); InputError for what is not an array value."""
   if isinstance(x, jax.core.Tracer):
     raise InputError(f"run_op({name}): argument {i} is a tracer; run_op runs eagerly "
                      "(call the primitive itself inside traced code)")
-  if not isinstance(x, (jax.Array, np.ndarray, np.generic) + _PY_SCALARS):
-    raise InputError(f"run_op({name}): argument {i} is a {type(x).__name__}, not an "
-                     "array or a Python scalar")
+  return leaf_aval(x, f"run_op({name}): argument {i}")
+
+
+def _leaf_avals(name, args, leaves):
+  """The avals of a function's argument leaves; InputError naming the
+  argument and pytree path of one that is not an array value (the paths
+  are worked out only then)."""
   try:
-    return jax.api_util.shaped_abstractify(x)
-  except (TypeError, OverflowError, ValueError) as exc:
-    raise InputError(f"run_op({name}): argument {i} ({type(x).__name__}): {exc}") from None
+    return [_arg_aval(name, "", x) for x in leaves]
+  except InputError:
+    for path, x in tree_util.tree_flatten_with_path(args)[0]:  # raises, naming the path
+      _arg_aval(name, f"{path[0].idx} at path {tree_util.keystr(path[1:]) or '(root)'}", x)
+    raise
 
 
 def _on_session_device(x):

@@ -12,10 +12,9 @@ import jax
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import bucketed, importer, pipeline, spmd, tracing
+from jaxsession import bucketed, importer, inputs, pipeline, spmd, tracing
 from jaxsession.errors import InputError, UnknownGraphError
-from jaxsession.inputs import ArgSpec, is_weak, leaf_aval, paths_of
-from jaxsession.ir import aval_str
+from jaxsession.inputs import ArgSpec, check_leaf
 from jaxsession.dump import GraphDumper
 from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.options import SessionOptions
@@ -23,7 +22,7 @@ from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_
 from jaxsession.run_op import OpRunner
 from jaxsession.runtime import build, compile_cache, executor, loop_sink, memory
 from jaxsession.runtime.profiler import Profiler
-from jaxsession.runtime.state import StateSlot, check_matches, owned_copy, slots_lock
+from jaxsession.runtime.state import StateSlot, check_structure, owned_copy, slots_lock
 
 
 @dataclasses.dataclass
@@ -188,15 +187,27 @@ class Session:
     dyn_nums = [i for i in range(nargs) if i not in state_nums and i not in static_nums]
     state_args = [example_args[i] for i in state_nums]
     dyn_args = [example_args[i] for i in dyn_nums]
-    mesh_layout, dyn_args, spec = spmd.layout(  # non-arrays, bad specs: InputError
-        self.options, self.platform, name, dyn_nums, dyn_args, in_specs, state_nums,
-        state_args, state_specs, None if source is None else source.slots)
+    where = f"compile({name})"  # every example leaf checked once, here (InputError)
+    state_flats = [inputs.flatten_example(where, i, a, state=True)
+                   for i, a in zip(state_nums, state_args)]
+    dyn_flats = [inputs.flatten_example(where, i, a) for i, a in zip(dyn_nums, dyn_args)]
+    if source is not None:
+      self._check_shared(name, state_nums, state_flats, state_from, source)
+    mesh_layout, dyn_args = spmd.layout(  # bad specs: InputError
+        self.options, self.platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, state_nums,
+        state_flats, state_specs, None if source is None else source.slots)
     wrapped = tracing.stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates)
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
                                                                   *dyn_args)
     if updates:
       tracing.check_new_state(name, state_nums, state_args, out_shape[0], wrapped, closed, dyn_args)
-    spec.weak_sensitive, weak_state = tracing.weak_sensitive(wrapped, closed, state_args, dyn_args)
+    weak_dyn, weak_state = tracing.weak_sensitive(wrapped, closed, state_args, dyn_args)
+    with self._lock:  # the id, reserved: it names the graph in run's messages and dumps
+      gid = next(self._ids)
+    spec = ArgSpec(f"run(graph {gid} '{name}')", dyn_nums, dyn_args,
+                   shardings=mesh_layout and mesh_layout.args,
+                   local_pieces=bool(mesh_layout and mesh_layout.local_pieces),
+                   weak_sensitive=weak_dyn)
     rest_tree = tree_util.tree_structure(out_shape[1])
     kinds, labels = tracing.input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
@@ -206,25 +217,25 @@ class Session:
       if check_graph(graph, spec) == "traced only":
         return None  # the caller wanted the imported graph checked, nothing compiled
     nodes_imported = len(graph.nodes)
-    slots = self._bind_state(name, state_nums, state_args, state_from, source,
+    slots = self._bind_state(name, state_nums, state_flats, state_from, source,
                              mesh_layout and mesh_layout.state)
     try:
-      return self._compile_bound(name, graph, slots, spec, weak_state, rest_tree,
+      return self._compile_bound(gid, name, graph, slots, spec, weak_state, rest_tree,
                                  nodes_imported, start, mesh_layout)
     except BaseException:
       self._unpin(slots)
       raise
 
-  def _compile_bound(self, name, graph, slots, spec, weak_state, rest_tree, nodes_imported,
-                     start, mesh_layout=None):
+  def _compile_bound(self, gid, name, graph, slots, spec, weak_state, rest_tree,
+                     nodes_imported, start, mesh_layout=None):
     """The pipeline and Build for a graph whose state slots are bound."""
     ctx = PassContext(platform=self.platform, options=self.options,
                       verify=self.options.verify_graphs)
     optimizer = pipeline.graph_optimizer(self.options.disabled_passes)
     dumper = None
     if self.options.save_graphs:
-      dumper = GraphDumper(self.options.save_graphs, name)
-      dumper.write("import", graph.dump())
+      dumper = GraphDumper(self.options.save_graphs, gid, name)
+      dumper.write_graph("import", graph)
       ctx.instruments.append(dumper)
 
     # The pipeline, in MindSpore GPUSession's order.
@@ -257,11 +268,9 @@ class Session:
         nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start,
         cache=cache.use, sharding=spmd.sharding_report(graph, slots, mesh_layout),
         collectives=spmd.collectives_of(graph, runner))
-    with self._lock:  # a failed compile took no id and unpinned its slots
+    with self._lock:  # a failed compile unpinned its slots; its id stays unused
       for k, j, weak in weak_state:  # set_state keeps these leaves' weak types
         slots[k].weak_sensitive[j] = weak
-      gid = next(self._ids)
-      spec.where = f"run(graph {gid} '{name}')"
       runner.profile = self.profiler.graph_hooks(gid, name, graph)  # before the entry
       self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk)
     self.profiler.record_compile(gid, name, ctx.records, build_seconds,
@@ -311,30 +320,36 @@ class Session:
     runner = executor.PlanRunner(graph, program, spec, rest_tree, layout)
     return runner, lambda n: loop_sink.SteppedRunner(runner, n)
 
-  def _bind_state(self, name, state_nums, state_args, state_from, source, layouts=None):
+  def _check_shared(self, name, state_nums, state_flats, state_from, source):
+    """InputError unless the state examples fit `state_from`'s slots: the
+    same structure and leaf types, weak ones too."""
+    if len(state_flats) > len(source.slots):
+      raise InputError(f"compile({name}): {len(state_flats)} state args but graph "
+                       f"{state_from} ('{source.name}') has {len(source.slots)} state slots")
+    for k, flat in enumerate(state_flats):
+      slot = source.slots[k]
+      where = (f"compile({name}): state arg {k} (position {state_nums[k]}) shared from "
+               f"graph {state_from}")
+      check_structure(slot, tree_util.tree_unflatten(flat.treedef, flat.leaves), where)
+      for path, x, aval in zip(flat.paths, flat.leaves, slot.avals):
+        check_leaf(f"{where} at path {path or '(root)'}", x, aval, weak=aval.weak_type,
+                   note=f" (the state slot {slot.name} holds the former)")
+
+  def _bind_state(self, name, state_nums, state_flats, state_from, source, layouts=None):
     """The state slots of a new graph, pinned (owners counted) so that a
     concurrent release of the source graph cannot free them; a compile that
-    fails afterwards unpins them (`_unpin`)."""
+    fails afterwards unpins them (`_unpin`). `state_flats`: the checked
+    examples (inputs.flatten_example)."""
     if source is None:
       slots = []
-      for k, (i, arg) in enumerate(zip(state_nums, state_args)):
-        leaves, treedef = tree_util.tree_flatten(arg)
-        avals = [leaf_aval(x) for x in leaves]
-        row = layouts[k] if layouts else [None] * len(leaves)
-        slots.append(StateSlot(f"{name}:state{k}(arg {i})", treedef, avals,
-                               [owned_copy(x, s) for x, s in zip(leaves, row)]))
+      for k, (i, flat) in enumerate(zip(state_nums, state_flats)):
+        row = layouts[k] if layouts else [None] * len(flat.leaves)
+        slots.append(StateSlot(f"{name}:state{k}(arg {i})", flat.treedef, flat.avals,
+                               [owned_copy(x, s) for x, s in zip(flat.leaves, row)]))
         slots[-1].owners = 1
         slots[-1].shardings = layouts[k] if layouts else None
       return slots
-    if len(state_args) > len(source.slots):
-      raise InputError(f"compile({name}): {len(state_args)} state args but graph "
-                       f"{state_from} ('{source.name}') has {len(source.slots)} state slots")
-    for k, arg in enumerate(state_args):
-      leaves, treedef = tree_util.tree_flatten(arg)
-      check_matches(source.slots[k], treedef, [leaf_aval(x) for x in leaves],
-                    f"compile({name}): state arg {k} (position {state_nums[k]}) "
-                    f"shared from graph {state_from}", value=arg)
-    slots = source.slots[:len(state_args)]
+    slots = source.slots[:len(state_flats)]
     with self._lock:
       if source.released:
         raise UnknownGraphError(f"compile({name}): state_from graph {state_from!r} was "
@@ -420,30 +435,14 @@ class Session:
                        f"{len(entry.slots)} value(s), one per state arg, got {len(values)}")
     new = []
     for k, (slot, value) in enumerate(zip(entry.slots, values)):
-      leaves, treedef = tree_util.tree_flatten(value)
       where = f"set_state(graph {graph_id} '{entry.name}'): value {k}"
-      if treedef != slot.treedef:
-        check_matches(slot, treedef, [], where, value=value)
-      for j, (path, leaf, aval) in enumerate(zip(paths_of(value), leaves, slot.avals)):
-        try:
-          got = leaf_aval(leaf)
-        except InputError as exc:
-          raise InputError(f"{where} at path {path or '(root)'}: {exc}") from None
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
-          raise InputError(f"{where} at path {path or '(root)'}: the array has been deleted "
-                           "(donated or freed)")
-        weak = slot.weak_sensitive.get(j)
-        if weak is not None and is_weak(leaf) != weak:
-          raise InputError(f"{where} at path {path or '(root)'} is "
-                           f"{'weakly' if not weak else 'strongly'} typed; the state's weak "
-                           "type changes the program here (jax.jit would compile another "
-                           "one): pass a " + ("weakly typed value (jnp.asarray of a Python "
-                                              "scalar)" if weak else "strongly typed array"))
-        if got.shape != aval.shape or got.dtype != aval.dtype:
-          raise InputError(f"{where} at path {path or '(root)'}: expected "
-                           f"{aval_str(aval)}, got {aval_str(got)}")
+      check_structure(slot, value, where)
+      pairs = tree_util.tree_flatten_with_path(value)[0]
+      for j, ((path, leaf), aval) in enumerate(zip(pairs, slot.avals)):
+        check_leaf(f"{where} at path {tree_util.keystr(path) or '(root)'}", leaf, aval,
+                   weak=slot.weak_sensitive.get(j))
       new.append(tuple(owned_copy(x, None if slot.shardings is None else slot.shardings[j])
-                       for j, x in enumerate(leaves)))
+                       for j, (_, x) in enumerate(pairs)))
     with entry.lock:
       for slot, leaves in zip(entry.slots, new):
         slot.leaves = leaves

@@ -15,7 +15,7 @@ import jax
 from jax import tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.inputs import ArgSpec, leaf_aval, paths_of
+from jaxsession.inputs import leaf_aval, paths_of
 from jaxsession.runtime import collectives, compile_cache, sharding
 
 
@@ -64,48 +64,50 @@ def check_compiler_options(opts, platform):
                      f"{platform} compiler: {str(exc).splitlines()[0]}") from None
 
 
-def layout(options, platform, name, dyn_nums, dyn_args, in_specs, state_nums, state_args,
-           state_specs, source_slots):
-  """(MeshLayout, dyn_args, ArgSpec) for a compile under `options.mesh`;
-  (None, dyn_args, ArgSpec) without one. With `source_slots` (state_from)
-  the state keeps the source's layout."""
+def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, state_nums,
+           state_flats, state_specs, source_slots):
+  """(MeshLayout, dyn_args) for a compile under `options.mesh`; (None,
+  dyn_args) without one. `dyn_flats` and `state_flats` are the checked
+  examples (inputs.flatten_example). With `source_slots` (state_from) the
+  state keeps the source's layout. Many processes: `dyn_args` come back as
+  the global arrays of each process's example piece."""
   where = f"compile({name})"
-  spec = ArgSpec(where, dyn_nums, dyn_args)
   mesh = options.mesh
   if mesh is None:
-    return None, dyn_args, spec
+    return None, dyn_args
   arg_names = [f"run argument at position {i}" for i in dyn_nums]
-  arg_specs = sharding.leaf_specs("in_specs", mesh, in_specs, dyn_args, arg_names, spec.avals,
+  arg_avals = [list(f.avals) for f in dyn_flats]
+  arg_specs = sharding.leaf_specs("in_specs", mesh, in_specs, dyn_args, arg_names, arg_avals,
                                   sharding.data_parallel)
   targets = [[sharding.check_axes(mesh, s, f"{where}: {arg_name}") for s in row]
              for row, arg_name in zip(arg_specs, arg_names)]
   local = jax.process_count() > 1 and any(not t.is_fully_addressable for row in targets
                                           for t in row)
   if local:  # each process's example is its piece of the global batch
-    dyn_args = [tree_util.tree_unflatten(tree_util.tree_structure(arg), [
-        sharding.global_array(x, t) for x, t in zip(tree_util.tree_leaves(arg), row)])
-        for arg, row in zip(dyn_args, targets)]
-    spec = ArgSpec(where, dyn_nums, dyn_args)
-  leaf_names = [[f"{where}: {name_} path {p or '(root)'}" for p in paths_of(arg)]
-                for name_, arg in zip(arg_names, dyn_args)]
-  spec.shardings = sharding.named(mesh, arg_specs, spec.avals, leaf_names)
-  spec.local_pieces = local
+    dyn_args = [tree_util.tree_unflatten(f.treedef, [
+        sharding.global_array(x, t) for x, t in zip(f.leaves, row)])
+        for f, row in zip(dyn_flats, targets)]
+    arg_avals = [[leaf_aval(x, type_only=True) for x in tree_util.tree_leaves(arg)]
+                 for arg in dyn_args]
+  leaf_names = [[f"{where}: {name_} path {p or '(root)'}" for p in f.paths]
+                for name_, f in zip(arg_names, dyn_flats)]
+  args = sharding.named(mesh, arg_specs, arg_avals, leaf_names)
 
-  state_avals = [[leaf_aval(x) for x in tree_util.tree_leaves(arg)] for arg in state_args]
+  state_args = [tree_util.tree_unflatten(f.treedef, f.leaves) for f in state_flats]
+  state_avals = [list(f.avals) for f in state_flats]
   if source_slots is not None:
     if state_specs is not None:
       raise InputError(f"{where}: state_specs is given with state_from; shared state keeps "
                        "the layout of the graph it comes from")
-    state = [list(slot.shardings) for slot in source_slots[:len(state_args)]]
+    state = [list(slot.shardings) for slot in source_slots[:len(state_flats)]]
   else:
     state_names = [f"state argument at position {i}" for i in state_nums]
     specs = sharding.leaf_specs("state_specs", mesh, state_specs, state_args, state_names,
                                 state_avals, lambda mesh, aval: jax.sharding.PartitionSpec())
-    state_leaf_names = [[f"{where}: {n} path {p or '(root)'}" for p in paths_of(arg)]
-                        for n, arg in zip(state_names, state_args)]
+    state_leaf_names = [[f"{where}: {n} path {p or '(root)'}" for p in f.paths]
+                        for n, f in zip(state_names, state_flats)]
     state = sharding.named(mesh, specs, state_avals, state_leaf_names)
-  return (MeshLayout(mesh, spec.shardings, state, local, compiler_options(options, platform)),
-          dyn_args, spec)
+  return MeshLayout(mesh, args, state, local, compiler_options(options, platform)), dyn_args
 
 
 def mark_graph(graph, mesh_layout, options, platform):

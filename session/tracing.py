@@ -8,8 +8,7 @@ from jax import tree_util
 from jax.extend import core as jcore
 
 from jaxsession.errors import InputError
-from jaxsession.inputs import leaf_aval, paths_of
-from jaxsession.ir import aval_str
+from jaxsession.inputs import check_aval, leaf_aval, paths_of, weak_type_error
 from jaxsession.runtime.state import tree_difference
 
 
@@ -63,18 +62,16 @@ def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dy
                        f"({tree_difference(old, new)}). If fn only reads its state (an "
                        "eval step), pass updates_state=False.")
     for path, a, b in zip(paths_of(old), old_leaves, new_leaves):
-      a = leaf_aval(a)
+      a = leaf_aval(a, type_only=True)
+      place = f"{where} at path {path or '(root)'}"
       if getattr(b, "weak_type", False) != a.weak_type and _retyped_state_changes_program(
           wrapped, closed, state_args, dyn_args, k, path):
-        raise InputError(
-            f"{where} at path {path or '(root)'} is {'weakly' if b.weak_type else 'strongly'}"
-            f" typed, the arg is {'weakly' if a.weak_type else 'strongly'} typed: jax.jit "
-            "would compile another program from the second step on. Give the state "
-            "arg the new value's typing (e.g. jnp.asarray(x, dtype) for a strong type).")
-      if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-        raise InputError(f"{where} at path {path or '(root)'} is "
-                         f"{b.dtype}{list(b.shape)}, the arg is {aval_str(a)}. If fn "
-                         "only reads its state (an eval step), pass updates_state=False.")
+        raise weak_type_error(
+            place, b.weak_type, "the arg", "jax.jit would compile another program from the "
+            "second step on", "Give the state arg the new value's typing (e.g. "
+            "jnp.asarray(x, dtype) for a strong type).")
+      check_aval(place, jax.core.ShapedArray(b.shape, b.dtype), a,
+                 note=". If fn only reads its state (an eval step), pass updates_state=False.")
 
 
 def _arithmetic(jaxpr):
@@ -102,7 +99,7 @@ def _retyped_state_changes_program(wrapped, closed, state_args, dyn_args, k, pat
   def flip(p, leaf):
     if tree_util.keystr(p) != path:
       return leaf
-    aval = leaf_aval(leaf)
+    aval = leaf_aval(leaf, type_only=True)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
   states = list(state_args)
   states[k] = tree_util.tree_map_with_path(flip, states[k])
@@ -174,7 +171,7 @@ def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
   for group, args in groups.items():
     for i, arg in enumerate(args):
       for j, leaf in enumerate(tree_util.tree_leaves(arg)):
-        aval = leaf_aval(leaf)
+        aval = leaf_aval(leaf, type_only=True)
         if jax.numpy.issubdtype(aval.dtype, jax.numpy.number) and (
             group == "dyn" or aval.shape == () or aval.weak_type):
           candidates.append((group, i, j, aval))

@@ -128,7 +128,8 @@ class SharedStateTest(absltest.TestCase):
     sess = js.Session()
     a = sess.compile(lambda s, x: (s + x,), jnp.ones(3) * 0.5, jnp.ones(3) * 2,
                      state_argnums=0)
-    with self.assertRaisesRegex(js.InputError, r"leaf 0 is f32\[4\].*holds f32\[3\]"):
+    with self.assertRaisesRegex(js.InputError,
+                                r"at path \(root\): expected f32\[3\], got f32\[4\] \(the state"):
       sess.compile(lambda s: s.sum(), jnp.ones(4) * 0.5, state_argnums=0, state_from=a,
                    updates_state=False)
 

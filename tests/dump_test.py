@@ -1,0 +1,80 @@
+"""save_graphs (session/dump.py): one folder per graph, named by its graph id
+and its shortened name; a dump that cannot be written never fails a compile."""
+import os
+import tempfile
+from unittest import mock
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from jaxsession import dump
+
+
+def _x(seed, n=5):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(n), jnp.float32)
+
+
+class SaveGraphsTest(absltest.TestCase):
+
+  def test_two_graphs_of_one_name_get_two_folders(self):
+    f = lambda x: jnp.sin(x) * 2
+    g = lambda x: jnp.cos(x) + 1
+    with tempfile.TemporaryDirectory() as folder:
+      sess = js.Session(js.SessionOptions(save_graphs=folder))
+      a = sess.compile(f, _x(1), name="step")
+      b = sess.compile(g, _x(2), name="step")
+      self.assertEqual(sorted(os.listdir(folder)), [f"{a:04d}_step", f"{b:04d}_step"])
+      for gid, op in ((a, "sin"), (b, "cos")):
+        files = sorted(os.listdir(os.path.join(folder, f"{gid:04d}_step")))
+        self.assertEqual(files[0], "000_import.ir")
+        self.assertEqual(sum(name.endswith("_execution_order.ir") for name in files), 1)
+        with open(os.path.join(folder, f"{gid:04d}_step", files[0])) as text:
+          self.assertIn(op, text.read())
+      np.testing.assert_array_equal(sess.run(a, _x(3)), jax.jit(f)(_x(3)))
+      np.testing.assert_array_equal(sess.run(b, _x(3)), jax.jit(g)(_x(3)))
+
+  def test_a_long_odd_name_is_shortened(self):
+    f = lambda x: jnp.tanh(x) - 0.5
+    name = "layer/" * 100 + "ünïcode step"
+    with tempfile.TemporaryDirectory() as folder:
+      sess = js.Session(js.SessionOptions(save_graphs=folder))
+      gid = sess.compile(f, _x(4), name=name)
+      (sub,) = os.listdir(folder)
+      self.assertEqual(sub, f"{gid:04d}_" + ("layer_" * 11)[:dump.NAME_CHARS])
+      self.assertIn("000_import.ir", os.listdir(os.path.join(folder, sub)))
+      np.testing.assert_array_equal(sess.run(gid, _x(5)), jax.jit(f)(_x(5)))
+
+  def test_two_sessions_in_one_folder_never_mix(self):
+    f = lambda x: x * 3
+    with tempfile.TemporaryDirectory() as folder:
+      gids = [js.Session(js.SessionOptions(save_graphs=folder)).compile(f, _x(6), name="f")
+              for _ in range(2)]
+      self.assertEqual(gids, [0, 0])
+      self.assertEqual(sorted(os.listdir(folder)), ["0000_f", "0000_f-2"])
+
+  def test_a_failing_dump_never_fails_compile(self):
+    f = lambda x: jnp.exp(x) * x
+    with tempfile.TemporaryDirectory() as root:
+      folder = os.path.join(root, "dumps")
+      os.makedirs(folder)
+      sess = js.Session(js.SessionOptions(save_graphs=folder))
+      with mock.patch.object(dump, "open", create=True, side_effect=OSError("disk full")):
+        with self.assertLogs(level="WARNING") as logs:
+          gid = sess.compile(f, _x(7))
+      self.assertTrue(any("disk full" in line for line in logs.output))
+      np.testing.assert_array_equal(sess.run(gid, _x(8)), jax.jit(f)(_x(8)))
+      os.rmdir(os.path.join(folder, os.listdir(folder)[0]))
+      os.rmdir(folder)
+      with open(folder, "w"):  # the folder replaced by a file after the Session checked it
+        pass
+      with self.assertLogs(level="WARNING") as logs:
+        again = sess.compile(f, _x(9))
+      self.assertTrue(any("cannot make the dump folder" in line for line in logs.output))
+      np.testing.assert_array_equal(sess.run(again, _x(8)), jax.jit(f)(_x(8)))
+
+
+if __name__ == "__main__":
+  absltest.main()

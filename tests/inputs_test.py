@@ -1,0 +1,332 @@
+"""The call signature and the one leaf check (session/inputs.py): every bad
+leaf - deleted, a ShapeDtypeStruct where a value is needed, a non-array
+field of a module - is an InputError naming the argument and pytree path,
+wherever it is given (compile's examples, run, set_state, state_from,
+run_op), and the state is exactly as before after each."""
+import dataclasses
+import functools
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from jaxsession.inputs import ArgSpec
+from exact import assert_same_bits
+from subproc import HELPERS, run_json
+
+
+@jax.tree_util.register_pytree_node_class
+class Module:
+  """An equinox-style module: every field a pytree child, arrays or not."""
+
+  def __init__(self, weight, activation, label):
+    self.weight, self.activation, self.label = weight, activation, label
+
+  def tree_flatten(self):
+    return (self.weight, self.activation, self.label), None
+
+  @classmethod
+  def tree_unflatten(cls, _, children):
+    return cls(*children)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "config"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class Layer:
+  w: jax.Array
+  config: object
+
+
+def _rng_state(seed):
+  rng = np.random.default_rng(seed)
+  w = rng.standard_normal(5).astype(np.float32)
+  w[0], w[1] = -0.0, np.nan  # specials survive a refused call bit for bit
+  return {"w": jnp.asarray(w), "inner": {"b": jnp.asarray(rng.standard_normal(3),
+                                                          jnp.float32), "none": None},
+          "n": jnp.int32(rng.integers(1, 100))}
+
+
+def step(state, x):
+  new = {"w": state["w"] * 0.5 + x.sum(), "inner": {"b": state["inner"]["b"] - x[:3],
+                                                    "none": None}, "n": state["n"] + 1}
+  return new, new["w"].sum()
+
+
+class CallSignatureTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.rng = np.random.default_rng(11)
+    self.sess = js.Session()
+    self.state = _rng_state(3)
+    self.x = jnp.asarray(self.rng.standard_normal(4), jnp.float32)
+    self.gid = self.sess.compile(step, self.state, self.x, state_argnums=0)
+    self.sess.run(self.gid, self.x)
+    self.before = self.sess.get_state(self.gid)
+
+  def assert_unchanged(self):
+    assert_same_bits(self.sess.get_state(self.gid), self.before, "state after a refused call")
+    # and still usable: one more step equals jax.jit's from the same state
+    want_state, want_out = jax.jit(step)(self.before[0], self.x)
+    assert_same_bits(self.sess.run(self.gid, self.x), want_out, "run after")
+    assert_same_bits(self.sess.get_state(self.gid)[0], want_state, "state after the run")
+
+  def assert_refused(self, pattern, call):
+    with self.assertRaisesRegex(js.InputError, pattern):
+      call()
+
+  def test_the_spec_is_frozen(self):
+    spec = ArgSpec("run(t)", [1], [{"a": self.x, "b": (self.x, None)}])
+    self.assertEqual(spec.paths, ((r"['a']", r"['b'][0]"),))
+    self.assertTrue(all(not a.weak_type for a in spec.avals[0]))
+    with self.assertRaises(AttributeError):
+      spec.where = "run(other)"
+    with self.assertRaisesRegex(js.InputError, r"argument 0 \(position 1 .*\['b'\]\[0\]: "
+                                r"expected f32\[4\], got i32\[4\]"):
+      spec.conform(({"a": self.x, "b": (jnp.arange(4), None)},))
+
+  def test_deleted_state_example(self):
+    gone = _rng_state(4)
+    gone["inner"]["b"].delete()
+    self.assert_refused(r"example argument at position 0 \(a state argument\), path "
+                        r"\['inner'\]\['b'\]: the array has been deleted",
+                        lambda: self.sess.compile(step, gone, self.x, state_argnums=0))
+    self.assert_unchanged()
+
+  def test_shape_dtype_struct_state_example(self):
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _rng_state(5))
+    self.assert_refused(r"position 0 \(a state argument\), path \['inner'\]\['b'\] is a "
+                        r"jax.ShapeDtypeStruct \(float32\[3\]\).*pass an array",
+                        lambda: self.sess.compile(step, structs, self.x, state_argnums=0))
+    self.assert_unchanged()
+
+  def test_shape_dtype_struct_run_example_is_a_type(self):
+    fn = lambda x, s: jnp.sin(x) * s
+    gid = self.sess.compile(fn, jax.ShapeDtypeStruct((4,), jnp.float32), 0.5)
+    for s in (-0.0, 0.25, float("nan")):
+      assert_same_bits(self.sess.run(gid, self.x, s), jax.jit(fn)(self.x, s), f"s={s}")
+
+  def test_module_with_non_array_leaves_as_state(self):
+    module = Module(jnp.asarray(self.rng.standard_normal(3), jnp.float32), jnp.tanh, "relu")
+    self.assert_refused(r"position 0 \(a state argument\), path \[<flat index 1>\] is a "
+                        r"PjitFunction, not an array.*static",
+                        lambda: self.sess.compile(lambda m, x: (m, x), module, self.x,
+                                                  state_argnums=0))
+    layer = {"layers": [Layer(jnp.ones(2), object())]}
+    self.assert_refused(r"path \['layers'\]\[0\]\.config is a object, not an array.*"
+                        r"equinox.partition",
+                        lambda: self.sess.compile(lambda s, x: (s, x), layer, self.x,
+                                                  state_argnums=0))
+    self.assert_refused(r"example argument at position 1, path \['layers'\]\[0\]\.config",
+                        lambda: self.sess.compile(lambda x, s: x, self.x, layer))
+    self.assert_unchanged()
+
+  def test_run_refuses_what_is_not_a_value(self):
+    struct = jax.ShapeDtypeStruct((4,), jnp.float32)
+    self.assert_refused(r"argument 0 \(position 1 of the function\) at path \(root\) is a "
+                        r"jax.ShapeDtypeStruct", lambda: self.sess.run(self.gid, struct))
+    self.assert_refused(r"at path \(root\) is a str, not an array",
+                        lambda: self.sess.run(self.gid, "x"))
+    gone = jnp.asarray(self.rng.standard_normal(4), jnp.float32)
+    gone.delete()
+    self.assert_refused(r"at path \(root\): the array has been deleted",
+                        lambda: self.sess.run(self.gid, gone))
+    stacked = jnp.asarray(self.rng.standard_normal((2, 4)), jnp.float32)
+    stacked.delete()
+    self.assert_refused(r"at path \(root\): the array has been deleted",
+                        lambda: self.sess.run(self.gid, stacked, steps=2))
+    self.assert_unchanged()
+
+  def test_set_state_refuses_bad_leaves(self):
+    new = _rng_state(6)
+    for leaf, pattern in ((jax.ShapeDtypeStruct((3,), jnp.float32), "ShapeDtypeStruct"),
+                          (jnp.tanh, "PjitFunction, not an array.*static"),
+                          (jnp.arange(3), r"expected f32\[3\], got i32\[3\]"),
+                          (jnp.ones(3, jnp.bfloat16), r"expected f32\[3\], got bf16\[3\]")):
+      bad = jax.tree.map(lambda a: a, new)
+      bad["inner"]["b"] = leaf
+      self.assert_refused(r"set_state\(graph \d+ 'step'\): value 0 at path \['inner'\]\['b'\]"
+                          + ("" if pattern.startswith(r"expected") else " is a ") + ".*"
+                          + pattern, lambda: self.sess.set_state(self.gid, bad))
+    gone = jax.tree.map(lambda a: a, new)
+    gone["w"] = jnp.asarray(self.rng.standard_normal(5), jnp.float32)
+    gone["w"].delete()
+    self.assert_refused(r"value 0 at path \['w'\]: the array has been deleted",
+                        lambda: self.sess.set_state(self.gid, gone))
+    self.assert_unchanged()
+
+  def test_weak_types_one_message(self):
+    fn = lambda x, lr: x * lr
+    x = jnp.asarray(self.rng.standard_normal(3), jnp.bfloat16)
+    weak = self.sess.compile(fn, x, 0.1)
+    self.assert_refused(r"argument 1 \(position 1 of the function\) at path \(root\) is "
+                        r"strongly typed, the value it was compiled for is weakly typed.*"
+                        r"Pass a Python scalar", lambda: self.sess.run(weak, x, jnp.float32(2)))
+    for s in (-0.0, float("nan"), 3.5):
+      assert_same_bits(self.sess.run(weak, x, s), jax.jit(fn)(x, s), f"lr={s}")
+    counter = lambda c, x: (c * 0.5 + 1.0, x * (c * 0.5 + 1.0))
+    gid = self.sess.compile(counter, jnp.asarray(1.0), x, state_argnums=0)
+    before = self.sess.get_state(gid)
+    self.assert_refused(r"value 0 at path \(root\) is strongly typed, the value it was "
+                        r"compiled for is weakly typed",
+                        lambda: self.sess.set_state(gid, jnp.float32(-0.0)))
+    assert_same_bits(self.sess.get_state(gid), before, "weakly typed state")
+    self.assert_unchanged()
+
+  def test_state_from_checks_every_leaf(self):
+    other = _rng_state(7)
+    other["inner"]["b"] = jnp.asarray(other["inner"]["b"], jnp.float16)
+    self.assert_refused(r"state arg 0 \(position 0\) shared from graph \d+ at path "
+                        r"\['inner'\]\['b'\]: expected f32\[3\], got f16\[3\]",
+                        lambda: self.sess.compile(lambda s: s["w"].sum(), other,
+                                                  state_argnums=0, state_from=self.gid,
+                                                  updates_state=False))
+    gone = _rng_state(8)
+    gone["n"].delete()
+    self.assert_refused(r"position 0 \(a state argument\), path \['n'\]: the array has been "
+                        r"deleted", lambda: self.sess.compile(step, gone, self.x,
+                                                              state_argnums=0,
+                                                              state_from=self.gid))
+    self.assert_unchanged()
+
+  def test_run_op_names_the_argument_and_path(self):
+    gone = jnp.asarray(self.rng.standard_normal(3), jnp.float32)
+    gone.delete()
+    self.assert_refused(r"run_op\(sin\): argument 0: the array has been deleted",
+                        lambda: self.sess.run_op(jax.lax.sin_p, gone, accuracy=None))
+    tree_fn = lambda t, y: t["a"][1] * y
+    ok = jnp.asarray(self.rng.standard_normal(3), jnp.float32)
+    self.assert_refused(r"run_op\(<lambda>\): argument 0 at path \['a'\]\[1\]: the array has "
+                        r"been deleted", lambda: self.sess.run_op(tree_fn, {"a": (ok, gone)},
+                                                                  ok))
+    self.assert_refused(r"argument 1 at path \(root\) is a jax.ShapeDtypeStruct",
+                        lambda: self.sess.run_op(tree_fn, {"a": (ok, ok)},
+                                                 jax.ShapeDtypeStruct((3,), jnp.float32)))
+    np.testing.assert_array_equal(self.sess.run_op(tree_fn, {"a": (ok, ok)}, -0.0),
+                                  jax.jit(tree_fn)({"a": (ok, ok)}, -0.0))
+    self.assert_unchanged()
+
+
+class ConstantNewStateTest(absltest.TestCase):
+  """A state whose new value is a constant (a jaxpr literal output)."""
+
+  def test_bit_for_bit_with_jit_and_steps(self):
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    cases = [
+        (lambda pos: (jnp.int32(0),), (jnp.int32(rng.integers(1, 9)),), 0),
+        (lambda a, b, x: (a + x, jnp.float32(-0.0), (a * x).sum()),
+         (jnp.asarray(rng.standard_normal(4), jnp.float32), jnp.float32(2.5), x), (0, 1)),
+        (lambda s, x: ({"k": jnp.float32(np.nan), "m": s["m"] * 2}, x * s["m"]),
+         ({"k": jnp.float32(1.0), "m": jnp.float32(rng.standard_normal())}, x), 0),
+    ]
+    for k, (fn, args, state_argnums) in enumerate(cases):
+      nums = (state_argnums,) if isinstance(state_argnums, int) else state_argnums
+      dyn = [a for i, a in enumerate(args) if i not in nums]
+      sess = js.Session()
+      gid = sess.compile(fn, *args, state_argnums=state_argnums)
+      want = jax.jit(fn)(*args)
+      out = sess.run(gid, *dyn)
+      rest = want[len(nums):]
+      assert_same_bits(out, None if not rest else rest[0], f"case {k} output")
+      assert_same_bits(sess.get_state(gid), tuple(want[:len(nums)]), f"case {k} state")
+      state = tuple(want[:len(nums)])
+      outs = []
+      for _ in range(3):  # jax.jit's loop from the session's state
+        full = list(args)
+        for i, s in zip(nums, state):
+          full[i] = s
+        result = jax.jit(fn)(*full)
+        state, outs = tuple(result[:len(nums)]), outs + [result[len(nums):]]
+      sunk = sess.run(gid, *[jnp.stack([d] * 3) for d in dyn], steps=3)
+      if rest:
+        assert_same_bits(sunk, jnp.stack([o[0] for o in outs]), f"case {k} steps outputs")
+      assert_same_bits(sess.get_state(gid), state, f"case {k} state after steps")
+
+  def test_with_a_host_partition(self):
+    def fn(pos, x):
+      y = jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return jnp.int32(3), y * 2 + 1
+    x = jnp.asarray(np.random.default_rng(2).standard_normal(3), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(fn, jnp.int32(5), x, state_argnums=0)
+    self.assertGreater(len(sess.report(gid).partitions), 1)
+    want = jax.jit(fn)(jnp.int32(5), x)
+    assert_same_bits(sess.run(gid, x), want[1], "output")
+    assert_same_bits(sess.get_state(gid), (want[0],), "state")
+
+
+X64_SNIPPET = HELPERS + r"""
+import json
+import jax.numpy as jnp
+import numpy as np
+import jaxsession as js
+sess = js.Session()
+out = {}
+w = jnp.asarray(np.random.default_rng(1).standard_normal(3))  # float64 under x64
+fn = lambda w, x, n: (w * x, jnp.int64(-7), w.sum())
+gid = sess.compile(fn, w, 0.5, jnp.int64(2), state_argnums=(0, 2))
+out["run"] = np.asarray(sess.run(gid, -0.0)).tobytes().hex()
+out["state"] = [np.asarray(s).tobytes().hex() for s in sess.get_state(gid)]
+out["want"] = [np.asarray(s).tobytes().hex() for s in jax.jit(fn)(w, -0.0, jnp.int64(2))]
+out["sds"] = err(lambda: sess.compile(lambda w: (w,), jax.ShapeDtypeStruct((3,), "float64"),
+                                      state_argnums=0))
+gone = jnp.ones(3)
+gone.delete()
+out["deleted"] = err(lambda: sess.set_state(gid, {"a": gone}["a"], jnp.int64(1)))
+out["f32"] = err(lambda: sess.set_state(gid, jnp.ones(3, jnp.float32), jnp.int64(1)))
+print(json.dumps(out))
+"""
+
+MESH_SNIPPET = HELPERS + r"""
+import json
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+import jaxsession as js
+mesh = Mesh(np.array(jax.devices()), ("data",))
+sess = js.Session(js.SessionOptions(mesh=mesh))
+out = {}
+gone = jnp.ones(4)
+gone.delete()
+x = jnp.ones((4, 2))
+out["deleted"] = err(lambda: sess.compile(lambda s, x: (s, x.sum()), {"a": gone}, x,
+                                          state_argnums=0))
+out["struct"] = err(lambda: sess.compile(lambda s, x: (s, x.sum()),
+                                         {"a": jax.ShapeDtypeStruct((4,), "float32")}, x,
+                                         state_argnums=0))
+gid = sess.compile(lambda s, x: (jnp.float32(-0.0), x.sum() * s), jnp.float32(2), x,
+                   state_argnums=0)
+out["const"] = [float(sess.run(gid, x)), np.asarray(sess.get_state(gid)[0]).tobytes().hex()]
+print(json.dumps(out))
+"""
+
+
+class SubprocessTest(absltest.TestCase):
+
+  def test_x64(self):
+    out = run_json(X64_SNIPPET, devices=1, x64=True)
+    self.assertEqual(out["state"], out["want"][:2])  # bit for bit: -0.0 * w
+    self.assertEqual(out["run"], out["want"][2])
+    self.assertEqual(out["sds"][0], "InputError")
+    self.assertIn("position 0 (a state argument), path (root) is a jax.ShapeDtypeStruct",
+                  out["sds"][1])
+    self.assertEqual(out["deleted"][0], "InputError")
+    self.assertIn("value 0 at path (root): the array has been deleted", out["deleted"][1])
+    self.assertEqual(out["f32"][0], "InputError")
+    self.assertIn("expected f64[3], got f32[3]", out["f32"][1])
+
+  def test_under_a_mesh(self):
+    out = run_json(MESH_SNIPPET, devices=2)
+    self.assertEqual(out["deleted"][0], "InputError")
+    self.assertIn("path ['a']: the array has been deleted", out["deleted"][1])
+    self.assertEqual(out["struct"][0], "InputError")
+    self.assertIn("path ['a'] is a jax.ShapeDtypeStruct", out["struct"][1])
+    self.assertEqual(out["const"][1], np.float32(-0.0).tobytes().hex())
+
+
+if __name__ == "__main__":
+  absltest.main()
