@@ -11,6 +11,7 @@ import textwrap
 import types
 
 from absl.testing import absltest
+import pytest
 
 from tests.subproc import run_json
 import numpy as np
@@ -123,6 +124,7 @@ def run_jax(snippet):
 RTOL = 1e-6
 
 
+@pytest.mark.slow
 class AllReducePlanTest(absltest.TestCase):
 
   def assert_matches_jit(self, r):

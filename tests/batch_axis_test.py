@@ -29,6 +29,7 @@ and bit-exact buckets need the same care.
 import dataclasses
 
 from absl.testing import absltest
+import pytest
 import flax.linen as nn
 import jax
 from jax import lax
@@ -260,6 +261,7 @@ class AcceptedTest(absltest.TestCase):
     check_real_rows(jax.jit(program.f, compiler_options=ROW_STABLE), program.fixed,
                     program.rows, verdict.output_axes, SIZES, np.random.default_rng(seed))
 
+  @pytest.mark.slow
   def test_accepts_and_padding_keeps_real_rows(self):
     for name, program in ACCEPTED.items():
       with self.subTest(name):
@@ -291,6 +293,7 @@ class AcceptedTest(absltest.TestCase):
     self.assertEqual(verdict.output_axes, [0])
     self.check_padding(Program(f, fixed, lambda rng, n: (floats(rng, n, F),)), verdict)
 
+  @pytest.mark.slow
   def test_fused_cnn_with_inference_batchnorm(self):
     """BatchNormRelu (HardwareOptimize) after a convolution: running statistics."""
     class CNN(nn.Module):
@@ -536,6 +539,7 @@ def chunks(items, size):
   return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+@pytest.mark.slow
 class FuzzTest(absltest.TestCase):
 
   def test_no_program_called_safe_changes_a_real_row(self):

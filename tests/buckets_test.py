@@ -5,6 +5,7 @@ import collections
 import itertools
 
 from absl.testing import absltest
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,6 +80,7 @@ class BucketedRunTest(absltest.TestCase):
       self.assertEqual(got[0].shape[0], n)
     self.assertEqual(sorted(sess.report(gid).buckets.sizes), [1, 2, 4, 8, 16, 32, 64])
 
+  @pytest.mark.slow
   def test_every_size_equals_exact_jit_on_a_program_without_dots(self):
     """Elementwise work and reductions over features: bit for bit."""
     def exact(got, want, n):
@@ -86,6 +88,7 @@ class BucketedRunTest(absltest.TestCase):
         np.testing.assert_array_equal(g, w, err_msg=f"n={n}")
     self.sweep(rowwise, jnp.asarray(RNG.standard_normal(F), jnp.float32), exact)
 
+  @pytest.mark.slow
   def test_every_size_matches_exact_jit_on_an_mlp(self):
     """XLA:CPU's dot accumulates a row in another order for another row count
     (jax.jit itself: x[:n] @ w differs from (x @ w)[:n] in the last bits for
@@ -211,6 +214,7 @@ class AutoBucketsTest(absltest.TestCase):
       if kind == "uniform":
         self.assertLessEqual(policy_lib.padding_waste(hist, chosen), 0.13)
 
+  @pytest.mark.slow
   def test_auto_learns_then_pads_and_reports_waste(self):
     sess = js.Session(js.SessionOptions(recompile_warn_limit=0))
     params = _params()
@@ -233,6 +237,7 @@ class AutoBucketsTest(absltest.TestCase):
     self.assertIn("measured waste", str(sess.report(gid)))
     self.assertIn("learning phase", str(sess.report(gid)))
 
+  @pytest.mark.slow
   def test_learning_and_chosen_buckets_compile_at_most_max_buckets(self):
     """Uniform traffic in 1..64, no hint: the learning phase pads to one
     learning bucket instead of compiling exact sizes, and the chosen buckets

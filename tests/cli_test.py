@@ -8,8 +8,11 @@ import sys
 from absl import flags
 from absl.testing import absltest
 from absl.testing import flagsaver
+import pytest
 
 from jaxsession import cli
+
+pytestmark = pytest.mark.slow  # the fast subset: -m "not slow" (docs/testing.md)
 
 FLAGS = flags.FLAGS
 

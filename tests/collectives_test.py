@@ -9,6 +9,7 @@ hands its findings back as JSON.
 import textwrap
 
 from absl.testing import absltest
+import pytest
 
 from tests.subproc import run_json
 
@@ -227,6 +228,7 @@ _LEAF_BYTES = {"params/w1": 4 * 16 * 4, "params/b1": 16 * 4,
                "params/w2": 16 * 3 * 4, "loss": 4}
 
 
+@pytest.mark.slow
 class DataParallelTest(absltest.TestCase):
 
   @classmethod
@@ -297,6 +299,7 @@ result = dump(C.collectives(jax.jit(f).lower(w, xs).compile(), ["w", "total"]))
 """
 
 
+@pytest.mark.slow
 class ShardingPatternsTest(absltest.TestCase):
 
   def test_sharded_param_used_replicated_is_all_gathered(self):

@@ -11,6 +11,7 @@ import threading
 import time
 
 from absl.testing import absltest
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -402,6 +403,7 @@ _PERSISTENT_SCRIPT = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 class PersistentCacheTest(absltest.TestCase):
 
   def _run(self, folder):

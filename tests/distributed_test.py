@@ -28,8 +28,11 @@ import time
 
 import numpy as np
 from absl.testing import absltest
+import pytest
 
 from tests.subproc import REPO
+
+pytestmark = pytest.mark.slow  # the fast subset: -m "not slow" (docs/testing.md)
 
 TIMEOUT_S = 240
 

@@ -11,6 +11,7 @@ import textwrap
 import threading
 
 from absl.testing import absltest
+import pytest
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -86,6 +87,7 @@ class ProgramsTest(absltest.TestCase):
     self.assertIsInstance(caught.exception.__cause__, ValueError)
     np.testing.assert_array_equal(sess.get_state(gid)[0], want_w)
 
+  @pytest.mark.slow
   def test_int_float64_int_round_trips_under_x64(self):
     out = run_python("""
         import jax, jax.numpy as jnp, numpy as np
@@ -167,6 +169,7 @@ class WeakTypesTest(absltest.TestCase):
 
 class DevicesTest(absltest.TestCase):
 
+  @pytest.mark.slow
   def test_arrays_on_another_device_are_moved(self):
     out = run_python("""
         import jax, jax.numpy as jnp, numpy as np

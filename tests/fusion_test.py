@@ -5,6 +5,7 @@ NaN, +-inf, values past 2**24 and subnormals; each stays away when a value
 inside has another reader, the dtype is wrong, the params do not fit, or its
 kernel could not repeat the user's arithmetic."""
 from absl.testing import absltest, parameterized
+import pytest
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -254,6 +255,7 @@ class FusionRefusesTest(absltest.TestCase):
     self.assertNotIn("Softmax", [n.op for n in sess.graph(gid).nodes])
 
 
+@pytest.mark.slow
 class RealProgramsTest(absltest.TestCase):
 
   def _train(self, step, params, opt_state, data, steps=3):

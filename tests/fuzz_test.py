@@ -29,6 +29,7 @@ ReducedFindingsTest holds the smallest forms of what the fuzz found.
 import contextlib
 
 from absl.testing import absltest
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +40,8 @@ from fuzz_programs import (ROWS, COLS, assert_bits_equal, max_ulp, split_outputs
     random_array, CONST, make_program, make_inputs, HOST_CALLS, host_call,
     make_callback_program, KEY_KINDS, callback_inputs)
 from fuzz_state_programs import (make_stateful_program, make_adam_program, Held)  # noqa: F401
+
+pytestmark = pytest.mark.slow  # the fast subset: -m "not slow" (docs/testing.md)
 
 
 # -- checking one program ------------------------------------------------------------

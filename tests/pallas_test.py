@@ -3,6 +3,7 @@ for bit (the same `*_math` functions on row blocks); SelectKernel takes them
 only on GPU and only for shapes they can tile. On a GPU, Triton reduces a row
 in its own order, which this CPU suite cannot check: see kernels/pallas.py."""
 from absl.testing import absltest, parameterized
+import pytest
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,7 @@ class InterpretTest(parameterized.TestCase):
     assert_same_bits(got, want, f"pallas {op} (interpreted) vs its XLA twin")
     self.assertIsNone(pallas.rows_fit(node))
 
+  @pytest.mark.slow
   def test_adam_equals_xla_kernel(self):
     params = mlp_adam.init_params(jax.random.key(0), (32, 64, 1))
     opt = mlp_adam.adam_init(params)

@@ -3,6 +3,7 @@ checked against a brute force over every topological order of random small
 programs, the relative order inside partitions, and the transfer nodes -
 every program also checked bit for bit against jax.jit."""
 from absl.testing import absltest
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +33,7 @@ class BruteForcePartitionCountTest(absltest.TestCase):
       self.assertEqual(fewest_partitions(work_nodes(sess.graph(gid))), want, f"program {i}")
       self.assertLen(sess.report(gid).partitions, want)
 
+  @pytest.mark.slow
   def test_random_programs_reach_the_fewest_partitions(self):
     rng = np.random.default_rng(7007)
     sess = js.Session()
@@ -316,6 +318,7 @@ class ReorderTest(absltest.TestCase):
     self.assertLen(self.sess.report(gid).partitions, 2)
     self.assert_user_order_within_partitions(gid)
 
+  @pytest.mark.slow
   def test_random_programs_keep_the_users_order_within_partitions(self):
     rng = np.random.default_rng(2024)
     checked = 0

@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 from absl.testing import absltest
+import pytest
 import jax
 from jax import lax
 from jax.experimental import io_callback
@@ -140,6 +141,7 @@ class RunOpResultsTest(absltest.TestCase):
   def test_pipeline_is_kernel_selection_only(self):
     self.assertEqual([p.name for p in run_op_passes()], ["select_kernels"])
 
+  @pytest.mark.slow
   def test_x64_in_a_subprocess(self):
     script = textwrap.dedent("""
         import jax

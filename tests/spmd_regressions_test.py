@@ -1,6 +1,7 @@
 """Regressions under a mesh of 8 CPU devices: each case failed before its
 fix (found by reviews), plus per-compile XLA options."""
 from absl.testing import absltest
+import pytest
 
 from tests.subproc import HELPERS, SnippetTest, run_json
 
@@ -118,6 +119,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 class SpmdRegressionTest(SnippetTest):
   """What a review found: each case failed before its fix."""
 
@@ -231,6 +233,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 class X64MeshTest(absltest.TestCase):
 
   def test_float64_int64_and_specials_bit_for_bit(self):

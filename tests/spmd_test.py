@@ -9,8 +9,11 @@ compared to 1e-6 relative, the issue's bound, with an absolute floor of
 1e-7 for values that cross zero.
 """
 from absl.testing import absltest
+import pytest
 
 from tests.subproc import SnippetTest, run_json
+
+pytestmark = pytest.mark.slow  # the fast subset: -m "not slow" (docs/testing.md)
 
 
 TRAIN = r"""

@@ -1,6 +1,7 @@
 """Device-resident state: training through the session equals the plain loop;
 shared state across graphs; loop sink equals separate runs; get/set_state."""
 from absl.testing import absltest
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +40,7 @@ def _assert_trees_close(test, a, b, rtol=1e-6):
 
 class TrainingTest(absltest.TestCase):
 
+  @pytest.mark.slow
   def test_fifty_steps_equal_the_plain_jax_loop(self):
     sess, gid, params, opt, data = _train_session(1, 50)
     step = jax.jit(mlp_adam.train_step)
@@ -52,6 +54,7 @@ class TrainingTest(absltest.TestCase):
     _assert_trees_close(self, got_o, o)
     self.assertEqual(int(got_o["t"]), 50)
 
+  @pytest.mark.slow
   def test_callers_arrays_are_never_donated(self):
     sess, gid, params, opt, data = _train_session(3, 3)
     held = sess.get_state(gid)
@@ -63,6 +66,7 @@ class TrainingTest(absltest.TestCase):
     self.assertEqual(sum(d.donated for d in sess.report(gid).donations),
                      len(jax.tree.leaves((params, opt))))
 
+  @pytest.mark.slow
   def test_loop_sink_equals_separate_runs(self):
     params, opt = _init(5)
     data = _data(6, 7)
@@ -93,6 +97,7 @@ class TrainingTest(absltest.TestCase):
 
 class SharedStateTest(absltest.TestCase):
 
+  @pytest.mark.slow
   def test_eval_graph_sees_train_updates(self):
     sess, train, params, opt, data = _train_session(7, 5)
     evaluate = sess.compile(mlp_adam.eval_step, params, _at(data, 0), state_argnums=0,
