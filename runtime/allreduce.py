@@ -47,6 +47,7 @@ import numpy as np
 from jax.core import ShapedArray
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxsession import op_properties
 from jaxsession.ir import Value, aval_bytes
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.runtime.batch_axis import step
@@ -219,7 +220,7 @@ def _left_to_gspmd(graph, facts):
   """Reductions the plan does not own: sums over unknown layouts."""
   left = []
   for node in graph.nodes:
-    if node.op in ("reduce_sum", "reduce_max", "reduce_min", "dot_general", "MatMulBiasAdd"):
+    if op_properties.facts(node.op).reduces:
       mixed = [f for v in node.inputs if isinstance(v, Value)
                for f in [facts.get(v.id, FREE)] if f.mixed_by is not None]
       if mixed:
