@@ -225,7 +225,8 @@ def adam_math(k, p, g, m, v, scalars):
 
 # -- the all-reduce plan's ops (runtime/allreduce.py) ---------------------------------
 # They exist only under a mesh, after the batch-axis analysis: no batch rule.
-_SUM_PRIMITIVES = {"reduce_sum": lax.reduce_sum_p, "dot_general": lax.dot_general_p}
+# the primitives a dp_partial may compute (the all-reduce plan picks only these)
+PARTIAL_PRIMITIVES = {"reduce_sum": lax.reduce_sum_p, "dot_general": lax.dot_general_p}
 
 
 def _constrain(x, sharding):
@@ -239,7 +240,7 @@ def dp_partial(node, *operands):
   vmapped over the devices; [devices, *S], laid out one partial per device."""
   p = node.params
   devices = p["devices"]
-  prim, params = _SUM_PRIMITIVES[p["reduces"]], dict(p["params"])
+  prim, params = PARTIAL_PRIMITIVES[p["reduces"]], dict(p["params"])
   split, in_axes = [], []
   for x, axis in zip(operands, p["split"]):
     if axis is not None:

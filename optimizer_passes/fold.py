@@ -31,10 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsession import op_properties
-from jaxsession.ir import Literal, Value, aval_bytes
+from jaxsession.ir import Literal, Value, aval_bytes, param_key
 from jaxsession.lowering import kernel_fn
 from jaxsession.optimizer_passes.base import Pass, PassResult
-from jaxsession.optimizer_passes.cse import hashable
 
 
 def numpy_fold(node, arrays):
@@ -77,7 +76,7 @@ def _memo_key(node, args):
   """What identifies a fold: the op, its params and its operands' bits; None
   when a param cannot be hashed."""
   try:
-    params = hashable(node.params)
+    params = param_key(node.params)
   except TypeError:
     return None
   return (node.op, params, tuple((np.asarray(a).dtype.str, np.shape(a),

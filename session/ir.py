@@ -382,8 +382,7 @@ def _expected_avals(node):
     key = (node.prim, tuple((tuple(v.aval.shape), v.aval.dtype, getattr(v.aval, "weak_type",
                                                                        False))
                             for v in node.inputs),
-           tuple(sorted((k, _freeze(v)) for k, v in node.params.items())))
-    hash(key)
+           param_key(node.params))
   except (TypeError, AttributeError):
     key = None
   if key is not None and key in _SHAPE_RULE_CACHE:
@@ -405,6 +404,14 @@ def _expected_avals(node):
       _SHAPE_RULE_CACHE.clear()
     _SHAPE_RULE_CACHE[key] = expected
   return expected
+
+
+def param_key(params):
+  """The one hashable key of a node's params (CSE, the fold memo, the
+  shape-rule cache); raises TypeError when a param cannot be hashed."""
+  key = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
+  hash(key)
+  return key
 
 
 def _freeze(value):
