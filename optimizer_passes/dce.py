@@ -3,13 +3,15 @@ nodes whose op has a DCE rule.
 
 Runs first in Optimize: jaxprs of `jax.grad` keep the forward's dead equations.
 Nodes that are not pure (op_properties: effects, ordered I/O, io_callback, at
-any depth inside control flow) are kept. A node with some outputs used goes
-to its op's DCE rule (op_properties `dce`; for scan and cond it is JAX's own,
-`pe.dce_rules`): a scan's unused `ys` (and carries no used output needs) and
-a cond's unused outputs are dropped, with what only they computed inside,
-while effectful equations inside stay; the inputs it no longer reads are
-released, so their producers die in the same sweep. Const inputs that
-nothing reads are dropped too. Needs nothing before it.
+any depth inside control flow) are kept. A kept node with unused outputs goes
+to its op's DCE rule (op_properties `dce`: JAX's own `pe.dce_rules` for scan
+and cond, op_properties' own for while): a scan's unused `ys` (and carries no
+used output needs), a cond's unused outputs and a while's carries that
+neither a used output nor its condition needs are dropped, with what only
+they computed inside; effectful equations inside stay, and so does what they
+read. The inputs it no longer reads are released, so their producers die in
+the same sweep. Const inputs that nothing reads are dropped too. Needs
+nothing before it.
 """
 from jaxsession import op_properties
 from jaxsession.optimizer_passes.base import Pass, PassResult

@@ -130,6 +130,34 @@ def _jax_dce(node, used_outputs):
                    new_eqn.effects, [id(v) in kept_out for v in outvars])
 
 
+def _while_dce(node, used_outputs):
+  """A while's carries that no used output, no other kept carry and not its
+  condition need are dropped (JAX has no rule for while): the carry set grows
+  to a fixed point, then body and condition lose what only the dropped ones
+  computed. Effectful equations inside keep their operands alive."""
+  from jax._src import core as jax_core
+  from jax._src.interpreters import partial_eval as pe
+  p = node.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+  _, cond_used = pe.dce_jaxpr(cond.jaxpr, [True], instantiate=False)
+  used = [u or c for u, c in zip(used_outputs, cond_used[cn:])]
+  while True:
+    _, body_used = pe.dce_jaxpr(body.jaxpr, used, instantiate=False)
+    grown = [u or b for u, b in zip(used, body_used[bn:])]
+    if grown == used:
+      break
+    used = grown
+  if all(used):
+    return None
+  new_body, body_in = pe.dce_jaxpr(body.jaxpr, used, instantiate=[False] * bn + used)
+  new_cond, cond_in = pe.dce_jaxpr(cond.jaxpr, [True], instantiate=[False] * cn + used)
+  params = dict(p, cond_nconsts=sum(cond_in[:cn]), body_nconsts=sum(body_in[:bn]),
+                cond_jaxpr=jax_core.ClosedJaxpr(new_cond, cond.consts),
+                body_jaxpr=jax_core.ClosedJaxpr(new_body, body.consts))
+  return DceResult(list(cond_in[:cn]) + list(body_in[:bn]) + used, params, node.effects, used)
+
+
 def _ufunc(fn):
   return lambda *xs, **_: fn(*xs)
 
@@ -176,7 +204,7 @@ OP_TABLE = {
     "rng_uniform": OpFacts(props=OpProps(deterministic=False)),  # each call differs
     "scan": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
     "cond": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
-    "while": OpFacts(props=_CONTROL_FLOW),
+    "while": OpFacts(props=_CONTROL_FLOW, dce=_while_dce),
     **_facts(*_ELEMENTWISE, elementwise=True),
     "add": OpFacts(numpy=_ufunc(np.add), add=True, commutative=True, elementwise=True,
                    fold="ieee", host=True),

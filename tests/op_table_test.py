@@ -107,6 +107,30 @@ class DeadOutputsTest(absltest.TestCase):
     self.assertEqual(len(cond.outputs), 1)
     assert_same_bits(sess.run(gid, p, x), jax.jit(f)(p, x), "dead cond output dropped")
 
+  def test_dce_drops_the_carries_of_a_while_no_output_needs(self):
+    calls = []
+
+    def f(x, n, with_callback):
+      def body(c):
+        i, a, b, d = c
+        if with_callback:  # reads d: an effect keeps what it reads
+          jax.debug.callback(lambda v: calls.append(1), d)
+        return i + 1, a * 1.5 + jnp.sin(b), b + 0.25, jnp.exp(d) * 0.5
+      return lax.while_loop(lambda c: c[0] < n, body, (0, x, x * 2.0, x))[1]
+    x, n = _x(5), np.int32(4)
+    for with_callback, carries in ((False, 3), (True, 4)):  # i (cond), a, b (a needs it)
+      g = lambda x, n, w=with_callback: f(x, n, w)
+      sess = js.Session()
+      gid = sess.compile(g, x, n)
+      (loop,) = _nodes(sess, gid, "while")
+      self.assertEqual(len(loop.outputs), carries)
+      body_ops = [e.primitive.name for e in loop.params["body_jaxpr"].jaxpr.eqns]
+      self.assertEqual("exp" in body_ops, with_callback)
+      got = sess.run(gid, x, n)
+      self.assertEqual(len(calls), 4 if with_callback else 0)
+      calls.clear()
+      assert_same_bits(got, jax.jit(g)(x, n), f"while, callback={with_callback}")
+
   def test_a_callback_inside_a_scan_is_never_dropped(self):
     calls = []
 
