@@ -34,11 +34,15 @@ def match_avals(node, outs):
   return fixed
 
 
+FUSED_OPS = []  # every fused op declared below, in order
+
+
 def fused_kernel(op, name, **facts):
   """Registers fn(node, *args) -> list as the XLA kernel of fused op `op`,
   and `facts` (op_properties.OpFacts fields) as the op's entry in the op
   table: a fused op is declared once, here."""
   op_properties.register_op(op, **facts)
+  FUSED_OPS.append(op)
 
   def register(fn):
     def kernel(node, *args):
