@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from jaxsession import op_properties
 from jaxsession.kernels.registry import register_kernel
 
 
@@ -33,8 +34,16 @@ def match_avals(node, outs):
   return fixed
 
 
-def fused_kernel(op, name):
-  """Registers fn(node, *args) -> list as the XLA kernel of fused op `op`."""
+FUSED_OPS = []  # every fused op declared below, in order
+
+
+def fused_kernel(op, name, **facts):
+  """Registers fn(node, *args) -> list as the XLA kernel of fused op `op`,
+  and `facts` (op_properties.OpFacts fields) as the op's entry in the op
+  table: a fused op is declared once, here."""
+  op_properties.register_op(op, **facts)
+  FUSED_OPS.append(op)
+
   def register(fn):
     def kernel(node, *args):
       return match_avals(node, fn(node, *args))
@@ -69,7 +78,7 @@ def softmax_math(x, axes):
   return e / _sum(e, axes)
 
 
-@fused_kernel("Softmax", "xla:softmax")
+@fused_kernel("Softmax", "xla:softmax", batch="rows")
 def softmax(node, x):
   return [softmax_math(x, node.params["axes"])]
 
@@ -87,12 +96,12 @@ def gelu_tanh_math(x, p):
   return half * (x * t)          # 0.5 * (x * (1 + tanh(...)))
 
 
-@fused_kernel("GeluTanh", "xla:gelu_tanh")
+@fused_kernel("GeluTanh", "xla:gelu_tanh", elementwise=True)
 def gelu_tanh(node, x):
   return [gelu_tanh_math(x, node.params)]
 
 
-@fused_kernel("MatMulBiasAdd", "xla:matmul_bias_add")
+@fused_kernel("MatMulBiasAdd", "xla:matmul_bias_add", batch="matmul_bias_add", reduces=True)
 def matmul_bias_add(node, a, w, bias):
   y = lax.dot_general_p.bind(a, w, **dict(node.params["dot"]))  # the user's dot as written
   return [_add(bias, y, node.params["bias_first"])]
@@ -107,7 +116,7 @@ def add_n_math(xs, steps):
   return slots[-1]
 
 
-@fused_kernel("AddN", "xla:add_n")
+@fused_kernel("AddN", "xla:add_n", elementwise=True)
 def add_n(node, *xs):
   return [add_n_math(xs, node.params["steps"])]
 
@@ -148,7 +157,7 @@ def layer_norm_math(x, p, axes, scale_bias):
   return _add(scale_bias[-1], y, p["bias"] == "first")
 
 
-@fused_kernel("LayerNorm", "xla:layer_norm")
+@fused_kernel("LayerNorm", "xla:layer_norm", batch="rows")
 def layer_norm(node, x, *scale_bias):
   return [layer_norm_math(x, node.params, node.params["axes"], scale_bias)]
 
@@ -158,7 +167,7 @@ def rms_norm_math(x, p, axes, scale):
   return _normalise(x, ms, p, list(scale))
 
 
-@fused_kernel("RMSNorm", "xla:rms_norm")
+@fused_kernel("RMSNorm", "xla:rms_norm", batch="rows")
 def rms_norm(node, x, *scale):
   return [rms_norm_math(x, node.params, node.params["axes"], scale)]
 
@@ -181,19 +190,19 @@ def _relu(y):
   return lax.max(y, jnp.zeros_like(y))  # the pattern took max(y, +0.0) only
 
 
-@fused_kernel("BatchNormRelu", "xla:batch_norm_relu")
+@fused_kernel("BatchNormRelu", "xla:batch_norm_relu", elementwise=True)
 def batch_norm_relu(node, x, *operands):
   y, _ = _batch_norm(node.params, x, *operands)
   return [_relu(y)]
 
 
-@fused_kernel("BatchNormAddRelu", "xla:batch_norm_add_relu")
+@fused_kernel("BatchNormAddRelu", "xla:batch_norm_add_relu", elementwise=True)
 def batch_norm_add_relu(node, x, *operands):
   y, (residual,) = _batch_norm(node.params, x, *operands)
   return [_relu(_add(residual, y, node.params["residual_first"]))]
 
 
-@fused_kernel("Adam", "xla:adam")
+@fused_kernel("Adam", "xla:adam", elementwise=True)
 def adam(node, p, g, m, v, *scalars):
   return list(adam_math(node.params, p, g, m, v, scalars))
 
@@ -219,7 +228,9 @@ def adam_math(k, p, g, m, v, scalars):
 
 
 # -- the all-reduce plan's ops (runtime/allreduce.py) ---------------------------------
-_SUM_PRIMITIVES = {"reduce_sum": lax.reduce_sum_p, "dot_general": lax.dot_general_p}
+# They exist only under a mesh, after the batch-axis analysis: no batch rule.
+# the primitives a dp_partial may compute (the all-reduce plan picks only these)
+PARTIAL_PRIMITIVES = {"reduce_sum": lax.reduce_sum_p, "dot_general": lax.dot_general_p}
 
 
 def _constrain(x, sharding):
@@ -233,7 +244,7 @@ def dp_partial(node, *operands):
   vmapped over the devices; [devices, *S], laid out one partial per device."""
   p = node.params
   devices = p["devices"]
-  prim, params = _SUM_PRIMITIVES[p["reduces"]], dict(p["params"])
+  prim, params = PARTIAL_PRIMITIVES[p["reduces"]], dict(p["params"])
   split, in_axes = [], []
   for x, axis in zip(operands, p["split"]):
     if axis is not None:

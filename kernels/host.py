@@ -5,6 +5,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
+from jaxsession import op_properties
 from jaxsession.kernels.registry import register_kernel
 
 
@@ -128,7 +129,10 @@ run_pure_callback.prepare = prepare_pure_callback  # checks its results itself
 
 # -- transfers ----------------------------------------------------------------
 # Transfer nodes (inserted by HardwareOptimize where a value crosses places)
-# run in the executor, between executables, never inside one.
+# run in the executor, between executables, never inside one. Each moves its
+# operand as it is: the batch-axis rule is the identity.
+op_properties.register_op("transfer_d2h", transfer="d2h", batch="identity")
+op_properties.register_op("transfer_h2d", transfer="h2d", batch="identity")
 
 @register_kernel("transfer_d2h", backend="host", name="host:d2h")
 def device_to_host(node, x):
@@ -162,10 +166,11 @@ def host_to_device_put(node, x):
 # Shape and index arithmetic on host values stays on the host: numpy computes
 # integer and bool ops exactly as XLA does (two's complement wrap-around).
 
-def _wrapping(fn):
+def _wrapping(numpy_fn):
+  """The op table's numpy implementation of an op as its host kernel."""
   def kernel(node, *args):
     with np.errstate(over="ignore"):
-      out = fn(node, *[np.asarray(a) for a in args])
+      out = numpy_fn(*[np.asarray(a) for a in args], **node.params)
     return [np.asarray(out, dtype=node.outputs[0].aval.dtype)]
   return kernel
 
@@ -184,27 +189,8 @@ def _small_integer(node):
 
 SMALL_ELEMENTS = 1024
 
-# primitive -> the numpy function that computes it elementwise, as XLA does
-HOST_UFUNCS = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "neg": np.negative,
-    "max": np.maximum, "min": np.minimum, "and": np.bitwise_and, "or": np.bitwise_or,
-    "xor": np.bitwise_xor, "not": np.invert, "eq": np.equal, "ne": np.not_equal,
-    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
-}
-# primitive -> fn(node, *operands) for the ops that read the node's params
-HOST_INTEGER_OPS = {
-    **{op: (lambda ufunc: lambda n, *xs: ufunc(*xs))(ufunc) for op, ufunc in HOST_UFUNCS.items()},
-    "convert_element_type": lambda n, a: a.astype(n.params["new_dtype"]),
-    "reshape": lambda n, a: np.reshape(a, n.params["new_sizes"]),
-    "squeeze": lambda n, a: np.squeeze(a, axis=tuple(n.params["dimensions"])),
-    "broadcast_in_dim": lambda n, a: np.broadcast_to(
-        np.expand_dims(a, tuple(i for i in range(len(n.params["shape"]))
-                                if i not in n.params["broadcast_dimensions"])),
-        n.params["shape"]),
-    "concatenate": lambda n, *xs: np.concatenate(xs, axis=n.params["dimension"]),
-    "select_n": lambda n, which, *cases: np.choose(which.astype(np.int32), cases),
-}
-
-for _op, _fn in HOST_INTEGER_OPS.items():
+# Every op whose `host` fact is set runs its numpy implementation (the one
+# constant folding uses too) as a host kernel on small integer/bool values.
+for _op in op_properties.ops_with(host=True):
   register_kernel(_op, backend="host", name=f"host:{_op}",
-                  accepts=_small_integer)(_wrapping(_fn))
+                  accepts=_small_integer)(_wrapping(op_properties.facts(_op).numpy))

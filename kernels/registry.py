@@ -11,6 +11,7 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
+from jaxsession import op_properties
 from jaxsession.errors import KernelSelectError
 
 BACKENDS = ("xla", "host", "pallas")
@@ -91,6 +92,17 @@ def unregister_kernel(name, op=None):
   """Removes the kernel called `name` (from `op` only, when given)."""
   for key in ([op] if op is not None else list(_REGISTRY)):
     _REGISTRY[key] = [k for k in _REGISTRY.get(key, []) if k.name != name]
+
+
+def registered_ops():
+  """The primitive and fused-op names with at least one registered kernel."""
+  return [op for op, kernels in _REGISTRY.items() if kernels and op != ANY_PRIMITIVE]
+
+
+def ops_without_facts():
+  """Registered ops with no entry in the op table (op_properties): a fused op
+  must declare its facts (`register_op`) beside its kernel."""
+  return [op for op in registered_ops() if not op_properties.known(op)]
 
 
 def candidates(op, backends=None):

@@ -7,24 +7,14 @@ for XLA, which folds them as it does under jax.jit.
 Run after DCE (fewer nodes to hash); DCE again afterwards is not needed since
 the merged node's outputs are redirected, not left dead.
 """
-from jaxsession.ir import Literal
+from jaxsession.ir import Literal, param_key
 from jaxsession.optimizer_passes.base import Pass, PassResult
-
-
-def hashable(value):
-  """A hashable stand-in for a param value, or raise TypeError."""
-  if isinstance(value, (list, tuple)):
-    return tuple(hashable(v) for v in value)
-  if isinstance(value, dict):
-    return tuple(sorted((k, hashable(v)) for k, v in value.items()))
-  hash(value)
-  return value
 
 
 def node_key(node):
   """(op, params, inputs) of `node`, or None when it cannot be hashed."""
   try:
-    params = tuple(sorted((k, hashable(v)) for k, v in node.params.items()))
+    params = param_key(node.params)
   except TypeError:
     return None
   inputs = tuple(v.key() if isinstance(v, Literal) else v.id for v in node.inputs)

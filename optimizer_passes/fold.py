@@ -30,42 +30,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsession.ir import Literal, Value, aval_bytes
+from jaxsession import op_properties
+from jaxsession.ir import Literal, Value, aval_bytes, param_key
 from jaxsession.lowering import kernel_fn
 from jaxsession.optimizer_passes.base import Pass, PassResult
-from jaxsession.optimizer_passes.cse import hashable
 
 
-def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
-  expanded = np.reshape(x, [x.shape[broadcast_dimensions.index(i)]
-                            if i in broadcast_dimensions else 1 for i in range(len(shape))])
-  return np.broadcast_to(expanded, shape)
+def numpy_fold(node, arrays):
+  """The node's result from its numpy implementation (op_properties), where
+  that is bit-identical to XLA's constant folder - its `fold` fact: "exact"
+  (data movement) or "ieee" (add, sub, mul, div, neg of real floats, no NaN
+  result; tests/rewrites_exact_test.py checks them on +-0.0, +-inf, NaN and
+  subnormals); None where XLA folds it itself."""
+  facts = op_properties.facts(node.op)
+  if facts.numpy is None or facts.fold is None:
+    return None
+  if facts.fold == "ieee" and not all(jnp.issubdtype(x.dtype, jnp.floating) for x in arrays):
+    return None
+  out = facts.numpy(*arrays, **node.params)
+  if facts.fold == "ieee" and np.isnan(np.asarray(out, np.float64)).any():
+    return None
+  return out
 
-
-def _ieee(fn):
-  """An IEEE operation (correctly rounded, subnormals kept) on real floats, as
-  XLA's evaluator does it; None (fold with XLA) for other dtypes or a NaN
-  result, whose payload bits numpy and XLA choose differently."""
-  def fold(*xs, **_):
-    if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in xs):
-      return None
-    out = fn(*xs)
-    return None if np.isnan(np.asarray(out, np.float64)).any() else out
-  return fold
-
-
-# Bit-identical in numpy to XLA's constant folder (tests/rewrites_exact_test.py
-# checks them on +-0.0, +-inf, NaN and subnormals); everything else is folded by
-# XLA itself.
-NUMPY_FOLDS = {
-    "add": _ieee(np.add), "sub": _ieee(np.subtract), "mul": _ieee(np.multiply),
-    "div": _ieee(np.divide), "neg": _ieee(np.negative),
-    "broadcast_in_dim": _broadcast_in_dim,
-    "reshape": lambda x, new_sizes, dimensions=None, **_: (
-        np.reshape(x, new_sizes) if dimensions is None else None),
-    "transpose": lambda x, permutation, **_: np.transpose(x, permutation),
-    "squeeze": lambda x, dimensions, **_: np.squeeze(x, tuple(dimensions)),
-}
 
 DEFAULT_LIMIT_BYTES = 1 << 16
 
@@ -74,12 +60,10 @@ def evaluate(node, args, platform=None):
   """The node's outputs on constant `args`, as XLA's constant folder computes
   them (on `platform`'s compiler, the one the graph is built for)."""
   arrays = [np.asarray(a, dtype=v.aval.dtype) for a, v in zip(args, node.inputs)]
-  numpy_fold = NUMPY_FOLDS.get(node.op)
-  if numpy_fold is not None:
-    with np.errstate(all="ignore"):  # inf is a value like any other here
-      out = numpy_fold(*arrays, **node.params)
-    if out is not None:
-      return [np.asarray(out, dtype=node.outputs[0].aval.dtype)]
+  with np.errstate(all="ignore"):  # inf is a value like any other here
+    out = numpy_fold(node, arrays)
+  if out is not None:
+    return [np.asarray(out, dtype=node.outputs[0].aval.dtype)]
   fn = kernel_fn(node)
   # The operands are closed over, so they are HLO constants and XLA folds the
   # node as it would inside the user's jax.jit.
@@ -92,7 +76,7 @@ def _memo_key(node, args):
   """What identifies a fold: the op, its params and its operands' bits; None
   when a param cannot be hashed."""
   try:
-    params = hashable(node.params)
+    params = param_key(node.params)
   except TypeError:
     return None
   return (node.op, params, tuple((np.asarray(a).dtype.str, np.shape(a),

@@ -15,6 +15,7 @@ c*d + a*b round differently. A form the kernel cannot repeat is not fused.
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsession import op_properties
 from jaxsession.ir import Literal
 from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule
 
@@ -140,7 +141,7 @@ def fuse_matmul_bias(r, a, w, mm, bias, bb):
 
 
 # -- AddN: a chain or tree of same-shape adds ------------------------------------
-ADDS = ("add", "add_any")
+ADDS = op_properties.ops_with(add=True)  # add, add_any
 
 
 def _same_aval_add(value, aval):

@@ -19,10 +19,10 @@ import jax
 from jax.core import ShapedArray
 import numpy as np
 
+from jaxsession import op_properties
 from jaxsession.ir import Literal, Value
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
-COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min", "and", "or", "eq", "ne"})
 
 
 class Pat:
@@ -190,7 +190,7 @@ def _matches(pat, value, m):
     if not (want(got) if callable(want) else got == want):
       return
   orders = [pat.srcs]
-  if node.op in COMMUTATIVE and len(pat.srcs) == 2:
+  if len(pat.srcs) == 2 and op_properties.facts(node.op).commutative:
     orders.append(pat.srcs[::-1])
   for srcs in orders:
     for _ in _match_all(srcs, node.inputs, m, 0):

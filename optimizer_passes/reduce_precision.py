@@ -2,23 +2,16 @@
 node's int64 operands, run it on int32 with casts around it - but only where
 that is exact: every int64 input provably fits in int32, and the op's results
 are drawn from its inputs' values (so they fit too). Otherwise refuse, and
-say why, in the KernelSelectError.
+say why, in the KernelSelectError. "Drawn from its inputs' values" is the
+op table's `range_preserving` fact (a fused op declares it with register_op).
 """
 from jax import lax
 import numpy as np
 
+from jaxsession import op_properties
 from jaxsession.ir import Literal, Node, Value
 
 INT32 = np.iinfo(np.int32)
-
-# Ops whose integer results are values of their inputs (or positions bounded
-# by a dimension): narrowing them loses nothing when the inputs fit. A fused
-# op with that property may add its name.
-RANGE_PRESERVING = {
-    "max", "min", "clamp", "select_n", "reshape", "transpose", "broadcast_in_dim", "slice",
-    "dynamic_slice", "gather", "concatenate", "sort", "reduce_max", "reduce_min", "copy",
-    "squeeze", "rev", "expand_dims",
-}
 
 
 def fits_int32(value, consts, depth=0):
@@ -36,7 +29,7 @@ def fits_int32(value, consts, depth=0):
     return (np.issubdtype(src, np.integer) and np.iinfo(src).bits <= 32) or src == np.bool_
   if node.op == "iota":
     return max(node.params["shape"]) <= INT32.max
-  if node.op in RANGE_PRESERVING:
+  if op_properties.facts(node.op).range_preserving:
     return all(fits_int32(v, consts, depth + 1) for v in node.inputs
                if getattr(v.aval, "dtype", None) == np.int64)
   return False
@@ -47,7 +40,7 @@ def narrowing_refusal(node, consts):
   int64_inputs = [i for i, v in enumerate(node.inputs) if v.aval.dtype == np.int64]
   if not int64_inputs and not any(o.aval.dtype == np.int64 for o in node.outputs):
     return "no int64 operand to narrow"
-  if node.op not in RANGE_PRESERVING:
+  if not op_properties.facts(node.op).range_preserving:
     return f"'{node.op}' may compute values outside int32 (not range-preserving)"
   for i in int64_inputs:
     if not fits_int32(node.inputs[i], consts):

@@ -27,6 +27,7 @@ Needs place_nodes before it.
 import dataclasses
 import heapq
 
+from jaxsession import liveness
 from jaxsession.ir import Literal, aval_bytes
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
@@ -131,19 +132,9 @@ def sink_host_outputs(order, graph):
 def order_peak(graph, nodes):
   """Planned peak of live bytes for `nodes` in this order (inputs live
   throughout, a value from its producer to its last reader)."""
-  size = {}
-  last = {}
-  for pos, node in enumerate(nodes):
-    for value in node.inputs:
-      if not isinstance(value, Literal):
-        last[value.id] = pos
-    for out in node.outputs:
-      size[out.id] = aval_bytes(out.aval)
-      last.setdefault(out.id, pos)
+  size = {out.id: aval_bytes(out.aval) for node in nodes for out in node.outputs}
+  last = liveness.of_nodes(nodes, graph.outputs).last
   end = len(nodes)
-  for value in graph.outputs:
-    if not isinstance(value, Literal):
-      last[value.id] = end
   live = sum(aval_bytes(v.aval) for v in graph.inputs)
   peak = live
   frees = [0] * (end + 1)

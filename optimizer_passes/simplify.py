@@ -14,10 +14,11 @@ engine drops the matched nodes itself when nobody else reads them).
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsession import op_properties
 from jaxsession.optimizer_passes.pattern import Pat, Rule, RewritePass
 
 x = Pat.var("x")
-ADDS = ("add", "add_any")
+ADDS = op_properties.ops_with(add=True)  # add, add_any
 
 
 def same_aval(a, b):

@@ -17,22 +17,17 @@ host. Each transfer records the node that made it necessary
 
 Needs place_nodes and the final node order before it.
 """
+from jaxsession import op_properties
 from jaxsession.ir import Literal
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes.base import Pass, PassResult
-
-TRANSFER_OPS = ("transfer_d2h", "transfer_h2d")
-
-
-def is_transfer(node):
-  return node.op in TRANSFER_OPS
-
 
 def value_place(value):
   """Where a value lives: its producer's place; graph inputs and state on the
   device; constants everywhere (None: both sides read them for free)."""
   if value.producer is not None:
-    if value.producer.op == "transfer_h2d":  # a host-placed one makes a device value
+    if op_properties.is_transfer(value.producer.op, "h2d"):  # even a host-placed one
+      # makes a device value
       return "device"
     return value.producer.place
   return None if value.kind == "const" else "device"
@@ -59,15 +54,15 @@ class InsertTransfers(Pass):
       if isinstance(value, Literal):
         continue
       home = value_place(value)
-      if home is None or (value.producer is not None and is_transfer(value.producer)):
+      if home is None or (value.producer is not None and op_properties.is_transfer(value.producer.op)):
         continue  # a transfer's result is on the side its readers are
       other = "host" if home == "device" else "device"
       readers = [u for u in dict.fromkeys(value.users)
-                 if u.place == other and not is_transfer(u)]
+                 if u.place == other and not op_properties.is_transfer(u.op)]
       if readers:
         readers.sort(key=lambda n: position[id(n)])
         first = readers[0]
-        op = "transfer_d2h" if home == "device" else "transfer_h2d"
+        op = op_properties.transfer_op("d2h" if home == "device" else "h2d")
         note = (f"{op[9:]} of {value}: read on the {other} by node(s) "
                 + ", ".join(f"{n.id} '{n.op}'" for n in readers))
         node = _transfer(graph, op, value, other, first, note, ctx.platform)
@@ -77,7 +72,7 @@ class InsertTransfers(Pass):
           moved.users.extend(reader for v in reader.inputs if v is moved)
         value.users = [u for u in value.users if u not in readers]
         inserts.append((position[id(first)], node))
-        if op == "transfer_h2d":
+        if op_properties.is_transfer(op, "h2d"):
           carried = node.outputs[0]  # the executable also returns it for the state slot
       if home == "host":
         inserts.extend(self._state_transfers(graph, value, position, ctx.platform,
@@ -99,7 +94,7 @@ class InsertTransfers(Pass):
     inserts = []
     if carried is None:
       producer = value.producer
-      node = _transfer(graph, "transfer_h2d", value, "host", producer,
+      node = _transfer(graph, op_properties.transfer_op("h2d"), value, "host", producer,
                        f"h2d of {value}: new value of state {slots}, which lives on the "
                        "device", platform)
       carried = node.outputs[0]

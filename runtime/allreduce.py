@@ -47,6 +47,8 @@ import numpy as np
 from jax.core import ShapedArray
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxsession import op_properties
+from jaxsession.kernels import fused  # PARTIAL_PRIMITIVES: what a dp_partial may compute
 from jaxsession.ir import Value, aval_bytes
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.runtime.batch_axis import step
@@ -54,7 +56,6 @@ from jaxsession.runtime.batch_rules import Eqn, Fact, FREE, Mixing
 
 PARTIAL_OP = "dp_partial"
 BUCKET_OP = "allreduce_bucket"
-SUM_OPS = ("reduce_sum", "dot_general")  # the primitives a dp_partial may compute
 _UNKNOWN_INPUT = -1  # mixed_by of an input whose rows are not the batch's
 
 
@@ -164,7 +165,7 @@ def _dot_point(node, facts, batch):
 def reduction_point(node, facts, batch, devices):
   """The operand axes split over the devices (one per operand, None for an
   operand read whole) when `node` sums over the sharded rows; else None."""
-  if node.prim is None or node.op not in SUM_OPS or node.effects or batch % devices:
+  if node.prim is None or node.op not in fused.PARTIAL_PRIMITIVES or node.effects or batch % devices:
     return None
   if any(f.mixed_by is not None for f in facts):
     return None
@@ -219,7 +220,7 @@ def _left_to_gspmd(graph, facts):
   """Reductions the plan does not own: sums over unknown layouts."""
   left = []
   for node in graph.nodes:
-    if node.op in ("reduce_sum", "reduce_max", "reduce_min", "dot_general", "MatMulBiasAdd"):
+    if op_properties.facts(node.op).reduces:
       mixed = [f for v in node.inputs if isinstance(v, Value)
                for f in [facts.get(v.id, FREE)] if f.mixed_by is not None]
       if mixed:

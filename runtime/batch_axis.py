@@ -5,7 +5,8 @@ executable and slice the outputs back: right only when no real row of any
 output, and no state, depends on another row (padded rows included). As JAX's
 batching rules do, each value gets a `Fact` - the axis carrying the rows, or
 None when it does not depend on them - and one table, `RULES`, keyed by
-primitive or fused-op name, maps an op's operand facts and params to its
+primitive name (beside the op table's `elementwise` fact and named rules,
+op_properties: `rule_for`), maps an op's operand facts and params to its
 output facts or raises `Mixing` with the reason. Control flow is analysed
 through its sub-jaxprs with the same table; an op without a rule mixes; a rule
 that is unsure mixes. The analysis may refuse a harmless program, never accept
@@ -25,6 +26,7 @@ that round a row the same at every batch size; XLA on CPU does not by default
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxsession import op_properties
 from jaxsession.importer import INLINE_RULES, source_of
 from jaxsession.runtime.batch_rules import (  # the facts and the row rules
     Mixing, Fact, FREE, Problem, BatchVerdict, Eqn,
@@ -134,22 +136,13 @@ def transpose_uniform(eqn):
 # -- the table ---------------------------------------------------------------------------
 ELEMENTWISE = BatchRule(elementwise, elementwise_uniform)
 IDENTITY = BatchRule(lambda eqn: eqn.facts[:len(eqn.out_avals)])  # each output its operand
-ELEMENTWISE_OPS = (
-    "abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt "
-    "ceil clamp clz complex conj convert_element_type copy copy_p cos cosh digamma div eq "
-    "erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a igammac imag "
-    "integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not "
-    "or polygamma population_count pow random_gamma_grad real reduce_precision "
-    "regularized_incomplete_beta rem round rsqrt select_n shift_left shift_right_arithmetic "
-    "shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh xor zeta "
-    "threefry2x32 random_seed random_fold_in "
-    # fused ops that compute element by element (operands at x's rank or scalars)
-    "GeluTanh AddN Adam BatchNormRelu BatchNormAddRelu").split()
 
+# Primitives' own rules. An op the op table calls elementwise takes ELEMENTWISE,
+# and an op that names a rule there (transfers, fused ops) takes that rule
+# (`rule_for`); any other op mixes.
 RULES = {
-    **{op: ELEMENTWISE for op in ELEMENTWISE_OPS},
     **{op: IDENTITY for op in ("optimization_barrier", "device_put", "sharding_constraint",
-                               "transfer_d2h", "transfer_h2d", "random_clone")},
+                               "random_clone")},
     # the last axis packs into wider elements when the width grows
     "bitcast_convert_type": not_along(
         lambda e: (e.rank(0) - 1,) if len(e.out_shape()) < e.rank(0) else (), "packs"),
@@ -170,7 +163,6 @@ RULES = {
     "concatenate": not_along(_param("dimension"), "concatenates"),
     "split": not_along(_param("axis"), "splits"),
     "dot_general": BatchRule(dot_general, dot_uniform),
-    "MatMulBiasAdd": BatchRule(matmul_bias_add),
     **{op: reduction(verb) for op, verb in (
         ("reduce_sum", "sums"), ("reduce_max", "takes the maximum"),
         ("reduce_min", "takes the minimum"), ("reduce_prod", "multiplies"),
@@ -184,9 +176,6 @@ RULES = {
        for op in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
     "sort": not_along(_param("dimension"), "sorts"),
     "top_k": not_along(lambda e: (e.params.get("axis", e.rank(0) - 1),), "takes the top k"),
-    "Softmax": BatchRule(normalization),
-    "LayerNorm": BatchRule(normalization),
-    "RMSNorm": BatchRule(normalization),
     "gather": BatchRule(gather),
     **{op: BatchRule(scatter) for op in ("scatter", "scatter-add", "scatter_add", "scatter-mul",
                                          "scatter_mul", "scatter-min", "scatter_min",
@@ -210,13 +199,31 @@ RULES = {
 }
 
 
+NAMED_RULES = {  # op_properties.BATCH_RULE_NAMES
+    "identity": IDENTITY,
+    "rows": BatchRule(normalization),  # normalises along its last axes, each row on its own
+    "matmul_bias_add": BatchRule(matmul_bias_add),
+}
+
+
+def rule_for(op):
+  """The BatchRule of primitive or fused-op name `op`, or None (it mixes)."""
+  rule = RULES.get(op)
+  if rule is not None:
+    return rule
+  facts = op_properties.facts(op)
+  if facts.elementwise:
+    return ELEMENTWISE
+  return NAMED_RULES.get(facts.batch)
+
+
 def step(eqn):
   """The output facts of one operation: through its rule when rows reach it.
   A rule that cannot read its operation mixes (when unsure, mix)."""
   mixed = next((f.mixed_by for f in eqn.facts if f.mixed_by is not None), None)
   if mixed is not None:
     return [Fact(mixed_by=mixed)] * len(eqn.out_avals)
-  rule = RULES.get(eqn.op)
+  rule = rule_for(eqn.op)
   if all(f.axis is None for f in eqn.facts):
     try:
       return (rule.uniform if rule is not None else no_uniform)(eqn)

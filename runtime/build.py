@@ -14,6 +14,7 @@ from typing import Callable, List, Tuple
 import jax
 import numpy as np
 
+from jaxsession import liveness
 from jaxsession.errors import HostOpError
 from jaxsession.ir import Literal, aval_str
 from jaxsession.lowering import kernel_fn, lower_nodes
@@ -297,18 +298,9 @@ def _mesh_layouts(graph):
 
 def _set_frees(ops, outputs):
   """Each register is cleared after the last op that reads it, unless it is a
-  graph output (the value is then held only as long as something needs it)."""
-  keep = set(outputs)
-  last = {}
-  for k, op in enumerate(ops):
-    for r in op.ins:
-      last[r] = k
-    for r in op.outs:
-      last.setdefault(r, k)  # made but never read: cleared right away
-  frees = [[] for _ in ops]
-  for r, k in last.items():
-    if r not in keep:
-      frees[k].append(r)
+  graph output (the value is then held only as long as something needs it);
+  one made but never read is cleared right away (jaxsession/liveness.py)."""
+  frees = liveness.analyze(((op.ins, op.outs) for op in ops), keep=outputs).frees()
   for op, free in zip(ops, frees):
     op.frees = tuple(free)
 

@@ -24,6 +24,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from jaxsession import liveness, op_properties
 from jaxsession.ir import Literal, aval_bytes, aval_str
 
 
@@ -96,31 +97,32 @@ def device_resident(value, platform):
   transfer to the host hands over the very same buffer."""
   if value.producer is None:
     return value.kind != "const"  # consts are embedded in the executables
-  if value.producer.op == "transfer_d2h":
+  transfer = op_properties.facts(value.producer.op).transfer
+  if transfer == "d2h":
     return platform == "cpu"
-  return value.producer.place == "device" or value.producer.op == "transfer_h2d"
+  return value.producer.place == "device" or transfer == "h2d"
 
 
 def live_ranges(graph, partitions):
-  """value id -> (partition that makes it, last partition that reads it);
+  """value id -> (partition that makes it, last partition that reads it):
+  the graph's liveness at partition granularity (jaxsession/liveness.py);
   graph inputs live from -1 to len(partitions) (the caller and the state
   slots hold them; a donated state buffer is counted as if kept, an upper
   bound), graph outputs to len(partitions)."""
-  ranges = {v.id: (-1, -1) for v in graph.inputs}
-  for part in partitions:
-    for node in part.nodes:
-      for value in node.inputs:
-        if not isinstance(value, Literal):
-          ranges[value.id] = (ranges[value.id][0], part.index)
-      for out in node.outputs:
-        ranges[out.id] = (part.index, part.index)
-  end = len(partitions)
-  for value in graph.inputs:  # the caller and the state slots hold them throughout
-    ranges[value.id] = (-1, end)
-  for value in graph.outputs:
-    if not isinstance(value, Literal):
-      ranges[value.id] = (ranges[value.id][0], end)
-  return ranges
+  return liveness.of_partitions(graph, partitions).ranges()
+
+
+def bytes_live_after(graph, platform):
+  """Per partition: the device bytes the memory plan holds after it (values
+  made by it or before and read after it, graph inputs and outputs), from
+  the plan's live ranges; [] before AllocateMemory."""
+  plan = graph.memory
+  if plan is None or not graph.partitions:
+    return []
+  sizes = {v.id: aval_bytes(v.aval) for v in graph.values() if device_resident(v, platform)}
+  return [sum(size for vid, size in sizes.items()
+              if plan.live_ranges[vid][0] <= part.index < plan.live_ranges[vid][1])
+          for part in graph.partitions]
 
 
 def estimate(part, platform):
@@ -131,18 +133,14 @@ def estimate(part, platform):
   if part.place == "host":
     return args + outs
   exported = {v.id for v in part.outputs}
-  last = {}
-  for pos, node in enumerate(part.nodes):
-    for value in node.inputs:
-      if not isinstance(value, Literal):
-        last[value.id] = pos
+  last = liveness.of_nodes(part.nodes).last
   live = peak = 0
   dies = collections.defaultdict(int)
   for pos, node in enumerate(part.nodes):
     for out in node.outputs:
       if out.id not in exported:
         live += value_bytes(out)
-        dies[last.get(out.id, pos)] += value_bytes(out)
+        dies[last[out.id]] += value_bytes(out)
     peak = max(peak, live)
     live -= dies[pos]
   return args + outs + peak
@@ -166,7 +164,7 @@ def node_floor(nodes, platform="cpu"):
   for node in nodes:
     touched = {v.id: v for v in node.inputs
                if not isinstance(v, Literal) and device_resident(v, platform)}
-    if node.op != "transfer_d2h":  # on CPU its result is its operand's buffer
+    if not op_properties.is_transfer(node.op, "d2h"):  # on CPU: its operand's buffer
       touched.update((o.id, o) for o in node.outputs if device_resident(o, platform))
     bound = max(bound, sum(value_bytes(v) for v in touched.values()))
   return bound
@@ -192,7 +190,7 @@ def decide_donations(graph, partitions, allow=True):
   """For each state leaf: donate it to the last partition reading it, unless
   that would lose it on a failure or buys nothing. The reason is recorded.
   Returns the decisions and the outputs still free for other donations."""
-  part_of = {n.id: p.index for p in partitions for n in p.nodes}
+  part_of = liveness.partition_index(partitions)
   free = free_outputs(partitions)
   decisions = []
   updates = dict((s.id, new) for s, new in graph.state_updates())
@@ -257,11 +255,12 @@ def decide_intermediate_donations(graph, partitions, ranges, free):
       continue
     for value in part.inputs:
       producer = value.producer
-      if producer is None or producer.place != "device" or producer.op == "transfer_h2d":
+      if (producer is None or producer.place != "device"
+          or op_properties.is_transfer(producer.op, "h2d")):
         continue
       if value.id in outputs or ranges[value.id][1] != part.index:
         continue  # still needed later, or handed to the caller
-      if any(u.op == "transfer_d2h" for u in value.users):
+      if any(op_properties.is_transfer(u.op, "d2h") for u in value.users):
         continue
       if free[part.index][_key(value)] > 0:
         free[part.index][_key(value)] -= 1

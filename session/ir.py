@@ -7,6 +7,7 @@ graph (`memory`, `partitions`), so `dump()` after any stage shows everything
 decided so far.
 """
 import itertools
+import weakref
 
 import numpy as np
 
@@ -94,6 +95,10 @@ class Node:
     if self._props is None:
       self._props = node_props(self)
     return self._props
+
+  def invalidate_props(self):
+    """Forgets the cached props (after a pass changed the node's params)."""
+    self._props = None
 
   def __repr__(self):
     return f"Node({self.id}, {self.op})"
@@ -362,6 +367,10 @@ def _check_avals(node):
            f"of its inputs gives {want[1]}{list(want[0])}{'~' if want[2] else ''}")
 
 
+# (primitive, input avals, params) -> the avals its shape rule gives. The key
+# holds its params' objects (jaxprs, callbacks) by weak reference, so that a
+# released graph's jaxprs and the arrays they close over are not kept alive;
+# an entry whose referents died matches nothing. Errors are not cached.
 _SHAPE_RULE_CACHE = {}
 
 
@@ -373,8 +382,7 @@ def _expected_avals(node):
     key = (node.prim, tuple((tuple(v.aval.shape), v.aval.dtype, getattr(v.aval, "weak_type",
                                                                        False))
                             for v in node.inputs),
-           tuple(sorted((k, _freeze(v)) for k, v in node.params.items())))
-    hash(key)
+           param_key(node.params))
   except (TypeError, AttributeError):
     key = None
   if key is not None and key in _SHAPE_RULE_CACHE:
@@ -382,16 +390,15 @@ def _expected_avals(node):
   try:
     result = node.prim.abstract_eval(*[v.aval for v in node.inputs], **node.params)
   except (TypeError, ValueError) as exc:
-    expected = f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {exc}"
   except Exception:  # a primitive without a usable shape rule: nothing to check
-    expected = None
-  else:
-    outs = result[0] if isinstance(result, tuple) else result
-    outs = outs if node.prim.multiple_results else [outs]
-    try:
-      expected = [(tuple(a.shape), a.dtype, a.weak_type) for a in outs]
-    except AttributeError:  # tokens and other non-array results
-      expected = None
+    return None
+  outs = result[0] if isinstance(result, tuple) else result
+  outs = outs if node.prim.multiple_results else [outs]
+  try:
+    expected = [(tuple(a.shape), a.dtype, a.weak_type) for a in outs]
+  except AttributeError:  # tokens and other non-array results
+    return None
   if key is not None:
     if len(_SHAPE_RULE_CACHE) > 4096:  # bounded: a long-lived process compiles many graphs
       _SHAPE_RULE_CACHE.clear()
@@ -399,11 +406,25 @@ def _expected_avals(node):
   return expected
 
 
+def param_key(params):
+  """The one hashable key of a node's params (CSE, the fold memo, the
+  shape-rule cache); raises TypeError when a param cannot be hashed."""
+  key = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
+  hash(key)
+  return key
+
+
 def _freeze(value):
+  """A hashable stand-in for a param: containers frozen item by item, arrays
+  by their bytes, any other object that takes a weak reference by one (a
+  live weakref hashes and compares as its referent does)."""
   if isinstance(value, (list, tuple)):
     return tuple(_freeze(v) for v in value)
   if isinstance(value, dict):
     return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
   if isinstance(value, np.ndarray):
     return (value.dtype.str, value.shape, value.tobytes())
-  return value
+  try:
+    return weakref.ref(value)
+  except TypeError:  # ints, strings, tuples of them...: held as they are
+    return value

@@ -1,12 +1,14 @@
 """Lowering: a list of KernelGraph nodes back to a jax-traceable callable.
 
 The loop is `eval_jaxpr`'s: read the inputs from an environment, call each
-node's kernel, write the outputs, forget values after their last use. Traced
+node's kernel, write the outputs, forget values after their last use (the
+liveness of the node list, jaxsession/liveness.py). Traced
 under `jax.jit` this yields one XLA computation for the whole node list.
 """
 import numpy as np
 from jax.core import ShapedArray
 
+from jaxsession import liveness
 from jaxsession.errors import KernelSelectError
 from jaxsession.ir import Literal, aval_str
 from jaxsession.kernels import xla as xla_kernels
@@ -15,20 +17,6 @@ from jaxsession.kernels import xla as xla_kernels
 def kernel_fn(node):
   """The kernel function chosen for `node` (the XLA bind kernel if none yet)."""
   return node.kernel.fn if node.kernel is not None else xla_kernels.bind_primitive
-
-
-def last_uses(nodes, out_values):
-  """For each node index, the value ids whose last reader it is."""
-  keep = {v.id for v in out_values if not isinstance(v, Literal)}
-  last = {}
-  for i, node in enumerate(nodes):
-    for value in node.inputs:
-      if not isinstance(value, Literal) and value.id not in keep:
-        last[value.id] = i
-  frees = [[] for _ in nodes]
-  for vid, i in last.items():
-    frees[i].append(vid)
-  return frees
 
 
 def check_kernel_outputs(node, outs):
@@ -59,7 +47,7 @@ def lower_nodes(nodes, in_values, out_values, consts=None):
   nodes = list(nodes)
   in_ids = [v.id for v in in_values]
   bound = dict(consts or {})
-  frees = last_uses(nodes, out_values)
+  frees = liveness.of_nodes(nodes, out_values).frees()
   fns = [kernel_fn(n) for n in nodes]
 
   def read(env, value):

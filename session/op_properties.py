@@ -18,9 +18,20 @@ A control-flow node's properties are those of everything inside it: a
 exactly as it makes a top-level node (JAX lifts effects out of sub-jaxprs the
 same way, `jax/_src/core.py`). The rules are per primitive name; a primitive
 without a rule is pure and deterministic unless its equation carries effects.
+
+Beside the effects, `OpFacts` holds every other per-op fact a pass or the
+runtime reads (`facts(op)`): commutative, an addition, elementwise, reduces,
+range-preserving, its numpy implementation (one function, read by constant
+folding and by the host kernels), the batch-axis rule it takes, whether it is
+a transfer, and a DCE rule where dropping dead outputs needs more than a flag.
+Primitives' facts are in `OP_TABLE` below; a fused op registers its own
+(`register_op`) next to its kernel, so a new fusion touches its own files.
 """
 import dataclasses
+from typing import Callable, Optional
+import weakref
 
+import numpy as np
 from jax.extend import core as jcore
 
 
@@ -61,23 +72,219 @@ _CALLBACK = OpProps(deterministic=False, may_fail=True, user_code=True)
 _EFFECTFUL_CALLBACK = OpProps(pure=False, deterministic=False, may_fail=True,
                               user_code=True, effects=True)
 _CONTROL_FLOW = OpProps(control_flow=True)
-
-# primitive name -> its own properties (before looking inside sub-jaxprs).
-# pure_callback is pure in JAX's sense (dropped when unused) but it runs user
-# code, which may raise and must never run at compile time; two calls are
-# never merged, since nothing promises the callback is deterministic.
-OP_RULES = {
-    "pure_callback": _CALLBACK,
-    "io_callback": _EFFECTFUL_CALLBACK,
-    "debug_callback": _EFFECTFUL_CALLBACK,
-    "debug_print": _EFFECTFUL_CALLBACK,
-    "rng_uniform": OpProps(deterministic=False),   # XLA's stateful RNG: each call differs
-    "scan": _CONTROL_FLOW,
-    "while": _CONTROL_FLOW,
-    "cond": _CONTROL_FLOW,
-}
-
 _EFFECTS = OpProps(pure=False, deterministic=False, effects=True)
+
+BATCH_RULE_NAMES = ("identity", "rows", "matmul_bias_add")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpFacts:
+  """Everything the passes and the runtime know of one op by its name."""
+  props: OpProps = PLAIN          # its own effects (node_props adds its sub-jaxprs')
+  commutative: bool = False       # op(a, b) is op(b, a) bit for bit: patterns try both orders
+  add: bool = False               # a + b (add, add_any): what x+0 and AddN rewrite
+  elementwise: bool = False       # each output element from the same element of each operand
+                                  # (operands at the output's rank, or scalars): batch rule
+  reduces: bool = False           # sums or takes extrema over axes (the all-reduce plan)
+  range_preserving: bool = False  # integer results are values of its inputs (narrowing)
+  numpy: Optional[Callable] = None  # fn(*arrays, **params) -> array: the op in numpy
+  fold: Optional[str] = None      # when folding may use `numpy`: "exact" (data movement,
+                                  # any dtype) or "ieee" (real floats, no NaN in the result)
+  host: bool = False              # `numpy` is its host kernel on small integer/bool values
+  batch: Optional[str] = None     # a batch-axis rule of BATCH_RULE_NAMES; None: the
+                                  # primitive's own rule in runtime/batch_axis.py, or it mixes
+  transfer: Optional[str] = None  # "d2h" or "h2d": a value moved between places
+  dce: Optional[Callable] = None  # dce(node, used_outputs) -> DceResult or None (no change)
+
+
+@dataclasses.dataclass(frozen=True)
+class DceResult:
+  """What a DCE rule keeps of a node: the inputs still read, the new params
+  and effects, and which outputs stay (a kept output may be unused: a carry
+  another carry needs)."""
+  used_inputs: list
+  params: dict
+  effects: object
+  kept_outputs: list
+
+
+def _jax_dce(node, used_outputs):
+  """JAX's own DCE rule (`pe.dce_rules`) for `node`'s primitive, on an
+  equation made of fresh variables: it drops dead outputs and what only they
+  compute inside the sub-jaxprs; effectful equations inside are kept."""
+  # jax exports no public form of these rules; they are what jax.jit's DCE runs
+  from jax._src import core as jax_core
+  from jax._src.interpreters import partial_eval as pe
+  rule = pe.dce_rules.get(node.prim)
+  if rule is None:
+    return None
+  invars = [jax_core.Var(v.aval) for v in node.inputs]
+  outvars = [jax_core.Var(v.aval) for v in node.outputs]
+  eqn = jax_core.new_jaxpr_eqn(invars, outvars, node.prim, node.params, node.effects)
+  used_inputs, new_eqn = rule(list(used_outputs), eqn)
+  if new_eqn is None:
+    return None
+  kept_in = {id(v) for v in new_eqn.invars}
+  kept_out = {id(v) for v in new_eqn.outvars}
+  return DceResult([id(v) in kept_in for v in invars], dict(new_eqn.params),
+                   new_eqn.effects, [id(v) in kept_out for v in outvars])
+
+
+def _while_dce(node, used_outputs):
+  """A while's carries that no used output, no other kept carry and not its
+  condition need are dropped (JAX has no rule for while): the carry set grows
+  to a fixed point, then body and condition lose what only the dropped ones
+  computed. Effectful equations inside keep their operands alive."""
+  from jax._src import core as jax_core
+  from jax._src.interpreters import partial_eval as pe
+  p = node.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+  _, cond_used = pe.dce_jaxpr(cond.jaxpr, [True], instantiate=False)
+  used = [u or c for u, c in zip(used_outputs, cond_used[cn:])]
+  while True:
+    _, body_used = pe.dce_jaxpr(body.jaxpr, used, instantiate=False)
+    grown = [u or b for u, b in zip(used, body_used[bn:])]
+    if grown == used:
+      break
+    used = grown
+  if all(used):
+    return None
+  new_body, body_in = pe.dce_jaxpr(body.jaxpr, used, instantiate=[False] * bn + used)
+  new_cond, cond_in = pe.dce_jaxpr(cond.jaxpr, [True], instantiate=[False] * cn + used)
+  params = dict(p, cond_nconsts=sum(cond_in[:cn]), body_nconsts=sum(body_in[:bn]),
+                cond_jaxpr=jax_core.ClosedJaxpr(new_cond, cond.consts),
+                body_jaxpr=jax_core.ClosedJaxpr(new_body, body.consts))
+  return DceResult(list(cond_in[:cn]) + list(body_in[:bn]) + used, params, node.effects, used)
+
+
+def _ufunc(fn):
+  return lambda *xs, **_: fn(*xs)
+
+
+def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
+  expanded = np.reshape(x, [x.shape[broadcast_dimensions.index(i)]
+                            if i in broadcast_dimensions else 1 for i in range(len(shape))])
+  return np.broadcast_to(expanded, shape)
+
+
+def _reshape(x, new_sizes, dimensions=None, **_):
+  return np.reshape(x if dimensions is None else np.transpose(x, dimensions), new_sizes)
+
+
+def _facts(*names, **facts):
+  return {name: OpFacts(**facts) for name in names}
+
+
+def _ufunc_facts(table, **facts):
+  return {name: OpFacts(numpy=_ufunc(ufunc), **facts) for name, ufunc in table.items()}
+
+
+# Elementwise primitives with no other fact (the batch rule reads `elementwise`).
+_ELEMENTWISE = (
+    "abs acos acosh asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clz complex "
+    "conj copy_p cos cosh digamma erf erf_inv erfc exp exp2 expm1 floor igamma "
+    "igamma_grad_a igammac imag integer_pow is_finite lgamma log log1p logistic nextafter "
+    "polygamma population_count pow random_gamma_grad real reduce_precision "
+    "regularized_incomplete_beta rem round rsqrt shift_left shift_right_arithmetic "
+    "shift_right_logical sign sin sinh sqrt square stop_gradient tan tanh zeta "
+    "threefry2x32 random_seed random_fold_in").split()
+
+# primitive name -> its facts. The numpy functions are bit-identical to XLA
+# where `fold` says so (tests/rewrites_exact_test.py checks them on +-0.0,
+# +-inf, NaN and subnormals) and on the integer/bool values host kernels take
+# (two's complement wrap-around, as XLA). max and min fold with XLA: numpy's
+# max(-0.0, 0.0) is -0.0, XLA's is 0.0.
+OP_TABLE = {
+    "pure_callback": OpFacts(props=_CALLBACK),
+    # pure_callback is pure in JAX's sense (dropped when unused) but it runs
+    # user code, which may raise and must never run at compile time; two calls
+    # are never merged, since nothing promises the callback is deterministic.
+    **_facts("io_callback", "debug_callback", "debug_print", props=_EFFECTFUL_CALLBACK),
+    "rng_uniform": OpFacts(props=OpProps(deterministic=False)),  # each call differs
+    "scan": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
+    "cond": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
+    "while": OpFacts(props=_CONTROL_FLOW, dce=_while_dce),
+    **_facts(*_ELEMENTWISE, elementwise=True),
+    "add": OpFacts(numpy=_ufunc(np.add), add=True, commutative=True, elementwise=True,
+                   fold="ieee", host=True),
+    "add_any": OpFacts(add=True, commutative=True, elementwise=True),
+    "mul": OpFacts(numpy=_ufunc(np.multiply), commutative=True, elementwise=True, fold="ieee",
+                   host=True),
+    **_ufunc_facts({"sub": np.subtract, "neg": np.negative}, elementwise=True, fold="ieee",
+                   host=True),
+    "div": OpFacts(numpy=_ufunc(np.divide), elementwise=True, fold="ieee"),
+    **_ufunc_facts({"max": np.maximum, "min": np.minimum}, commutative=True, elementwise=True,
+                   range_preserving=True, host=True),
+    **_ufunc_facts({"and": np.bitwise_and, "or": np.bitwise_or, "eq": np.equal,
+                    "ne": np.not_equal}, commutative=True, elementwise=True, host=True),
+    **_ufunc_facts({"xor": np.bitwise_xor, "not": np.invert, "lt": np.less, "le": np.less_equal,
+                    "gt": np.greater, "ge": np.greater_equal}, elementwise=True, host=True),
+    "clamp": OpFacts(elementwise=True, range_preserving=True),
+    "copy": OpFacts(elementwise=True, range_preserving=True),
+    "convert_element_type": OpFacts(
+        elementwise=True, host=True, numpy=lambda x, new_dtype, **_: x.astype(new_dtype)),
+    "select_n": OpFacts(elementwise=True, range_preserving=True, host=True,
+                        numpy=lambda which, *cases, **_: np.choose(which.astype(np.int32),
+                                                                   cases)),
+    "broadcast_in_dim": OpFacts(range_preserving=True, numpy=_broadcast_in_dim, fold="exact",
+                                host=True),
+    "reshape": OpFacts(range_preserving=True, numpy=_reshape, fold="exact", host=True),
+    "squeeze": OpFacts(range_preserving=True, fold="exact", host=True,
+                       numpy=lambda x, dimensions, **_: np.squeeze(x, tuple(dimensions))),
+    "transpose": OpFacts(range_preserving=True, fold="exact",
+                         numpy=lambda x, permutation, **_: np.transpose(x, permutation)),
+    "concatenate": OpFacts(range_preserving=True, host=True,
+                           numpy=lambda *xs, dimension, **_: np.concatenate(xs, dimension)),
+    **_facts("slice", "dynamic_slice", "gather", "sort", "rev", "expand_dims",
+             range_preserving=True),
+    **_facts("reduce_max", "reduce_min", reduces=True, range_preserving=True),
+    **_facts("reduce_sum", "dot_general", reduces=True),
+}
+_NO_FACTS = OpFacts()
+
+
+def register_op(name, **facts):
+  """Declares the facts of a fused (or otherwise new) op `name`; called next
+  to the op's kernel. Registering again replaces them."""
+  batch = facts.get("batch")
+  if batch is not None and batch not in BATCH_RULE_NAMES:
+    raise ValueError(f"batch rule of {name} must be one of {BATCH_RULE_NAMES}, got {batch!r}")
+  OP_TABLE[name] = OpFacts(**facts)
+  return OP_TABLE[name]
+
+
+def unregister_op(name):
+  """Forgets the facts `register_op` declared for `name`."""
+  OP_TABLE.pop(name, None)
+
+
+def ops_with(**wanted):
+  """The names of the ops whose facts have every field of `wanted` equal to
+  the value given (e.g. ops_with(add=True)), in table order."""
+  return tuple(name for name, f in OP_TABLE.items()
+               if all(getattr(f, k) == v for k, v in wanted.items()))
+
+
+def facts(op):
+  """The OpFacts of primitive or fused-op name `op` (no facts: all false)."""
+  return OP_TABLE.get(op, _NO_FACTS)
+
+
+def known(op):
+  """Whether `op` has an entry in the table."""
+  return op in OP_TABLE
+
+
+def is_transfer(op, kind=None):
+  """Whether `op` moves a value between places (of `kind` "d2h"/"h2d", if given)."""
+  transfer = facts(op).transfer
+  return transfer is not None and (kind is None or transfer == kind)
+
+
+def transfer_op(kind):
+  """The name of the op that moves a value `kind` ("d2h" or "h2d")."""
+  return next(name for name, f in OP_TABLE.items() if f.transfer == kind)
 
 
 def _sub_jaxprs(params):
@@ -91,24 +298,26 @@ def _sub_jaxprs(params):
         yield item
 
 
-_CACHE = {}  # id(jaxpr) -> (jaxpr, props); the jaxpr is kept so its id stays its own
+# jaxpr -> its joined props; weak, so that a released jaxpr (and the arrays
+# its ClosedJaxpr holds) is not kept alive by having been asked about.
+_CACHE = weakref.WeakKeyDictionary()
 
 
 def jaxpr_props(jaxpr):
   """The joined properties of every equation in `jaxpr`, at any depth."""
-  hit = _CACHE.get(id(jaxpr))
-  if hit is not None and hit[0] is jaxpr:
-    return hit[1]
+  props = _CACHE.get(jaxpr)
+  if props is not None:
+    return props
   props = PLAIN
   for eqn in jaxpr.eqns:
     props = props.join(primitive_props(eqn.primitive.name, eqn.params, eqn.effects))
-  _CACHE[id(jaxpr)] = (jaxpr, props)
+  _CACHE[jaxpr] = props
   return props
 
 
 def primitive_props(name, params, effects=()):
   """Properties of one primitive application, sub-jaxprs included."""
-  props = OP_RULES.get(name, PLAIN)
+  props = facts(name).props
   if effects:
     props = props.join(_EFFECTS)
   for sub in _sub_jaxprs(params):

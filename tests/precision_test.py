@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
-from jaxsession import pipeline
+from jaxsession import op_properties, pipeline
 from jaxsession.ir import KernelGraph
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes import reduce_precision as precision
@@ -26,12 +26,12 @@ class ReducePrecisionTest(absltest.TestCase):
   def setUp(self):
     super().setUp()
     registry.register_kernel(OP, dtypes=["int32"], name="xla:test_pair_max_i32")(_pair_max)
-    precision.RANGE_PRESERVING.add(OP)
+    op_properties.register_op(OP, range_preserving=True)
     self.enter_context(jax.enable_x64(True))
 
   def tearDown(self):
     registry.unregister_kernel("xla:test_pair_max_i32")
-    precision.RANGE_PRESERVING.discard(OP)
+    op_properties.unregister_op(OP)
     super().tearDown()
 
   def _graph(self, widen_inputs=True, op=OP):
