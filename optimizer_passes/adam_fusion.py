@@ -80,5 +80,7 @@ ADAM_RULES = [Rule(pat, _make(form), exports=("m_new", "v_new"))
               for form, pat in ADAM_FORMS.items()]
 
 
-def FuseAdam():
-  return RewritePass("fuse_adam", ADAM_RULES, doc=__doc__)
+class FuseAdam(RewritePass):
+  """Optimize: the Adam update of one leaf becomes one node (module docstring)."""
+  name = "fuse_adam"
+  rules = ADAM_RULES
