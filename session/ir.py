@@ -237,7 +237,10 @@ class KernelGraph:
     Reads the graph only."""
     if structure:
       self._verify_structure()
-    checks = {check: stage for stage in stages for check in STAGE_INVARIANTS.get(stage, ())}
+    checks = {}  # check -> the first stage that establishes it
+    for stage in stages:
+      for check in STAGE_INVARIANTS.get(stage, ()):
+        checks.setdefault(check, stage)
     for check in STAGE_INVARIANTS.get(skip, ()):
       checks.pop(check, None)
     for check, stage in checks.items():
@@ -407,11 +410,14 @@ def _partitions_cover_the_nodes(graph):
 
 
 def _every_node_has_a_stream(graph):
+  node = next((n for n in graph.nodes if n.stream is None), None)
+  if node is not None:
+    return f"{_node_text(node)} has no stream"
   for part in graph.partitions or ():
-    node = next((n for n in part.nodes if n.stream is None or n.stream != part.stream), None)
-    if part.stream is None or node is not None:
-      return (f"partition #{part.index} has no stream" if part.stream is None else
-              f"{_node_text(node)} has stream {node.stream}, its partition {part.stream}")
+    node = next((n for n in part.nodes if n.stream != part.stream), None)
+    if node is not None:
+      return (f"{_node_text(node)} has stream {node.stream}, its partition "
+              f"#{part.index} {part.stream}")
   return None
 
 
