@@ -1,6 +1,8 @@
 """The flat pipeline (session/pipeline.py): one table gives the order of the
 passes, a user pass's nodes are decided by the ordinary passes after it, and
 each stage's invariants are checked after it (KernelGraph.verify)."""
+import sys
+
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ import numpy as np
 import jaxsession as js
 from jaxsession import pipeline
 from jaxsession.importer import import_jaxpr
-from jaxsession.optimizer_passes import Pass, PassContext, PassResult
+from jaxsession.optimizer_passes import FunctionPass, Pass, PassContext, PassResult
 from exact import assert_same_bits
 
 RNG = np.random.default_rng(14)
@@ -175,6 +177,20 @@ class StageTableTest(absltest.TestCase):
     self.assertEqual(optimize, sweep * (len(optimize) // len(sweep)))
     self.assertGreater(len(optimize) // len(sweep), 1)  # cse changed: a second sweep
     self.assertEqual(tuple(pipeline.PIPELINE), pipeline.GRAPH_STAGES)
+
+  def test_every_built_in_pass_is_a_pass_class_in_its_own_module(self):
+    for stage, passes in pipeline.PIPELINE.items():
+      for pass_ in passes:
+        cls = type(pass_)
+        self.assertTrue(cls.__module__.startswith("jaxsession.optimizer_passes."), cls)
+        self.assertNotIsInstance(pass_, FunctionPass)
+        self.assertEqual(cls.name, pass_.name)  # named by its class, not per instance
+        self.assertIn("run", [k for c in cls.__mro__ for k in vars(c)])
+        self.assertRegex(sys.modules[cls.__module__].__doc__,  # says what must run first
+                         r"[Nn]eeds|[Rr]uns? (after|before|first)|before it")
+    required = [p.name for passes in pipeline.PIPELINE.values() for p in passes if p.required]
+    self.assertEqual(required, ["select_kernels", "place_nodes", "insert_transfers",
+                                "partition_nodes", "assign_streams", "plan_memory"])
 
   def test_disabled_and_user_passes_keep_the_table_order(self):
     _registered(self, AddHostCallback(), stage="HardwareOptimize")
