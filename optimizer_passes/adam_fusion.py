@@ -11,6 +11,7 @@ in the user's order, so the update is bit-identical to the unfused graph.
 The fused node goes before the first reader of the new moments (a step that
 also returns, say, the norm of mu) - or, when its inputs are not ready there,
 the rule does not fire (the rule engine's `exports`).
+Runs after the cleanups of its Optimize sweep (fold, simplify, remove_nops).
 """
 import numpy as np
 
@@ -80,5 +81,7 @@ ADAM_RULES = [Rule(pat, _make(form), exports=("m_new", "v_new"))
               for form, pat in ADAM_FORMS.items()]
 
 
-def FuseAdam():
-  return RewritePass("fuse_adam", ADAM_RULES, doc=__doc__)
+class FuseAdam(RewritePass):
+  """Optimize: the Adam update of one leaf becomes one node (module docstring)."""
+  name = "fuse_adam"
+  rules = ADAM_RULES

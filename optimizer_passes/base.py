@@ -2,8 +2,10 @@
 
 A pass is small and pure: it rewrites the graph it is given and reports whether
 it changed it. The manager owns everything around the passes: timing, node
-counts, verification after every pass that reports a change, and the
-instruments (IR dumps) that watch the pipeline from outside.
+counts, verification after every pass that reports a change, the invariant
+checks after every stage, and the instruments (IR dumps) that watch the
+pipeline from outside. Which passes run, in which order, is the table in
+session/pipeline.py.
 """
 import abc
 import dataclasses
@@ -48,13 +50,15 @@ class PassContext:
   records: List[PassRecord] = dataclasses.field(default_factory=list)
   # instruments: fn(stage, pass_name, graph, record) called after each pass
   instruments: List[Callable] = dataclasses.field(default_factory=list)
-  history: List[str] = dataclasses.field(default_factory=list)
 
 
 class Pass(abc.ABC):
-  """A graph pass. Subclasses set `name`, document what they rewrite and what
-  must run before them, and implement `run(graph, ctx) -> PassResult`.
-  `required` passes make decisions every graph needs and cannot be disabled."""
+  """A graph pass. Subclasses set `name`, say in their module's docstring
+  what they rewrite and what must run before them, and implement
+  `run(graph, ctx) -> PassResult`. `required` passes are the decisions of
+  their stage (kernels, places, transfers, partitions, streams, memory):
+  every graph needs them, they cannot be disabled, and a user pass runs
+  before them."""
   name = "pass"
   required = False
 
@@ -67,11 +71,10 @@ class Pass(abc.ABC):
 
 
 class FunctionPass(Pass):
-  """A pass made from a plain function `fn(graph, ctx) -> bool`."""
+  """A user pass made from a plain function `fn(graph, ctx) -> bool`."""
 
-  def __init__(self, name, fn, doc=None, required=False):
+  def __init__(self, name, fn, doc=None):
     self.name = name
-    self.required = required
     self._fn = fn
     self.__doc__ = doc or fn.__doc__
 
@@ -80,22 +83,23 @@ class FunctionPass(Pass):
 
 
 class PassManager:
-  """A named, flat, ordered list of passes for one stage.
+  """One stage: a named, flat, ordered list of passes.
 
   With `fixed_point`, the list runs again until a whole sweep changes nothing;
   hitting `max_iterations` raises PassError rather than giving up quietly.
-  `settle(graph, ctx)`, when given, runs after every pass that changed the
-  graph and completes the decisions earlier stages made for nodes the pass
-  created (their kernel, place, partition); if it raises, the PassError
-  names the pass.
+  `holds` names the earlier stages whose invariants every pass of this one
+  keeps (`KernelGraph.verify(stages=holds, skip=stage)`: the decisions this
+  stage's own passes remake are left to its end); they are checked, with the
+  graph's structure, after every pass that reports a change when
+  `ctx.verify` is on.
   """
 
-  def __init__(self, stage, passes, fixed_point=False, max_iterations=10, settle=None):
+  def __init__(self, stage, passes, fixed_point=False, max_iterations=10, holds=()):
     self.stage = stage
     self.passes = list(passes)
     self.fixed_point = fixed_point
     self.max_iterations = max_iterations
-    self.settle = settle
+    self.holds = tuple(holds)
 
   def names(self):
     return [p.name for p in self.passes]
@@ -111,22 +115,45 @@ class PassManager:
     for pass_ in self.passes:
       if pass_.name in disabled:
         continue
-      changed_any |= run_one(pass_, graph, ctx, self.stage, self.settle)
+      changed_any |= run_one(pass_, graph, ctx, self.stage, self.holds)
     return changed_any
 
 
 class GraphOptimizer:
-  """Runs the pass managers of the graph stages, one stage at a time."""
+  """Runs the stages of a pipeline (PassManagers, in order), each followed by
+  the check of every invariant established so far: `KernelGraph.verify`
+  over the stages run up to it (e.g. after SelectKernel every node has a
+  kernel). Invariant checks never change the graph; a violation is a
+  PassError naming the stage, its passes and the passes before it. The
+  imported graph's structure is checked before the first pass when
+  `ctx.verify` is on (its avals are jax's own: no shape rules asked again)."""
 
   def __init__(self, managers, disabled=()):
     self.managers = {m.stage: m for m in managers}
     self.disabled = frozenset(disabled)
 
+  def run(self, graph, ctx):
+    if ctx.verify:
+      try:
+        graph.verify(shapes=False)
+      except ValueError as exc:
+        raise PassError(f"the imported graph is invalid, before any pass: {exc}") from exc
+    for stage in self.managers:
+      self.run_stage(stage, graph, ctx)
+
   def run_stage(self, stage, graph, ctx):
-    return self.managers[stage].run(graph, ctx, self.disabled)
+    manager = self.managers[stage]
+    changed = manager.run(graph, ctx, self.disabled)
+    try:  # the structure was checked after every change already
+      graph.verify(stages=manager.holds + (stage,), structure=False)
+    except ValueError as exc:
+      ran = [name for name in manager.names() if name not in self.disabled]
+      raise _pass_error(f"stage {stage} (passes {', '.join(ran) or 'none'}) left an invalid "
+                        f"graph: {exc}", stage, ctx) from exc
+    return changed
 
 
-def run_one(pass_, graph, ctx, stage, settle=None):
+def run_one(pass_, graph, ctx, stage, holds=()):
   """Runs one pass with timing, verification and instruments around it."""
   before = len(graph.nodes)
   start = time.perf_counter()
@@ -136,31 +163,24 @@ def run_one(pass_, graph, ctx, stage, settle=None):
     raise
   except Exception as exc:
     raise _pass_error(f"pass {pass_.name} raised {type(exc).__name__}: {exc}",
-                      stage, pass_, ctx) from exc
+                      stage, ctx) from exc
   seconds = time.perf_counter() - start
-  if result.changed and settle is not None:
-    try:
-      settle(graph, ctx)
-    except SessionError as exc:
-      raise _pass_error(f"pass {pass_.name} created nodes the earlier stages' decisions "
-                        f"cannot be completed for: {exc}", stage, pass_, ctx) from exc
   if result.changed and ctx.verify:
     try:
-      graph.verify()
+      graph.verify(stages=holds, skip=stage)
     except ValueError as exc:
       raise _pass_error(f"pass {pass_.name} left an invalid graph: {exc}",
-                        stage, pass_, ctx) from exc
+                        stage, ctx) from exc
   record = PassRecord(pass_.name, bool(result.changed), seconds, before,
                       len(graph.nodes), stage)
   ctx.records.append(record)
-  ctx.history.append(f"{stage}/{pass_.name}")
   for instrument in ctx.instruments:
     instrument(stage, pass_.name, graph, record)
   return result.changed
 
 
-def _pass_error(message, stage, pass_, ctx):
-  before = ", ".join(ctx.history) or "none"
+def _pass_error(message, stage, ctx):
+  before = ", ".join(f"{r.stage}/{r.name}" for r in ctx.records) or "none"
   return PassError(f"{message} (stage {stage}; passes before it: {before})")
 
 

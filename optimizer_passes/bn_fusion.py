@@ -11,10 +11,9 @@ unfused graph. Forms: by hand, and flax.linen.BatchNorm(use_running_average=True
 (which folds gamma into the inverse std first). The ReLU is max(y, +0.0) only:
 max(y, -0.0) returns -0.0 for y = -0.0.
 
-Runs after SelectKernel: the pass selects kernels for the nodes it creates.
+Runs after SelectKernel, before place_nodes, which picks the kernels of the
+nodes it makes.
 """
-from jaxsession.kernels import registry
-from jaxsession.optimizer_passes.base import PassResult
 from jaxsession.optimizer_passes.fusion import _is_float, first
 from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule
 
@@ -95,14 +94,6 @@ BN_RELU_RULES = (
 
 
 class FuseBatchNormRelu(RewritePass):
-  """HardwareOptimize fusion; picks kernels for the nodes it makes."""
-
-  def __init__(self):
-    super().__init__("fuse_bn_relu", BN_RELU_RULES, doc=__doc__)
-
-  def run(self, graph, ctx):
-    result = super().run(graph, ctx)
-    for node in graph.nodes:
-      if node.kernel is None:
-        node.kernel = registry.select_kernel(node, ctx.platform, backends=("xla", "pallas"))
-    return PassResult(result.changed)
+  """HardwareOptimize: BatchNorm (+ residual) + ReLU -> one node (module docstring)."""
+  name = "fuse_bn_relu"
+  rules = BN_RELU_RULES

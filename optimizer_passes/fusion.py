@@ -213,6 +213,25 @@ FUSION_RULES = {
 }
 
 
-def fusion_passes():
-  """One pass per fusion, in the order the Optimize stage runs them."""
-  return [RewritePass(name, rules, doc=__doc__) for name, rules in FUSION_RULES.items()]
+class FuseSoftmax(RewritePass):
+  """Optimize: softmax -> one Softmax node (module docstring)."""
+  name = "fuse_softmax"
+  rules = FUSION_RULES[name]
+
+
+class FuseGelu(RewritePass):
+  """Optimize: tanh-form GELU -> one GeluTanh node (module docstring)."""
+  name = "fuse_gelu"
+  rules = FUSION_RULES[name]
+
+
+class FuseMatmulBias(RewritePass):
+  """Optimize: dot + broadcast bias -> one MatMulBiasAdd node (module docstring)."""
+  name = "fuse_matmul_bias"
+  rules = FUSION_RULES[name]
+
+
+class FuseAddN(RewritePass):
+  """Optimize: a tree of same-shape adds -> one AddN node (module docstring)."""
+  name = "fuse_add_n"
+  rules = FUSION_RULES[name]

@@ -35,5 +35,7 @@ NOP_RULES = [
 ]
 
 
-def RemoveNops():
-  return RewritePass("remove_nops", NOP_RULES, doc=__doc__)
+class RemoveNops(RewritePass):
+  """Optimize: drops ops that return their operand unchanged (module docstring)."""
+  name = "remove_nops"
+  rules = NOP_RULES

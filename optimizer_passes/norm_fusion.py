@@ -207,5 +207,19 @@ NORM_RULES = {
 }
 
 
-def norm_fusion_passes():
-  return [RewritePass(name, rules, doc=__doc__) for name, rules in NORM_RULES.items()]
+class FuseLayerNorm(RewritePass):
+  """Optimize: layer norm -> one LayerNorm node (module docstring)."""
+  name = "fuse_layernorm"
+  rules = NORM_RULES[name]
+
+
+class FuseRmsNorm(RewritePass):
+  """Optimize: RMS norm -> one RMSNorm node (module docstring)."""
+  name = "fuse_rmsnorm"
+  rules = NORM_RULES[name]
+
+
+class FuseNormAffine(RewritePass):
+  """Optimize: a scale or bias applied after a norm node is absorbed into it (module docstring)."""
+  name = "fuse_norm_affine"
+  rules = NORM_RULES[name]

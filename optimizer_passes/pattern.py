@@ -273,11 +273,17 @@ class Rewriter:
 
 class RewritePass(Pass):
   """Applies `rules` over the graph in one sweep (the pass manager's fixed
-  point takes care of cascades). Rules are indexed by their root op."""
+  point takes care of cascades). Rules are indexed by their root op.
 
-  def __init__(self, name, rules, doc=None):
-    self.name = name
-    self.rules = list(rules)
+  A rule pass is a subclass that sets `name` and `rules` (its module's
+  docstring says what they rewrite); `RewritePass(name, rules)` makes one in
+  place (a user pass)."""
+  rules = ()
+
+  def __init__(self, name=None, rules=None, doc=None):
+    if name is not None:
+      self.name = name
+    self.rules = list(self.rules if rules is None else rules)
     self.index = {}
     for rule in self.rules:
       for op in root_ops(rule.pattern):

@@ -14,12 +14,14 @@ moving them could reorder what the user observes.
 With `SessionOptions(place_all_on_device=True)` any host placement is refused:
 a PartitionError names every node and the rule that would have moved it.
 Needs SelectKernel before it (a node goes to the host only if a host kernel
-exists for it).
+exists for it); a node made since (by a HardwareOptimize rewrite: fuse_bn_relu,
+plan_allreduce, a user pass) gets its kernel here, by SelectKernel's own rule.
 """
 from jaxsession.errors import PartitionError
 from jaxsession.ir import Literal
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes.base import Pass, PassResult
+from jaxsession.optimizer_passes.select_kernels import choose_kernels
 
 
 def _host_kernel(node):
@@ -86,6 +88,7 @@ class PlaceNodes(Pass):
   required = True  # every node needs a place; host_callbacks=False keeps callbacks in
 
   def run(self, graph, ctx):
+    choose_kernels(graph, [n for n in graph.nodes if n.kernel is None], ctx)
     decided = {}  # id(node) -> (node, kernel, reason)
     for node in graph.nodes:
       if node.props.effects:

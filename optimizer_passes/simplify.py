@@ -144,5 +144,7 @@ SIMPLIFY_RULES = [
 ]
 
 
-def Simplify():
-  return RewritePass("simplify", SIMPLIFY_RULES, doc=__doc__)
+class Simplify(RewritePass):
+  """Optimize: algebraic identities (module docstring)."""
+  name = "simplify"
+  rules = SIMPLIFY_RULES

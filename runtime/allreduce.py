@@ -1,7 +1,7 @@
 """The all-reduce bucket plan: gradient all-reduces fused into buckets.
 
 What: under a mesh (SessionOptions.mesh) with `allreduce_bucket_bytes` set,
-the pass `PlanAllReduce` (HardwareOptimize, before placement) rewrites every
+the pass `plan_allreduce` (HardwareOptimize, before placement) rewrites every
 sum over the sharded batch axis - a `reduce_sum` over the rows, a
 `dot_general` contracting the rows of both operands (a weight gradient
 dW = x^T dy) - into two steps:
@@ -50,7 +50,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxsession import op_properties
 from jaxsession.kernels import fused  # PARTIAL_PRIMITIVES: what a dp_partial may compute
 from jaxsession.ir import Value, aval_bytes
-from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.runtime.batch_axis import step
 from jaxsession.runtime.batch_rules import Eqn, Fact, FREE, Mixing
 
@@ -383,34 +382,31 @@ def rewrite(graph, points, buckets, plan, serves, axis_name, devices):
   assert not any(id(n) in doomed for n in graph.nodes)
 
 
-class PlanAllReduce(Pass):
-  """HardwareOptimize, before placement: the all-reduce bucket plan (module
-  docstring). Runs only under a mesh with `allreduce_bucket_bytes` set."""
-  name = "plan_allreduce"
-
-  def run(self, graph, ctx):
-    options = ctx.options
-    limit = getattr(options, "allreduce_bucket_bytes", None)
-    if graph.mesh is None or getattr(options, "mesh", None) is None or not limit:
-      return PassResult(False)
-    if any(n.op in (PARTIAL_OP, BUCKET_OP) for n in graph.nodes):
-      return PassResult(False)  # planned already
-    first = getattr(options, "first_bucket_bytes", None) or limit
-    axis_name = _row_axis_name(graph)
-    devices = int(graph.mesh.shape[axis_name])
-    plan = AllReducePlan(axis_name, devices, int(limit), int(first))
-    graph.allreduce_plan = plan
-    if devices == 1:
-      plan.left.append(f"mesh axis {axis_name!r} has one device: nothing to all-reduce")
-      return PassResult(False)
-    points, deps, facts = find_points(graph, axis_name, devices)
-    plan.left.extend(_left_to_gspmd(graph, facts))
-    if not points:
-      logging.info("all-reduce plan of %s: no sum over the sharded rows", graph.name)
-      return PassResult(False)
-    buckets = plan_buckets(points, int(limit), int(first))
-    serves = _serves(graph, deps, len(points))
-    rewrite(graph, points, buckets, plan, serves, axis_name, devices)
-    logging.info("all-reduce plan of %s: %d reduction(s) in %d bucket(s)", graph.name,
-                 len(points), len(buckets))
-    return PassResult(True)
+def plan_allreduce(graph, options):
+  """The all-reduce bucket plan (module docstring), as `graph.allreduce_plan`,
+  and the rewrite; whether the graph changed. Plans only under a mesh with
+  `allreduce_bucket_bytes` set (optimizer_passes/plan_allreduce.py runs it)."""
+  limit = getattr(options, "allreduce_bucket_bytes", None)
+  if graph.mesh is None or getattr(options, "mesh", None) is None or not limit:
+    return False
+  if any(n.op in (PARTIAL_OP, BUCKET_OP) for n in graph.nodes):
+    return False  # planned already
+  first = getattr(options, "first_bucket_bytes", None) or limit
+  axis_name = _row_axis_name(graph)
+  devices = int(graph.mesh.shape[axis_name])
+  plan = AllReducePlan(axis_name, devices, int(limit), int(first))
+  graph.allreduce_plan = plan
+  if devices == 1:
+    plan.left.append(f"mesh axis {axis_name!r} has one device: nothing to all-reduce")
+    return False
+  points, deps, facts = find_points(graph, axis_name, devices)
+  plan.left.extend(_left_to_gspmd(graph, facts))
+  if not points:
+    logging.info("all-reduce plan of %s: no sum over the sharded rows", graph.name)
+    return False
+  buckets = plan_buckets(points, int(limit), int(first))
+  serves = _serves(graph, deps, len(points))
+  rewrite(graph, points, buckets, plan, serves, axis_name, devices)
+  logging.info("all-reduce plan of %s: %d reduction(s) in %d bucket(s)", graph.name,
+               len(points), len(buckets))
+  return True

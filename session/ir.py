@@ -233,9 +233,29 @@ class KernelGraph:
     states = self.inputs_of_kind("state")
     return list(zip(states, self.outputs[:len(states)]))
 
-  def verify(self):
+  def verify(self, stages=(), skip=None, structure=True, shapes=True):
     """Checks the invariants; raises ValueError naming the first violation.
-    Values are compared by identity, so a value of another graph is caught."""
+    The structure (with `structure`): topological order, every value defined
+    once, users in sync - values compared by identity, so a value of another
+    graph is caught - and (with `shapes`) each primitive node's output avals
+    against its shape rule. Then the decisions of every stage in `stages`
+    (STAGE_INVARIANTS), except those the passes of stage `skip` make again.
+    Reads the graph only."""
+    if structure:
+      self._verify_structure(shapes)
+    checks = {}  # check -> the first stage that establishes it
+    for stage in stages:
+      for check in STAGE_INVARIANTS.get(stage, ()):
+        checks.setdefault(check, stage)
+    for check in STAGE_INVARIANTS.get(skip, ()):
+      checks.pop(check, None)
+    for check, stage in checks.items():
+      problem = check(self)
+      if problem:
+        raise ValueError(f"{stage}'s invariant does not hold: {problem}")
+    return True
+
+  def _verify_structure(self, shapes=True):
     defined = set()
     for value in self.inputs:
       _check(value.producer is None, lambda: f"input {value} has a producer")
@@ -254,15 +274,17 @@ class KernelGraph:
         _check(out.producer is node and out.index == i,
                lambda: f"{out} does not name {node} output {i} as its producer")
         defined.add(out)
-      _check_avals(node)
+      if shapes:
+        _check_avals(node)
     for value in defined:
-      expect = sorted(n.id for n in readers.get(value, []))
-      _check(sorted(n.id for n in value.users) == expect,
-             lambda: f"users of {value} out of sync: recorded {value.users}, actual {expect}")
+      actual = readers.get(value, [])
+      if value.users != actual:  # the same readers in another order are in sync too
+        expect = sorted(n.id for n in actual)
+        _check(sorted(n.id for n in value.users) == expect,
+               lambda: f"users of {value} out of sync: recorded {value.users}, actual {expect}")
     for value in self.outputs:
       _check(isinstance(value, Literal) or value in defined,
              lambda: f"graph output {value} is not defined")
-    return True
 
   # -- text and Graphviz ----------------------------------------------------
   def dump(self):
@@ -334,6 +356,94 @@ class KernelGraph:
 
   def __repr__(self):
     return f"KernelGraph({self.name!r}, {len(self.nodes)} nodes)"
+
+
+# -- stage invariants: each returns what is wrong, or None -----------------------
+def _node_text(node):
+  return f"node {node.id} '{node.op}'" + (f" at {node.source}" if node.source else "")
+
+
+def _every_node_has_a_kernel(graph):
+  node = next((n for n in graph.nodes if n.kernel is None), None)
+  return node and f"{_node_text(node)} has no kernel"
+
+
+def _every_node_has_a_place(graph):
+  for node in graph.nodes:
+    if node.place not in ("device", "host"):
+      return f"{_node_text(node)} has no place (place={node.place!r})"
+    if node.kernel is not None and (node.kernel.backend == "host") != (node.place == "host"):
+      return (f"{_node_text(node)} is placed on the {node.place} with kernel "
+              f"{node.kernel.name} ({node.kernel.backend})")
+  return None
+
+
+_TRANSFER_PLACES = {"transfer_d2h": "host", "transfer_h2d": "device"}  # where its result lives
+
+
+def _home(value):
+  """Where a value lives: its producer's place (a transfer's result: the side
+  it copies to); graph inputs and state on the device; constants anywhere."""
+  if value.producer is None:
+    return None if value.kind == "const" else "device"
+  return _TRANSFER_PLACES.get(value.producer.op, value.producer.place)
+
+
+def _transfers_at_every_edge(graph):
+  for node in graph.nodes:
+    for value in node.inputs:
+      if isinstance(value, Literal):
+        continue
+      home = _home(value)
+      want = node.place if node.op not in _TRANSFER_PLACES else (
+          "device" if node.op == "transfer_d2h" else "host")
+      if home is not None and home != want:
+        return (f"{_node_text(node)} on the {node.place} reads {value}, which lives on the "
+                f"{home}, without a transfer")
+  for i, (_, new) in enumerate(graph.state_updates()):
+    if not isinstance(new, Literal) and _home(new) == "host":
+      return f"the new value {new} of state {i} lives on the host, without a transfer"
+  return None
+
+
+def _partitions_cover_the_nodes(graph):
+  if graph.partitions is None:
+    return "the graph has no partitions"
+  members = [n for p in graph.partitions for n in p.nodes]
+  if len(members) != len(graph.nodes) or any(a is not b for a, b in zip(members, graph.nodes)):
+    missing = next((n for n in graph.nodes if all(n is not m for m in members)), None)
+    return ("the partitions are not the node list in order"
+            + (f": {_node_text(missing)} is in none" if missing is not None else ""))
+  part = next((p for p in graph.partitions if any(n.place != p.place for n in p.nodes)), None)
+  return part and f"partition #{part.index} ({part.place}) holds a node of another place"
+
+
+def _every_node_has_a_stream(graph):
+  node = next((n for n in graph.nodes if n.stream is None), None)
+  if node is not None:
+    return f"{_node_text(node)} has no stream"
+  for part in graph.partitions or ():
+    node = next((n for n in part.nodes if n.stream != part.stream), None)
+    if node is not None:
+      return (f"{_node_text(node)} has stream {node.stream}, its partition "
+              f"#{part.index} {part.stream}")
+  return None
+
+
+def _a_memory_plan(graph):
+  return None if graph.memory is not None else "the graph has no memory plan"
+
+
+# what holds after each stage (and after every later pass, unless a later
+# stage's own passes remake that decision: place_nodes picks the kernels of
+# the nodes a HardwareOptimize rewrite makes)
+STAGE_INVARIANTS = {
+    "SelectKernel": (_every_node_has_a_kernel,),
+    "HardwareOptimize": (_every_node_has_a_kernel, _every_node_has_a_place,
+                         _transfers_at_every_edge, _partitions_cover_the_nodes),
+    "AssignStream": (_every_node_has_a_stream,),
+    "AllocateMemory": (_a_memory_plan,),
+}
 
 
 def _check(condition, message):

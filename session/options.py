@@ -27,7 +27,8 @@ class SessionOptions:
   place_all_on_device: raise PartitionError, naming each node and the rule,
     instead of placing any node on the host.
   disabled_passes: names of optional passes (see `pipeline.optional_pass_names()`)
-    to skip.
+    to skip. User passes are added process-wide with `jaxsession.register_pass`;
+    each runs before the decisions (required passes) of its stage.
   fold_limit_bytes: constant folding does not materialise larger results.
   recompile_warn_limit: a bucketed graph warns (absl logging) when it has
     compiled this many distinct batch sizes, and at every new one after.

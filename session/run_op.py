@@ -34,7 +34,8 @@ from jaxsession.inputs import leaf_aval
 from jaxsession.ir import KernelGraph, aval_str
 from jaxsession.lowering import graph_consts, lower_nodes
 from jaxsession.op_properties import jaxpr_props, primitive_props
-from jaxsession.optimizer_passes.base import FunctionPass, PassContext, PassManager
+from jaxsession.optimizer_passes.base import PassContext, PassManager
+from jaxsession.optimizer_passes.select_kernels import SelectKernels
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.build import ARG_MISMATCH, compile_fn, fast_call, shape_struct
 from jaxsession.runtime.compile_cache import CacheInfo, DoNotStore, ExecutableCache
@@ -45,7 +46,7 @@ def run_op_passes():
   """The RunOp stage pipeline, in order: kernel selection only. A single op
   has nothing to simplify, fuse or fold, one executable needs no placement
   or partitions, and its memory is XLA's."""
-  return [FunctionPass("select_kernels", pipeline.select_kernels, required=True)]
+  return [SelectKernels()]
 
 
 @dataclasses.dataclass

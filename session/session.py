@@ -231,20 +231,13 @@ class Session:
     """The pipeline and Build for a graph whose state slots are bound."""
     ctx = PassContext(platform=self.platform, options=self.options,
                       verify=self.options.verify_graphs)
-    optimizer = pipeline.graph_optimizer(self.options.disabled_passes)
     dumper = None
     if self.options.save_graphs:
       dumper = GraphDumper(self.options.save_graphs, gid, name)
       dumper.write_graph("import", graph)
       ctx.instruments.append(dumper)
 
-    # The pipeline, in MindSpore GPUSession's order.
-    with pipeline.gc_paused():
-      self._optimize(optimizer, graph, ctx)
-      self._select_kernel(optimizer, graph, ctx)
-      self._hardware_optimize(optimizer, graph, ctx)
-      self._assign_stream(optimizer, graph, ctx)
-      self._allocate_memory(optimizer, graph, ctx)
+    pipeline.run_pipeline(graph, ctx)  # the stages, in MindSpore GPUSession's order
     leaf_slots = [(slot, j) for slot in slots for j in range(len(slot.leaves))]
     # The compile cache: executables keyed by a fingerprint of the optimised
     # graph (not the Python function), so a second compile of the same
@@ -276,27 +269,6 @@ class Session:
     self.profiler.record_compile(gid, name, ctx.records, build_seconds,
                                  report.compile_seconds)
     return gid
-
-  def _optimize(self, optimizer, graph, ctx):
-    """Graph passes that keep semantics (DCE, CSE, folding, simplification,
-    nop removal, fusions, user passes), swept to a fixed point."""
-    optimizer.run_stage("Optimize", graph, ctx)
-
-  def _select_kernel(self, optimizer, graph, ctx):
-    """One kernel per node, by backend, platform and dtype."""
-    optimizer.run_stage("SelectKernel", graph, ctx)
-
-  def _hardware_optimize(self, optimizer, graph, ctx):
-    """Placement (device or host) and partitioning."""
-    optimizer.run_stage("HardwareOptimize", graph, ctx)
-
-  def _assign_stream(self, optimizer, graph, ctx):
-    """The queue of each partition and node."""
-    optimizer.run_stage("AssignStream", graph, ctx)
-
-  def _allocate_memory(self, optimizer, graph, ctx):
-    """Liveness, donation of session-owned state, peak estimate."""
-    optimizer.run_stage("AllocateMemory", graph, ctx)
 
   def _build(self, graph, spec, rest_tree, leaf_slots, cache=None, key=None):
     """One executable per device partition, compiled ahead of time (no

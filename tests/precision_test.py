@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
-from jaxsession import op_properties, pipeline
+from jaxsession import op_properties
+from jaxsession.optimizer_passes.select_kernels import SelectKernels
 from jaxsession.ir import KernelGraph
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes import reduce_precision as precision
@@ -50,7 +51,7 @@ class ReducePrecisionTest(absltest.TestCase):
     return graph, node
 
   def _select(self, graph):
-    return pipeline.select_kernels(graph, PassContext(platform="cpu"))
+    return SelectKernels().run(graph, PassContext(platform="cpu"))
 
   def test_narrows_when_inputs_provably_fit(self):
     graph, node = self._graph()

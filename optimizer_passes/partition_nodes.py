@@ -1,0 +1,31 @@
+"""partition_nodes (HardwareOptimize): splits the placed nodes into partitions
+(runtime/partition.py: maximal runs of one place, and what crosses each
+boundary) and writes them on the graph (`graph.partitions`).
+
+With `SessionOptions(partition_or_error=True)` a graph that needs more than
+one device partition is a PartitionError naming each host node and its rule.
+Needs place_nodes, the final node order and insert_transfers before it.
+"""
+from jaxsession.errors import PartitionError
+from jaxsession.optimizer_passes.base import Pass, PassResult
+from jaxsession.optimizer_passes.placement import placement_reason
+from jaxsession.runtime import partition
+
+
+class PartitionNodes(Pass):
+  name = "partition_nodes"
+  required = True  # every graph is run as partitions
+
+  def run(self, graph, ctx):
+    parts = partition.partition_graph(graph)
+    device = [p for p in parts if p.place == "device"]
+    if len(device) > 1 and getattr(ctx.options, "partition_or_error", False):
+      host = [n for n in graph.nodes if n.place == "host" and n.op != "transfer_d2h"]
+      raise PartitionError(
+          f"graph {graph.name} needs {len(device)} device partitions "
+          f"(partition_or_error is set); {len(host)} node(s) run on the host:\n"
+          + "\n".join(f"  node {n.id} '{n.op}'{' at ' + n.source if n.source else ''}: "
+                      f"{placement_reason(n)}" for n in host)
+          + "\npartitions:\n" + "\n".join(f"  {p.describe()}" for p in parts))
+    graph.partitions = parts
+    return PassResult(len(parts) > 1)

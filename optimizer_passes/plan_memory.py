@@ -1,0 +1,18 @@
+"""plan_memory (AllocateMemory): liveness per partition, donation of
+session-owned state and of intermediates, and the planned peak, as
+`graph.memory` (runtime/memory.py). Annotates the graph; changes no node.
+
+Needs assign_streams before it (the partitions in their launch order).
+"""
+from jaxsession.optimizer_passes.base import Pass, PassResult
+from jaxsession.runtime import memory
+
+
+class PlanMemory(Pass):
+  name = "plan_memory"
+  required = True  # Build reads the plan
+
+  def run(self, graph, ctx):
+    graph.memory = memory.plan_memory(graph, graph.partitions,
+                                      getattr(ctx.options, "donate_state", True), ctx.platform)
+    return PassResult(False)
