@@ -18,7 +18,7 @@ from jax import tree_util
 
 from jaxsession.ir import Literal
 from jaxsession.lowering import graph_consts, lower_nodes
-from jaxsession.runtime import callbacks, codegen, sharding
+from jaxsession.runtime import callbacks, codegen, interrupts, sharding
 from jaxsession.runtime.build import ARG_MISMATCH, compile_recorded, fast_call, shape_struct
 from jaxsession.runtime.state import slots_lock
 
@@ -167,9 +167,15 @@ class Runner:
 
   def call(self, args):
     with self.lock:
-      new, out = self.execute(args)
-      if new:
-        self.layout.commit(new)
+      interrupts.depth += 1  # a Ctrl-C waits for the commit (runtime/interrupts.py)
+      try:
+        new, out = self.execute(args)
+        if new:
+          self.layout.commit(new)
+      finally:
+        interrupts.depth -= 1
+        if interrupts.pending and not interrupts.depth:
+          interrupts.deliver()
     return out
 
 
@@ -274,27 +280,39 @@ class SingleRunner(Runner):
 
       def call(args):
         with lock:
+          interrupts.depth += 1
           try:
-            new, out = exe((slot.leaves,), *args)
-          except ARG_MISMATCH:
-            new, out = exe((slot.leaves,), *conform(args))
-          except RuntimeError as exc:
-            raise failure(exc, args)
-          slot.leaves = new[0]
+            try:
+              new, out = exe((slot.leaves,), *args)
+            except ARG_MISMATCH:
+              new, out = exe((slot.leaves,), *conform(args))
+            except RuntimeError as exc:
+              raise failure(exc, args)
+            slot.leaves = new[0]
+          finally:
+            interrupts.depth -= 1
+            if interrupts.pending and not interrupts.depth:
+              interrupts.deliver()
         return out
       return call
 
     def call(args):
       with lock:
-        current = tuple([slot.leaves for slot in slots])
+        interrupts.depth += 1
         try:
-          new, out = exe(current, *args)
-        except ARG_MISMATCH:
-          new, out = exe(current, *conform(args))
-        except RuntimeError as exc:
-          raise failure(exc, args)
-        for slot, leaves in zip(slots, new):
-          slot.leaves = leaves
+          current = tuple([slot.leaves for slot in slots])
+          try:
+            new, out = exe(current, *args)
+          except ARG_MISMATCH:
+            new, out = exe(current, *conform(args))
+          except RuntimeError as exc:
+            raise failure(exc, args)
+          for slot, leaves in zip(slots, new):
+            slot.leaves = leaves
+        finally:
+          interrupts.depth -= 1
+          if interrupts.pending and not interrupts.depth:
+            interrupts.deliver()
       return out
     return call
 
@@ -423,9 +441,15 @@ class PlanRunner(Runner):
     """Runner.call with execute and step_once inlined: run's hot path."""
     layout = self.layout
     with self.lock:
-      outs = self.run_flat(layout.gather_all(), self.user_leaves(args))
-      if layout.updated_idx:
-        layout.commit([outs[i] for i in layout.updated_idx])
+      interrupts.depth += 1
+      try:
+        outs = self.run_flat(layout.gather_all(), self.user_leaves(args))
+        if layout.updated_idx:
+          layout.commit([outs[i] for i in layout.updated_idx])
+      finally:
+        interrupts.depth -= 1
+        if interrupts.pending and not interrupts.depth:
+          interrupts.deliver()
     if self._single_output:
       return outs[-1]
     return tree_util.tree_unflatten(self.rest_tree, outs[layout.num_outputs:])

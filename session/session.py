@@ -21,7 +21,7 @@ from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.options import SessionOptions
 from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_transfers
 from jaxsession.run_op import OpRunner
-from jaxsession.runtime import build, compile_cache, executor, loop_sink, memory
+from jaxsession.runtime import build, compile_cache, executor, interrupts, loop_sink, memory
 from jaxsession.runtime.profiler import Profiler
 from jaxsession.runtime.state import StateSlot, check_matches, owned_copy, slots_lock
 
@@ -114,6 +114,7 @@ class Session:
     save = self.options.save_graphs
     if save is not None and os.path.exists(save) and not os.path.isdir(save):
       raise InputError(f"SessionOptions.save_graphs={save!r} is a file, not a folder")
+    interrupts.install()  # a Ctrl-C during run waits for its commit
     self._graphs = {}
     self._ids = itertools.count()
     self._lock = threading.RLock()  # the graph table and the sunk-runner caches
@@ -294,6 +295,7 @@ class Session:
     warm-up: nothing of the user's runs here) with the graph's consts
     embedded as jax.jit embeds a closure's; the runner for `run` and a
     factory of loop-sunk runners for `run(..., steps=N)`."""
+    interrupts.install()  # again per compile: wraps a handler the user set since
     layout = executor.StateLayout(graph, graph.memory, leaf_slots)
     parts = graph.partitions
     if len(parts) <= 1 and all(p.place == "device" for p in parts):
