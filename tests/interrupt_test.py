@@ -121,7 +121,7 @@ print(json.dumps({"interrupted": interrupted, "bad": bad, "donated": donated,
 """
 
 
-class InterruptTest(absltest.TestCase):
+class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s here
   """Six graph kinds; in each the state is donated to the executable (else
   an interrupt could not lose it in the first place)."""
 
