@@ -21,6 +21,13 @@ from jaxsession.lowering import kernel_fn, lower_nodes
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.compile_cache import executable_key
 
+TRANSFER_OPS = ("transfer_d2h", "transfer_h2d")
+
+try:  # what an executable's output check raises under jax_debug_nans/infs
+  from jax._src.api_util import InternalFloatingPointError as SPECIAL_VALUE
+except ImportError:  # an internal API: jax raises FloatingPointError itself
+  SPECIAL_VALUE = FloatingPointError
+
 # What an AOT executable's call raises for arguments that do not fit (type,
 # Python int range, device): raised before it runs or consumes anything.
 ARG_MISMATCH = (TypeError, OverflowError, ValueError)
@@ -70,6 +77,28 @@ def compile_recorded(fn, recorder, arg_structs, donate_argnums=(), cache=None, k
   return value
 
 
+def checked(call, conform, failure=None):
+  """fn(lead, args) -> call(*lead, *args). An executable's call checks its
+  arguments before it runs or consumes anything; a call it refuses
+  (ARG_MISMATCH) is retried once with conform(args), which converts what
+  converts exactly (Python scalars, an array on another device) and raises
+  InputError naming what does not fit. `failure(exc, lead, args)`, when
+  given, is the error to raise for a RuntimeError of the call, or for a nan
+  (inf) that jax_debug_nans (infs) found in its outputs (jax raises its
+  private InternalFloatingPointError). Every executable call that can be
+  refused goes through here."""
+  def run(lead, args):
+    try:
+      return call(*lead, *args)
+    except ARG_MISMATCH:
+      return call(*lead, *conform(args))
+    except (RuntimeError, SPECIAL_VALUE) as exc:
+      if failure is None:
+        raise
+      raise failure(exc, lead, args)
+  return run
+
+
 def fast_call(exe):
   """The executable's C++ call (what `Compiled.__call__` forwards to, minus
   one Python frame: ~0.6 µs a call, measured here); the executable itself
@@ -91,6 +120,7 @@ class Op:
   prefetch: Tuple[int, ...] = ()   # registers to start copying to the host
   partition: int = 0
   error: Callable = None           # host ops: exc -> the HostOpError to raise
+  transfer: int = None             # a transfer node's id, where the op runs one
 
 
 @dataclasses.dataclass
@@ -105,9 +135,10 @@ class Program:
   copy_at: frozenset           # outputs to copy (a graph input, or repeated)
   host_outputs: frozenset      # outputs made on the host (returned as CPU arrays)
   user_checked: List[Tuple]    # (register, arg, leaf) conformed before the run
-  first_checked: List[Tuple]   # (register, arg, leaf) the first executable checks
   analyses: dict               # partition index -> compiled.memory_analysis()
   executables: dict = dataclasses.field(default_factory=dict)  # partition index -> exe
+  run: Callable = None         # fn(state, args) -> (new state leaves, user outputs)
+  run_flat: Callable = None    # a plan's: fn(state leaves, user leaves) -> outputs
 
 
 def host_op(node):
@@ -197,11 +228,13 @@ def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=N
   return run_device, exe
 
 
-def build_program(graph, partitions, plan, spec, platform, cache=None, key=None):
-  """The Program for a multi-partition graph. On the CPU platform a
-  device->host transfer is no op at all: its value shares the register of
-  the device value (the device buffer is host memory). `cache` and `key`
-  (the graph's fingerprint): see build_device_step."""
+def build_program(graph, partitions, plan, spec, platform, cache=None, key=None, hooks=None):
+  """The Program for a multi-partition graph (its `run` is the executor's).
+  On the CPU platform a device->host transfer is no op at all: its value
+  shares the register of the device value (the device buffer is host
+  memory). `cache` and `key` (the graph's fingerprint): see
+  build_device_step. `hooks` (a profiler's GraphHooks): each op's function
+  is wrapped in its timing, once, here."""
   regs, template = {}, []
 
   def register(value, fill=None):
@@ -249,8 +282,8 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None)
         continue
       ins = tuple(reg_of(v) for v in node.inputs)
       fn, error = host_op(node)
-      ops.append(Op(fn, ins, tuple(reg_of(v) for v in node.outputs),
-                    partition=part.index, error=error))
+      ops.append(Op(fn, ins, tuple(reg_of(v) for v in node.outputs), partition=part.index,
+                    error=error, transfer=node.id if node.op in TRANSFER_OPS else None))
   outputs = [reg_of(v) for v in graph.outputs]
   _set_frees(ops, outputs)
   copy_at, seen = set(), set()
@@ -264,15 +297,21 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None)
                   if not isinstance(v, Literal) and v.producer is not None
                   and v.producer.place == "host" and v.producer.op != "transfer_h2d"}
   # The first op, an executable, checks the user leaves it reads before it
-  # runs or consumes anything; every other leaf an op reads, or that is
+  # runs or consumes anything (a refusal reruns the plan on conformed
+  # leaves: executor.plan_program); every other leaf an op reads, or that is
   # returned as it is, is conformed before the run (host ops would take it
   # as it comes, and a later executable would refuse it after work was done).
   first = set(ops[0].ins) if ops and partitions[0].place == "device" else set()
   read = {r for op in ops for r in op.ins} | set(outputs)
   checked = sorted(r for r in user_leaf if r in read and r not in first)
+  if hooks is not None:
+    for k, op in enumerate(ops):
+      op.fn = hooks.timed(op.fn, op.partition,
+                          first=k == 0 or ops[k - 1].partition != op.partition,
+                          last=k + 1 == len(ops) or ops[k + 1].partition != op.partition,
+                          device=op.error is None, transfer=op.transfer)
   return Program(ops, template, num_state, len(flat), outputs, frozenset(copy_at),
-                 frozenset(host_outputs), [(r,) + user_leaf[r] for r in checked],
-                 [(r,) + user_leaf[r] for r in sorted(first) if r in user_leaf], analyses,
+                 frozenset(host_outputs), [(r,) + user_leaf[r] for r in checked], analyses,
                  executables)
 
 

@@ -1,33 +1,45 @@
-"""The executor: runs a built graph and commits its state only at the end.
+"""The executor: one path for every run.
 
-Every runner does the same four things per call, in `Runner.call`: hold the
-locks of its state slots, read the state leaves, execute, and write the new
-leaves back - only after the whole execution succeeded, so a failed call
-leaves the state as it was. What differs is `execute`:
-  * SingleRunner: the graph is one device partition - one ahead-of-time
-    compiled executable call, whose own argument check runs before anything
-    is consumed (no warm-up, no tracing at run time, never a recompile);
-  * PlanRunner: several partitions - eval_jaxpr's loop over the built
-    Program (device executables and host functions) on registers, values
-    freed at last use.
-The loop-sunk runners (loop_sink.py) are the same with N steps per call.
+    Runner.call(args):  lock -> gather the state -> run the program -> commit
+
+A program (runtime/build.py's Program, its `run`) is fn(state, args) ->
+(new values of the updated state leaves, user outputs). Build makes it:
+  * one device partition: one Op, the executable - `exe(*state, *args)`;
+  * several partitions: its Ops written out as straight-line Python
+    (codegen.py) over registers, values freed at their last use;
+  * run(steps=N) (loop_sink.py): the single executable's steps scanned in
+    one executable, or a plan run N times on private copies of the leaves.
+The commit writes the slots only after the whole program succeeded, so a
+failed call leaves the state as it was; a Ctrl-C in between waits for the
+commit (runtime/interrupts.py).
 """
+import operator
+
 import jax
 import numpy as np
 from jax import tree_util
 
+from jaxsession.errors import InputError
 from jaxsession.ir import Literal
-from jaxsession.lowering import graph_consts, lower_nodes
-from jaxsession.runtime import callbacks, codegen, sharding
-from jaxsession.runtime.build import ARG_MISMATCH, compile_recorded, fast_call, shape_struct
+from jaxsession.lowering import graph_consts, kernel_fn, lower_nodes
+from jaxsession.runtime import callbacks, codegen, interrupts, sharding
+from jaxsession.runtime.build import (SPECIAL_VALUE, Op, Program, checked,
+                                      compile_recorded, fast_call, memory_analysis,
+                                      shape_struct)
 from jaxsession.runtime.state import slots_lock
 
+_enter, _leave, _pending = interrupts.enter, interrupts.leave, interrupts.pending
 
 class StateLayout:
   """How state leaves travel: which are donated, kept and updated, and the
-  (slot, leaf index) each flat state leaf lives in."""
+  (slot, leaf index) each flat state leaf lives in. `gather()` is the state
+  a program takes - every state leaf, in state order - and `commit(new)`
+  writes back what it returned: the new values of the updated leaves, in
+  updated_idx order. `state_layout` makes the one specialisation
+  (WholeSlots) where it applies."""
+  whole = False
 
-  def __init__(self, graph, plan, leaf_slots):
+  def __init__(self, graph, plan, leaf_slots, one_executable):
     states = graph.inputs_of_kind("state")
     donated = plan.donated_ids()
     self.leaf_slots = leaf_slots
@@ -35,51 +47,84 @@ class StateLayout:
     # outputs[:num_outputs] hold new state values (0 for a graph that only reads)
     self.num_outputs = len(graph.state_updates())
     self.donated_idx = [i for i, s in enumerate(states) if s.id in donated]
-    self.kept_idx = [i for i, s in enumerate(states) if s.id not in donated]
     self.updated_idx = [i for i, (s, new) in enumerate(graph.state_updates())
                         if new is not s]
     self.state_avals = [s.aval for s in states]
     self.state_shardings = [s.sharding for s in states]  # None without a mesh
-    self._donated_refs = [leaf_slots[i] for i in self.donated_idx]
-    self._kept_refs = [leaf_slots[i] for i in self.kept_idx]
     self._updated_refs = [leaf_slots[i] for i in self.updated_idx]
     self.slots = list(dict.fromkeys(slot for slot, _ in leaf_slots))
+    self.one_executable = one_executable
 
   def gather(self):
-    """The current (donated, kept) state leaves, read from the slots."""
-    return (tuple(slot.leaves[j] for slot, j in self._donated_refs),
-            tuple(slot.leaves[j] for slot, j in self._kept_refs))
+    return tuple([slot.leaves[j] for slot, j in self.leaf_slots])
 
-  def gather_all(self):
-    return [slot.leaves[j] for slot, j in self.leaf_slots]
-
-  def commit(self, updated):
-    """Writes the new values of the updated leaves (in updated_idx order)."""
-    if len(self._updated_refs) == 1:  # the common one-leaf case, without a dict
-      (slot, j), = self._updated_refs
-      leaves = list(slot.leaves)
-      leaves[j] = updated[0]
-      slot.leaves = tuple(leaves)
+  def commit(self, new):
+    if not self._updated_refs:
       return
     changed = {}
-    for (slot, j), value in zip(self._updated_refs, updated):
+    for (slot, j), value in zip(self._updated_refs, new):
       changed.setdefault(slot, list(slot.leaves))[j] = value
     for slot, leaves in changed.items():
       slot.leaves = tuple(leaves)
 
-  def merge(self, donated, kept):
-    leaves = [None] * self.num_state
-    for i, x in zip(self.donated_idx, donated):
-      leaves[i] = x
-    for i, x in zip(self.kept_idx, kept):
-      leaves[i] = x
-    return leaves
+  def structs(self):
+    """The state arguments an executable taking gather()'s form is compiled
+    for (a leaf each)."""
+    return [shape_struct(self.state_avals[i], self.state_shardings[i])
+            for i in range(self.num_state)]
+
+  def donate_argnums(self):
+    return tuple(self.donated_idx)
+
+  def leaves_of(self, state):
+    """gather()'s form -> the flat state leaves, in state order."""
+    return list(state)
+
+  def returned(self, new):
+    """The flat new values of the updated leaves -> commit()'s form."""
+    return tuple(new)
+
+
+class WholeSlots(StateLayout):
+  """The one specialisation: one executable donates and updates every state
+  leaf (the training step). The slots' tuples go in as they are, one
+  donated argument, and come back replaced whole: no leaf is picked out or
+  put back one by one."""
+  whole = True
+
+  def gather(self):
+    return (tuple(map(_LEAVES, self.slots)),)
+
+  def commit(self, new):
+    for slot, leaves in zip(self.slots, new):
+      slot.leaves = leaves
 
   def structs(self):
-    def struct(i):
-      return shape_struct(self.state_avals[i], self.state_shardings[i])
-    return (tuple(struct(i) for i in self.donated_idx),
-            tuple(struct(i) for i in self.kept_idx))
+    it = iter(super().structs())
+    return [tuple(tuple(next(it) for _ in slot.leaves) for slot in self.slots)]
+
+  def donate_argnums(self):
+    return (0,)
+
+  def leaves_of(self, state):
+    return [x for leaves in state[0] for x in leaves]
+
+  def returned(self, new):
+    it = iter(new)
+    return tuple(tuple(next(it) for _ in slot.leaves) for slot in self.slots)
+
+
+_LEAVES = operator.attrgetter("leaves")
+
+
+def state_layout(graph, plan, leaf_slots, one_executable):
+  """The StateLayout of a graph: WholeSlots where one executable donates and
+  updates every state leaf."""
+  layout = StateLayout(graph, plan, leaf_slots, one_executable)
+  everything = list(range(layout.num_state))
+  if one_executable and everything and layout.donated_idx == everything == layout.updated_idx:
+    return WholeSlots(graph, plan, leaf_slots, one_executable)
+  return layout
 
 
 def arg_structs(spec, leading=None):
@@ -118,190 +163,179 @@ def graph_body(graph, layout, rest_tree, recorder):
   return step
 
 
-_MISSING = object()
+def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=None):
+  """The Program of one executable that takes (*state, *args) in the
+  layout's form - a single-partition graph, or its loop-sunk steps
+  (`leading`: the steps, conformed up front) - with its one Op."""
+  call = fast_call(exe)
+  partition = graph.partitions[0] if graph.partitions else None
+  if hooks is not None:  # all the steps of a sunk run: one partition event
+    call = hooks.timed(call, 0, first=True, last=True, device=True)
+  def conform(args):
+    return spec.conform(args, leading=leading)
+
+  def failure(exc, state, args):
+    if isinstance(exc, SPECIAL_VALUE):
+      return special_value(spec.where, graph, layout.leaves_of(state),
+                           tree_util.tree_leaves(args), exc)
+    if not isinstance(exc, jax.errors.JaxRuntimeError):
+      conform(args)  # a deleted argument, refused before running: InputError naming it
+      return exc
+    return runtime_failure(partition, recorder, exc)
+  run = checked(call, conform, failure)
+  if leading is not None:  # every leaf carries the steps: checked up front
+    stepped = run
+    run = lambda state, args: stepped(state, conform(args))
+  op = Op(call, (), (), partition=0)
+  return Program([op], [], 0, 0, [], frozenset(), frozenset(), [], {0: memory_analysis(exe)},
+                 {0: exe}, run)
+
+
+def single_program(graph, spec, rest_tree, layout, cache=None, key=None, hooks=None):
+  """A graph that is one device partition: one ahead-of-time compiled
+  executable, whose own argument check runs before it runs or consumes
+  anything (no warm-up, no tracing at run time, never a recompile). `cache`
+  and `key` (the graph's fingerprint, runtime/compile_cache.py): the
+  executable is looked up before it is traced; the key adds the output
+  pytree and the state layout, which shape it beyond the graph."""
+  recorder = callbacks.ErrorRecorder()
+  step = graph_body(graph, layout, rest_tree, recorder)
+  n = len(layout.structs())
+  if key is not None:
+    key = (key, "single", rest_tree, layout.whole, tuple(layout.donated_idx),
+           tuple(layout.updated_idx), layout.num_outputs)
+
+  def whole_step(*xs):
+    new, out = step(layout.leaves_of(xs[:n]), xs[n:])
+    return layout.returned(new), out
+  exe, recorder = compile_recorded(
+      whole_step, recorder, (*layout.structs(), *arg_structs(spec)),
+      layout.donate_argnums() if layout.donated_idx else (), cache, key,
+      graph.compiler_options)
+  return executable_program(exe, recorder, graph, layout, spec, hooks)
+
+
+def plan_program(graph, program, spec, rest_tree, layout):
+  """Sets `program.run` (and `run_flat`, the loop sink's step) of a built
+  multi-partition Program: the user leaves flattened (the structure
+  checked, the leaves no executable checks first conformed), the plan
+  (codegen.py), the outputs as run returns them. A refusal by the first
+  executable, before anything ran, reruns the plan on conformed leaves."""
+  plan = codegen.generate(program)
+  treedefs = list(spec.treedefs)
+  leaf = tree_util.tree_structure(0)
+  bare = [treedef == leaf for treedef in treedefs]
+  all_bare = all(bare)
+  flat_index = [(i, j) for i, avals in enumerate(spec.avals) for j in range(len(avals))]
+  literal_outputs = {i for i, v in enumerate(graph.outputs) if isinstance(v, Literal)}
+  plain_outputs = not (program.copy_at or program.host_outputs or literal_outputs)
+  keep = [(i, layout.state_shardings[i]) for i in layout.updated_idx
+          if layout.state_shardings[i] is not None]
+  base = program.num_state
+  updated, k, single_output = layout.updated_idx, layout.num_outputs, rest_tree == leaf
+
+  def user_leaves(args):
+    if all_bare and len(args) == len(bare):
+      for arg in args:  # the usual call: array arguments, nothing to flatten
+        if not isinstance(arg, jax.Array):
+          break
+      else:
+        leaves = list(args)
+        for reg, i, j in program.user_checked:
+          leaves[reg - base] = spec.conform_leaf(i, j, leaves[reg - base])
+        return leaves
+    spec.check_arity(args)
+    leaves = []
+    for arg, treedef in zip(args, treedefs):
+      flat, got = tree_util.tree_flatten(arg)
+      if got != treedef:
+        spec.conform(args)  # raises InputError naming the argument
+      leaves.extend(flat)
+    for reg, i, j in program.user_checked:
+      leaves[reg - base] = spec.conform_leaf(i, j, leaves[reg - base])
+    return leaves
+
+  def conform_leaves(xs):
+    return ([spec.conform_leaf(i, j, x) for (i, j), x in zip(flat_index, xs[0])],)
+
+  def failure(exc, state, xs):
+    if isinstance(exc, SPECIAL_VALUE):
+      return special_value(spec.where, graph, list(state[0]), xs[0], exc)
+    if not isinstance(exc, jax.errors.JaxRuntimeError):
+      conform_leaves(xs)  # refused before running: InputError naming it
+    return exc
+  checked_plan = checked(plan, conform_leaves, failure)
+
+  def output(n, out):
+    if n in literal_outputs:
+      return jax.numpy.asarray(out)  # a fresh array per run, as jax.jit returns
+    if n in program.host_outputs:  # made on the host: stays there, a copy of the
+      # callback's buffer, which the callback may reuse (jax.jit copies too);
+      # device_put may read its source after it returns: give it a private copy
+      return jax.device_put(np.array(out), jax.local_devices(backend="cpu")[0])
+    return jax.numpy.array(out, copy=True) if n in program.copy_at else out
+
+  def finish(outs):
+    if keep:  # new state made on the host, laid out as its slot
+      outs = list(outs)
+      for i, s in keep:
+        if getattr(outs[i], "sharding", None) != s:
+          outs[i] = jax.device_put(outs[i], s)
+    if plain_outputs:
+      return outs
+    return [output(n, out) for n, out in enumerate(outs)]
+  post = finish if keep or not plain_outputs else None
+
+  def run_flat(state, leaves):
+    outs = checked_plan((state,), (leaves,))
+    return outs if post is None else post(outs)
+
+  def run(state, args):
+    outs = checked_plan((state,), (user_leaves(args),))
+    if post is not None:
+      outs = post(outs)
+    new = tuple(map(outs.__getitem__, updated))
+    return new, outs[-1] if single_output else tree_util.tree_unflatten(rest_tree, outs[k:])
+  program.run, program.run_flat = run, run_flat
+  return program
 
 
 class Runner:
-  """Locks, state in, execute, state out. Subclasses define `execute(args)
-  -> (new values of the updated leaves, user outputs)`; it must not change
-  the slots itself.
+  """Runs one program of a graph against its state slots: the one call path."""
 
-  `profile`: None, or the hooks of a profiler (`profiler.GraphHooks`).
-  Setting it picks the call path once - the profiled one records the run
-  and times each partition (blocking on its outputs), the plain one is the
-  runner's own - so an unprofiled call pays nothing, not even a check. It
-  replaces `self.call`: whoever holds a bound `runner.call` (the Session's
-  entry) must take it again after setting `profile`."""
-  _profile = None
-  steps = None                       # the steps each call runs (loop-sunk runners)
-  _PROFILED = ("call",)              # attributes the profiled path replaces
-
-  def __init__(self, layout, spec):
+  def __init__(self, program, layout):
+    self.program = program
     self.layout = layout
-    self.spec = spec
+    self.stateless = not layout.slots
     self.lock = slots_lock(layout.slots)
+    self.run_program = program.run
+    # WholeSlots of one slot, the usual training step: its gather and commit
+    # written out in `call` (~1 µs a run on a busy CPU here)
+    self.one_slot = layout.slots[0] if layout.whole and len(layout.slots) == 1 else None
 
   @property
-  def profile(self):
-    return self._profile
-
-  @profile.setter
-  def profile(self, hooks):
-    if hooks is self._profile:
-      return
-    if "_plain" not in self.__dict__:  # the unprofiled paths, as first built
-      self._plain = {name: self.__dict__.get(name, _MISSING) for name in self._PROFILED}
-    for name, value in self._plain.items():
-      if value is _MISSING:
-        self.__dict__.pop(name, None)  # back to the class's method
-      else:
-        setattr(self, name, value)
-    self._profile = hooks
-    if hooks is not None:
-      self._profile_paths(hooks)
-      self.call = hooks.run_call(self.call, self.steps)
-
-  def _profile_paths(self, hooks):
-    """Replaces the partition-level paths with timed ones (`profile` wraps
-    the run around `self.call` afterwards)."""
+  def exe(self):
+    """The executable of a single-partition graph (None for a plan)."""
+    return self.program.executables.get(0) if self.layout.one_executable else None
 
   def call(self, args):
+    if self.stateless:  # nothing to lock, gather, lose or commit
+      return self.run_program((), args)[1]
+    one = self.one_slot
     with self.lock:
-      new, out = self.execute(args)
-      if new:
-        self.layout.commit(new)
-    return out
-
-
-class SingleRunner(Runner):
-  """A graph that is one device partition: one executable call per run.
-
-  The executable is compiled ahead of time; its call checks the argument
-  types before it runs or consumes anything (a mismatch is retried once with
-  the arguments conformed, which raises InputError if they do not fit). The
-  call `run` makes is a closure chosen once for the graph's shape of state:
-    * bare: no state - the arguments go straight in;
-    * slotwise: the usual training step, every state leaf donated and
-      updated - whole slots go in as tuples and come back replaced whole;
-    * general: (donated leaves, kept leaves, *args).
-  Profiled, the same closure runs around the timed executable.
-  """
-  _PROFILED = ("call", "run_exe")
-
-  def __init__(self, graph, spec, rest_tree, partition, layout, cache=None, key=None):
-    """`cache` and `key` (the graph's fingerprint, runtime/compile_cache.py):
-    the executable is looked up before it is traced; the key adds the output
-    pytree and the state layout, which shape it beyond the graph."""
-    super().__init__(layout, spec)
-    self.partition = partition
-    self.recorder = callbacks.ErrorRecorder()
-    step = graph_body(graph, layout, rest_tree, self.recorder)
-    everything = list(range(layout.num_state))
-    if key is not None:
-      key = (key, "single", rest_tree, tuple(layout.donated_idx), tuple(layout.kept_idx),
-             tuple(layout.updated_idx), layout.num_outputs)
-    if not layout.num_state:
-      self.exe, self.recorder = compile_recorded(
-          lambda *args: step([], args)[1], self.recorder, arg_structs(spec), (), cache, key,
-          graph.compiler_options)
-      self.kind = "bare"
-      self.call = self._bare_call(fast_call(self.exe))
-    elif layout.donated_idx == everything == layout.updated_idx:
-      sizes = [len(slot.leaves) for slot in layout.slots]
-
-      def slotwise_step(slot_leaves, *args):
-        new, out = step([x for leaves in slot_leaves for x in leaves], args)
-        return _split(new, sizes), out
-      donated_s, _ = layout.structs()
-      self.exe, self.recorder = compile_recorded(
-          slotwise_step, self.recorder, (_split(donated_s, sizes), *arg_structs(spec)),
-          (0,), cache, key, graph.compiler_options)
-      self.kind = "slotwise"
-      self.call = self._slotwise_call(fast_call(self.exe))
-    else:
-      def whole_step(donated, kept, *args):
-        new, out = step(layout.merge(donated, kept), args)
-        return tuple(new), out
-      self.exe, self.recorder = compile_recorded(
-          whole_step, self.recorder, (*layout.structs(), *arg_structs(spec)),
-          (0,) if layout.donated_idx else (), cache, key, graph.compiler_options)
-      self.kind = "general"
-    self.run_exe = self.exe  # what `execute` calls (the profiler times it)
-
-  def _profile_paths(self, hooks):
-    if self.kind == "bare":
-      self.call = self._bare_call(hooks.partition_call(0, fast_call(self.exe)))
-    elif self.kind == "slotwise":
-      self.call = self._slotwise_call(hooks.partition_call(0, fast_call(self.exe)))
-    else:
-      self.run_exe = hooks.partition_call(0, self.exe)
-
-  def execute(self, args):
-    donated, kept = self.layout.gather()
-    try:
-      return self.run_exe(donated, kept, *args)
-    except ARG_MISMATCH:  # checked before anything ran or was donated
-      return self.run_exe(donated, kept, *self.spec.conform(args))
-    except RuntimeError as exc:
-      raise self._failure(exc, args)
-
-  def _failure(self, exc, args):
-    """The error to raise for a RuntimeError of the call: a deleted argument
-    (the call refuses it before running) is an InputError; a failure while
-    running, the callback's HostOpError or the error itself."""
-    if not isinstance(exc, jax.errors.JaxRuntimeError):
-      self.spec.conform(args)  # raises InputError naming a deleted array
-      return exc
-    return runtime_failure(self.partition, self.recorder, exc)
-
-  def _bare_call(self, exe):
-    conform, failure = self.spec.conform, self._failure
-
-    def call(args):
+      state = ((one.leaves,),) if one else self.layout.gather()
+      _enter()  # from here to the commit a Ctrl-C waits (runtime/interrupts.py)
       try:
-        return exe(*args)
-      except ARG_MISMATCH:
-        return exe(*conform(args))
-      except RuntimeError as exc:
-        raise failure(exc, args)
-    return call
-
-  def _slotwise_call(self, exe):
-    conform, failure = self.spec.conform, self._failure
-    slots, lock = tuple(self.layout.slots), self.lock
-    if len(slots) == 1:  # one state arg: no tuple building at all
-      slot, = slots
-
-      def call(args):
-        with lock:
-          try:
-            new, out = exe((slot.leaves,), *args)
-          except ARG_MISMATCH:
-            new, out = exe((slot.leaves,), *conform(args))
-          except RuntimeError as exc:
-            raise failure(exc, args)
-          slot.leaves = new[0]
-        return out
-      return call
-
-    def call(args):
-      with lock:
-        current = tuple([slot.leaves for slot in slots])
-        try:
-          new, out = exe(current, *args)
-        except ARG_MISMATCH:
-          new, out = exe(current, *conform(args))
-        except RuntimeError as exc:
-          raise failure(exc, args)
-        for slot, leaves in zip(slots, new):
-          slot.leaves = leaves
-      return out
-    return call
-
-
-def _split(items, sizes):
-  it = iter(items)
-  return tuple(tuple(next(it) for _ in range(n)) for n in sizes)
+        new, out = self.run_program(state, args)
+        if one:
+          one.leaves = new[0]
+        else:
+          self.layout.commit(new)
+      finally:
+        _leave()
+        if _pending:
+          interrupts.deliver()
+    return out
 
 
 def runtime_failure(partition, recorder, exc):
@@ -312,120 +346,31 @@ def runtime_failure(partition, recorder, exc):
   return callbacks.callback_failure(partition.nodes, partition.index, exc, recorder)
 
 
-class PlanRunner(Runner):
-  """Several partitions: the Program written out as straight-line Python
-  (codegen.py), values deleted at their last use.
-
-  Device executables are launched through their C++ call; the first one
-  checks the user leaves it reads itself (a mismatch is conformed and
-  retried before anything ran), the others are conformed up front.
-  `observer(partition index)`, when set, is called after each partition
-  (tests sample live memory there); unset, it costs nothing. A profiled
-  runner runs the plan's profiled variant (and no observer)."""
-  _PROFILED = ("call", "plan")
-
-  def __init__(self, graph, program, spec, rest_tree, layout):
-    super().__init__(layout, spec)
-    self.program = program
-    self.rest_tree = rest_tree
-    self.observer = None
-    self.plan = codegen.generate(program, spec.conform_leaf)
-    self._observed = None
-    self.treedefs = list(spec.treedefs)
-    leaf = tree_util.tree_structure(0)
-    self._bare = [treedef == leaf for treedef in self.treedefs]
-    self._literal_outputs = {i for i, v in enumerate(graph.outputs) if isinstance(v, Literal)}
-    self._plain_outputs = not (program.copy_at or program.host_outputs
-                               or self._literal_outputs)
-    self._single_output = rest_tree == leaf  # run returns it bare
-    self._all_bare = all(self._bare)
-    keep = [(i, layout.state_shardings[i]) for i in layout.updated_idx
-            if layout.state_shardings[i] is not None]
-    self._keep = keep or None
-    if not layout.slots:
-      self.call = self._stateless_call
-
-  def _profile_paths(self, hooks):
-    self.plan = hooks.plan(self.program, self.spec.conform_leaf)
-
-  def user_leaves(self, args):
-    """The flat user leaves, the pytree structure checked; leaves that no
-    executable checks first are conformed here."""
-    if len(args) != len(self.treedefs):
-      self.spec.check_arity(args)
-    leaves = []
-    for arg, treedef, bare in zip(args, self.treedefs, self._bare):
-      if bare and isinstance(arg, jax.Array):
-        leaves.append(arg)
-        continue
-      flat, got = tree_util.tree_flatten(arg)
-      if got != treedef:
-        self.spec.conform(args)  # raises InputError naming the argument
-      leaves.extend(flat)
-    if self.program.user_checked:
-      base = self.program.num_state
-      for reg, i, j in self.program.user_checked:
-        leaves[reg - base] = self.spec.conform_leaf(i, j, leaves[reg - base])
-    return leaves
-
-  def run_flat(self, state_leaves, user_leaves):
-    if self.observer is None:
-      outs = self.plan(state_leaves, user_leaves, None)
-    else:
-      if self._observed is None:
-        self._observed = codegen.generate(self.program, self.spec.conform_leaf, True)
-      outs = self._observed(state_leaves, user_leaves, self.observer)
-    if self._keep is not None:  # new state made on the host, laid out as its slot
-      outs = list(outs)
-      for i, s in self._keep:
-        if getattr(outs[i], "sharding", None) != s:
-          outs[i] = jax.device_put(outs[i], s)
-    if self._plain_outputs:
-      return outs
-    return [self._output(k, out) for k, out in enumerate(outs)]
-
-  def _output(self, k, out):
-    if k in self._literal_outputs:
-      return jax.numpy.asarray(out)  # a fresh array per run, as jax.jit returns
-    if k in self.program.host_outputs:  # made on the host: stays there, a copy of
-      # the callback's buffer, which the callback may reuse (jax.jit copies too)
-      # device_put may read its source after it returns: give it a private copy
-      return jax.device_put(np.array(out), jax.local_devices(backend="cpu")[0])
-    return jax.numpy.array(out, copy=True) if k in self.program.copy_at else out
-
-  def step_once(self, state_leaves, args):
-    """One run on the given state leaves; returns (new values of the updated
-    leaves, user outputs) without committing anything."""
-    outs = self.run_flat(state_leaves, self.user_leaves(args))
-    return ([outs[i] for i in self.layout.updated_idx],
-            tree_util.tree_unflatten(self.rest_tree, outs[self.layout.num_outputs:]))
-
-  def execute(self, args):
-    return self.step_once(self.layout.gather_all(), args)
-
-  def _stateless_call(self, args):
-    """call for a graph without state: no locks, nothing to commit."""
-    if self._all_bare and len(args) == len(self._bare):
-      for arg in args:  # the usual call: array arguments, nothing to flatten
-        if not isinstance(arg, jax.Array):
-          leaves = self.user_leaves(args)
-          break
-      else:
-        leaves = self.user_leaves(args) if self.program.user_checked else list(args)
-    else:
-      leaves = self.user_leaves(args)
-    outs = self.run_flat([], leaves)
-    if self._single_output:
-      return outs[-1]
-    return tree_util.tree_unflatten(self.rest_tree, outs)
-
-  def call(self, args):
-    """Runner.call with execute and step_once inlined: run's hot path."""
-    layout = self.layout
-    with self.lock:
-      outs = self.run_flat(layout.gather_all(), self.user_leaves(args))
-      if layout.updated_idx:
-        layout.commit([outs[i] for i in layout.updated_idx])
-    if self._single_output:
-      return outs[-1]
-    return tree_util.tree_unflatten(self.rest_tree, outs[layout.num_outputs:])
+def special_value(where, graph, state_leaves, user_leaves, exc):
+  """The FloatingPointError for a nan (inf) jax_debug_nans (infs) found in an
+  executable's outputs: the graph's nodes are replayed eagerly on the run's
+  inputs, as jax.jit re-runs a function op by op, to name the first node
+  that makes one. (jax.jit donates nothing under jax_debug_nans, so the
+  inputs are intact.)"""
+  what = exc.args[1] if len(exc.args) > 1 else "nan"
+  try:
+    leaves = list(state_leaves) + list(user_leaves)
+    env = dict(graph_consts(graph))
+    env.update(zip([v.id for v in graph.inputs if v.kind != "const"], leaves))
+    for node in graph.nodes:
+      ins = [v.value if isinstance(v, Literal) else env[v.id] for v in node.inputs]
+      try:
+        outs = jax.block_until_ready(kernel_fn(node)(node, *ins))
+      except FloatingPointError as found:
+        return FloatingPointError(f"{where}: node {node.id} '{node.op}'"
+                                  + (f" at {node.source}" if node.source else "")
+                                  + f" produced {what} (jax_debug_{what}s): {found}")
+      env.update(zip([o.id for o in node.outputs], outs))
+  except (InputError, KeyError, TypeError, ValueError, RuntimeError):
+    pass  # the replay could not run: name the executable
+  lost = any(getattr(x, "is_deleted", lambda: False)() for x in state_leaves)
+  return FloatingPointError(
+      f"{where}: an executable ({exc.args[0] if exc.args else '?'}) produced {what} "
+      f"(jax_debug_{what}s)" + ("; the state it was donated is lost: switch "
+                                f"jax_debug_{what}s on before compile, and jax.jit and "
+                                "the session donate nothing" if lost else ""))

@@ -18,17 +18,18 @@ tables; this one records the same things for a Session:
 Partitions run under `jax.profiler.TraceAnnotation("jaxsession graph G
 partition K")`, so JAX's own profiler shows them by name.
 
-Wiring: a runner's `profile` attribute takes `profiler.graph_hooks(...)`;
-setting it swaps the runner's call path once (executor.Runner), so a graph
-that is not profiled runs exactly the code it ran before. The hot path
-appends plain tuples to lists; names, tables and traces are made when asked.
+Wiring: with `SessionOptions(enable_profiling=True)` (or a Profiler given
+as `sess.profiler` before compile), Build wraps each op's function in its
+timing once (`GraphHooks.timed`) and the Session wraps the runner's call in
+a run record; a graph compiled unprofiled runs exactly the code it ran
+before. The hot path appends plain tuples to lists; names, tables and
+traces are made when asked.
 
-    prof = Profiler(enabled=True)
-    runner.profile = prof.graph_hooks(gid, name, graph)
-    entry_call = runner.call                # after setting profile
+    sess = Session(SessionOptions(enable_profiling=True))
+    gid = sess.compile(step, ...)
     ...
-    prof.summary()
-    prof.export_chrome_trace("trace.json")  # open in https://ui.perfetto.dev
+    sess.profiler.summary()
+    sess.profiler.export_chrome_trace("trace.json")  # open in https://ui.perfetto.dev
 """
 import collections
 import json
@@ -38,10 +39,10 @@ from typing import NamedTuple, Optional
 import jax
 
 from jaxsession.ir import aval_bytes
-from jaxsession.runtime import codegen, memory
+from jaxsession.runtime import memory
+from jaxsession.runtime.build import TRANSFER_OPS
 
 now = time.perf_counter_ns
-TRANSFER_OPS = ("transfer_d2h", "transfer_h2d")
 QUEUE_NAMES = {0: "device queue", 1: "host queue"}  # runtime/streams.py's queues
 RUN_TRACK, COMPILE_TRACK = 100, 101                 # trace tids besides the queues
 
@@ -126,130 +127,93 @@ def describe_graph(graph):
 
 
 class GraphHooks:
-  """What a profiled runner of one graph calls (executor.Runner.profile).
-
-  `run_call(call, steps)` wraps a runner's call in a run record;
-  `partition_call(k, fn)` times an executable as partition k;
-  `plan(program, conform_leaf)` is the plan's profiled variant (codegen),
-  which calls `annotation`, `partition_done`, `transfer_done` and
-  `timed_ops`."""
+  """What Build wraps a profiled graph's ops in, once (runtime/build.py):
+  `timed(fn, k, ...)` times op function `fn` of partition k, and
+  `run_call(call, steps)` wraps a runner's call in a run record. The graph
+  id comes after Build, with `bind(graph_id)`."""
 
   def __init__(self, profiler, graph_id, name, graph):
+    self.profiler = profiler
     self.graph_id = graph_id
     self.name = name
     self.info = GraphInfo(name, describe_graph(graph), set())
-    profiler.graphs[graph_id] = self.info
-    runs, parts, moves = profiler.raw_runs, profiler.raw_partitions, profiler.raw_transfers
-    gid = graph_id
-    sample = profiler.live_bytes
-
+    self.transfer_index = {m.node: m.index for p in self.info.partitions.values()
+                           for m in p.transfers}
     planned = (planned_live_bytes(graph, profiler.platform) if profiler.planned_memory
                else None)
-    # What the hot paths append without calling back in here: the record list's
-    # append and each partition's live bytes (None where the allocator is asked)
-    self.record, self.live = parts.append, None
-    if sample is None:
-      self.live = (lambda k: planned[k] if planned and k < len(planned) else None)
-    if sample is None and planned:
-      def partition_done(k, start, end):
-        parts.append((gid, k, start, end, planned[k], 0))
-    elif sample is None:
-      def partition_done(k, start, end):
-        parts.append((gid, k, start, end, None, 0))
-    else:
-      def partition_done(k, start, end):  # the sample's own time is the profiler's
-        live = sample()
-        parts.append((gid, k, start, end, live, now() - end))
+    self.live = lambda k: planned[k] if planned and k < len(planned) else None
+    self._open = [None, None]  # the running partition: its start, its annotation
+    if graph_id is not None:
+      self.bind(graph_id)
 
-    def transfer_done(i, start, end):
-      moves.append((gid, i, start, end))
-
-    def run_call(call, steps):
-      def profiled_run(args):
-        start = now()
-        try:
-          return call(args)
-        finally:  # a failed run took its time too
-          runs.append((gid, steps, start, now()))
-      return profiled_run
-
-    self.partition_done, self.transfer_done, self.run_call = (
-        partition_done, transfer_done, run_call)
-    self.trace_active = trace_active
+  def bind(self, graph_id):
+    self.graph_id = graph_id
+    self.profiler.graphs[graph_id] = self.info
 
   def annotation(self, k):
     """The TraceAnnotation name of partition k, as JAX's profiler shows it."""
     return f"jaxsession graph {self.graph_id} partition {k}"
 
-  def partition_call(self, k, fn):
-    """fn (an executable's call) timed as partition k: the call under its
-    annotation (entered only while JAX's profiler traces: outside a trace it
-    records nothing, and costs ~0.3 µs), the wait for its outputs (for one
-    of them: an execution makes all its outputs ready at once), the record
-    (one tuple appended, no call back into the profiler)."""
+  def run_call(self, call, steps):
+    """`call` (a runner's) with a run record around it, failed runs too."""
+    runs = self.profiler.raw_runs
+
+    def profiled_run(args):
+      start = now()
+      try:
+        return call(args)
+      finally:  # a failed run took its time too
+        runs.append((self.graph_id, steps, start, now()))
+    return profiled_run
+
+  def timed(self, fn, k, first, last, device, transfer=None):
+    """Op function `fn` of partition k, timed: the first op of the partition
+    notes its start and enters its annotation (only while JAX's profiler
+    traces: outside a trace it would record nothing and costs ~0.3 µs); a
+    device op waits for its outputs (one of them: an execution makes them
+    ready together), so its time includes the device work; a transfer node
+    (`transfer`: its node id) that runs as an op of its own is timed on its
+    own; the last op records the partition, with the live device bytes
+    after it (the allocator's, or the memory plan's)."""
     if k not in self.info.partitions:  # a graph without nodes: nothing to time
       return fn
-    name, annotate = self.annotation(k), jax.profiler.TraceAnnotation
-    tracing, first = trace_active, [None]  # first: a getter of one output array
-    if self.live is None:  # an allocator to ask: its time is the profiler's
-      done = self.partition_done
+    profiler, hooks, state = self.profiler, self, self._open
+    parts, moves, sample = profiler.raw_partitions, profiler.raw_transfers, profiler.live_bytes
+    live, first_out = self.live(k), [None]
+    move = self.transfer_index.get(transfer)
+    if move is not None:
+      self.info.timed.add(move)
 
-      def timed(*args):
+    def close():
+      annotation, state[1] = state[1], None
+      if annotation is not None:
+        annotation.__exit__(None, None, None)
+
+    def timed_op(*args):
+      if first:
+        state[0] = now()
+        if trace_active():
+          state[1] = jax.profiler.TraceAnnotation(hooks.annotation(k))
+          state[1].__enter__()
+      try:
         start = now()
-        if tracing():
-          with annotate(name):
-            outs = fn(*args)
-            wait(outs, first)
-        else:
-          outs = fn(*args)
-          wait(outs, first)
-        done(k, start, now())
-        return outs
-      return timed
-    record, key, live = self.record, self.graph_id, self.live(k)
-
-    def timed(*args):  # pylint: disable=function-redefined
-      start = now()
-      if tracing():
-        with annotate(name):
-          outs = fn(*args)
-          wait(outs, first)
-      else:
         outs = fn(*args)
-        if first[0] is _ITSELF:  # one array: its own wait, no frame of ours
-          outs.block_until_ready()
-        else:
-          wait(outs, first)
-      record((key, k, start, now(), live, 0))
+        if device or move is not None:
+          wait(outs, first_out)
+        if move is not None:
+          moves.append((hooks.graph_id, move, start, now()))
+      except BaseException:
+        close()
+        raise
+      if last:
+        close()
+        end = now()
+        if sample is None:
+          parts.append((hooks.graph_id, k, state[0], end, live, 0))
+        else:  # the sample's own time is the profiler's
+          parts.append((hooks.graph_id, k, state[0], end, sample(), now() - end))
       return outs
-    return timed
-
-  def plan(self, program, conform_leaf):
-    return codegen.generate(program, conform_leaf, profile=self)
-
-  def timed_ops(self, program):
-    """{op index: transfer index} for the transfers that run as ops of
-    their own. A host partition's ops are its nodes in order, less each d2h
-    that the CPU platform elides (its value shares the device buffer)."""
-    by_part = collections.defaultdict(list)
-    for k, op in enumerate(program.ops):
-      by_part[op.partition].append(k)
-    timed = {}
-    for index, ks in by_part.items():
-      part = self.info.partitions.get(index)
-      if part is None or part.place != "host" or not part.transfers:
-        continue
-      moves = {m.node: m for m in part.transfers}
-      nodes = list(part.nodes)
-      if len(ks) != len(nodes):  # elided d2h: left out of the plan
-        nodes = [n for n in nodes if n not in moves or moves[n].direction != "d2h"]
-      if len(ks) != len(nodes):
-        continue  # a plan this mapping does not know: count, do not time
-      for k, node in zip(ks, nodes):
-        if node in moves:
-          timed[k] = moves[node].index
-    self.info.timed.update(timed.values())
-    return timed
+    return timed_op
 
 
 try:  # whether JAX's profiler is tracing now (TraceAnnotation records only then)
@@ -336,7 +300,8 @@ class Profiler:
     when False, so a Session wires the same way whether it profiles or not.
   sample_memory: a live device bytes counter at each partition boundary
     (the trace's counter track): the allocator's count where the device has
-    one, the memory plan's figure on CPU.
+    one, the memory plan's figure on CPU; or a function () -> bytes, called
+    after each partition.
   platform: the backend whose memory is sampled (default: jax's).
   """
 
@@ -345,7 +310,8 @@ class Profiler:
     # The counter track: the allocator's count where the device keeps one;
     # on CPU the memory plan's bytes after each partition (a sum over
     # jax.live_arrays() would cost ~0.1 µs per live array per partition).
-    self.live_bytes = _allocator_bytes_fn(platform) if sample_memory else None
+    self.live_bytes = (sample_memory if callable(sample_memory) else
+                       _allocator_bytes_fn(platform) if sample_memory else None)
     self.planned_memory = sample_memory and self.live_bytes is None
     self.platform = platform or jax.default_backend()
     self.graphs = {}          # graph id -> GraphInfo
@@ -355,8 +321,8 @@ class Profiler:
     self.raw_compiles = []    # CompileRecord
 
   def graph_hooks(self, graph_id, name, graph):
-    """The hooks a runner of this graph takes as its `profile` (None when
-    the profiler is off): `runner.profile = profiler.graph_hooks(...)`."""
+    """The hooks Build wraps this graph's ops in (None when the profiler is
+    off); `graph_id` may come later, by `bind`."""
     if not self.enabled:
       return None
     return GraphHooks(self, graph_id, name, graph)
@@ -371,8 +337,8 @@ class Profiler:
                                            total_seconds, now()))
 
   def reset(self):
-    """Forgets every record (the graphs' descriptions stay: runners keep
-    their hooks)."""
+    """Forgets every record (the graphs' descriptions stay: their ops keep
+    their timing)."""
     for records in (self.raw_runs, self.raw_partitions, self.raw_transfers,
                     self.raw_compiles):
       records.clear()  # in place: the hooks append to these lists

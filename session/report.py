@@ -52,6 +52,7 @@ class CompileReport:
   cache: object = None     # compile_cache.CacheUse: hit or miss, and build seconds
   sharding: object = None  # spmd.ShardingReport under a mesh: what each device holds
   collectives: List = dataclasses.field(default_factory=list)  # runtime.collectives
+  loop_sink: dict = dataclasses.field(default_factory=dict)  # steps -> how run(steps=) runs
 
   def __str__(self):
     lines = [f"compile report for graph '{self.graph_name}': {self.nodes_imported} "

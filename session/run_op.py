@@ -37,7 +37,8 @@ from jaxsession.op_properties import jaxpr_props, primitive_props
 from jaxsession.optimizer_passes.base import PassContext, PassManager
 from jaxsession.optimizer_passes.select_kernels import SelectKernels
 from jaxsession.runtime import callbacks
-from jaxsession.runtime.build import ARG_MISMATCH, compile_fn, fast_call, shape_struct
+from jaxsession.runtime.build import (ARG_MISMATCH, checked, compile_fn, fast_call,
+                                      shape_struct)
 from jaxsession.runtime.compile_cache import CacheInfo, DoNotStore, ExecutableCache
 from jaxsession.runtime.state import session_device
 
@@ -184,11 +185,8 @@ class OpRunner:
 
   # -- running -----------------------------------------------------------------
   def _execute(self, compiled, leaves):
-    try:
-      try:
-        outs = compiled.call(*leaves)
-      except ARG_MISMATCH:  # refused before it ran: an array on another device?
-        outs = compiled.call(*[_on_session_device(x) for x in leaves])
+    try:  # refused before it ran: an array on another device? moved, retried once
+      outs = checked(compiled.call, lambda xs: [_on_session_device(x) for x in xs])((), leaves)
     except ARG_MISMATCH as exc:
       raise InputError(f"run_op({compiled.name}): the arguments do not fit the compiled "
                        f"op: {type(exc).__name__}: {exc}") from None

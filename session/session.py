@@ -20,7 +20,7 @@ from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.options import SessionOptions
 from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_transfers
 from jaxsession.run_op import OpRunner
-from jaxsession.runtime import build, compile_cache, executor, loop_sink, memory
+from jaxsession.runtime import build, compile_cache, executor, interrupts, loop_sink, memory
 from jaxsession.runtime.profiler import Profiler
 from jaxsession.runtime.state import StateSlot, check_structure, owned_copy, slots_lock
 
@@ -31,22 +31,35 @@ class _Entry:
   name: str
   graph: Any
   report: CompileReport
-  runner: Any
+  runner: Any               # executor.Runner: run's one path
   spec: ArgSpec
   slots: List[StateSlot]
-  make_sunk: Any            # steps -> runner
-  sunk: Dict[int, Any] = dataclasses.field(default_factory=dict)
+  make_sunk: Any            # steps -> the Runner of run(steps=)
+  hooks: Any = None         # the profiler's GraphHooks, when profiling
+  sunk: Dict[int, Any] = dataclasses.field(default_factory=dict)  # steps -> call
   released: bool = False
   bucketed: Any = None      # a BucketedGraph: run dispatches to its sub-graphs
 
   def __post_init__(self):
-    self.call = self.runner.call  # run's hot path: one attribute, one call
+    self.call = self._wrap(self.runner, None)  # run's hot path: one attribute, one call
     if self.spec.weak_sensitive:  # only where a weak type changes the program
       self.call = self.spec.weak_guard(self.call)
     if self.spec.local_pieces:  # many processes: assemble the global batch first
       call, conform = self.call, self.spec.conform
       self.call = lambda args: call(conform(args))
     self.lock = slots_lock(self.slots)
+    executables = self.runner.program.executables
+    self.executables = [executables[k] for k in sorted(executables)]
+
+  def _wrap(self, runner, steps):
+    return runner.call if self.hooks is None else self.hooks.run_call(runner.call, steps)
+
+  def sunk_call(self, steps):
+    """The call of run(steps=steps), built on first use."""
+    runner = self.make_sunk(steps)
+    self.report.loop_sink[steps] = ("one executable (lax.scan)" if runner.layout.one_executable
+                                    else "the plan, once per step")
+    return self._wrap(runner, steps)
 
 
 def _argnums(nums, what, nargs):
@@ -113,6 +126,7 @@ class Session:
     save = self.options.save_graphs
     if save is not None and os.path.exists(save) and not os.path.isdir(save):
       raise InputError(f"SessionOptions.save_graphs={save!r} is a file, not a folder")
+    interrupts.install()  # a Ctrl-C during run waits for its commit
     self._graphs = {}
     self._ids = itertools.count()
     self._lock = threading.RLock()  # the graph table and the sunk-runner caches
@@ -246,7 +260,8 @@ class Session:
     key = compile_cache.fingerprint(graph, spec.avals, compile_cache.options_key(self.options),
                                     self.platform, extra=(rest_tree, spmd.key_text(mesh_layout)))
     build_start = time.perf_counter()
-    runner, make_sunk = self._build(graph, spec, rest_tree, leaf_slots, cache, key)
+    hooks = self.profiler.graph_hooks(None, name, graph)  # bound to the id below
+    runner, make_sunk = self._build(graph, spec, rest_tree, leaf_slots, cache, key, hooks)
     build_seconds = time.perf_counter() - build_start
 
     if dumper:
@@ -264,33 +279,35 @@ class Session:
     with self._lock:  # a failed compile unpinned its slots; its id stays unused
       for k, j, weak in weak_state:  # set_state keeps these leaves' weak types
         slots[k].weak_sensitive[j] = weak
-      runner.profile = self.profiler.graph_hooks(gid, name, graph)  # before the entry
-      self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk)
+      if hooks is not None:
+        hooks.bind(gid)
+      self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk, hooks)
     self.profiler.record_compile(gid, name, ctx.records, build_seconds,
                                  report.compile_seconds)
     return gid
 
-  def _build(self, graph, spec, rest_tree, leaf_slots, cache=None, key=None):
+  def _build(self, graph, spec, rest_tree, leaf_slots, cache=None, key=None, hooks=None):
     """One executable per device partition, compiled ahead of time (no
     warm-up: nothing of the user's runs here) with the graph's consts
-    embedded as jax.jit embeds a closure's; the runner for `run` and a
-    factory of loop-sunk runners for `run(..., steps=N)`."""
-    layout = executor.StateLayout(graph, graph.memory, leaf_slots)
+    embedded as jax.jit embeds a closure's; the Program, its Runner, and a
+    factory of the Runners of `run(..., steps=N)`. `hooks`: the profiler's,
+    which each op's function is wrapped in, once, here."""
+    interrupts.install()  # again per compile: wraps a handler the user set since
     parts = graph.partitions
-    if len(parts) <= 1 and all(p.place == "device" for p in parts):
-      part = parts[0] if parts else None
-      runner = executor.SingleRunner(graph, spec, rest_tree, part, layout, cache, key)
-      if part is not None:
-        memory.refine(graph.memory, graph, parts, {0: build.memory_analysis(runner.exe)},
-                      self.platform)
-      make_sunk = lambda steps: loop_sink.SunkRunner(graph, spec, rest_tree, layout,
-                                                     steps)
-      return runner, make_sunk
-    program = build.build_program(graph, parts, graph.memory, spec, self.platform, cache,
-                                  key)
-    memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
-    runner = executor.PlanRunner(graph, program, spec, rest_tree, layout)
-    return runner, lambda n: loop_sink.SteppedRunner(runner, n)
+    one = len(parts) <= 1 and all(p.place == "device" for p in parts)
+    layout = executor.state_layout(graph, graph.memory, leaf_slots, one)
+    if one:
+      program = executor.single_program(graph, spec, rest_tree, layout, cache, key, hooks)
+      sunk = lambda steps: loop_sink.sunk_program(graph, spec, rest_tree, layout, steps,
+                                                  hooks)
+    else:
+      program = executor.plan_program(graph, build.build_program(
+          graph, parts, graph.memory, spec, self.platform, cache, key, hooks), spec,
+          rest_tree, layout)
+      sunk = lambda steps: loop_sink.stepped_program(program, layout, spec, rest_tree, steps)
+    if parts:
+      memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
+    return executor.Runner(program, layout), lambda steps: executor.Runner(sunk(steps), layout)
 
   def _check_shared(self, name, state_nums, state_flats, state_from, source):
     """InputError unless the state examples fit `state_from`'s slots: the
@@ -340,7 +357,7 @@ class Session:
     and state, with run dispatching to the bucket executables."""
     first = self._entry(first_gid)
     entry = _Entry(name, first.graph, first.report, first.runner, first.spec, first.slots,
-                   first.make_sunk, bucketed=dispatcher)
+                   first.make_sunk, first.hooks, bucketed=dispatcher)
     entry.call = dispatcher.call
     first.report.buckets = dispatcher
     with self._lock:
@@ -373,16 +390,14 @@ class Session:
       steps = loop_sink.check_steps(steps)
       if entry.bucketed is not None:
         return entry.bucketed.run(args, steps)
-      runner = entry.sunk.get(steps)
-      if runner is None:
+      call = entry.sunk.get(steps)
+      if call is None:
         entry.spec.conform(args, leading=steps)  # the args, before anything is built
         with self._lock:
-          runner = entry.sunk.get(steps)
-          if runner is None:
-            runner = entry.make_sunk(steps)
-            runner.profile = entry.runner.profile
-            entry.sunk[steps] = runner
-      return runner.call(args)
+          call = entry.sunk.get(steps)
+          if call is None:
+            call = entry.sunk[steps] = entry.sunk_call(steps)
+      return call(args)
     except Exception:
       if entry.released:  # released by another thread while this call ran
         raise UnknownGraphError(f"graph id {graph_id!r} was released while this run "
@@ -448,6 +463,12 @@ class Session:
   def report(self, graph_id):
     """What compile decided and why (passes, partitions, memory)."""
     return self._entry(graph_id).report
+
+  def executables(self, graph_id):
+    """The graph's compiled executables (jax.stages.Compiled), one per device
+    partition in partition order; their HLO is `.as_text()`. A bucketed
+    graph's are its first bucket's."""
+    return list(self._entry(graph_id).executables)
 
   def _entry(self, graph_id):
     try:

@@ -271,7 +271,7 @@ class ExecutableCacheTest(absltest.TestCase):
 
 
 class BuildWithCacheTest(absltest.TestCase):
-  """compile_fn, SingleRunner and build_program through the cache, as the
+  """compile_fn, single_program and build_program through the cache, as the
   Session's Build will use them."""
 
   def test_compile_fn_keys_on_arg_types_and_donation(self):
@@ -290,10 +290,10 @@ class BuildWithCacheTest(absltest.TestCase):
     graph = optimised(fn, x)
     key = fingerprint(graph, [[jax.api_util.shaped_abstractify(x)]], (), "cpu")
     spec = ArgSpec("run(test)", [0], [x])
-    layout = executor.StateLayout(graph, graph.memory, [])
+    layout = executor.state_layout(graph, graph.memory, [], True)
     rest_tree = tree_util.tree_structure(jax.eval_shape(fn, x))
-    return executor.SingleRunner(graph, spec, rest_tree, graph.partitions[0], layout,
-                                 cache=cache, key=key)
+    return executor.Runner(executor.single_program(graph, spec, rest_tree, layout,
+                                                   cache=cache, key=key), layout)
 
   def test_single_runner_reuses_the_executable(self):
     def f(x):
@@ -324,12 +324,13 @@ class BuildWithCacheTest(absltest.TestCase):
       graph = optimised(f, X, options=options)
       key = fingerprint(graph, [[jax.api_util.shaped_abstractify(X)]], options_key(options),
                         "cpu")
-      layout = executor.StateLayout(graph, graph.memory, [])
-      runners.append(executor.SingleRunner(graph, ArgSpec("run(t)", [0], [X]),
-                                           tree_util.tree_structure(0), graph.partitions[0],
-                                           layout, cache=cache, key=key))
+      layout = executor.state_layout(graph, graph.memory, [], True)
+      runners.append(executor.Runner(executor.single_program(
+          graph, ArgSpec("run(t)", [0], [X]), tree_util.tree_structure(0), layout,
+          cache=cache, key=key), layout))
     self.assertIs(runners[0].exe, runners[1].exe)
-    self.assertIs(runners[0].recorder, runners[1].recorder)  # what the exe writes to
+    # the cached executable's callbacks write to the first recorder: the
+    # second runner reads that one, so the cause is the user's exception
     with self.assertRaises(HostOpError) as caught:
       runners[1].call((X,))
     self.assertIsInstance(caught.exception.__cause__, ValueError)
@@ -353,8 +354,9 @@ class BuildWithCacheTest(absltest.TestCase):
     self.assertEqual([what for what, _, _ in cache.use.lookups],
                      [("partition", 0), ("partition", 2)] * 2)
     graph, program, spec = programs[1]
-    layout = executor.StateLayout(graph, graph.memory, [])
-    runner = executor.PlanRunner(graph, program, spec, tree_util.tree_structure(0), layout)
+    layout = executor.state_layout(graph, graph.memory, [], False)
+    program = executor.plan_program(graph, program, spec, tree_util.tree_structure(0), layout)
+    runner = executor.Runner(program, layout)
     assert_same_bits(runner.call((X,)), jax.jit(g)(X))
 
 

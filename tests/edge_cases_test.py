@@ -200,7 +200,7 @@ class ReleaseRaceTest(absltest.TestCase):
                                                                             jnp.float32), x),
                              jnp.sum(w))) if plan else (lambda w, x: (w + x, jnp.sum(w))))
       gid = sess.compile(step, w, w, state_argnums=0)
-      errors = []
+      errors, readers = [], []
 
       def runner():
         for _ in range(100):
@@ -214,8 +214,8 @@ class ReleaseRaceTest(absltest.TestCase):
       def compiler():
         for _ in range(5):
           try:
-            sess.compile(lambda w: jnp.sum(w), w, state_argnums=0, state_from=gid,
-                         updates_state=False)
+            readers.append(sess.compile(lambda w: jnp.sum(w), w, state_argnums=0,
+                                        state_from=gid, updates_state=False))
           except js.UnknownGraphError:
             pass
           except Exception as exc:
@@ -227,7 +227,7 @@ class ReleaseRaceTest(absltest.TestCase):
       for t in threads:
         t.join()
       self.assertEqual(errors, [], f"plan={plan}")
-      for other in list(sess._graphs):  # readers compiled before the release share
+      for other in readers:  # readers compiled before the release share
         self.assertTrue(np.isfinite(float(sess.run(other))))  # a slot that lives on
 
 
@@ -260,7 +260,7 @@ class PipelineEdgesTest(absltest.TestCase):
     for steps in (5, 2**40):
       with self.assertRaisesRegex(js.InputError, "steps="):
         sess.run(gid, jnp.ones((2, 3)), steps=steps)
-    self.assertEqual(sess._graphs[gid].sunk, {})
+    self.assertEqual(sess.report(gid).loop_sink, {})
 
   def test_argnums_of_the_wrong_type(self):
     sess = js.Session()
@@ -301,6 +301,38 @@ class PipelineEdgesTest(absltest.TestCase):
       f.write("x")
     with self.assertRaisesRegex(js.InputError, "is a file, not a folder"):
       js.Session(js.SessionOptions(save_graphs=path))
+
+
+class DebugNansTest(absltest.TestCase):
+  """jax_debug_nans on (before compile, as jax.jit reads it at trace time):
+  a nan is a FloatingPointError naming the graph and the node, and the
+  state stays as it was."""
+
+  def test_nan_names_the_node_and_keeps_the_state(self):
+    def step(w, x):
+      return w * 2.0 + jnp.log(x), jnp.sum(w)
+
+    def plan(w, x):  # the same, with a host partition before it
+      y = jax.pure_callback(lambda a: np.asarray(a) * np.float32(2),
+                            jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return w * 2.0 + jnp.log(y), jnp.sum(w)
+    rng = np.random.default_rng(11)
+    w = jnp.asarray(rng.uniform(1, 2, 5), jnp.float32)
+    good, bad = (jnp.asarray(rng.uniform(1, 2, 5), jnp.float32),
+                 -jnp.asarray(rng.uniform(1, 2, 5), jnp.float32))
+    jax.config.update("jax_debug_nans", True)
+    try:
+      for fn in (step, plan):
+        sess = js.Session()
+        gid = sess.compile(fn, w, good, state_argnums=0)
+        with self.assertRaisesRegex(
+            FloatingPointError, rf"graph {gid} '{fn.__name__}'.*node \d+ 'log'.*nan"):
+          sess.run(gid, bad)
+        np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+        np.testing.assert_array_equal(sess.run(gid, good), jax.jit(fn)(w, good)[1])
+        np.testing.assert_array_equal(sess.get_state(gid)[0], jax.jit(fn)(w, good)[0])
+    finally:
+      jax.config.update("jax_debug_nans", False)
 
 
 if __name__ == "__main__":

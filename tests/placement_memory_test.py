@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
+from jaxsession.runtime.profiler import Profiler
 from jaxsession.ir import Literal, aval_bytes
 from jaxsession.kernels import register_kernel, unregister_kernel
 from jaxsession.optimizer_passes.base import Pass, PassResult
@@ -243,7 +244,7 @@ class PlacementOptionsTest(absltest.TestCase):
       line = [l for l in lines if l.strip().startswith(f"node {nid} '{op}'")]
       self.assertLen(line, 1, f"node {nid} not named in:\n{message}")
       self.assertIn(note.split(":")[0], line[0])  # the rule, e.g. "(small integer)"
-    self.assertEqual(len(sess._graphs), 0)
+    self.assertEqual(sess.compile(jnp.sin, x), 0)  # the refused compile took no id
 
   def test_place_all_on_device_must_be_a_bool(self):
     with self.assertRaisesRegex(js.InputError, "place_all_on_device"):
@@ -296,8 +297,8 @@ def device_host_chain(x):
 
 class MemoryTest(absltest.TestCase):
 
-  def compile_chain(self):
-    sess = js.Session()
+  def compile_chain(self, sess=None):
+    sess = sess or js.Session()
     x = _f32(256, 256)
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
@@ -311,9 +312,17 @@ class MemoryTest(absltest.TestCase):
     return sess, gid, graph
 
   def test_measured_peak_within_plan_and_below_keep_everything(self):
-    sess, gid, graph = self.compile_chain()
-    runner = sess._graphs[gid].runner
     x = _f32(256, 256)
+    inputs, before_ids = x.nbytes, set()
+
+    def observe():  # the live bytes of the run (what was live before excluded)
+      new = sum(a.nbytes for a in jax.live_arrays() if id(a) not in before_ids)
+      return new + inputs
+    # the profiler samples after each partition; a Profiler set before compile
+    # is the one the graph's ops report to
+    sess = js.Session()
+    sess.profiler = Profiler(enabled=True, sample_memory=observe)
+    sess, gid, graph = self.compile_chain(sess)
     gc.collect()
     # Bytes live before the run belong to other tests, jax's caches and `x`.
     # Only the run's input is part of the plan (a graph input lives
@@ -321,19 +330,11 @@ class MemoryTest(absltest.TestCase):
     # Holding `before` keeps those arrays alive, so no new array can reuse
     # an id of theirs; the test is the same whether they die or not.
     before = jax.live_arrays()
-    before_ids = {id(a) for a in before}
-    inputs = x.nbytes
-    samples = {}
-
-    def observe(partition):
-      new = sum(a.nbytes for a in jax.live_arrays() if id(a) not in before_ids)
-      samples[partition] = new + inputs
-    runner.observer = observe
-    try:
-      out = sess.run(gid, x)
-    finally:
-      runner.observer = None
+    before_ids.update(id(a) for a in before)
+    sess.profiler.reset()
+    out = sess.run(gid, x)
     del before
+    samples = {p.partition: p.live_bytes for p in sess.profiler.partitions()}
     self.assertEqual(sorted(samples), list(range(10)))
     assert_same_bits(out, jax.jit(device_host_chain)(x), "observed chain")
     measured = max(samples.values())

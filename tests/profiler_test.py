@@ -1,5 +1,5 @@
 """The profiler (runtime/profiler.py): records of runs, partitions, transfers
-and compiles, the summary tables, the Chrome trace, and the runner hooks -
+and compiles, the summary tables, the Chrome trace, and the op wrapping -
 on small programs whose results still match jax.jit bit for bit, profiled
 or not. No timing is asserted: these machines are shared and noisy."""
 import json
@@ -61,44 +61,35 @@ def host_made_state(w, x):
   return _cb(_host_affine, w), x * 2.0
 
 
-def enable(sess, gid, prof):
-  """What the Session will do when profiling is on: hooks on the graph's
-  runners, then the entry's call taken again (it binds runner.call)."""
-  entry = sess._graphs[gid]  # pylint: disable=protected-access
-  hooks = prof.graph_hooks(gid, entry.name, entry.graph)
-  entry.runner.profile = hooks
-  for runner in entry.sunk.values():
-    runner.profile = hooks
-  entry.call = entry.runner.call
-  return hooks
+def _hlo(exe):
+  """An executable's HLO instructions, without source metadata."""
+  text = exe.as_text().split("\nFileNames")[0]
+  return re.sub(r", metadata=\{[^}]*\}", "", text)
+
+
+def profiled(prof=None):
+  """(a Session whose graphs report to `prof`, prof): a Profiler given as
+  `sess.profiler` before compile is the one the graphs' ops are wrapped for."""
+  sess, prof = js.Session(), prof or Profiler(enabled=True)
+  sess.profiler = prof
+  return sess, prof
 
 
 def profiled_runs(fn, x, runs):
   """A fresh profiler over `runs` runs of fn(x) compiled in a fresh Session."""
-  sess, prof = js.Session(), Profiler(enabled=True)
+  sess, prof = profiled()
   gid = sess.compile(fn, x)
-  enable(sess, gid, prof)
   for _ in range(runs):
     sess.run(gid, x)
   return prof
 
 
-def make_sunk(sess, gid, steps):
-  """The loop-sunk runner for `steps`, made and profiled as the Session will
-  make it (run makes it on first use; the Session gives it the hooks)."""
-  entry = sess._graphs[gid]  # pylint: disable=protected-access
-  runner = entry.sunk[steps] = entry.make_sunk(steps)
-  runner.profile = entry.runner.profile
-  return runner
-
-
 class RecordsTest(absltest.TestCase):
 
   def test_partition_and_transfer_counts_match_the_graph(self):
-    sess, prof = js.Session(), Profiler(enabled=True)
+    sess, prof = profiled()
     x = _f32(16)
     gid = sess.compile(chain, x)
-    enable(sess, gid, prof)
     runs = 5
     for _ in range(runs):
       sess.run(gid, x)
@@ -139,11 +130,9 @@ class RecordsTest(absltest.TestCase):
     self.assertEmpty(prof.transfers())
 
   def test_stateful_steps_one_event_per_sunk_run(self):
-    sess, prof = js.Session(), Profiler(enabled=True)
+    sess, prof = profiled()
     w, xs = _f32(8), _f32(6, 8)
     gid = sess.compile(stateful_step, w, xs[0], state_argnums=0)
-    enable(sess, gid, prof)
-    make_sunk(sess, gid, 6)
     sess.run(gid, xs[0])
     out = sess.run(gid, xs, steps=6)
     self.assertEqual([r.steps for r in prof.runs()], [None, 6])
@@ -155,25 +144,23 @@ class RecordsTest(absltest.TestCase):
     assert_same_bits(sess.get_state(gid), plain.get_state(pid), "state after the sunk run")
 
   def test_stepped_plan_records_each_step(self):
-    sess, prof = js.Session(), Profiler(enabled=True)
+    sess, prof = profiled()
     w, xs = _f32(8), _f32(4, 8)
     gid = sess.compile(stateful_chain, w, xs[0], state_argnums=0)
-    hooks = enable(sess, gid, prof)
     graph, report = sess.graph(gid), sess.report(gid)
     self.assertGreater(len(graph.partitions), 1)
-    sess.run(gid, xs, steps=4)  # a SteppedRunner takes its plan runner's hooks
-    self.assertIs(sess._graphs[gid].sunk[4].profile, hooks)  # pylint: disable=protected-access
+    sess.run(gid, xs, steps=4)  # the stepped program runs the plan's timed ops
+    self.assertEqual(sess.report(gid).loop_sink, {4: "the plan, once per step"})
     self.assertEqual([r.steps for r in prof.runs()], [4])
     self.assertLen(prof.partitions(), len(graph.partitions) * 4)
     self.assertLen(prof.transfers(), len(report.transfers) * 4)
 
   def test_transfer_run_as_its_own_step_is_timed(self):
-    sess, prof = js.Session(), Profiler(enabled=True)
+    sess, prof = profiled()
     w, x = _f32(8), _f32(8)
     gid = sess.compile(host_made_state, w, x, state_argnums=0)
     report = sess.report(gid)
     self.assertIn("host:h2d", [n.kernel.name for n in sess.graph(gid).nodes])
-    enable(sess, gid, prof)
     for _ in range(3):
       sess.run(gid, x)
     moves = prof.transfers()
@@ -188,15 +175,13 @@ class RecordsTest(absltest.TestCase):
         self.assertIsNone(m.start_ns)
 
   def test_memory_samples(self):
-    sess, x = js.Session(), _f32(64)
+    (sess, prof), x = profiled(), _f32(64)
     gid = sess.compile(chain, x)
-    prof = Profiler(enabled=True)
-    enable(sess, gid, prof)
     sess.run(gid, x)
     live = [p.live_bytes for p in prof.partitions()]
     self.assertTrue(all(isinstance(b, int) and b >= x.nbytes for b in live), live)
-    quiet = Profiler(enabled=True, sample_memory=False)
-    enable(sess, gid, quiet)
+    sess, quiet = profiled(Profiler(enabled=True, sample_memory=False))
+    gid = sess.compile(chain, x)
     sess.run(gid, x)
     self.assertEqual({p.live_bytes for p in quiet.partitions()}, {None})
 
@@ -206,10 +191,9 @@ class RecordsTest(absltest.TestCase):
 
     def failing(w, x):
       return w + _cb(boom, x), jnp.sum(x)
-    sess, prof = js.Session(), Profiler(enabled=True)
+    sess, prof = profiled()
     w, x = _f32(4), _f32(4)
     gid = sess.compile(failing, w, x, state_argnums=0)
-    enable(sess, gid, prof)
     before = sess.get_state(gid)
     with self.assertRaises(HostOpError):
       sess.run(gid, x)
@@ -217,10 +201,9 @@ class RecordsTest(absltest.TestCase):
     self.assertLen(prof.runs(), 1)
 
   def test_reset_and_disabled(self):
-    sess, prof = js.Session(), Profiler(enabled=True)
+    sess, prof = profiled()
     x = _f32(8)
     gid = sess.compile(single, x)
-    enable(sess, gid, prof)
     sess.run(gid, x)
     prof.reset()
     self.assertEqual((prof.runs(), prof.partitions(), prof.compiles()), ([], [], []))
@@ -246,42 +229,34 @@ class HooksTest(absltest.TestCase):
         "plan stateful": sess.compile(stateful_chain, w, x, state_argnums=0),
     }
 
-  def test_profile_none_keeps_the_plain_call(self):
-    sess = js.Session()
-    for what, gid in self.graphs(sess).items():
-      runner = sess._graphs[gid].runner  # pylint: disable=protected-access
-      before, own = runner.call, "call" in vars(runner)
-      plan = getattr(runner, "plan", None)
-      runner.profile = None  # nothing to do: nothing changes
-      self.assertEqual(runner.call, before, what)
-      self.assertNotIn("_plain", vars(runner), what)
-      runner.profile = Profiler(enabled=True).graph_hooks(gid, what, sess.graph(gid))
-      self.assertNotEqual(runner.call, before, what)
-      runner.profile = None  # back to the very same call and plan
-      self.assertEqual(runner.call, before, what)
-      self.assertEqual("call" in vars(runner), own, what)
-      if own:
-        self.assertIs(runner.call, before, what)
-      self.assertIs(getattr(runner, "plan", None), plan, what)
-      if hasattr(runner, "run_exe"):
-        self.assertIs(runner.run_exe, runner.exe, what)
+  def test_profiling_wraps_the_ops_not_the_executables(self):
+    """Profiling wraps each op's function at build: the graphs compile to the
+    same executables, profiled or not, and only the profiled ones record."""
+    plain, (profiled_sess, prof) = js.Session(), profiled()
+    w, x = _f32(8), _f32(8)
+    plain_ids, prof_ids = self.graphs(plain, w, x), self.graphs(profiled_sess, w, x)
+    for what, gid in plain_ids.items():
+      self.assertEqual([_hlo(e) for e in plain.executables(gid)],
+                       [_hlo(e) for e in profiled_sess.executables(prof_ids[what])], what)
+      self.assertNotEmpty(plain.executables(gid), what)
+      plain.run(gid, x)
+      profiled_sess.run(prof_ids[what], x)
+    self.assertEmpty(plain.profiler.runs())
+    self.assertLen(prof.runs(), len(prof_ids))
 
   def test_results_equal_unprofiled_and_jit(self):
     fns = {"single bare": single, "single slotwise": stateful_step,
            "single general": stateful_step, "plan stateless": chain,
            "plan stateful": stateful_chain}
-    plain, profiled = js.Session(), js.Session()
+    plain, (profiled_sess, prof) = js.Session(), profiled()
     w, x = _f32(8), _f32(8)
-    plain_ids, prof_ids = self.graphs(plain, w, x), self.graphs(profiled, w, x)
-    prof = Profiler(enabled=True)
-    for gid in prof_ids.values():
-      enable(profiled, gid, prof)
+    plain_ids, prof_ids = self.graphs(plain, w, x), self.graphs(profiled_sess, w, x)
     for what, fn in fns.items():
       state = plain.get_state(plain_ids[what])
       for step in range(3):
         x = _f32(8)
         want = plain.run(plain_ids[what], x)
-        got = profiled.run(prof_ids[what], x)
+        got = profiled_sess.run(prof_ids[what], x)
         assert_same_bits(got, want, f"{what} step {step}")
         if not state:
           assert_same_bits(got, jax.jit(fn)(x), f"{what} vs jit")
@@ -291,7 +266,7 @@ class HooksTest(absltest.TestCase):
           state = (jit_out[0],)
           jit_out = jit_out[1]
         assert_same_bits(got, jit_out, f"{what} vs jit, step {step}")
-      assert_same_bits(profiled.get_state(prof_ids[what]), plain.get_state(plain_ids[what]),
+      assert_same_bits(profiled_sess.get_state(prof_ids[what]), plain.get_state(plain_ids[what]),
                        f"{what} state")
     self.assertLen(prof.runs(), 3 * len(fns))
 
@@ -307,14 +282,12 @@ class HooksTest(absltest.TestCase):
       def __init__(self, name, **kwargs):
         names.append(name)
         super().__init__(name, **kwargs)
-    sess, prof = js.Session(), Profiler(enabled=True)
+    sess, prof = profiled()
     x = _f32(8)
     chain_id, single_id = sess.compile(chain, x), sess.compile(single, x)
     jax.profiler.TraceAnnotation = Recording
     profiler_lib.trace_active = lambda: tracing[0]
     try:
-      enable(sess, chain_id, prof)
-      enable(sess, single_id, prof)
       sess.run(chain_id, x)
       sess.run(single_id, x)
       count = len(sess.graph(chain_id).partitions)
@@ -331,12 +304,10 @@ class HooksTest(absltest.TestCase):
       profiler_lib.trace_active = real_active
 
   def test_jax_profiler_shows_the_partitions(self):
-    sess, prof = js.Session(), Profiler(enabled=True)
+    sess, prof = profiled()
     x = _f32(8)
     gid = sess.compile(chain, x)
     single_id = sess.compile(single, x)
-    enable(sess, gid, prof)
-    enable(sess, single_id, prof)
     folder = tempfile.mkdtemp()
     with jax.profiler.trace(folder):
       sess.run(gid, x)
@@ -355,12 +326,11 @@ class HooksTest(absltest.TestCase):
 class PresentationTest(absltest.TestCase):
 
   def profiled(self, runs=4):
-    sess, prof = js.Session(), Profiler(enabled=True)
+    sess, prof = profiled()
     x = _f32(16)
     gid = sess.compile(chain, x)
     report = sess.report(gid)
     prof.record_compile(gid, "chain", report.passes, 0.002, report.compile_seconds)
-    enable(sess, gid, prof)
     for _ in range(runs):
       sess.run(gid, x)
     return sess, gid, prof
@@ -458,7 +428,7 @@ class SessionWiringTest(absltest.TestCase):
     sess = js.Session()
     gid = sess.compile(chain, _f32(8))
     sess.run(gid, _f32(8))
-    self.assertIsNone(sess._graphs[gid].runner.profile)  # pylint: disable=protected-access
+    self.assertEmpty(sess.profiler.partitions())
     self.assertEmpty(sess.profiler.runs())
     self.assertEmpty(sess.profiler.compiles())
 

@@ -25,8 +25,7 @@ s0 = {"a": rng.standard_normal((4, 8)).astype(np.float32),
 sess = js.Session(js.SessionOptions(mesh=mesh))
 gid = sess.compile(swap, s0, x, state_argnums=0, state_specs=({"a": P("data", "model"), "b": P("model")},))
 sess.run(gid, np.stack([x, x]), steps=2)
-slots = sess._graphs[gid].slots[0]
-out["sunk_layout"] = [str(l.sharding.spec) for l in slots.leaves]
+out["sunk_layout"] = [str(l.sharding.spec) for l in jax.tree.leaves(sess.get_state(gid)[0])]
 out["run_after_sunk"] = err(lambda: float(sess.run(gid, x)))
 
 # an empty state leaf under a spec that would split it

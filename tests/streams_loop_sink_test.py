@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
-from jaxsession.runtime import loop_sink
 
 from exact import assert_same_bits
 from host_ops import _cb, _f32, _host_affine
@@ -112,7 +111,7 @@ class LoopSinkHostTest(absltest.TestCase):
     self.assertGreater(len(self.sess.report(self.gid).partitions), 1)
     flags = jnp.zeros(4, jnp.int32)
     outs = self.sess.run(self.gid, self.xs, flags, steps=4)
-    self.assertIsInstance(self.sess._graphs[self.gid].sunk[4], loop_sink.SteppedRunner)
+    self.assertEqual(self.sess.report(self.gid).loop_sink, {4: "the plan, once per step"})
     want_outs, want_state = _single_runs(self.xs, flags, self.w, self.v)
     assert_same_bits(outs, want_outs, "sunk outputs")
     assert_same_bits(self.sess.get_state(self.gid), want_state, "sunk state")
@@ -154,7 +153,7 @@ class LoopSinkHostTest(absltest.TestCase):
                        state_argnums=(0, 1))
     self.assertLen(sess.report(gid).partitions, 1)
     sess.run(gid, self.xs, jnp.zeros(4, jnp.int32), steps=4)
-    self.assertIsInstance(sess._graphs[gid].sunk[4], loop_sink.SunkRunner)
+    self.assertEqual(sess.report(gid).loop_sink, {4: "one executable (lax.scan)"})
     before = sess.get_state(gid)
     with self.assertRaises(js.HostOpError) as caught:
       sess.run(gid, self.xs, jnp.asarray([0, 0, 1, 0], jnp.int32), steps=4)
@@ -172,7 +171,7 @@ class LoopSinkHostTest(absltest.TestCase):
     self.assertLen(sess.report(gid).partitions, 1)
     self.assertEqual(sess.report(gid).partitions[0].place, "device")
     outs = sess.run(gid, xs, steps=3)
-    self.assertIsInstance(sess._graphs[gid].sunk[3], loop_sink.SunkRunner)
+    self.assertEqual(sess.report(gid).loop_sink[3], "one executable (lax.scan)")
     jit_step, want_w, want = jax.jit(step), w, []
     for t in range(3):
       want_w, out = jit_step(want_w, xs[t])

@@ -1,0 +1,154 @@
+"""A Ctrl-C during run never loses the state (runtime/interrupts.py).
+
+Each child process trains one graph kind in a loop and sends itself SIGINT
+from a timer thread at a random instant; after each KeyboardInterrupt the
+state must be readable and equal, bit for bit, to the state jax.jit computes
+either before or after the run that was interrupted."""
+from absl.testing import absltest
+
+from subproc import run_json
+
+# Trials per graph kind: 6 kinds, 40 each, 240 in all.
+TRIALS = 40
+
+CHILD = r"""
+import os, random, signal, sys, threading
+import jax, jax.numpy as jnp, numpy as np
+import jaxsession as js
+
+KIND, TRIALS = sys.argv[1], int(sys.argv[2])
+rng = np.random.default_rng(7)
+W = jnp.asarray(rng.standard_normal((48, 48)) * 0.1, jnp.float32)
+
+
+def body(s, x):
+  h = jnp.tanh(s["w"] @ W + x)
+  return {"w": s["w"] * 0.5 + h * 0.25, "n": s["n"] + 1}, jnp.sum(h)
+
+
+def host_body(s, x):
+  y = jax.pure_callback(lambda a: np.tanh(np.asarray(a)).astype(np.float32),
+                        jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+  return body(s, y)
+
+
+def rows(s, x):  # bucketed: row-wise outputs; the new state reads no row
+  h = jnp.tanh(x @ W + s["w"])
+  return {"w": s["w"] * 0.5 + jnp.tanh(s["w"] @ W) * 0.25, "n": s["n"] + 1}, h
+
+state = {"w": jnp.asarray(rng.standard_normal((48, 48)), jnp.float32), "n": jnp.int32(0)}
+x = jnp.asarray(rng.standard_normal((48, 48)), jnp.float32)
+steps, fn, args = None, body, (x,)
+options = None
+if KIND == "mesh":
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  options = js.SessionOptions(mesh=mesh)
+sess = js.Session(options)
+if KIND == "host":
+  fn = host_body
+if KIND == "bucketed":
+  state = {"w": jnp.asarray(rng.standard_normal((48,)), jnp.float32), "n": jnp.int32(0)}
+  x = jnp.asarray(rng.standard_normal((5, 48)), jnp.float32)
+  fn, args = rows, (x,)
+  gid = sess.compile(rows, state, jnp.zeros((8, 48), jnp.float32) + x[0], state_argnums=0,
+                     buckets={1: [8]})
+else:
+  gid = sess.compile(fn, state, x, state_argnums=0)
+if KIND == "host":
+  assert len(sess.report(gid).partitions) > 1, sess.report(gid).partitions
+if KIND in ("sunk", "stepped"):
+  steps = 3
+  args = (jnp.stack([x, x * 0.5, x * 0.25]),)
+if KIND == "stepped":
+  fn = host_body
+  gid = sess.compile(fn, state, x, state_argnums=0)
+donated = sum(d.donated for d in sess.report(gid).donations)
+
+jitted = jax.jit(fn)
+
+
+def advance(s):
+  if steps is None:
+    return jitted(s, *args)[0]
+  for t in range(steps):
+    s = jitted(s, args[0][t])[0]
+  return s
+
+
+def same(a, b):
+  return all(np.array_equal(np.asarray(p), np.asarray(q)) for p, q in
+             zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+sess.run(gid, *args, steps=steps)  # compiled and warm before the trials
+start, = sess.get_state(gid)
+import time
+t0 = time.perf_counter()
+for _ in range(20):
+  sess.run(gid, *args, steps=steps)
+per_run = (time.perf_counter() - t0) / 20
+sess.set_state(gid, start)
+
+pid = os.getpid()
+interrupted, bad, counts = 0, [], []
+for trial in range(TRIALS):
+  before, = sess.get_state(gid)
+  delay = random.Random(trial).uniform(0, 4 * per_run)
+  k = 0
+  timer = threading.Timer(delay, os.kill, (pid, signal.SIGINT))
+  try:
+    timer.start()
+    while True:
+      sess.run(gid, *args, steps=steps)
+      k += 1
+  except KeyboardInterrupt:
+    interrupted += 1
+  timer.join()
+  try:
+    got, = sess.get_state(gid)
+  except Exception as exc:
+    bad.append(f"trial {trial}: get_state raised {type(exc).__name__}: {exc}")
+    break
+  want = before
+  for _ in range(k):
+    want = advance(want)
+  if not (same(got, want) or same(got, advance(want))):
+    bad.append(f"trial {trial}: the state is neither before nor after run {k}")
+  counts.append(k)
+  sess.set_state(gid, start)
+import json
+print(json.dumps({"interrupted": interrupted, "bad": bad, "donated": donated,
+                  "runs": counts}))
+"""
+
+
+class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s here
+  """Six graph kinds; in each the state is donated to the executable (else
+  an interrupt could not lose it in the first place)."""
+
+  def check(self, kind, devices=1):
+    out = run_json(CHILD, devices=devices, args=(kind, str(TRIALS)), timeout=300)
+    self.assertEqual(out["bad"], [])
+    self.assertEqual(out["interrupted"], TRIALS)
+    self.assertGreater(out["donated"], 0)
+
+  def test_single_partition(self):
+    self.check("single")
+
+  def test_sunk_steps(self):
+    self.check("sunk")
+
+  def test_plan_with_host_callback(self):
+    self.check("host")
+
+  def test_stepped_plan(self):
+    self.check("stepped")
+
+  def test_bucketed(self):
+    self.check("bucketed")
+
+  def test_mesh_of_two_devices(self):
+    self.check("mesh", devices=2)
+
+
+if __name__ == "__main__":
+  absltest.main()
