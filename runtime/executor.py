@@ -231,19 +231,11 @@ def plan_program(graph, program, spec, rest_tree, layout):
   plain_outputs = not (program.copy_at or program.host_outputs or literal_outputs)
   keep = [(i, layout.state_shardings[i]) for i in layout.updated_idx
           if layout.state_shardings[i] is not None]
-  base = program.num_state
+  base, user_checked = program.num_state, program.user_checked
   updated, k, single_output = layout.updated_idx, layout.num_outputs, rest_tree == leaf
 
   def user_leaves(args):
-    if all_bare and len(args) == len(bare):
-      for arg in args:  # the usual call: array arguments, nothing to flatten
-        if not isinstance(arg, jax.Array):
-          break
-      else:
-        leaves = list(args)
-        for reg, i, j in program.user_checked:
-          leaves[reg - base] = spec.conform_leaf(i, j, leaves[reg - base])
-        return leaves
+    """The flat user leaves, the pytree structure checked."""
     spec.check_arity(args)
     leaves = []
     for arg, treedef in zip(args, treedefs):
@@ -251,7 +243,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
       if got != treedef:
         spec.conform(args)  # raises InputError naming the argument
       leaves.extend(flat)
-    for reg, i, j in program.user_checked:
+    for reg, i, j in user_checked:
       leaves[reg - base] = spec.conform_leaf(i, j, leaves[reg - base])
     return leaves
 
@@ -291,10 +283,21 @@ def plan_program(graph, program, spec, rest_tree, layout):
     return outs if post is None else post(outs)
 
   def run(state, args):
-    outs = checked_plan((state,), (user_leaves(args),))
+    if all_bare and len(args) == len(bare):
+      for arg in args:  # the usual call: array arguments, nothing to flatten
+        if not isinstance(arg, jax.Array):
+          leaves = user_leaves(args)
+          break
+      else:
+        leaves = list(args)
+        for reg, i, j in user_checked:
+          leaves[reg - base] = spec.conform_leaf(i, j, leaves[reg - base])
+    else:
+      leaves = user_leaves(args)
+    outs = checked_plan((state,), (leaves,))
     if post is not None:
       outs = post(outs)
-    new = tuple(map(outs.__getitem__, updated))
+    new = tuple(map(outs.__getitem__, updated)) if updated else ()
     return new, outs[-1] if single_output else tree_util.tree_unflatten(rest_tree, outs[k:])
   program.run, program.run_flat = run, run_flat
   return program
