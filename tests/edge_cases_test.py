@@ -334,6 +334,35 @@ class DebugNansTest(absltest.TestCase):
     finally:
       jax.config.update("jax_debug_nans", False)
 
+  def test_switched_on_after_compile_keeps_the_state(self):
+    """Compiled without the flag, the executables donate the state; switched
+    on afterwards, a nan is still a FloatingPointError and nothing is lost."""
+    def step(w, x):
+      return w * 2.0 + jnp.log(x), jnp.sum(w)
+
+    def plan(w, x):
+      y = jax.pure_callback(lambda a: np.asarray(a) * np.float32(2),
+                            jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return w * 2.0 + jnp.log(y), jnp.sum(w)
+    rng = np.random.default_rng(12)
+    w = jnp.asarray(rng.uniform(1, 2, 5), jnp.float32)
+    good = jnp.asarray(rng.uniform(1, 2, 5), jnp.float32)
+    bad = -good
+    for fn in (step, plan):
+      for steps in (None, 3):
+        sess = js.Session()
+        gid = sess.compile(fn, w, good, state_argnums=0)
+        args = (bad,) if steps is None else (jnp.stack([good, bad, good]),)
+        jax.config.update("jax_debug_nans", True)
+        try:
+          with self.assertRaises(FloatingPointError):
+            sess.run(gid, *args, steps=steps)
+        finally:
+          jax.config.update("jax_debug_nans", False)
+        np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+        np.testing.assert_array_equal(sess.run(gid, good), jax.jit(fn)(w, good)[1])
+        np.testing.assert_array_equal(sess.get_state(gid)[0], jax.jit(fn)(w, good)[0])
+
 
 if __name__ == "__main__":
   absltest.main()
