@@ -7,6 +7,7 @@ one device partition is a PartitionError naming each host node and its rule.
 Needs place_nodes, the final node order and insert_transfers before it.
 """
 from jaxsession.errors import PartitionError
+from jaxsession.op_properties import is_transfer
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.placement import placement_reason
 from jaxsession.runtime import partition
@@ -20,7 +21,7 @@ class PartitionNodes(Pass):
     parts = partition.partition_graph(graph)
     device = [p for p in parts if p.place == "device"]
     if len(device) > 1 and getattr(ctx.options, "partition_or_error", False):
-      host = [n for n in graph.nodes if n.place == "host" and n.op != "transfer_d2h"]
+      host = [n for n in graph.nodes if n.place == "host" and not is_transfer(n.op, "d2h")]
       raise PartitionError(
           f"graph {graph.name} needs {len(device)} device partitions "
           f"(partition_or_error is set); {len(host)} node(s) run on the host:\n"

@@ -18,10 +18,9 @@ from jaxsession import liveness
 from jaxsession.errors import HostOpError
 from jaxsession.ir import Literal, aval_str
 from jaxsession.lowering import kernel_fn, lower_nodes
+from jaxsession.op_properties import is_transfer
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.compile_cache import executable_key
-
-TRANSFER_OPS = ("transfer_d2h", "transfer_h2d")
 
 try:  # what an executable's output check raises under jax_debug_nans/infs
   from jax._src.api_util import InternalFloatingPointError as SPECIAL_VALUE
@@ -277,13 +276,13 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
                     prefetch=tuple(reg_of(v) for v in part.prefetch), partition=part.index))
       continue
     for node in part.nodes:
-      if node.op == "transfer_d2h" and platform == "cpu":
+      if is_transfer(node.op, "d2h") and platform == "cpu":
         regs[node.outputs[0].id] = reg_of(node.inputs[0])  # the same buffer: no op
         continue
       ins = tuple(reg_of(v) for v in node.inputs)
       fn, error = host_op(node)
       ops.append(Op(fn, ins, tuple(reg_of(v) for v in node.outputs), partition=part.index,
-                    error=error, transfer=node.id if node.op in TRANSFER_OPS else None))
+                    error=error, transfer=node.id if is_transfer(node.op) else None))
   outputs = [reg_of(v) for v in graph.outputs]
   _set_frees(ops, outputs)
   copy_at, seen = set(), set()
@@ -295,7 +294,7 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
     seen.add(value.id)
   host_outputs = {i for i, v in enumerate(graph.outputs)
                   if not isinstance(v, Literal) and v.producer is not None
-                  and v.producer.place == "host" and v.producer.op != "transfer_h2d"}
+                  and v.producer.place == "host" and not is_transfer(v.producer.op, "h2d")}
   # The first op, an executable, checks the user leaves it reads before it
   # runs or consumes anything (a refusal reruns the plan on conformed
   # leaves: executor.plan_program); every other leaf an op reads, or that is

@@ -8,6 +8,8 @@ import dataclasses
 from typing import List, Optional
 
 from jaxsession.ir import Literal
+from jaxsession.liveness import partition_index
+from jaxsession.op_properties import is_transfer
 
 
 @dataclasses.dataclass
@@ -53,7 +55,7 @@ def propose_partitions(graph):
 def reason_for(part, previous):
   """Why `part` starts where it does: the node that opens it (the first that
   is not a transfer), its op, source line and the placement rule."""
-  node = next((n for n in part.nodes if n.op not in ("transfer_d2h", "transfer_h2d")),
+  node = next((n for n in part.nodes if not is_transfer(n.op)),
               part.nodes[0])
   where = f" at {node.source}" if node.source else ""
   if previous is None:
@@ -67,7 +69,7 @@ def reason_for(part, previous):
 def compute_boundaries(graph, partitions):
   """Fills each partition's inputs (defined outside it) and outputs (read by a
   later partition or by the graph's outputs), in a deterministic order."""
-  part_of = {node.id: part.index for part in partitions for node in part.nodes}
+  part_of = partition_index(partitions)
   graph_outs = {v.id for v in graph.outputs if not isinstance(v, Literal)}
   for part in partitions:
     seen = set()

@@ -38,9 +38,9 @@ from typing import NamedTuple, Optional
 
 import jax
 
+from jaxsession import op_properties
 from jaxsession.ir import aval_bytes
 from jaxsession.runtime import memory
-from jaxsession.runtime.build import TRANSFER_OPS
 
 now = time.perf_counter_ns
 QUEUE_NAMES = {0: "device queue", 1: "host queue"}  # runtime/streams.py's queues
@@ -116,8 +116,8 @@ def describe_graph(graph):
   for part in graph.partitions:
     moves = []
     for node in part.nodes:
-      if node.op in TRANSFER_OPS:
-        moves.append(TransferInfo(count, node.op[-3:], aval_bytes(node.inputs[0].aval),
+      if op_properties.is_transfer(node.op):
+        moves.append(TransferInfo(count, op_properties.facts(node.op).transfer, aval_bytes(node.inputs[0].aval),
                                   repr(node.inputs[0]), node.params["caused_by"], node.id))
         count += 1
     stream = 0 if part.stream is None else part.stream
@@ -139,7 +139,7 @@ class GraphHooks:
     self.info = GraphInfo(name, describe_graph(graph), set())
     self.transfer_index = {m.node: m.index for p in self.info.partitions.values()
                            for m in p.transfers}
-    planned = (planned_live_bytes(graph, profiler.platform) if profiler.planned_memory
+    planned = (memory.bytes_live_after(graph, profiler.platform) if profiler.planned_memory
                else None)
     self.live = lambda k: planned[k] if planned and k < len(planned) else None
     self._open = [None, None]  # the running partition: its start, its annotation
@@ -275,20 +275,6 @@ def _allocator_bytes_fn(platform):
     memory_stats = device.memory_stats
     return lambda: memory_stats()["bytes_in_use"]
   return None
-
-
-def planned_live_bytes(graph, platform):
-  """Per partition: the device bytes the memory plan holds after it (values
-  made by it or before and read after it, graph inputs and outputs), which
-  the executor holds exactly - computed once, read at no cost per run."""
-  plan = graph.memory
-  if plan is None or not graph.partitions:
-    return []
-  sizes = {v.id: aval_bytes(v.aval) for v in graph.values()
-           if memory.device_resident(v, platform)}
-  return [sum(size for vid, size in sizes.items()
-              if plan.live_ranges[vid][0] <= part.index < plan.live_ranges[vid][1])
-          for part in graph.partitions]
 
 
 class Profiler:

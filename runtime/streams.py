@@ -12,6 +12,8 @@ executable fewer). A device->host transfer is issued right after the
 executable that makes its value (`copy_to_host_async`), so the copy runs while
 other work does; it is async when something runs between the two.
 """
+from jaxsession.liveness import partition_index
+from jaxsession.op_properties import is_transfer
 from jaxsession.runtime import partition as partitioning
 
 DEVICE_QUEUE = 0
@@ -20,7 +22,7 @@ HOST_QUEUE = 1
 
 def _producers(partitions):
   """partition index -> indices of the partitions it reads from."""
-  part_of = {n.id: p.index for p in partitions for n in p.nodes}
+  part_of = partition_index(partitions)
   deps = {}
   for part in partitions:
     deps[part.index] = {part_of[v.producer.id] for v in part.inputs
@@ -83,7 +85,7 @@ def assign_streams(graph, partitions, platform="cpu"):
   graph.partitions = partitions
   graph.nodes = [n for p in partitions for n in p.nodes]
   ancestors = _ancestors(partitions)
-  part_of = {n.id: p.index for p in partitions for n in p.nodes}
+  part_of = partition_index(partitions)
   changed = any(a is not b for a, b in zip(before, graph.nodes))
   for part in partitions:
     part.stream = HOST_QUEUE if part.place == "host" else DEVICE_QUEUE
@@ -100,7 +102,7 @@ def assign_streams(graph, partitions, platform="cpu"):
       node.stream = part.stream
   for part in partitions:
     for node in part.nodes:
-      if node.op != "transfer_d2h":
+      if not is_transfer(node.op, "d2h"):
         continue
       value = node.inputs[0]
       made_in = part_of.get(value.producer.id) if value.producer is not None else None

@@ -378,7 +378,11 @@ def _every_node_has_a_place(graph):
   return None
 
 
-_TRANSFER_PLACES = {"transfer_d2h": "host", "transfer_h2d": "device"}  # where its result lives
+def _transfer(op):
+  """A transfer op's direction ("d2h"/"h2d") from the op table, else None
+  (imported here: the op table reads the IR)."""
+  from jaxsession.op_properties import facts  # pylint: disable=import-outside-toplevel
+  return facts(op).transfer
 
 
 def _home(value):
@@ -386,7 +390,8 @@ def _home(value):
   it copies to); graph inputs and state on the device; constants anywhere."""
   if value.producer is None:
     return None if value.kind == "const" else "device"
-  return _TRANSFER_PLACES.get(value.producer.op, value.producer.place)
+  kind = _transfer(value.producer.op)
+  return value.producer.place if kind is None else "host" if kind == "d2h" else "device"
 
 
 def _transfers_at_every_edge(graph):
@@ -395,8 +400,8 @@ def _transfers_at_every_edge(graph):
       if isinstance(value, Literal):
         continue
       home = _home(value)
-      want = node.place if node.op not in _TRANSFER_PLACES else (
-          "device" if node.op == "transfer_d2h" else "host")
+      kind = _transfer(node.op)  # a transfer reads from the side it copies from
+      want = node.place if kind is None else "device" if kind == "d2h" else "host"
       if home is not None and home != want:
         return (f"{_node_text(node)} on the {node.place} reads {value}, which lives on the "
                 f"{home}, without a transfer")

@@ -4,6 +4,7 @@ import dataclasses
 from typing import List, NamedTuple
 
 from jaxsession.ir import aval_bytes, aval_str
+from jaxsession.op_properties import is_transfer
 
 
 class PartitionInfo(NamedTuple):
@@ -28,7 +29,7 @@ class Transfer(NamedTuple):
 def list_transfers(graph):
   rows = []
   for node in graph.nodes:
-    if node.op in ("transfer_d2h", "transfer_h2d"):
+    if is_transfer(node.op):
       value = node.inputs[0]
       rows.append(Transfer(node.op[-3:], aval_bytes(value.aval), repr(value),
                            node.params["caused_by"], node.params.get("sync", True)))
