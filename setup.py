@@ -7,6 +7,8 @@ from setuptools import setup
 
 PACKAGES = {
     "jaxsession": "session",
+    "jaxsession.graph": "session/graph",  # the IR, import, lowering, op table, liveness
+    "jaxsession.cli": "session/cli",      # the command line and its demo models
     "jaxsession.optimizer_passes": "optimizer_passes",
     "jaxsession.kernels": "kernels",
     "jaxsession.runtime": "runtime",

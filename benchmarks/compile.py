@@ -48,7 +48,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import common  # noqa: E402
 import jaxsession as js  # noqa: E402
-from jaxsession.importer import import_jaxpr  # noqa: E402
+from jaxsession.graph.importer import import_jaxpr  # noqa: E402
 from passes import generated_program  # noqa: E402
 
 # (passes.py, imported for its program generator, defines --sizes and --repeats,

@@ -13,7 +13,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import common  # noqa: E402  (benchmarks/common.py)
 
 import jaxsession as js  # noqa: E402
-from jaxsession import demo_models  # noqa: E402
+from jaxsession.cli import demo_models  # noqa: E402
 from jaxsession.examples import transformer_decode as td  # noqa: E402
 
 flags.DEFINE_integer("tokens", 32, "tokens per decode (the cache holds 32)")

@@ -25,7 +25,7 @@ import common  # noqa: E402
 import jaxsession as js  # noqa: E402
 from jaxsession import pipeline  # noqa: E402
 from jaxsession.examples import mlp_adam, transformer_decode  # noqa: E402
-from jaxsession.importer import import_jaxpr  # noqa: E402
+from jaxsession.graph.importer import import_jaxpr  # noqa: E402
 from jaxsession.optimizer_passes import PassContext  # noqa: E402
 
 flags.DEFINE_integer("repeats", 5, "repeats per measurement; medians are reported")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from jaxsession import op_properties
+from jaxsession.graph import op_properties
 from jaxsession.kernels.registry import register_kernel
 
 

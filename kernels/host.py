@@ -5,7 +5,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from jaxsession import op_properties
+from jaxsession.graph import op_properties
 from jaxsession.kernels.registry import register_kernel
 
 

@@ -11,7 +11,7 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
-from jaxsession import op_properties
+from jaxsession.graph import op_properties
 from jaxsession.errors import KernelSelectError
 
 BACKENDS = ("xla", "host", "pallas")

@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, List
 
 from jaxsession.errors import PassError, SessionError
+from jaxsession.options import SessionOptions
 
 
 @dataclasses.dataclass
@@ -45,7 +46,7 @@ class PassRecord(tuple):
 class PassContext:
   """What passes may read besides the graph, and where the records go."""
   platform: str = "cpu"
-  options: Any = None
+  options: SessionOptions = dataclasses.field(default_factory=SessionOptions)  # their defaults
   verify: bool = True
   records: List[PassRecord] = dataclasses.field(default_factory=list)
   # instruments: fn(stage, pass_name, graph, record) called after each pass

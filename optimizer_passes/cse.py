@@ -7,7 +7,7 @@ for XLA, which folds them as it does under jax.jit.
 Run after DCE (fewer nodes to hash); DCE again afterwards is not needed since
 the merged node's outputs are redirected, not left dead.
 """
-from jaxsession.ir import Literal, param_key
+from jaxsession.graph.ir import Literal, param_key
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
 

@@ -13,7 +13,7 @@ read. The inputs it no longer reads are released, so their producers die in
 the same sweep. Const inputs that nothing reads are dropped too. Needs
 nothing before it.
 """
-from jaxsession import op_properties
+from jaxsession.graph import op_properties
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
 

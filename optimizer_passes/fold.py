@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsession import op_properties
-from jaxsession.ir import Literal, Value, aval_bytes, param_key
-from jaxsession.lowering import kernel_fn
+from jaxsession.graph import op_properties
+from jaxsession.graph.ir import Literal, Value, aval_bytes, param_key
+from jaxsession.graph.lowering import kernel_fn
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
 
@@ -51,9 +51,6 @@ def numpy_fold(node, arrays):
   if facts.fold == "ieee" and np.isnan(np.asarray(out, np.float64)).any():
     return None
   return out
-
-
-DEFAULT_LIMIT_BYTES = 1 << 16
 
 
 def evaluate(node, args, platform=None):
@@ -105,7 +102,7 @@ class FoldConstants(Pass):
   name = "fold_constants"
 
   def run(self, graph, ctx):
-    limit = getattr(ctx.options, "fold_limit_bytes", DEFAULT_LIMIT_BYTES)
+    limit = ctx.options.fold_limit_bytes
     known = {v.id: graph.const_values[v.id] for v in graph.inputs_of_kind("const")}
     from_const = set(known)  # values an executable receives as arguments
     pending = {}  # literal-only array values kept as nodes: id -> node, evaluated on demand

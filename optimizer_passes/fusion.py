@@ -15,8 +15,8 @@ c*d + a*b round differently. A form the kernel cannot repeat is not fused.
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsession import op_properties
-from jaxsession.ir import Literal
+from jaxsession.graph import op_properties
+from jaxsession.graph.ir import Literal
 from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule
 
 x = Pat.var("x")

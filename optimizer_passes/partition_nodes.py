@@ -7,7 +7,7 @@ one device partition is a PartitionError naming each host node and its rule.
 Needs place_nodes, the final node order and insert_transfers before it.
 """
 from jaxsession.errors import PartitionError
-from jaxsession.op_properties import is_transfer
+from jaxsession.graph.op_properties import is_transfer
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.placement import placement_reason
 from jaxsession.runtime import partition
@@ -20,7 +20,7 @@ class PartitionNodes(Pass):
   def run(self, graph, ctx):
     parts = partition.partition_graph(graph)
     device = [p for p in parts if p.place == "device"]
-    if len(device) > 1 and getattr(ctx.options, "partition_or_error", False):
+    if len(device) > 1 and ctx.options.partition_or_error:
       host = [n for n in graph.nodes if n.place == "host" and not is_transfer(n.op, "d2h")]
       raise PartitionError(
           f"graph {graph.name} needs {len(device)} device partitions "

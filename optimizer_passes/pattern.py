@@ -19,8 +19,8 @@ import jax
 from jax.core import ShapedArray
 import numpy as np
 
-from jaxsession import op_properties
-from jaxsession.ir import Literal, Value
+from jaxsession.graph import op_properties
+from jaxsession.graph.ir import Literal, Value
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
 

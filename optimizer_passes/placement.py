@@ -18,7 +18,7 @@ exists for it); a node made since (by a HardwareOptimize rewrite: fuse_bn_relu,
 plan_allreduce, a user pass) gets its kernel here, by SelectKernel's own rule.
 """
 from jaxsession.errors import PartitionError
-from jaxsession.ir import Literal
+from jaxsession.graph.ir import Literal
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.select_kernels import choose_kernels
@@ -32,7 +32,7 @@ def _host_kernel(node):
 
 
 def _callback(node, ctx):
-  if node.op != "pure_callback" or not getattr(ctx.options, "host_callbacks", True):
+  if node.op != "pure_callback" or not ctx.options.host_callbacks:
     return None
   return _host_kernel(node)
 
@@ -98,14 +98,14 @@ class PlaceNodes(Pass):
         if kernel is not None:
           decided[id(node)] = (node, kernel, reason)
           break
-    mesh = getattr(ctx.options, "mesh", None)
+    mesh = ctx.options.mesh
     if mesh is None:  # under a mesh small integers stay in the one SPMD executable
       for node, kernel in small_integer_nodes(graph, decided):
         decided[id(node)] = (node, kernel, SMALL_INTEGER_REASON)
     if mesh is not None:
       _refuse_host_work_under_mesh(graph, decided, mesh,
-                                   getattr(ctx.options, "host_callbacks", True))
-    if decided and getattr(ctx.options, "place_all_on_device", False):
+                                   ctx.options.host_callbacks)
+    if decided and ctx.options.place_all_on_device:
       raise PartitionError(
           f"graph {graph.name}: place_all_on_device is set but {len(decided)} node(s) "
           "would run on the host:\n" + "\n".join(

@@ -14,5 +14,5 @@ class PlanMemory(Pass):
 
   def run(self, graph, ctx):
     graph.memory = memory.plan_memory(graph, graph.partitions,
-                                      getattr(ctx.options, "donate_state", True), ctx.platform)
+                                      ctx.options.donate_state, ctx.platform)
     return PassResult(False)

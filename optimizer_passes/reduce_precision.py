@@ -8,8 +8,8 @@ op table's `range_preserving` fact (a fused op declares it with register_op).
 from jax import lax
 import numpy as np
 
-from jaxsession import op_properties
-from jaxsession.ir import Literal, Node, Value
+from jaxsession.graph import op_properties
+from jaxsession.graph.ir import Literal, Node, Value
 
 INT32 = np.iinfo(np.int32)
 

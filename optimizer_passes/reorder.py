@@ -27,8 +27,8 @@ Needs place_nodes before it.
 import dataclasses
 import heapq
 
-from jaxsession import liveness
-from jaxsession.ir import Literal, aval_bytes
+from jaxsession.graph import liveness
+from jaxsession.graph.ir import Literal, aval_bytes
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
 PEAK_SLACK = 1.1  # a reorder may raise the planned peak by at most 10%

@@ -14,7 +14,7 @@ engine drops the matched nodes itself when nobody else reads them).
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsession import op_properties
+from jaxsession.graph import op_properties
 from jaxsession.optimizer_passes.pattern import Pat, Rule, RewritePass
 
 x = Pat.var("x")

@@ -17,8 +17,8 @@ host. Each transfer records the node that made it necessary
 
 Needs place_nodes and the final node order before it.
 """
-from jaxsession import op_properties
-from jaxsession.ir import Literal
+from jaxsession.graph import op_properties
+from jaxsession.graph.ir import Literal
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes.base import Pass, PassResult
 

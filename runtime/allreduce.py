@@ -47,9 +47,9 @@ import numpy as np
 from jax.core import ShapedArray
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxsession import op_properties
+from jaxsession.graph import op_properties
 from jaxsession.kernels import fused  # PARTIAL_PRIMITIVES: what a dp_partial may compute
-from jaxsession.ir import Value, aval_bytes
+from jaxsession.graph.ir import Value, aval_bytes
 from jaxsession.runtime.batch_axis import step
 from jaxsession.runtime.batch_rules import Eqn, Fact, FREE, Mixing
 

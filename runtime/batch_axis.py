@@ -26,8 +26,8 @@ that round a row the same at every batch size; XLA on CPU does not by default
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxsession import op_properties
-from jaxsession.importer import INLINE_RULES, source_of
+from jaxsession.graph import op_properties
+from jaxsession.graph.importer import INLINE_RULES, source_of
 from jaxsession.runtime.batch_rules import (  # the facts and the row rules
     Mixing, Fact, FREE, Problem, BatchVerdict, Eqn,
     _shape, constant_along, _one_axis, no_uniform, BatchRule, elementwise,

@@ -14,11 +14,11 @@ from typing import Callable, List, Tuple
 import jax
 import numpy as np
 
-from jaxsession import liveness
+from jaxsession.graph import liveness
 from jaxsession.errors import HostOpError
-from jaxsession.ir import Literal, aval_str
-from jaxsession.lowering import kernel_fn, lower_nodes
-from jaxsession.op_properties import is_transfer
+from jaxsession.graph.ir import Literal, aval_str
+from jaxsession.graph.lowering import kernel_fn, lower_nodes
+from jaxsession.graph.op_properties import is_transfer
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.compile_cache import executable_key
 
@@ -337,7 +337,7 @@ def _mesh_layouts(graph):
 def _set_frees(ops, outputs):
   """Each register is cleared after the last op that reads it, unless it is a
   graph output (the value is then held only as long as something needs it);
-  one made but never read is cleared right away (jaxsession/liveness.py)."""
+  one made but never read is cleared right away (session/graph/liveness.py)."""
   frees = liveness.analyze(((op.ins, op.outs) for op in ops), keep=outputs).frees()
   for op, free in zip(ops, frees):
     op.frees = tuple(free)

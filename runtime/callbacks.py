@@ -13,8 +13,8 @@ import threading
 from jax.extend import core as jcore
 
 from jaxsession.errors import HostOpError
-from jaxsession.ir import Node
-from jaxsession.op_properties import primitive_props
+from jaxsession.graph.ir import Node
+from jaxsession.graph.op_properties import primitive_props
 
 
 def where(node):

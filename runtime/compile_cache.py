@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxsession.ir import Literal, Value, aval_str
+from jaxsession.graph.ir import Literal, Value, aval_str
 
 # SessionOptions fields that never change an executable (dumps, checks,
 # caches, bookkeeping); every other field - including ones added later - is

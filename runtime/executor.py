@@ -20,8 +20,8 @@ import numpy as np
 from jax import tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.ir import Literal
-from jaxsession.lowering import graph_consts, kernel_fn, lower_nodes
+from jaxsession.graph.ir import Literal
+from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes
 from jaxsession.runtime import callbacks, codegen, interrupts, sharding
 from jaxsession.runtime.build import (SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, fast_call, memory_analysis,

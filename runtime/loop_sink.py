@@ -16,7 +16,7 @@ from jax import lax, tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.runtime import callbacks
-from jaxsession.runtime.build import Program, compile_fn
+from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn
 from jaxsession.runtime.executor import arg_structs, executable_program, graph_body
 from jaxsession.runtime.state import owned_copy
 
@@ -118,7 +118,12 @@ def stepped_program(program, layout, spec, rest_tree, steps):
       for k in layout.updated_idx:  # outputs[:num_outputs] are the state's new values
         state[k] = flat[k]
       outs.append(flat[layout.num_outputs:])
-    stacked = stack(outs) if outs[0] else []
+    try:
+      stacked = stack(outs) if outs[0] else []
+    except SPECIAL_VALUE as exc:  # jax_debug_nans/infs on the stacked outputs
+      what = exc.args[1] if len(exc.args) > 1 else "nan"
+      raise FloatingPointError(f"{spec.where}: the outputs of run(steps={steps}) hold a "
+                               f"{what} (jax_debug_{what}s)") from None
     return ([state[k] for k in layout.updated_idx],
             tree_util.tree_unflatten(rest_tree, stacked))
   return Program(program.ops, [], program.num_state, program.num_user, [], frozenset(),

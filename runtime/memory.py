@@ -24,8 +24,8 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from jaxsession import liveness, op_properties
-from jaxsession.ir import Literal, aval_bytes, aval_str
+from jaxsession.graph import liveness, op_properties
+from jaxsession.graph.ir import Literal, aval_bytes, aval_str
 
 
 @dataclasses.dataclass
@@ -105,7 +105,7 @@ def device_resident(value, platform):
 
 def live_ranges(graph, partitions):
   """value id -> (partition that makes it, last partition that reads it):
-  the graph's liveness at partition granularity (jaxsession/liveness.py);
+  the graph's liveness at partition granularity (session/graph/liveness.py);
   graph inputs live from -1 to len(partitions) (the caller and the state
   slots hold them; a donated state buffer is counted as if kept, an upper
   bound), graph outputs to len(partitions)."""
@@ -296,7 +296,7 @@ def plan_memory(graph, partitions, allow_donation=True, platform="cpu"):
   donations, free = decide_donations(graph, partitions, allow_donation)
   # under a mesh an intermediate's layout is XLA's choice, and a donated
   # buffer of another layout is not usable: state only
-  intermediates = ([] if getattr(graph, "mesh", None) is not None else
+  intermediates = ([] if graph.mesh is not None else
                    decide_intermediate_donations(graph, partitions, ranges, free))
   figures = {p.index: (estimate(p, platform), "session estimate") for p in partitions}
   rows, peak = partition_figures(graph, partitions, ranges, figures, platform)

@@ -7,9 +7,9 @@ remembers why it was split off, for the report and the dump.
 import dataclasses
 from typing import List, Optional
 
-from jaxsession.ir import Literal
-from jaxsession.liveness import partition_index
-from jaxsession.op_properties import is_transfer
+from jaxsession.graph.ir import Literal
+from jaxsession.graph.liveness import partition_index
+from jaxsession.graph.op_properties import is_transfer
 
 
 @dataclasses.dataclass

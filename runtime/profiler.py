@@ -38,8 +38,8 @@ from typing import NamedTuple, Optional
 
 import jax
 
-from jaxsession import op_properties
-from jaxsession.ir import aval_bytes
+from jaxsession.graph import op_properties
+from jaxsession.graph.ir import aval_bytes
 from jaxsession.runtime import memory
 
 now = time.perf_counter_ns

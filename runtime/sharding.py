@@ -27,7 +27,7 @@ from jax import tree_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsession.errors import InputError
-from jaxsession.ir import aval_str
+from jaxsession.graph.ir import aval_str
 
 ZERO = "zero"
 

@@ -12,8 +12,8 @@ executable fewer). A device->host transfer is issued right after the
 executable that makes its value (`copy_to_host_async`), so the copy runs while
 other work does; it is async when something runs between the two.
 """
-from jaxsession.liveness import partition_index
-from jaxsession.op_properties import is_transfer
+from jaxsession.graph.liveness import partition_index
+from jaxsession.graph.op_properties import is_transfer
 from jaxsession.runtime import partition as partitioning
 
 DEVICE_QUEUE = 0

@@ -2,7 +2,7 @@
 from jaxsession import errors  # first: every other module raises these
 from jaxsession.errors import (HostOpError, InputError, KernelSelectError, PartitionError,
                                PassError, SessionError, UnknownGraphError)
-from jaxsession.ir import KernelGraph, Literal, Node, Value
+from jaxsession.graph.ir import KernelGraph, Literal, Node, Value
 from jaxsession.options import SessionOptions
 from jaxsession.pipeline import register_pass, unregister_pass
 from jaxsession.session import Session

@@ -20,7 +20,7 @@ from absl import logging
 from jax import tree_util
 
 from jaxsession.errors import InputError, UnknownGraphError
-from jaxsession.ir import Literal, aval_str
+from jaxsession.graph.ir import Literal, aval_str
 from jaxsession.runtime import buckets as policy_lib
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from jax import tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.ir import aval_str
+from jaxsession.graph.ir import aval_str
 from jaxsession.runtime import sharding
 from jaxsession.runtime.state import session_device
 

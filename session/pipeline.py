@@ -151,7 +151,7 @@ def run_pipeline(graph, ctx):
   """Every graph stage on `graph`, in the table's order (the imported graph
   checked first, each stage's invariants after it); what ran is in
   `ctx.records`."""
-  disabled = getattr(ctx.options, "disabled_passes", ())
+  disabled = ctx.options.disabled_passes
   with gc_paused():
     graph_optimizer(disabled).run(graph, ctx)
 

@@ -3,8 +3,8 @@ import collections
 import dataclasses
 from typing import List, NamedTuple
 
-from jaxsession.ir import aval_bytes, aval_str
-from jaxsession.op_properties import is_transfer
+from jaxsession.graph.ir import aval_bytes, aval_str
+from jaxsession.graph.op_properties import is_transfer
 
 
 class PartitionInfo(NamedTuple):

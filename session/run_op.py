@@ -28,12 +28,13 @@ import numpy as np
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import importer, pipeline
+from jaxsession import pipeline
+from jaxsession.graph import importer
 from jaxsession.errors import InputError, KernelSelectError
 from jaxsession.inputs import leaf_aval
-from jaxsession.ir import KernelGraph, aval_str
-from jaxsession.lowering import graph_consts, lower_nodes
-from jaxsession.op_properties import jaxpr_props, primitive_props
+from jaxsession.graph.ir import KernelGraph, aval_str
+from jaxsession.graph.lowering import graph_consts, lower_nodes
+from jaxsession.graph.op_properties import jaxpr_props, primitive_props
 from jaxsession.optimizer_passes.base import PassContext, PassManager
 from jaxsession.optimizer_passes.select_kernels import SelectKernels
 from jaxsession.runtime import callbacks

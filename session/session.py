@@ -12,7 +12,8 @@ import jax
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import bucketed, importer, inputs, pipeline, spmd, tracing
+from jaxsession import bucketed, inputs, pipeline, spmd, tracing
+from jaxsession.graph import importer
 from jaxsession.errors import InputError, UnknownGraphError
 from jaxsession.inputs import ArgSpec, check_leaf
 from jaxsession.dump import GraphDumper
@@ -270,7 +271,7 @@ class Session:
         graph_name=name, passes=list(ctx.records),
         partitions=[PartitionInfo(p.place, len(p.nodes), p.stream, p.reason)
                     for p in graph.partitions],
-        transfers=list_transfers(graph), schedule=getattr(graph, "schedule", None),
+        transfers=list_transfers(graph), schedule=graph.schedule,
         memory=memory.MemoryReport(graph.memory), donations=graph.memory.donations,
         kernels=count_kernels(graph), nodes_imported=nodes_imported,
         nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start,

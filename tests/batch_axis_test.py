@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
-from jaxsession.importer import import_jaxpr
-from jaxsession.ir import KernelGraph
+from jaxsession.graph.importer import import_jaxpr
+from jaxsession.graph.ir import KernelGraph
 from jaxsession.runtime import batch_axis
 from exact import assert_same_bits, ulps_apart, with_specials
 

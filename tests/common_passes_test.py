@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
-from jaxsession.importer import import_jaxpr
-from jaxsession.ir import Literal
+from jaxsession.graph.importer import import_jaxpr
+from jaxsession.graph.ir import Literal
 from jaxsession.optimizer_passes import (FunctionPass, Match, Pass, PassContext, PassManager,
                                          PassResult, Pat, RewritePass, Rule)
 from jaxsession.optimizer_passes.cse import CommonSubexpressionElimination
@@ -31,7 +31,7 @@ def _x(*shape, dtype=jnp.float32):
 
 def _apply(pass_, fn, *args, options=None):
   graph = import_jaxpr(jax.make_jaxpr(fn)(*args))
-  ctx = PassContext(options=options)
+  ctx = PassContext() if options is None else PassContext(options=options)
   changed = PassManager("Optimize", [pass_]).run(graph, ctx)
   graph.verify()
   return graph, changed

@@ -21,7 +21,7 @@ import jaxsession as js
 from exact import assert_same_bits
 from jaxsession import pipeline
 from jaxsession.errors import HostOpError
-from jaxsession.importer import import_jaxpr
+from jaxsession.graph.importer import import_jaxpr
 from jaxsession.inputs import ArgSpec
 from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.runtime import build, compile_cache, executor

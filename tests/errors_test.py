@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
-from jaxsession.ir import KernelGraph
+from jaxsession.graph.ir import KernelGraph
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes.base import (FunctionPass, PassContext, PassManager,
                                               run_to_fixed_point)
@@ -223,7 +223,7 @@ class PassErrorTest(absltest.TestCase):
 
   def _graph(self):
     closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3))
-    from jaxsession.importer import import_jaxpr
+    from jaxsession.graph.importer import import_jaxpr
     return import_jaxpr(closed)
 
   def test_names_the_pass_and_the_passes_before(self):

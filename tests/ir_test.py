@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsession.importer import import_jaxpr
-from jaxsession.ir import KernelGraph, Literal
-from jaxsession.lowering import lower_graph, lower_nodes
+from jaxsession.graph.importer import import_jaxpr
+from jaxsession.graph.ir import KernelGraph, Literal
+from jaxsession.graph.lowering import lower_graph, lower_nodes
 
 RNG = np.random.default_rng(42)
 

@@ -1,4 +1,4 @@
-"""The liveness analysis (session/liveness.py) against a brute-force last use,
+"""The liveness analysis (session/graph/liveness.py) against a brute-force last use,
 on random programs, per node and per partition; and the programs it frees
 values in still compute what jax.jit computes."""
 from absl.testing import absltest
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
-from jaxsession import liveness
-from jaxsession.ir import Literal
+from jaxsession.graph import liveness
+from jaxsession.graph.ir import Literal
 from jaxsession.runtime.partition import Partition
 from tests.exact import assert_same_bits
 

@@ -1,4 +1,4 @@
-"""The op table (session/op_properties.py): every registered kernel's op has
+"""The op table (session/graph/op_properties.py): every registered kernel's op has
 its facts, the facts reach the passes that read them, DCE drops the dead
 outputs of scan and cond (never an effect inside), and the caches do not keep
 a released graph's arrays alive."""
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
-from jaxsession import ir, op_properties
+from jaxsession.graph import ir, op_properties
 from jaxsession.kernels import fused, registry
 from jaxsession.runtime import batch_axis
 from tests.exact import assert_same_bits

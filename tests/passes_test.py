@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
-from jaxsession.importer import import_jaxpr
+from jaxsession.graph.importer import import_jaxpr
 from jaxsession.optimizer_passes.base import PassContext, PassManager
 from jaxsession.optimizer_passes.cse import CommonSubexpressionElimination
 from jaxsession.optimizer_passes.dce import DeadCodeElimination

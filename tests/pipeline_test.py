@@ -10,7 +10,7 @@ import numpy as np
 
 import jaxsession as js
 from jaxsession import pipeline
-from jaxsession.importer import import_jaxpr
+from jaxsession.graph.importer import import_jaxpr
 from jaxsession.optimizer_passes import FunctionPass, Pass, PassContext, PassResult
 from exact import assert_same_bits
 

@@ -11,7 +11,7 @@ import numpy as np
 
 import jaxsession as js
 from jaxsession.runtime.profiler import Profiler
-from jaxsession.ir import Literal, aval_bytes
+from jaxsession.graph.ir import Literal, aval_bytes
 from jaxsession.kernels import register_kernel, unregister_kernel
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.placement import placement_reason

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
-from jaxsession import op_properties
+from jaxsession.graph import op_properties
 from jaxsession.optimizer_passes.select_kernels import SelectKernels
-from jaxsession.ir import KernelGraph
+from jaxsession.graph.ir import KernelGraph
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes import reduce_precision as precision
-from jaxsession.lowering import lower_graph
+from jaxsession.graph.lowering import lower_graph
 from jaxsession.optimizer_passes import PassContext
 
 OP = "TestPairMax"  # a fused op whose only kernel takes int32

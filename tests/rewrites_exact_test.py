@@ -20,8 +20,8 @@ import numpy as np
 import optax
 
 import jaxsession as js
-from jaxsession.importer import import_jaxpr
-from jaxsession.ir import Literal
+from jaxsession.graph.importer import import_jaxpr
+from jaxsession.graph.ir import Literal
 from jaxsession.optimizer_passes import PassContext, PassManager, Pat, RewritePass, Rule
 from jaxsession.optimizer_passes import fold
 from exact import (assert_same_bits, normal, only_session, unfused_session, wide,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
-from jaxsession.importer import import_jaxpr
+from jaxsession.graph.importer import import_jaxpr
 from jaxsession.kernels import registry
 from jaxsession.runtime import memory, partition
 

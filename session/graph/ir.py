@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 
-from jaxsession.op_properties import node_props
+from jaxsession.graph.op_properties import node_props
 
 INPUT_KINDS = ("input", "state", "const")
 
@@ -138,6 +138,7 @@ class KernelGraph:
     self.mesh = None              # a jax.sharding.Mesh: executables are SPMD-partitioned
     self.compiler_options = None  # XLA options every executable is compiled with
     self.allreduce_plan = None    # HardwareOptimize under a mesh: runtime.allreduce plan
+    self.schedule = None          # HardwareOptimize: reorder's decision (partition order)
     self._ids = itertools.count()
 
   # -- construction -------------------------------------------------------
@@ -381,7 +382,7 @@ def _every_node_has_a_place(graph):
 def _transfer(op):
   """A transfer op's direction ("d2h"/"h2d") from the op table, else None
   (imported here: the op table reads the IR)."""
-  from jaxsession.op_properties import facts  # pylint: disable=import-outside-toplevel
+  from jaxsession.graph.op_properties import facts  # pylint: disable=import-outside-toplevel
   return facts(op).transfer
 
 

@@ -9,7 +9,7 @@ the jaxpr (at any depth) become `const` inputs; literals stay literals.
 """
 from jax.extend import core as jcore
 
-from jaxsession.ir import KernelGraph, Literal
+from jaxsession.graph.ir import KernelGraph, Literal
 
 
 def _inner_jit(params):

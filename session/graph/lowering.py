@@ -2,15 +2,15 @@
 
 The loop is `eval_jaxpr`'s: read the inputs from an environment, call each
 node's kernel, write the outputs, forget values after their last use (the
-liveness of the node list, jaxsession/liveness.py). Traced
+liveness of the node list, session/graph/liveness.py). Traced
 under `jax.jit` this yields one XLA computation for the whole node list.
 """
 import numpy as np
 from jax.core import ShapedArray
 
-from jaxsession import liveness
+from jaxsession.graph import liveness
 from jaxsession.errors import KernelSelectError
-from jaxsession.ir import Literal, aval_str
+from jaxsession.graph.ir import Literal, aval_str
 from jaxsession.kernels import xla as xla_kernels
 
 

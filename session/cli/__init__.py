@@ -384,7 +384,7 @@ def main(argv):
       print(f"error: --model={FLAGS.model} runs on one device; --devices and --processes "
             "train the MLP", file=sys.stderr)
       return 2
-    from jaxsession import demo_models  # pylint: disable=g-import-not-at-top
+    from jaxsession.cli import demo_models  # pylint: disable=g-import-not-at-top
     if FLAGS.model == "decode":
       return demo_models.decode(FLAGS.seed, FLAGS.tokens, FLAGS.repeats)
     return demo_models.serve(FLAGS.seed, FLAGS.requests, FLAGS.max_buckets)

@@ -1,5 +1,5 @@
 """The CLI's other main jobs: `jaxsession demo --model decode` and
-`jaxsession demo --model serve` (session/cli.py parses the flags).
+`jaxsession demo --model serve` (session/cli/__init__.py parses the flags).
 
 decode: greedy decoding with the bundled GPT-style decoder
 (examples/transformer_decode.py, random weights made here). The KV cache,

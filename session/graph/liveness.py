@@ -26,7 +26,7 @@ Who reads it, at which granularity, computed once where:
 import dataclasses
 from typing import Dict
 
-from jaxsession.ir import Literal
+from jaxsession.graph.ir import Literal
 
 
 @dataclasses.dataclass
