@@ -275,7 +275,7 @@ class ArgumentTypesTest(absltest.TestCase):
   """Other argument types run on the compiled executable, converted as jax.jit
   converts them, or are refused; there is one executable whatever comes in."""
 
-  def _graphs(self):
+  def _labelled_programs(self):
     host = Faulty()
     plain = lambda x, lr: x - lr * jnp.sin(x)
     with_host = lambda x, lr: host.cb(x) - lr * jnp.sin(x)
@@ -283,7 +283,7 @@ class ArgumentTypesTest(absltest.TestCase):
 
   def test_python_scalars_where_an_f32_array_was_given(self):
     x = salted(np.random.default_rng(8), (6,))
-    for label, fn in self._graphs():
+    for label, fn in self._labelled_programs():
       sess = js.Session()
       gid = sess.compile(fn, x, jnp.float32(0.5))
       for lr in (0.1, 3.0, np.float32(0.25), 1e-45):
