@@ -28,7 +28,7 @@ from jaxsession.runtime.build import (SPECIAL_VALUE, Op, Program, checked,
                                       shape_struct)
 from jaxsession.runtime.state import slots_lock
 
-_enter, _leave, _pending = interrupts.enter, interrupts.leave, interrupts.pending
+_pending = interrupts.pending
 try:  # jax_debug_nans/infs, read per run where state is donated (~80 ns, measured here)
   from jax._src.config import debug_infs as _DEBUG_INFS, debug_nans as _DEBUG_NANS
 except ImportError:  # an internal API: read through the public config
@@ -339,25 +339,24 @@ class Runner:
     """The executable of a single-partition graph (None for a plan)."""
     return self.program.executables.get(0) if self.layout.one_executable else None
 
+  @interrupts.critical  # a Ctrl-C waits for the commit and the unlock
   def call(self, args):
     if self.stateless:  # nothing to lock, gather, lose or commit
       return self.run_program((), args)[1]
     one = self.one_slot
-    with self.lock:
-      state = ((one.leaves,),) if one else self.layout.gather()
-      if self.donates and _debugging_specials():  # switched on after compile: the
-        state = _private(state)  # executables still donate, and jax raises after them
-      _enter()  # from here to the commit a Ctrl-C waits (runtime/interrupts.py)
-      try:
+    try:
+      with self.lock:
+        state = ((one.leaves,),) if one else self.layout.gather()
+        if self.donates and _debugging_specials():  # switched on after compile: the
+          state = _private(state)  # executables still donate, and jax raises after them
         new, out = self.run_program(state, args)
         if one:
           one.leaves = new[0]
         else:
           self.layout.commit(new)
-      finally:
-        _leave()
-        if _pending:
-          interrupts.deliver()
+    finally:
+      if _pending:  # a Ctrl-C that came during the run (runtime/interrupts.py)
+        interrupts.deliver()
     return out
 
 

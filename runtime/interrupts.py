@@ -1,60 +1,64 @@
-"""Ctrl-C never lands between a run's donation and its commit.
+"""Ctrl-C never lands inside a run's commit, nor while it holds slot locks.
 
-A run hands the session's state buffers to its executable (donation) and
-writes the new values back to the slots afterwards. CPython raises a pending
-signal's exception at the next eval-breaker point - right after the
-executable's call returns, say - and a KeyboardInterrupt there would leave
-the slots holding consumed buffers ("Array has been deleted").
+A run locks its state slots, hands the session's state buffers to its
+executable (donation) and writes the new values back before it unlocks.
+CPython raises a pending signal's exception at the next eval-breaker point -
+right after the executable's call returns, say, or between two lock
+acquires - and a KeyboardInterrupt there would leave the slots holding
+consumed buffers ("Array has been deleted") or a lock held forever.
 
-So a run's critical section - from before its first executable until its
-state is committed (`Runner.call`) - counts itself: `enter()` and `leave()`
-are two C-level counters (itertools.count: atomic under the GIL, ~0.05 µs
-each), `depth()` their difference. The SIGINT handler, wrapped once per
-process by `install()`, only records a SIGINT that arrives while
-`depth() > 0`. The outermost section that ends
-delivers it: in the main thread by calling the handler that was installed
-before ours (Python's default raises KeyboardInterrupt there, after the
-commit); in another thread by `_thread.interrupt_main(signum)`, which makes
-the main thread receive it again. Runs in several threads share one count:
-a Ctrl-C waits until no run is in its critical section.
+So the functions that hold slot locks are marked `critical` (Runner.call,
+Session.get_state, set_state, release): marking only records the function's
+code object, it wraps nothing and costs nothing per call. The SIGINT
+handler, wrapped once per handler by `install()`, runs in the main thread
+(Python runs signal handlers there only) and looks at the frames that
+thread is executing: inside a critical function it only records the
+signal; the critical function delivers it as its last step
+(`if pending: deliver()`), after the commit and the unlock, by calling the
+handler that was installed before ours (Python's default raises
+KeyboardInterrupt there). A run in another thread never receives
+KeyboardInterrupt, so it defers nothing: a Ctrl-C reaches an idle main
+thread at once, whatever other threads run.
 
 What it covers: SIGINT, with a Python-level handler installed when a Session
 was created or a graph compiled (Python's default one, or the user's). A
 handler installed after that replaces ours, and a Ctrl-C during a run then
 behaves as that handler makes it; compiling another graph wraps it again.
 Other signals, and SIGINT handlers set to SIG_IGN/SIG_DFL or installed in C,
-are left alone.
+are left alone. A run of the main thread that never returns (a callback that
+blocks forever) cannot be interrupted by Ctrl-C: its state would be lost.
 """
-import _thread
-import itertools
 import signal
 import threading
 
-_entered, _left = itertools.count(), itertools.count()
-enter, leave = _entered.__next__, _left.__next__  # a critical section's ends
-pending = []  # signals received while depth() > 0, delivered when it is 0
+_CRITICAL = set()  # code objects of the functions that hold slot locks
+pending = []       # signals recorded inside a critical function, not yet delivered
 
 
-def _value(counter):
-  return int(repr(counter)[len("count("):-1])  # the next value, read without taking it
+def critical(fn):
+  """Marks `fn` (which must end with `if pending: deliver()`) as a function
+  a SIGINT waits for; returns `fn` itself."""
+  _CRITICAL.add(fn.__code__)
+  return fn
 
 
-def depth():
-  """Runs inside their critical section now, in every thread."""
-  return _value(_entered) - _value(_left)
+def _inside_critical(frame):
+  while frame is not None:
+    if frame.f_code in _CRITICAL:
+      return True
+    frame = frame.f_back
+  return False
 
 
 class _Deferring:
-  """The SIGINT handler: the previous one, deferred while a run commits."""
+  """The SIGINT handler: the previous one, deferred inside critical functions."""
 
   def __init__(self, previous):
     self.previous = previous
 
   def __call__(self, signum, frame):
-    if depth():
+    if _inside_critical(frame):
       pending.append(signum)
-      if not depth():  # the section ended while this recorded it: deliver it now
-        deliver()
       return
     self.previous(signum, frame)
 
@@ -71,20 +75,13 @@ def install():
 
 
 def deliver():
-  """Delivers a signal recorded during critical sections that have all
-  ended (a section's end calls it when `pending` is set)."""
-  if depth() or not pending:
+  """Delivers the signal recorded inside a critical function, in the main
+  thread (the only one where it was recorded); a no-op elsewhere."""
+  if not pending or threading.current_thread() is not threading.main_thread():
     return
-  try:
-    signum = pending.pop()
-  except IndexError:  # another thread delivered it
-    return
+  signum = pending[-1]
   del pending[:]
-  if threading.current_thread() is threading.main_thread():
-    handler = signal.getsignal(signum)
-    if isinstance(handler, _Deferring):
-      handler.previous(signum, None)
-    elif callable(handler):
-      handler(signum, None)
-  else:
-    _thread.interrupt_main(signum)
+  handler = signal.getsignal(signum)
+  previous = handler.previous if isinstance(handler, _Deferring) else handler
+  if callable(previous):
+    previous(signum, None)

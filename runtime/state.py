@@ -17,7 +17,7 @@ import numpy as np
 from jax import tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.runtime import sharding
+from jaxsession.runtime import interrupts, sharding
 
 _SERIAL = itertools.count()
 
@@ -94,6 +94,19 @@ def slots_lock(slots):
   if len(ordered) == 1:
     return ordered[0].lock
   return _Locks([s.lock for s in ordered])
+
+
+@interrupts.critical
+def holding(lock, fn):
+  """fn() with `lock` (a slots_lock) held; a Ctrl-C meanwhile waits until the
+  lock is released (runtime/interrupts.py), so no lock stays held. Runner.call
+  writes the same out inline (the hot path)."""
+  try:
+    with lock:
+      return fn()
+  finally:
+    if interrupts.pending:
+      interrupts.deliver()
 
 
 def _children(tree):

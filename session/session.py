@@ -23,7 +23,8 @@ from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_
 from jaxsession.run_op import OpRunner
 from jaxsession.runtime import build, compile_cache, executor, interrupts, loop_sink, memory
 from jaxsession.runtime.profiler import Profiler
-from jaxsession.runtime.state import StateSlot, check_structure, owned_copy, slots_lock
+from jaxsession.runtime.state import (StateSlot, check_structure, holding, owned_copy,
+                                      slots_lock)
 
 
 @dataclasses.dataclass
@@ -410,10 +411,9 @@ class Session:
     """The state args' current values, one pytree each (the session's own
     buffers are copied, so later runs cannot invalidate what you hold)."""
     entry = self._entry(graph_id)
-    with entry.lock:
-      return tuple(tree_util.tree_unflatten(s.treedef, [
-          owned_copy(x, None if s.shardings is None else s.shardings[j])
-          for j, x in enumerate(s.leaves)]) for s in entry.slots)
+    return holding(entry.lock, lambda: tuple(tree_util.tree_unflatten(s.treedef, [
+        owned_copy(x, None if s.shardings is None else s.shardings[j])
+        for j, x in enumerate(s.leaves)]) for s in entry.slots))
 
   def set_state(self, graph_id, *values):
     """Replaces the state args' values; checks every value before changing any."""
@@ -431,9 +431,10 @@ class Session:
                    weak=slot.weak_sensitive.get(j))
       new.append(tuple(owned_copy(x, None if slot.shardings is None else slot.shardings[j])
                        for j, (_, x) in enumerate(pairs)))
-    with entry.lock:
+    def write():
       for slot, leaves in zip(entry.slots, new):
         slot.leaves = leaves
+    holding(entry.lock, write)
 
   def release(self, graph_id):
     """Frees a graph: its executables, and its state unless another graph
@@ -447,13 +448,14 @@ class Session:
       for sub in entry.bucketed.release():
         self.release(sub)
       return
-    with entry.lock:
+    def free():
       for slot in entry.slots:
         slot.owners -= 1
         if slot.owners == 0:
           for leaf in slot.leaves:
             leaf.delete()
           slot.leaves = ()
+    holding(entry.lock, free)
     entry.sunk.clear()
 
   # -- introspection --------------------------------------------------------

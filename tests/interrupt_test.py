@@ -120,6 +120,52 @@ print(json.dumps({"interrupted": interrupted, "bad": bad, "donated": donated,
                   "runs": counts}))
 """
 
+# Two state args: their slots' locks are taken one by one; a Ctrl-C between
+# two acquires (or releases) must not leave one held. Tiny runs, so that a
+# SIGALRM-driven SIGINT at 10-500 µs lands in every part of run and get_state.
+LOCKS_CHILD = r"""
+import json, os, signal, sys, threading
+import jax, jax.numpy as jnp, numpy as np
+import jaxsession as js
+
+TRIALS = int(sys.argv[1])
+rng = np.random.default_rng(3)
+a0, b0, x = (jnp.asarray(rng.standard_normal(3), jnp.float32) for _ in range(3))
+f = lambda a, b, x: (a + x, b * 2.0, jnp.sum(x))
+sess = js.Session()
+g = sess.compile(f, a0, b0, x, state_argnums=(0, 1))
+jitted = jax.jit(f)
+wants = [(a0, b0)]
+for _ in range(101):
+  wants.append(tuple(jitted(*wants[-1], x)[:2]))
+signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+bad, interrupted = [], 0
+for t in range(TRIALS):
+  sess.set_state(g, a0, b0)
+  k = 0
+  try:  # the alarm may ring before the first run: armed inside the try
+    signal.setitimer(signal.ITIMER_REAL, 1e-5 * (t % 50 + 1))
+    for _ in range(100):
+      sess.run(g, x)
+      k += 1
+      if k % 7 == 0:
+        sess.get_state(g)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+  except KeyboardInterrupt:
+    interrupted += 1
+  got = []
+  reader = threading.Thread(target=lambda: got.append(sess.get_state(g)), daemon=True)
+  reader.start()
+  reader.join(20)
+  if reader.is_alive():
+    bad.append(f"trial {t}: get_state blocked: a slot lock was left held")
+    break
+  same = lambda w: all(np.array_equal(p, q) for p, q in zip(got[0], w))
+  if not (same(wants[k]) or same(wants[k + 1])):
+    bad.append(f"trial {t}: the state is neither before nor after run {k}")
+print(json.dumps({"interrupted": interrupted, "bad": bad}))
+"""
+
 
 class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s here
   """Six graph kinds; in each the state is donated to the executable (else
@@ -148,6 +194,11 @@ class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s her
 
   def test_mesh_of_two_devices(self):
     self.check("mesh", devices=2)
+
+  def test_two_state_args_leave_no_lock_held(self):
+    out = run_json(LOCKS_CHILD, args=("300",), timeout=300)
+    self.assertEqual(out["bad"], [])
+    self.assertGreater(out["interrupted"], 100)  # most trials were interrupted mid-loop
 
 
 if __name__ == "__main__":
