@@ -46,6 +46,7 @@ class BucketedGraph:
     self.sizes = {}                   # compiled size -> sub-graph id
     self.first = None                 # the first bucket's id: the graph's state
     self.spec = None                  # run's arguments, checked before a bucket runs
+    self.weak_dyn = None              # [(argument, leaf, weak)] compile's weak check
     self.output_axes = None           # per run output leaf: the row axis or None
     self.verdict = None
     self.signatures = []              # the probe traces' programs, row count named
@@ -96,6 +97,9 @@ class BucketedGraph:
     wrapped = tracing.stateful_fn(self.fn, self.name, examples, self.state_nums,
                                   self.dyn_nums, self.updates)
     closed = jax.make_jaxpr(wrapped)(tuple(state_args), *dyn_args)
+    if self.weak_dyn is None:  # the other arguments' weak types run checks (bind)
+      self.weak_dyn = [(i, j, weak) for i, j, weak in tracing.weak_sensitive(
+          wrapped, closed, state_args, dyn_args)[0] if i not in self.run_index]
     kinds, labels = tracing.input_labels(self.state_nums, state_args, self.dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=self.name, input_kinds=kinds,
                                   input_names=labels)
@@ -172,7 +176,9 @@ class BucketedGraph:
     messages, and run's arguments are checked against the example's."""
     self.where = f"run(graph {gid} '{self.name}')"
     self.spec = inputs.ArgSpec(self.where, self.dyn_nums,
-                               [self.example_args[i] for i in self.dyn_nums])
+                               [self.example_args[i] for i in self.dyn_nums],
+                               weak_sensitive=self.weak_dyn)
+    self.check_weak = self.spec.weak_guard(lambda args: None)
 
   def precompile(self):
     for k, size in enumerate(self.policy.sizes or ()):
@@ -228,6 +234,7 @@ class BucketedGraph:
       if i not in self.run_index:
         for j, leaf in enumerate(leaves):
           spec.conform_leaf(i, j, leaf, steps)
+    self.check_weak(args)
 
   def run(self, args, steps=None):
     """A bucketed run: the arguments checked here (errors name the graph the
