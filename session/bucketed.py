@@ -10,6 +10,12 @@ other sizes compile on first use (or all at compile with
 slots. Every distinct compiled size counts towards
 `SessionOptions(recompile_warn_limit)`: a warning names the argument and the
 sizes at the limit and once per new size after it.
+
+Buckets are a client of the Session's public doors: each bucket is
+`Session.compile` at its size (`state_from` the first bucket) and runs with
+`Session.run`; the padding analysis traces and imports fn itself (the graph
+layer's importer); run's arguments are checked here against the bucketed
+graph's own ArgSpec, whose messages name the id the user holds.
 """
 import re
 import threading
@@ -41,6 +47,9 @@ class BucketedGraph:
     self.updates = bool(kwargs["updates_state"]) and bool(state_nums)
     self.positions = positions        # bucketed positions of fn
     self.run_index = [run_positions.index(p) for p in positions]  # among run's arguments
+    self.example_avals = {i: [jax.api_util.shaped_abstractify(x) for x in
+                              tree_util.tree_leaves(example_args[p])]
+                          for i, p in zip(self.run_index, positions)}
     self.policy = policy
     self.options = session.options
     self.sizes = {}                   # compiled size -> sub-graph id
@@ -290,9 +299,6 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
     if candidate not in other:
       probes.append(candidate)
     candidate += 1
-  dispatcher.example_avals = {i: [jax.api_util.shaped_abstractify(x) for x in
-                                  tree_util.tree_leaves(example_args[p])]
-                              for i, p in zip(dispatcher.run_index, positions)}
   dispatcher.compile_first(first, probes)
   if session.options.precompile_buckets:
     dispatcher.precompile()
