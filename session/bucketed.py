@@ -10,6 +10,12 @@ other sizes compile on first use (or all at compile with
 slots. Every distinct compiled size counts towards
 `SessionOptions(recompile_warn_limit)`: a warning names the argument and the
 sizes at the limit and once per new size after it.
+
+Buckets are a client of the Session's public doors: each bucket is
+`Session.compile` at its size (`state_from` the first bucket) and runs with
+`Session.run`; the padding analysis traces and imports fn itself (the graph
+layer's importer); run's arguments are checked here against the bucketed
+graph's own ArgSpec, whose messages name the id the user holds.
 """
 import re
 import threading
@@ -19,7 +25,9 @@ import numpy as np
 from absl import logging
 from jax import tree_util
 
+from jaxsession import inputs, tracing
 from jaxsession.errors import InputError, UnknownGraphError
+from jaxsession.graph import importer
 from jaxsession.graph.ir import Literal, aval_str
 from jaxsession.runtime import buckets as policy_lib
 
@@ -27,38 +35,56 @@ from jaxsession.runtime import buckets as policy_lib
 class BucketedGraph:
   """Dispatch for one bucketed graph (the Session keeps one per graph id)."""
 
-  def __init__(self, session, name, compile_one, positions, run_index, policy, options):
+  def __init__(self, session, fn, name, example_args, kwargs, state_nums, positions,
+               run_positions, policy):
     self.session = session
+    self.fn = fn
     self.name = name
-    self.compile_one = compile_one    # (size, check_graph) -> sub-graph id
+    self.example_args = example_args
+    self.kwargs = kwargs              # Session.compile's keywords for every bucket
+    self.state_nums = state_nums
+    self.dyn_nums = run_positions     # fn's positions of run's arguments
+    self.updates = bool(kwargs["updates_state"]) and bool(state_nums)
     self.positions = positions        # bucketed positions of fn
-    self.run_index = run_index        # those positions among run's arguments
+    self.run_index = [run_positions.index(p) for p in positions]  # among run's arguments
+    self.example_avals = {i: [jax.api_util.shaped_abstractify(x) for x in
+                              tree_util.tree_leaves(example_args[p])]
+                          for i, p in zip(self.run_index, positions)}
     self.policy = policy
-    self.options = options
+    self.options = session.options
     self.sizes = {}                   # compiled size -> sub-graph id
+    self.first = None                 # the first bucket's id: the graph's state
+    self.spec = None                  # run's arguments, checked before a bucket runs
+    self.weak_dyn = None              # [(argument, leaf, weak)] compile's weak check
     self.output_axes = None           # per run output leaf: the row axis or None
     self.verdict = None
     self.signatures = []              # the probe traces' programs, row count named
     self.released = False
     self.lock = threading.Lock()
-    self.where = f"run(graph '{name}')"  # with the public id once it has one
+    self.where = f"run(graph '{name}')"  # with the public id once it has one (bind)
 
   # -- compile --------------------------------------------------------------
-  def check_graph(self, graph, spec):
-    """The padding analysis on the first imported graph: InputError naming
-    every node that mixes rows; else the row axis of every run output."""
+  def check_graph(self, size):
+    """The padding analysis on a trace of fn at `size` rows (the graph layer's
+    import of jax.make_jaxpr, nothing compiled): InputError naming every node
+    that mixes rows; else the row axis of every run output."""
+    graph, dyn_args = self.trace(size)
     dynamic, first = {}, 0
     leaf_ids = [v.id for v in graph.inputs_of_kind("input")]
-    for i, avals in enumerate(spec.avals):
+    for i, (position, arg) in enumerate(zip(self.dyn_nums, dyn_args)):
+      pairs = tree_util.tree_flatten_with_path(arg)[0]
       if i in self.run_index:
-        for j, aval in enumerate(avals):
+        for path, leaf in pairs:
+          aval = jax.api_util.shaped_abstractify(leaf)
           if not aval.shape or not _paddable(aval.dtype):
             raise InputError(f"compile({self.name}): bucketed argument at position "
-                             f"{spec.positions[i]}, leaf {spec.paths[i][j] or '(root)'}, "
+                             f"{position}, leaf {tree_util.keystr(path) or '(root)'}, "
                              f"is {aval.str_short()}: only numeric or bool arrays with a "
                              "batch axis can be padded")
-          dynamic[leaf_ids[first + j]] = 0
-      first += len(avals)
+          dynamic[leaf_ids[first]] = 0
+          first += 1
+      else:
+        first += len(pairs)
     from jaxsession.runtime import batch_axis  # pylint: disable=import-outside-toplevel
     verdict = batch_axis.analyze(graph, dynamic)
     if not verdict.safe:
@@ -70,7 +96,24 @@ class BucketedGraph:
     self.verdict = verdict
     self.output_axes = list(verdict.output_axes[num_state:])
     self.signatures.append(program_signature(graph, len_of_rows(graph, dynamic)))
-    return "traced only"
+
+  def trace(self, size):
+    """fn traced and imported as compile imports it, the bucketed arguments at
+    `size` rows: (the KernelGraph, the run arguments' examples)."""
+    examples = self.examples(size)
+    state_args = [examples[i] for i in self.state_nums]
+    dyn_args = [examples[i] for i in self.dyn_nums]
+    wrapped = tracing.stateful_fn(self.fn, self.name, examples, self.state_nums,
+                                  self.dyn_nums, self.updates)
+    closed = jax.make_jaxpr(wrapped)(tuple(state_args), *dyn_args)
+    if self.weak_dyn is None:  # the other arguments' weak types run checks (bind)
+      self.weak_dyn = [(i, j, weak) for i, j, weak in tracing.weak_sensitive(
+          wrapped, closed, state_args, dyn_args)[0] if i not in self.run_index]
+    kinds, labels = tracing.input_labels(self.state_nums, state_args, self.dyn_nums, dyn_args)
+    graph = importer.import_jaxpr(closed, name=self.name, input_kinds=kinds,
+                                  input_names=labels)
+    graph.updates_state = self.updates
+    return graph, dyn_args
 
   def executable(self, size):
     """The sub-graph id for `size`, compiled on first use."""
@@ -82,7 +125,7 @@ class BucketedGraph:
       if gid is None:
         if self.released:
           raise UnknownGraphError(f"graph '{self.name}' was released")
-        gid = self.sizes[size] = self.compile_one(size, None)
+        gid = self.sizes[size] = self.compile_one(size)
         self._warn_recompiles(size)
     return gid
 
@@ -93,22 +136,58 @@ class BucketedGraph:
       return list(self.sizes.values())
 
   def compile_first(self, size, probes):
-    """The padding analysis on traces at two `probes` row counts (at least
-    2, and sizes no other axis of the example has, so a row axis cannot pass
-    for another or for a broadcast), then the first bucket. The two traces
-    must be the same program once the row count is named: a program that
-    reads the batch size (x / x.shape[0], an arange of it, a Python branch
-    on it) is refused, naming the first node that differs."""
-    for probe in probes:
-      self.compile_one(probe, self.check_graph)
-    first, second = self.signatures
-    if first != second:
-      where = next((a for a, b in zip(first, second) if a != b), "the number of nodes")
-      raise InputError(
-          f"compile({self.name}): the program depends on the batch size itself (traced "
-          f"at {probes[0]} and {probes[1]} rows it differs at: {where}); padding would "
-          "change its result. Compile without buckets= to run every batch size exactly.")
-    self.sizes[size] = self.compile_one(size, None)
+    """The first bucket (Session.compile checks the examples and the
+    keywords), then the padding analysis on traces at two `probes` row
+    counts (at least 2, and sizes no other axis of the example has, so a row
+    axis cannot pass for another or for a broadcast); a refusal releases the
+    first bucket. The two traces must be the same program once the row count
+    is named: a program that reads the batch size (x / x.shape[0], an arange
+    of it, a Python branch on it) is refused, naming the first node that
+    differs."""
+    gid = self.compile_one(size)
+    try:
+      for probe in probes:
+        self.check_graph(probe)
+      first, second = self.signatures
+      if first != second:
+        where = next((a for a, b in zip(first, second) if a != b), "the number of nodes")
+        raise InputError(
+            f"compile({self.name}): the program depends on the batch size itself (traced "
+            f"at {probes[0]} and {probes[1]} rows it differs at: {where}); padding would "
+            "change its result. Compile without buckets= to run every batch size exactly.")
+    except BaseException:
+      self.session.release(gid)
+      raise
+    self.sizes[size] = self.first = gid
+
+  def examples(self, size):
+    """The example args with the bucketed ones at `size` rows (types only)."""
+    examples = list(self.example_args)
+    for p in self.positions:
+      examples[p] = tree_util.tree_map(
+          lambda x: jax.ShapeDtypeStruct((size,) + tuple(jax.numpy.shape(x))[1:],
+                                         jax.numpy.result_type(x),
+                                         weak_type=getattr(x, "weak_type", False)),
+          self.example_args[p])
+    return examples
+
+  def compile_one(self, size):
+    """One bucket's executables: Session.compile at `size` rows, sharing the
+    first bucket's state."""
+    kwargs = dict(self.kwargs)
+    if self.first is not None:
+      kwargs["state_from"] = self.first
+    return self.session.compile(self.fn, *self.examples(size), name=f"{self.name}[batch {size}]",
+                                **kwargs)
+
+  def bind(self, gid):
+    """The public id the Session gave this graph: it names the graph in run's
+    messages, and run's arguments are checked against the example's."""
+    self.where = f"run(graph {gid} '{self.name}')"
+    self.spec = inputs.ArgSpec(self.where, self.dyn_nums,
+                               [self.example_args[i] for i in self.dyn_nums],
+                               weak_sensitive=self.weak_dyn)
+    self.check_weak = self.spec.weak_guard(lambda args: None)
 
   def precompile(self):
     for k, size in enumerate(self.policy.sizes or ()):
@@ -131,12 +210,8 @@ class BucketedGraph:
     """The rows of the bucketed arguments, checked against the example's
     dtypes and trailing shapes before any size is chosen or compiled."""
     sizes = set()
-    for i in self.run_index:
-      if i >= len(args):
-        return None  # run reports the arity
+    for i in self.run_index:  # precheck saw the arity and the structures
       leaves = tree_util.tree_leaves(args[i])
-      if len(leaves) != len(self.example_avals[i]):
-        return None  # run reports the structure
       for leaf, want in zip(leaves, self.example_avals[i]):
         shape = tuple(jax.numpy.shape(leaf))
         dtype = getattr(leaf, "dtype", None)
@@ -153,13 +228,13 @@ class BucketedGraph:
     if len(sizes) > 1:
       raise InputError(f"{self.where}: the bucketed arguments disagree on "
                        f"the batch size: {sorted(sizes)}")
-    return sizes.pop() if sizes else None
+    return sizes.pop()
 
   def precheck(self, args, steps):
     """What the bucket's run would refuse, refused first - the arity, each
     argument's structure, the other arguments' leaves - so that a failed
     run neither counts in the traffic nor compiles a bucket."""
-    spec = self.session._entry(next(iter(self.sizes.values()))).spec
+    spec = self.spec
     spec.check_arity(args)
     for i, arg in enumerate(args):
       leaves, treedef = tree_util.tree_flatten(arg)
@@ -168,24 +243,14 @@ class BucketedGraph:
       if i not in self.run_index:
         for j, leaf in enumerate(leaves):
           spec.conform_leaf(i, j, leaf, steps)
+    self.check_weak(args)
 
   def run(self, args, steps=None):
-    """A bucketed run; errors name the graph the user compiled (not the
-    bucket's sub-graph)."""
-    try:
-      return self._run(args, steps)
-    except InputError as exc:
-      text = _SUB_GRAPH.sub(self.where, str(exc))
-      if text == str(exc):
-        raise
-      raise InputError(text) from None
-
-  def _run(self, args, steps):
+    """A bucketed run: the arguments checked here (errors name the graph the
+    user compiled), then Session.run of the bucket's sub-graph."""
     axis = 0 if steps is None else 1
     self.precheck(args, steps)
     n = self.batch_size(args, axis)
-    if n is None:  # nothing left unchecked: the first bucket's run says what is wrong
-      return self.session.run(next(iter(self.sizes.values())), *args, steps=steps)
     size = self.policy.target(n, self.sizes)
     gid = self.executable(size)
     if size != n:
@@ -200,23 +265,20 @@ class BucketedGraph:
     leaves = [_weak_like(x, y) for x, y in zip(leaves, tree_util.tree_leaves(out))]
     return tree_util.tree_unflatten(treedef, leaves)
 
-  def call(self, args):
-    return self.run(args)
-
   def describe(self):
     compiled = sorted(self.sizes)
     return f"{self.policy.describe()}; {len(compiled)} compiled sizes {compiled}"
 
 
 def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_buckets, hint,
-                     run_positions):
-  """Session.compile with buckets: checks the spec, compiles the example's
-  bucket (running the padding analysis on its graph), and returns the id of
-  a dispatching entry whose state is the sub-graphs' shared state."""
+                     state_nums, run_positions):
+  """Session.compile with buckets: checks the spec, runs the padding analysis
+  on traces of fn, compiles the example's bucket with Session.compile, and
+  returns the BucketedGraph (its `first` id holds the state the sub-graphs
+  share); the Session gives it its public id (`bind`)."""
   checked, hint = policy_lib.check_spec(buckets, run_positions, max_buckets, hint)
   name = name or getattr(fn, "__name__", "graph")
   positions = sorted(checked)
-  run_index = [run_positions.index(p) for p in positions]
   sizes = {jax.numpy.shape(leaf)[0] if jax.numpy.ndim(leaf) else None
            for p in positions for leaf in tree_util.tree_leaves(example_args[p])}
   if None in sizes or len(sizes) != 1:
@@ -226,27 +288,8 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
                      + (" and some leaves are scalars" if None in sizes else ""))
   n0 = sizes.pop()
   policy = policy_lib.BucketPolicy.make(checked[positions[0]], max_buckets, hint)
-  first_gid = []
-
-  def compile_one(size, check_graph):
-    examples = list(example_args)
-    for p in positions:
-      examples[p] = tree_util.tree_map(
-          lambda x: jax.ShapeDtypeStruct((size,) + tuple(jax.numpy.shape(x))[1:],
-                                         jax.numpy.result_type(x),
-                                         weak_type=getattr(x, "weak_type", False)),
-          example_args[p])
-    options = dict(kwargs)
-    if first_gid:
-      options["state_from"] = first_gid[0]
-    gid = session._compile(fn, tuple(examples), name=f"{name}[batch {size}]",
-                           check_graph=check_graph, **options)
-    if gid is not None and not first_gid:
-      first_gid.append(gid)
-    return gid
-
-  dispatcher = BucketedGraph(session, name, compile_one, positions, run_index, policy,
-                             session.options)
+  dispatcher = BucketedGraph(session, fn, name, example_args, kwargs, state_nums, positions,
+                             run_positions, policy)
   first = policy.first_size(n0)
   other = {d for i, arg in enumerate(example_args) for leaf in tree_util.tree_leaves(arg)
            for d in tuple(getattr(leaf, "shape", ()))[1 if i in positions else 0:]}
@@ -256,17 +299,10 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
     if candidate not in other:
       probes.append(candidate)
     candidate += 1
-  dispatcher.example_avals = {i: [jax.api_util.shaped_abstractify(x) for x in
-                                  tree_util.tree_leaves(example_args[p])]
-                              for i, p in zip(run_index, positions)}
   dispatcher.compile_first(first, probes)
   if session.options.precompile_buckets:
     dispatcher.precompile()
-  return session._bucketed_entry(name, first_gid[0], dispatcher)
-
-
-# A bucket sub-graph's name in an error: "run(graph 3 'step[batch 32]')".
-_SUB_GRAPH = re.compile(r"run\(graph \d+ '[^']*\[batch \d+\]'\)")
+  return dispatcher
 
 
 def _paddable(dtype):

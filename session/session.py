@@ -162,25 +162,24 @@ class Session:
                        "batch would have to divide over the mesh); compile exact shapes")
     if buckets is not None:
       nargs = len(example_args)
-      fixed = set(_argnums(state_argnums, "state_argnums", nargs)) | set(
-          _argnums(static_argnums, "static_argnums", nargs))
-      return bucketed.compile_bucketed(
+      state_nums = _argnums(state_argnums, "state_argnums", nargs)
+      fixed = set(state_nums) | set(_argnums(static_argnums, "static_argnums", nargs))
+      dispatcher = bucketed.compile_bucketed(
           self, fn, example_args, dict(state_argnums=state_argnums,
                                        static_argnums=static_argnums,
                                        state_from=state_from, updates_state=updates_state),
-          name, buckets, max_buckets, bucket_sizes_hint,
+          name, buckets, max_buckets, bucket_sizes_hint, state_nums,
           [i for i in range(nargs) if i not in fixed])
+      return self._bucketed_entry(dispatcher)
     if bucket_sizes_hint is not None:
       raise InputError("compile: bucket_sizes_hint is given without buckets=")
     return self._compile(fn, example_args, state_argnums, static_argnums, state_from,
                          updates_state, name, in_specs=in_specs, state_specs=state_specs)
 
   def _compile(self, fn, example_args, state_argnums=(), static_argnums=(),
-               state_from=None, updates_state=True, name=None, check_graph=None,
-               in_specs=None, state_specs=None):
-    """compile; `check_graph(graph, spec)`, when given, sees the imported
-    graph before any state is bound (the bucket padding analysis); if it
-    returns "traced only", nothing is compiled and the result is None."""
+               state_from=None, updates_state=True, name=None, in_specs=None,
+               state_specs=None):
+    """compile without buckets."""
     start = time.perf_counter()
     if isinstance(fn, jcore.ClosedJaxpr):
       fn = tracing.closed_jaxpr_fn(fn)
@@ -229,9 +228,6 @@ class Session:
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
     graph.updates_state = updates
     spmd.mark_graph(graph, mesh_layout, self.options, self.platform)
-    if check_graph is not None:
-      if check_graph(graph, spec) == "traced only":
-        return None  # the caller wanted the imported graph checked, nothing compiled
     nodes_imported = len(graph.nodes)
     slots = self._bind_state(name, state_nums, state_flats, state_from, source,
                              mesh_layout and mesh_layout.state)
@@ -354,18 +350,18 @@ class Session:
       for slot in slots:
         slot.owners -= 1
 
-  def _bucketed_entry(self, name, first_gid, dispatcher):
+  def _bucketed_entry(self, dispatcher):
     """The public id of a bucketed graph: its first sub-graph's graph, report
     and state, with run dispatching to the bucket executables."""
-    first = self._entry(first_gid)
-    entry = _Entry(name, first.graph, first.report, first.runner, first.spec, first.slots,
-                   first.make_sunk, first.hooks, bucketed=dispatcher)
-    entry.call = dispatcher.call
+    first = self._entry(dispatcher.first)
+    entry = _Entry(dispatcher.name, first.graph, first.report, first.runner, first.spec,
+                   first.slots, first.make_sunk, first.hooks, bucketed=dispatcher)
+    entry.call = dispatcher.run
     first.report.buckets = dispatcher
     with self._lock:
       gid = next(self._ids)
+      dispatcher.bind(gid)
       self._graphs[gid] = entry
-    dispatcher.where = f"run(graph {gid} '{name}')"
     return gid
 
   # -- run ----------------------------------------------------------------

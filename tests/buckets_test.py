@@ -394,6 +394,17 @@ class FailedRunTest(absltest.TestCase):
     self.assertEqual(before[:2], after[:2])
     self.assertEqual(int(before[2]), int(after[2]))
 
+  def test_a_weak_type_refusal_names_the_graph_the_user_compiled(self):
+    sess = js.Session()
+    x = jnp.asarray(RNG.standard_normal((5, F)), jnp.float16)
+    gid = sess.compile(lambda x, s: x * s, x, 2.0, buckets={0: "auto"})
+    scale = float(RNG.standard_normal())
+    np.testing.assert_array_equal(sess.run(gid, x, scale), jax.jit(lambda x, s: x * s)(x, scale))
+    with self.assertRaisesRegex(InputError, "strongly typed") as caught:
+      sess.run(gid, x, jnp.float32(scale))
+    self.assertIn(f"run(graph {gid} ", str(caught.exception))
+    self.assertNotIn("[batch", str(caught.exception))
+
   def test_empty_batches_take_no_bucket(self):
     policy = policy_lib.BucketPolicy.make("auto", 3, [8, 16, 16])
     self.assertEqual(policy.target(0), 8)
