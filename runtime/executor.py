@@ -390,9 +390,6 @@ def special_value(where, graph, state_leaves, user_leaves, exc):
       env.update(zip([o.id for o in node.outputs], outs))
   except (InputError, KeyError, TypeError, ValueError, RuntimeError):
     pass  # the replay could not run: name the executable
-  lost = any(getattr(x, "is_deleted", lambda: False)() for x in state_leaves)
-  return FloatingPointError(
+  return FloatingPointError(  # the state is the slots' own, untouched (Runner.call)
       f"{where}: an executable ({exc.args[0] if exc.args else '?'}) produced {what} "
-      f"(jax_debug_{what}s)" + ("; the state it was donated is lost: switch "
-                                f"jax_debug_{what}s on before compile, and jax.jit and "
-                                "the session donate nothing" if lost else ""))
+      f"(jax_debug_{what}s); the state is unchanged")

@@ -38,8 +38,8 @@ from jaxsession.graph.op_properties import jaxpr_props, primitive_props
 from jaxsession.optimizer_passes.base import PassContext, PassManager
 from jaxsession.optimizer_passes.select_kernels import SelectKernels
 from jaxsession.runtime import callbacks
-from jaxsession.runtime.build import (ARG_MISMATCH, checked, compile_fn, fast_call,
-                                      shape_struct)
+from jaxsession.runtime.build import (ARG_MISMATCH, SPECIAL_VALUE, checked, compile_fn,
+                                      fast_call, shape_struct)
 from jaxsession.runtime.compile_cache import CacheInfo, DoNotStore, ExecutableCache
 from jaxsession.runtime.state import session_device
 
@@ -191,6 +191,10 @@ class OpRunner:
     except ARG_MISMATCH as exc:
       raise InputError(f"run_op({compiled.name}): the arguments do not fit the compiled "
                        f"op: {type(exc).__name__}: {exc}") from None
+    except SPECIAL_VALUE as exc:  # jax_debug_nans/infs: jax's private error
+      what = exc.args[1] if len(exc.args) > 1 else "nan"
+      raise FloatingPointError(f"run_op({compiled.name}) produced {what} "
+                               f"(jax_debug_{what}s)") from None
     except jax.errors.JaxRuntimeError as exc:
       if not compiled.user_code:
         raise

@@ -334,6 +334,11 @@ class DebugNansTest(absltest.TestCase):
     finally:
       jax.config.update("jax_debug_nans", False)
 
+  def test_run_op_nan_is_a_floating_point_error(self):
+    with jax.debug_nans(True):
+      with self.assertRaisesRegex(FloatingPointError, r"run_op\(log\) produced nan"):
+        js.Session().run_op(jnp.log, jnp.float32(-1))
+
   def test_switched_on_after_compile_keeps_the_state(self):
     """Compiled without the flag, the executables donate the state; switched
     on afterwards, a nan is still a FloatingPointError and nothing is lost."""
