@@ -32,13 +32,14 @@ _pending = interrupts.pending
 try:  # jax_debug_nans/infs, read per run where state is donated (~80 ns, measured here)
   from jax._src.config import debug_infs as _DEBUG_INFS, debug_nans as _DEBUG_NANS
 except ImportError:  # an internal API: read through the public config
-  _DEBUG_NANS = _DEBUG_INFS = None
+  class _Public:
+    def __init__(self, name):
+      self.name = name
 
-
-def _debugging_specials():
-  if _DEBUG_NANS is None:
-    return jax.config.jax_debug_nans or jax.config.jax_debug_infs
-  return _DEBUG_NANS.value or _DEBUG_INFS.value
+    @property
+    def value(self):
+      return getattr(jax.config, self.name)
+  _DEBUG_NANS, _DEBUG_INFS = _Public("jax_debug_nans"), _Public("jax_debug_infs")
 
 
 def _private(state):
@@ -347,7 +348,7 @@ class Runner:
     try:
       with self.lock:
         state = ((one.leaves,),) if one else self.layout.gather()
-        if self.donates and _debugging_specials():  # switched on after compile: the
+        if self.donates and (_DEBUG_NANS.value or _DEBUG_INFS.value):  # on after compile: the
           state = _private(state)  # executables still donate, and jax raises after them
         new, out = self.run_program(state, args)
         if one:
