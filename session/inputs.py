@@ -38,8 +38,14 @@ def leaf_aval(x, place="a leaf", type_only=False):
   weakly typed). InputError naming `place` for a Python scalar out of its
   type's range or a leaf that is not an array at all, and, unless only the
   type is wanted (`type_only`, as jax.jit's `lower` takes them), for a
-  deleted array or a jax.ShapeDtypeStruct (a type where a value is needed)."""
+  deleted array, a jax.ShapeDtypeStruct (a type where a value is needed) or
+  a tracer (the session runs on concrete arrays)."""
   if not type_only:
+    if isinstance(x, jax.core.Tracer):
+      raise InputError(f"{place} is a tracer ({x.aval.str_short()}): the session runs its "
+                       "compiled executables on concrete arrays, not inside jax.jit, grad "
+                       "or vmap; call the function itself inside the trace, or call the "
+                       "session outside it")
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
       raise InputError(f"{place}: the array has been deleted (donated or freed)")
     if isinstance(x, jax.ShapeDtypeStruct):

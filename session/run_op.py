@@ -213,9 +213,6 @@ def _runs_user_code(props):
 def _arg_aval(name, i, x):
   """The aval jax.jit sees for argument `i` of a primitive (Python scalars
   weakly typed); InputError for what is not an array value."""
-  if isinstance(x, jax.core.Tracer):
-    raise InputError(f"run_op({name}): argument {i} is a tracer; run_op runs eagerly "
-                     "(call the primitive itself inside traced code)")
   return leaf_aval(x, f"run_op({name}): argument {i}")
 
 

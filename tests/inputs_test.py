@@ -210,6 +210,32 @@ class CallSignatureTest(absltest.TestCase):
     self.assert_unchanged()
 
 
+class TracerTest(absltest.TestCase):
+  """A tracer (run, set_state or run_op called inside jax.jit, grad or vmap)
+  is an InputError naming the argument, and the state stays as it was."""
+
+  def test_tracers_are_input_errors(self):
+    rng = np.random.default_rng(21)
+    w = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    x = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(lambda w, x: (w + x, jnp.sum(x)), w, x, state_argnums=0)
+    calls = {
+        "jit run": lambda: jax.jit(lambda v: sess.run(gid, v))(x),
+        "grad run": lambda: jax.grad(lambda v: sess.run(gid, v))(x),
+        "vmap run": lambda: jax.vmap(lambda v: sess.run(gid, v))(jnp.stack([x, x])),
+        "jit set_state": lambda: jax.jit(lambda v: sess.set_state(gid, v))(x),
+        "jit run_op": lambda: jax.jit(lambda v: sess.run_op(jnp.sin, v))(x),
+    }
+    for what, call in calls.items():
+      with self.subTest(what):
+        with self.assertRaisesRegex(js.InputError, r"argument 0|value 0") as caught:
+          call()
+        self.assertIn("is a tracer (float32[3])", str(caught.exception))
+        assert_same_bits(sess.get_state(gid)[0], w, what)
+    np.testing.assert_array_equal(sess.run(gid, x), jax.jit(jnp.sum)(x))
+
+
 class ConstantNewStateTest(absltest.TestCase):
   """A state whose new value is a constant (a jaxpr literal output)."""
 
