@@ -166,6 +166,43 @@ for t in range(TRIALS):
 print(json.dumps({"interrupted": interrupted, "bad": bad}))
 """
 
+# A run in another thread holds back no Ctrl-C: the main thread, idle, gets
+# its KeyboardInterrupt while a worker's run is still inside its callback
+# (which waits for the main thread to have caught it).
+THREAD_CHILD = r"""
+import json, os, signal, threading, time
+import jax, jax.numpy as jnp, numpy as np
+import jaxsession as js
+
+inside, caught = threading.Event(), threading.Event()
+
+def wait_for_main(a):
+  inside.set()
+  caught.wait(60)
+  return np.asarray(a)
+
+f = lambda w, x: (w + jax.pure_callback(wait_for_main, jax.ShapeDtypeStruct(x.shape, x.dtype), x),
+                  jnp.sum(x))
+sess = js.Session()
+w0 = jnp.asarray(np.random.default_rng(5).standard_normal(3), jnp.float32)
+gid = sess.compile(f, w0, w0, state_argnums=0)
+worker = threading.Thread(target=lambda: sess.run(gid, w0))
+worker.start()
+inside.wait(60)
+got = False
+try:
+  os.kill(os.getpid(), signal.SIGINT)
+  for _ in range(600):
+    time.sleep(0.05)
+except KeyboardInterrupt:
+  got = caught.is_set() is False  # the worker's run had not ended
+caught.set()
+worker.join(60)
+state = np.asarray(sess.get_state(gid)[0])
+print(json.dumps({"interrupted_during_worker_run": got,
+                  "state_after": bool(np.array_equal(state, np.asarray(w0 + w0)))}))
+"""
+
 
 class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s here
   """Six graph kinds; in each the state is donated to the executable (else
@@ -194,6 +231,11 @@ class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s her
 
   def test_mesh_of_two_devices(self):
     self.check("mesh", devices=2)
+
+  def test_a_run_in_another_thread_holds_back_no_ctrl_c(self):
+    out = run_json(THREAD_CHILD, timeout=200)
+    self.assertTrue(out["interrupted_during_worker_run"])
+    self.assertTrue(out["state_after"])  # the worker's run then committed
 
   def test_two_state_args_leave_no_lock_held(self):
     out = run_json(LOCKS_CHILD, args=("300",), timeout=300)
