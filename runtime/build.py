@@ -76,25 +76,39 @@ def compile_recorded(fn, recorder, arg_structs, donate_argnums=(), cache=None, k
   return value
 
 
+def recovery(call, conform, failure=None):
+  """recover(exc, lead, args): what a refused or failed `call(*lead, *args)`
+  becomes. An executable's call checks its arguments before it runs or
+  consumes anything; a call it refused (ARG_MISMATCH) is retried once with
+  conform(args), which converts what converts exactly (Python scalars, an
+  array on another device) and raises InputError naming what does not fit.
+  `failure(exc, lead, args)`, when given, is the error to raise for a
+  RuntimeError of the call, or for a nan (inf) that jax_debug_nans (infs)
+  found in its outputs (jax raises its private InternalFloatingPointError).
+  `RECOVERABLE` is what it handles. Every executable call that can be
+  refused recovers through here: wrapped by `checked`, or caught where the
+  call is made (Runner.call, which then needs no frame of its own)."""
+  def recover(exc, lead, args):
+    if isinstance(exc, ARG_MISMATCH):
+      return call(*lead, *conform(args))
+    if failure is None:
+      raise exc
+    raise failure(exc, lead, args)
+  return recover
+
+
+RECOVERABLE = (*ARG_MISMATCH, RuntimeError, SPECIAL_VALUE)
+
+
 def checked(call, conform, failure=None):
-  """fn(lead, args) -> call(*lead, *args). An executable's call checks its
-  arguments before it runs or consumes anything; a call it refuses
-  (ARG_MISMATCH) is retried once with conform(args), which converts what
-  converts exactly (Python scalars, an array on another device) and raises
-  InputError naming what does not fit. `failure(exc, lead, args)`, when
-  given, is the error to raise for a RuntimeError of the call, or for a nan
-  (inf) that jax_debug_nans (infs) found in its outputs (jax raises its
-  private InternalFloatingPointError). Every executable call that can be
-  refused goes through here."""
+  """fn(lead, args) -> call(*lead, *args), recovering (see `recovery`)."""
+  recover = recovery(call, conform, failure)
+
   def run(lead, args):
     try:
       return call(*lead, *args)
-    except ARG_MISMATCH:
-      return call(*lead, *conform(args))
-    except (RuntimeError, SPECIAL_VALUE) as exc:
-      if failure is None:
-        raise
-      raise failure(exc, lead, args)
+    except RECOVERABLE as exc:
+      return recover(exc, lead, args)
   return run
 
 
@@ -136,7 +150,9 @@ class Program:
   user_checked: List[Tuple]    # (register, arg, leaf) conformed before the run
   analyses: dict               # partition index -> compiled.memory_analysis()
   executables: dict = dataclasses.field(default_factory=dict)  # partition index -> exe
-  run: Callable = None         # fn(state, args) -> (new state leaves, user outputs)
+  run: Callable = None         # fn(*state, *args) -> (new state leaves, user outputs)
+  recoverable: tuple = ()      # what run may raise that `recover` handles
+  recover: Callable = None     # fn(exc, state, args): a refused run retried, or its error
   run_flat: Callable = None    # a plan's: fn(state leaves, user leaves) -> outputs
 
 

@@ -2,7 +2,7 @@
 
     Runner.call(args):  lock -> gather the state -> run the program -> commit
 
-A program (runtime/build.py's Program, its `run`) is fn(state, args) ->
+A program (runtime/build.py's Program, its `run`) is fn(*state, *args) ->
 (new values of the updated state leaves, user outputs). Build makes it:
   * one device partition: one Op, the executable - `exe(*state, *args)`;
   * several partitions: its Ops written out as straight-line Python
@@ -23,13 +23,16 @@ from jaxsession.errors import InputError
 from jaxsession.graph.ir import Literal
 from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes
 from jaxsession.runtime import callbacks, codegen, interrupts, sharding
-from jaxsession.runtime.build import (SPECIAL_VALUE, Op, Program, checked,
+from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, fast_call, memory_analysis,
-                                      shape_struct)
+                                      recovery, shape_struct)
 from jaxsession.runtime.state import slots_lock
 
 _pending = interrupts.pending
-try:  # jax_debug_nans/infs, read per run where state is donated (~80 ns, measured here)
+try:  # jax_debug_nans/infs, read per run where state is donated (~0.5 µs a run
+  # here). Not jax's one post-hook state: leaving a `with jax.debug_nans(..)`
+  # block sets it None in the thread, hiding the flag set globally later
+  # (jax 0.10.2, seen here; edge_cases_test failed on it).
   from jax._src.config import debug_infs as _DEBUG_INFS, debug_nans as _DEBUG_NANS
 except ImportError:  # an internal API: read through the public config
   class _Public:
@@ -184,7 +187,9 @@ def graph_body(graph, layout, rest_tree, recorder):
 def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=None):
   """The Program of one executable that takes (*state, *args) in the
   layout's form - a single-partition graph, or its loop-sunk steps
-  (`leading`: the steps, conformed up front) - with its one Op."""
+  (`leading`: the steps, conformed up front) - with its one Op. Its run is
+  the executable's own call: Runner.call recovers a refusal or failure
+  (`recover`), so a run pays no Python frame of the program's."""
   call = fast_call(exe)
   partition = graph.partitions[0] if graph.partitions else None
   if hooks is not None:  # all the steps of a sunk run: one partition event
@@ -200,13 +205,15 @@ def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=N
       conform(args)  # a deleted argument, refused before running: InputError naming it
       return exc
     return runtime_failure(partition, recorder, exc)
-  run = checked(call, conform, failure)
-  if leading is not None:  # every leaf carries the steps: checked up front
-    stepped = run
-    run = lambda state, args: stepped(state, conform(args))
   op = Op(call, (), (), partition=0)
-  return Program([op], [], 0, 0, [], frozenset(), frozenset(), [], {0: memory_analysis(exe)},
-                 {0: exe}, run)
+  program = Program([op], [], 0, 0, [], frozenset(), frozenset(), [],
+                    {0: memory_analysis(exe)}, {0: exe}, call, RECOVERABLE,
+                    recovery(call, conform, failure))
+  if leading is not None:  # every leaf carries the steps: checked up front
+    stepped, n = checked(call, conform, failure), len(layout.structs())
+    program.run = lambda *xs: stepped(xs[:n], conform(xs[n:]))
+    program.recoverable = ()
+  return program
 
 
 def single_program(graph, spec, rest_tree, layout, cache=None, key=None, hooks=None):
@@ -300,7 +307,8 @@ def plan_program(graph, program, spec, rest_tree, layout):
     outs = checked_plan((state,), (leaves,))
     return outs if post is None else post(outs)
 
-  def run(state, args):
+  def run(*xs):
+    state, args = xs[:base], xs[base:]
     if all_bare and len(args) == len(bare):
       for arg in args:  # the usual call: array arguments, nothing to flatten
         if not isinstance(arg, jax.Array):
@@ -322,43 +330,57 @@ def plan_program(graph, program, spec, rest_tree, layout):
 
 
 class Runner:
-  """Runs one program of a graph against its state slots: the one call path."""
+  """Runs one program of a graph against its state slots: `call(args)`, the
+  one call path (`call_path`)."""
 
   def __init__(self, program, layout):
     self.program = program
     self.layout = layout
-    self.stateless = not layout.slots
     self.lock = slots_lock(layout.slots)
-    self.run_program = program.run
-    self.donates = bool(layout.donated_idx)
-    # WholeSlots of one slot, the usual training step: its gather and commit
-    # written out in `call` (~1 µs a run on a busy CPU here)
-    self.one_slot = layout.slots[0] if layout.whole and len(layout.slots) == 1 else None
+    self.call = call_path(program, layout, self.lock)
 
   @property
   def exe(self):
     """The executable of a single-partition graph (None for a plan)."""
     return self.program.executables.get(0) if self.layout.one_executable else None
 
+
+def call_path(program, layout, lock):
+  """call(args): lock -> gather the state -> run the program -> commit -> the
+  user outputs. A closure over what it reads (cells, not attribute lookups).
+  A single executable's run is its own call, whose refusal or failure is
+  recovered here (build.recovery): no Python frame of the program's."""
+  run, recoverable, recover = program.run, program.recoverable, program.recover
+  gather, commit = layout.gather, layout.commit
+  stateless, donates = not layout.slots, bool(layout.donated_idx)
+  # WholeSlots of one slot, the usual training step: gather and commit inline
+  one = layout.slots[0] if layout.whole and len(layout.slots) == 1 else None
+
   @interrupts.critical  # a Ctrl-C waits for the commit and the unlock
-  def call(self, args):
-    if self.stateless:  # nothing to lock, gather, lose or commit
-      return self.run_program((), args)[1]
-    one = self.one_slot
+  def call(args):
+    if stateless:  # nothing to lock, gather, lose or commit
+      try:
+        return run(*args)[1]
+      except recoverable as exc:
+        return recover(exc, (), args)[1]
     try:
-      with self.lock:
-        state = ((one.leaves,),) if one else self.layout.gather()
-        if self.donates and (_DEBUG_NANS.value or _DEBUG_INFS.value):  # on after compile: the
+      with lock:
+        state = ((one.leaves,),) if one else gather()
+        if donates and (_DEBUG_NANS.value or _DEBUG_INFS.value):  # on after compile: the
           state = _private(state)  # executables still donate, and jax raises after them
-        new, out = self.run_program(state, args)
+        try:
+          new, out = run(*state, *args)
+        except recoverable as exc:
+          new, out = recover(exc, state, args)
         if one:
           one.leaves = new[0]
         else:
-          self.layout.commit(new)
+          commit(new)
     finally:
       if _pending:  # a Ctrl-C that came during the run (runtime/interrupts.py)
         interrupts.deliver()
     return out
+  return call
 
 
 def runtime_failure(partition, recorder, exc):

@@ -104,8 +104,8 @@ def stepped_program(program, layout, spec, rest_tree, steps):
   stack = _Stacker(eager=not compiled)
   run_flat = program.run_flat
 
-  def run(state, args):
-    args = spec.conform(args, leading=steps)
+  def run(*xs):
+    state, args = xs[:layout.num_state], spec.conform(xs[layout.num_state:], leading=steps)
     columns = [split(leaf) for split, leaf in zip(splitters, tree_util.tree_leaves(args))]
     # The plan donates some leaves to its executables: those get a private copy,
     # so the slots' buffers survive a failure at any step.
