@@ -32,6 +32,9 @@ setup(
         "absl-py>=1.0",
     ],
     # flax and optax only in tests: the fusion tests check the forms they write.
-    extras_require={"test": ["pytest>=7", "flax", "optax"]},
+    # hypothesis, cloudpickle and portpicker: JAX's own test modules need them
+    # (tests/jax_suite_test.py runs some of them routed through the session).
+    extras_require={"test": ["pytest>=7", "flax", "optax", "hypothesis", "cloudpickle",
+                             "portpicker"]},
     entry_points={"console_scripts": ["jaxsession=jaxsession.cli:run_main"]},
 )

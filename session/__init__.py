@@ -6,8 +6,9 @@ from jaxsession.graph.ir import KernelGraph, Literal, Node, Value
 from jaxsession.options import SessionOptions
 from jaxsession.pipeline import register_pass, unregister_pass
 from jaxsession.session import Session
+from jaxsession.jitted import jit
 
-__all__ = ["Session", "SessionOptions", "register_pass", "unregister_pass", "KernelGraph", "Node", "Value", "Literal",
+__all__ = ["Session", "SessionOptions", "jit", "register_pass", "unregister_pass", "KernelGraph", "Node", "Value", "Literal",
            "errors", "SessionError", "InputError", "UnknownGraphError",
            "KernelSelectError", "PartitionError", "HostOpError", "PassError"]
 __version__ = "0.1.0"

@@ -1,0 +1,129 @@
+"""JAX's own test modules as a judge: each run twice, plain and with jax.jit
+routed through a jaxsession Session (tests/jax_suite/jax_suite_route.py),
+every routed call shadow-checked against the real jax.jit bit for bit.
+
+Prints per module: tests, passed plain, passed routed, tests that pass plain
+and fail routed (grouped by cause), routed calls, shadow differences, and
+the seconds each run took.
+
+    python benchmarks/jax_suite.py [--modules lax_test,...] [--cases 3] [--k EXPR]
+
+The modules are in ../shared/jax-tests (--suite_dir); they need pytest,
+hypothesis, cloudpickle, portpicker, scipy, opt_einsum (the README's test
+extras install them).
+"""
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+PLUGIN_DIR = os.path.join(REPO, "tests", "jax_suite")
+MODULES = ["lax_test", "lax_numpy_operators_test", "lax_numpy_reducers_test",
+           "lax_numpy_indexing_test", "lax_numpy_einsum_test", "lax_control_flow_test"]
+
+flags.DEFINE_string("suite_dir", os.path.join(REPO, "..", "shared", "jax-tests"),
+                    "the folder of JAX's test modules")
+flags.DEFINE_list("modules", MODULES, "the modules to run (names without .py)")
+flags.DEFINE_integer("cases", 3, "JAX_NUM_GENERATED_CASES: cases per parameterized test")
+flags.DEFINE_string("k", None, "a pytest -k expression selecting tests")
+flags.DEFINE_integer("timeout", 1800, "seconds per pytest run")
+flags.DEFINE_string("json_out", None, "also write the whole result here as JSON")
+FLAGS = flags.FLAGS
+
+
+def run_module(suite_dir, module, routed, cases, k=None, timeout=1800):
+  """One pytest run of `module`: (the plugin's JSON record, seconds)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "out.json")
+    env = dict(os.environ, JAX_NUM_GENERATED_CASES=str(cases), JAXSESSION_SUITE_OUT=out,
+               JAXSESSION_ROUTE="1" if routed else "0",
+               PYTHONPATH=os.pathsep.join([PLUGIN_DIR, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "pytest", "-p", "jax_suite_route", "-c", "pytest.ini",
+           "-q", "-p", "no:cacheprovider", f"{module}.py"]
+    if k:
+      cmd += ["-k", k]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=suite_dir, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    seconds = time.perf_counter() - start
+    if not os.path.exists(out):
+      raise RuntimeError(f"{module} ({'routed' if routed else 'plain'}) wrote no record "
+                         f"(exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-3000:]}")
+    with open(out) as f:
+      return json.load(f), seconds
+
+
+def cause_of(message):
+  """A failure message reduced to its kind (numbers and names of values out)."""
+  first = message.strip().splitlines()[0] if message.strip() else "?"
+  first = re.sub(r"0x[0-9a-f]+", "0x…", first)
+  return re.sub(r"\d+", "N", first)[:140]
+
+
+def compare(plain, routed):
+  """The row of one module, and its routed-only failures by cause."""
+  passed_plain = {t for t, o in plain["outcomes"].items() if o == "passed"}
+  passed_routed = {t for t, o in routed["outcomes"].items() if o == "passed"}
+  broken = sorted(passed_plain - passed_routed)
+  causes = collections.Counter(cause_of(routed["causes"].get(t, "not run")) for t in broken)
+  stats = routed["stats"]
+  return dict(tests=len(plain["outcomes"]), passed_plain=len(passed_plain),
+              passed_routed=len(passed_routed), broken=broken, causes=causes,
+              routed_calls=stats.get("routed calls", 0),
+              shadow_differences=stats.get("shadow differences", 0),
+              diffs=routed["diffs"], stats=stats)
+
+
+def main(argv):
+  del argv
+  rows, everything = [], {}
+  for module in FLAGS.modules:
+    plain, t_plain = run_module(FLAGS.suite_dir, module, False, FLAGS.cases, FLAGS.k,
+                                FLAGS.timeout)
+    routed, t_routed = run_module(FLAGS.suite_dir, module, True, FLAGS.cases, FLAGS.k,
+                                  FLAGS.timeout)
+    row = compare(plain, routed)
+    row.update(seconds_plain=round(t_plain), seconds_routed=round(t_routed))
+    everything[module] = row
+    rows.append(row | {"module": module})
+  print(f"JAX's test modules (jax {_jax_version()}), JAX_NUM_GENERATED_CASES={FLAGS.cases}"
+        + (f", -k {FLAGS.k!r}" if FLAGS.k else ""))
+  print()
+  print("| module | tests | passed plain | passed routed | pass plain, fail routed "
+        "| routed calls | shadow differences | s plain / routed |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['module']} | {r['tests']} | {r['passed_plain']} | {r['passed_routed']} | "
+          f"{len(r['broken'])} | {r['routed_calls']} | {r['shadow_differences']} | "
+          f"{r['seconds_plain']} / {r['seconds_routed']} |")
+  for r in rows:
+    if r["causes"]:
+      print(f"\n{r['module']}: pass plain, fail routed, by cause")
+      for cause, n in r["causes"].most_common():
+        print(f"  {n:4d}  {cause}")
+    if r["diffs"]:
+      print(f"\n{r['module']}: shadow differences (first {min(len(r['diffs']), 20)})")
+      for test, what in r["diffs"][:20]:
+        print(f"  {test.split('::')[-1] if test else '?'}: {what}")
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, "w") as f:
+      json.dump({m: {k: (dict(v) if isinstance(v, collections.Counter) else v)
+                     for k, v in r.items()} for m, r in everything.items()}, f, indent=1)
+
+
+def _jax_version():
+  import jax  # pylint: disable=import-outside-toplevel
+  return jax.__version__
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,197 @@
+"""jaxsession.jit: a drop-in for jax.jit's common form, run through a Session.
+
+    f = js.jit(fn, static_argnums=(), static_argnames=(), session=None)
+    y = f(x, n=3)
+
+The first call with a new argument signature compiles `fn` in the session (the
+given one, or one default Session per process) and later calls with that
+signature `run` it. A signature is what jax.jit's cache tells apart: the
+values of the static arguments, the pytree structure of the others (keyword
+arguments included) and each leaf's type, shape, dtype and weak type. The
+output keeps `fn`'s pytree, as jax.jit's does.
+
+Called under a trace (inside grad, vmap, another jit: a tracer among the
+arguments), it traces `fn` inline as jax.jit does - it *is* jax.jit there -
+and under `jax.disable_jit()` it calls `fn` op by op, as jax.jit does. What
+jax.jit offers beyond calling (`lower`, `trace`, `eval_shape`, ...) is an
+AttributeError naming jax.jit. A graph compiled for one signature lives as
+long as the wrapper; they are released with it.
+"""
+import functools
+import inspect
+import numbers
+import threading
+import weakref
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from jaxsession.errors import InputError
+
+_DEFAULT = []                 # the process's default Session, made on first use
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_session():
+  """The Session `jit` compiles in when none is given (one per process)."""
+  with _DEFAULT_LOCK:
+    if not _DEFAULT:
+      from jaxsession.session import Session  # pylint: disable=import-outside-toplevel
+      _DEFAULT.append(Session())
+    return _DEFAULT[0]
+
+
+def _as_tuple(nums, what, kind):
+  if nums is None:
+    return ()
+  if isinstance(nums, kind):
+    return (nums,)
+  try:
+    nums = tuple(nums)
+  except TypeError:
+    raise InputError(f"jaxsession.jit: {what} must be {kind.__name__}s, got {nums!r}") from None
+  for n in nums:
+    if not isinstance(n, kind) or isinstance(n, bool):
+      raise InputError(f"jaxsession.jit: {what} must be {kind.__name__}s, got {n!r}")
+  return nums
+
+
+def _resolve_statics(fn, argnums, argnames):
+  """(static positions, static names), each completed from the other
+  through fn's signature, as jax.jit does (a static name of a positional
+  parameter makes that position static, and the other way round)."""
+  argnums = _as_tuple(argnums, "static_argnums", numbers.Integral)
+  argnames = _as_tuple(argnames, "static_argnames", str)
+  try:
+    params = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):  # no signature (a builtin): take them as given
+    return frozenset(argnums), frozenset(argnames)
+  positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  names = set(argnames)
+  nums = set(argnums)
+  for i, p in enumerate(positional):
+    if p.name in names and p.kind != p.POSITIONAL_ONLY:
+      nums.add(i)
+    if i in nums or (i - len(positional)) in nums:
+      if p.kind != p.POSITIONAL_ONLY:
+        names.add(p.name)
+  return frozenset(nums), frozenset(names)
+
+
+def _leaf_key(x):
+  """What a leaf contributes to the signature: jax.jit compiles anew for a
+  new type, shape, dtype or weak type (a Python scalar is weak)."""
+  if isinstance(x, jax.Array):
+    return (type(x), x.shape, x.dtype, x.weak_type)
+  if isinstance(x, np.ndarray) or isinstance(x, np.generic):
+    return (np.ndarray, x.shape, x.dtype)
+  return (type(x),)
+
+
+class Jitted:
+  """What `jit` returns: call it as `fn`."""
+
+  def __init__(self, fn, static_argnums, static_argnames, session):
+    if not callable(fn):
+      raise InputError(f"jaxsession.jit: expected a callable, got {type(fn).__name__}")
+    self._fn = fn
+    self._static_nums, self._static_names = _resolve_statics(fn, static_argnums,
+                                                             static_argnames)
+    self._argnums, self._argnames = static_argnums, static_argnames
+    self._session = session
+    self._graphs = {}          # signature -> graph id
+    self._lock = threading.Lock()
+    self._traced = None        # jax.jit(fn, ...), for calls under a trace
+    functools.update_wrapper(self, fn)
+    # release the graphs with the wrapper (the session outlives it)
+    self._finalizer = weakref.finalize(self, _release, session, self._graphs)
+
+  @property
+  def session(self):
+    """The Session this wrapper compiles in."""
+    if self._session is None:
+      self._session = default_session()
+      self._finalizer.detach()
+      self._finalizer = weakref.finalize(self, _release, self._session, self._graphs)
+    return self._session
+
+  def __getattr__(self, name):
+    if name.startswith("__") or name in ("_fn", "_session", "_graphs"):
+      raise AttributeError(name)
+    raise AttributeError(f"jaxsession.jit offers calling only; for '{name}' use "
+                         f"jax.jit(fn).{name}")
+
+  def _split(self, args, kwargs):
+    """(static key, dynamic positional args, dynamic keyword args)."""
+    n = len(args)
+    nums = {i % n for i in self._static_nums if -n <= i < n}
+    static_pos = tuple((i, args[i]) for i in sorted(nums))
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in nums)
+    static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names))
+    dyn_kw = {k: v for k, v in kwargs.items() if k not in self._static_names}
+    statics = (static_pos, static_kw)
+    try:
+      hash(statics)
+    except TypeError as exc:
+      raise InputError(f"jaxsession.jit({_name(self._fn)}): a static argument is not "
+                       f"hashable ({exc}); jax.jit refuses it too") from None
+    return statics, dyn_args, dyn_kw
+
+  def __call__(self, *args, **kwargs):
+    if jax.config.jax_disable_jit:  # jax.jit runs fn op by op here
+      return self._fn(*args, **kwargs)
+    statics, dyn_args, dyn_kw = self._split(args, kwargs)
+    leaves, treedef = tree_util.tree_flatten((dyn_args, dyn_kw))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+      return self._under_trace()(*args, **kwargs)
+    key = (statics, treedef, tuple(map(_leaf_key, leaves)))
+    gid = self._graphs.get(key)
+    if gid is None:
+      with self._lock:
+        gid = self._graphs.get(key)
+        if gid is None:
+          gid = self._graphs[key] = self._compile(statics, args, dyn_args, dyn_kw)
+    return self.session.run(gid, dyn_args, dyn_kw)
+
+  def _under_trace(self):
+    if self._traced is None:
+      self._traced = jax.jit(self._fn, static_argnums=self._argnums,
+                             static_argnames=self._argnames)
+    return self._traced
+
+  def _compile(self, statics, args, dyn_args, dyn_kw):
+    fn, n = self._fn, len(args)
+    (static_pos, static_kw) = statics
+    static_at = dict(static_pos)
+
+    def call(dyn_args, dyn_kw):
+      it = iter(dyn_args)
+      full = [static_at[i] if i in static_at else next(it) for i in range(n)]
+      return fn(*full, **dict(static_kw), **dyn_kw)
+    return self.session.compile(call, dyn_args, dyn_kw, updates_state=False, name=_name(fn))
+
+
+def _name(fn):
+  return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _release(session, graphs):
+  if session is None:
+    return
+  for gid in list(graphs.values()):
+    try:
+      session.release(gid)
+    except Exception:  # pylint: disable=broad-except
+      pass  # the session was closed or the graph released already
+  graphs.clear()
+
+
+def jit(fn=None, static_argnums=(), static_argnames=(), session=None):
+  """A drop-in for `jax.jit(fn, static_argnums, static_argnames)` that
+  compiles per argument signature in `session` (default: one Session per
+  process) and runs there; see the module docstring. `jit(static_argnums=..)`
+  without fn returns a decorator."""
+  if fn is None:
+    return lambda f: Jitted(f, static_argnums, static_argnames, session)
+  return Jitted(fn, static_argnums, static_argnames, session)

@@ -1,0 +1,145 @@
+"""jaxsession.jit: a drop-in for jax.jit's common form, bit for bit."""
+import functools
+import gc
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+
+
+def same(test, got, want):
+  """Bit-for-bit equal: pytree, dtype, shape, weak type and bytes."""
+  g_leaves, g_tree = jax.tree.flatten(got)
+  w_leaves, w_tree = jax.tree.flatten(want)
+  test.assertEqual(g_tree, w_tree)
+  for g, w in zip(g_leaves, w_leaves):
+    test.assertEqual(type(g), type(w))
+    if isinstance(w, jax.Array):
+      test.assertEqual((g.dtype, g.shape, g.weak_type), (w.dtype, w.shape, w.weak_type))
+      np.testing.assert_array_equal(np.atleast_1d(g).view(np.uint8), np.atleast_1d(w).view(np.uint8))
+    else:
+      test.assertEqual(g, w)
+
+
+def nasty(rng, shape, dtype=np.float32):
+  x = rng.standard_normal(shape).astype(dtype)
+  flat = x.reshape(-1)
+  flat[:4] = [-0.0, np.nan, np.inf, -np.inf][:flat.size]
+  return jnp.asarray(x)
+
+
+class JitTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.rng = np.random.default_rng(7)
+
+  def test_matches_jax_jit_on_pytrees_statics_and_kwargs(self):
+    def f(x, n, *, scale, extra=None):
+      out = {"a": jnp.sin(x) * n + scale, "b": (jnp.sum(x), x.astype(jnp.int32) // 3)}
+      if extra is not None:
+        out["c"] = extra["w"] @ x[:3]
+      return out
+    ours = js.jit(f, static_argnums=1)
+    ref = jax.jit(f, static_argnums=1)
+    x = nasty(self.rng, (6,))
+    w = jnp.asarray(self.rng.standard_normal((2, 3)), jnp.float32)
+    for n in (2, 3):
+      for scale in (1.5, jnp.float32(0.25), np.float32(-0.0)):
+        same(self, ours(x, n, scale=scale), ref(x, n, scale=scale))
+        same(self, ours(x, n, scale=scale, extra={"w": w}),
+             ref(x, n, scale=scale, extra={"w": w}))
+
+  def test_output_forms_follow_jax_jit(self):
+    x = jnp.asarray(self.rng.standard_normal(3), jnp.float32)
+    for f in (lambda x: None, lambda x: (), lambda x: [x, 2 * x], lambda x: 3,
+              lambda x: (x,), lambda x: {"k": x, "j": (x, None)}, lambda x: x.sum() > 0):
+      same(self, js.jit(f)(x), jax.jit(f)(x))
+
+  def test_weak_types_x64_and_large_ints(self):
+    f = lambda x, y: (x * y, x + 1, y - 2)  # noqa: E731
+    ours, ref = js.jit(f), jax.jit(f)
+    for args in ((1.0, jnp.float32(2.5)), (jnp.float32(2.5), 3), (2, 3),
+                 (jnp.int32(2**31 - 1), 1), (jnp.asarray([2**30], jnp.int32), 3),
+                 (np.float32(1.5), 2.0), (jnp.bfloat16(1.5), 0.5)):
+      same(self, ours(*args), ref(*args))
+    with jax.enable_x64():
+      g = lambda x: (x * 2**40, x / 3)  # noqa: E731
+      v = jnp.asarray(self.rng.standard_normal(4), jnp.float64)
+      same(self, js.jit(g)(v), jax.jit(g)(v))
+      same(self, js.jit(g)(7), jax.jit(g)(7))
+
+  def test_one_graph_per_signature(self):
+    f = js.jit(lambda x, n: x * n, static_argnames="n")
+    x = jnp.ones(3)
+    f(x, 2)
+    f(x, n=2)           # by keyword: another signature, as in jax.jit's cache
+    f(x + 1, 2)         # new values, the same signature
+    f(x, 3)             # a new static value
+    f(jnp.ones(4), 2)   # a new shape
+    f(2.0, 2)           # a weak scalar
+    self.assertLen(f._graphs, 5)  # pylint: disable=protected-access
+
+  def test_under_a_trace_it_is_jax_jit(self):
+    f = lambda x: jnp.sum(jnp.tanh(x) ** 2)  # noqa: E731
+    ours = js.jit(f)
+    x = jnp.asarray(self.rng.standard_normal(5), jnp.float32)
+    same(self, jax.grad(ours)(x), jax.grad(jax.jit(f))(x))
+    same(self, jax.vmap(ours)(jnp.stack([x, 2 * x])), jax.vmap(jax.jit(f))(jnp.stack([x, 2 * x])))
+    same(self, jax.jit(lambda x: ours(x) * 2)(x), jax.jit(lambda x: jax.jit(f)(x) * 2)(x))
+    self.assertEqual(len(ours._graphs), 0)  # pylint: disable=protected-access
+
+  def test_disable_jit_runs_op_by_op(self):
+    seen = []
+
+    def f(x):
+      seen.append(type(x))
+      return x * 2
+    ours = js.jit(f)
+    x = jnp.ones(2)
+    with jax.disable_jit():
+      same(self, ours(x), x * 2)
+    self.assertIs(seen[-1], type(x))  # fn saw the concrete array, no tracer
+
+  def test_offers_calling_only(self):
+    ours = js.jit(jnp.sin)
+    with self.assertRaisesRegex(AttributeError, r"jax\.jit\(fn\)\.lower"):
+      ours.lower(jnp.ones(2))
+    self.assertEqual(ours.__name__, "sin")
+
+  def test_decorator_forms_and_bad_options(self):
+    @functools.partial(js.jit, static_argnums=(1,))
+    def f(x, k):
+      return x[:k]
+
+    @js.jit
+    def g(x):
+      return -x
+    x = jnp.arange(5.0)
+    same(self, f(x, 2), x[:2])
+    same(self, g(x), -x)
+    with self.assertRaisesRegex(js.InputError, "static_argnums"):
+      js.jit(g, static_argnums="a")
+    with self.assertRaisesRegex(js.InputError, "hashable"):
+      js.jit(lambda x, d: x, static_argnums=1)(x, {"a": 1})
+    with self.assertRaisesRegex(js.InputError, "callable"):
+      js.jit(3)
+
+  def test_given_session_and_release_with_the_wrapper(self):
+    sess = js.Session()
+    f = js.jit(lambda x: x + 1, session=sess)
+    x = jnp.asarray(self.rng.standard_normal(3), jnp.float32)
+    same(self, f(x), x + 1)
+    gid, = f._graphs.values()  # pylint: disable=protected-access
+    sess.report(gid)
+    del f
+    gc.collect()
+    with self.assertRaises(js.UnknownGraphError):
+      sess.report(gid)
+
+
+if __name__ == "__main__":
+  absltest.main()
