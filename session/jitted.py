@@ -83,7 +83,7 @@ def _leaf_key(x):
   """What a leaf contributes to the signature: jax.jit compiles anew for a
   new type, shape, dtype or weak type (a Python scalar is weak)."""
   if isinstance(x, jax.Array):
-    return (type(x), x.shape, x.dtype, x.weak_type)
+    return (type(x), x.shape, x.dtype, getattr(x, "weak_type", False))
   if isinstance(x, np.ndarray) or isinstance(x, np.generic):
     return (np.ndarray, x.shape, x.dtype)
   return (type(x),)

@@ -103,8 +103,19 @@ def _retyped_state_changes_program(wrapped, closed, state_args, dyn_args, k, pat
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
   states = list(state_args)
   states[k] = tree_util.tree_map_with_path(flip, states[k])
-  return _arithmetic(jax.make_jaxpr(wrapped)(tuple(states), *dyn_args).jaxpr) != _arithmetic(
-      closed.jaxpr)
+  return _traces_other(lambda: jax.make_jaxpr(wrapped)(tuple(states), *dyn_args),
+                       _arithmetic(closed.jaxpr))
+
+
+def _traces_other(trace, base):
+  """Whether trace() gives other arithmetic than `base`. A trace that raises
+  (under jax.numpy_dtype_promotion('strict'), a weak scalar made strong
+  cannot promote) is another program too: jax.jit would raise there."""
+  try:
+    traced = trace()
+  except Exception:  # pylint: disable=broad-except
+    return True
+  return _arithmetic(traced.jaxpr) != base
 
 
 def _dtypes_of(jaxpr, found):
@@ -182,8 +193,8 @@ def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
       leaves, treedef = tree_util.tree_flatten(flipped[group][i])
       leaves[j] = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
       flipped[group][i] = tree_util.tree_unflatten(treedef, leaves)
-    traced = jax.make_jaxpr(wrapped)(tuple(flipped["state"]), *flipped["dyn"])
-    return _arithmetic(traced.jaxpr) != base
+    return _traces_other(lambda: jax.make_jaxpr(wrapped)(tuple(flipped["state"]),
+                                                       *flipped["dyn"]), base)
 
   found = [c for c in candidates if changes([c])]
   pick = lambda group: [(i, j, bool(aval.weak_type)) for g, i, j, aval in found if g == group]

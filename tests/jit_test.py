@@ -140,6 +140,36 @@ class JitTest(absltest.TestCase):
     with self.assertRaises(js.UnknownGraphError):
       sess.report(gid)
 
+  def test_explicit_mesh_and_inlined_nested_jits(self):
+    """jax.random under jax.set_mesh with an Explicit axis: the sampler's
+    inner jit runs on an Auto copy of the mesh; inlined, its nodes bind under
+    that mesh, as jax.jit's trace did."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+    f = lambda k: jax.random.uniform(k, (8,), out_sharding=NamedSharding(mesh, P("x")))  # noqa: E731
+    key = jax.random.key(int(self.rng.integers(1 << 30)))
+    with jax.set_mesh(mesh):
+      got, want = js.jit(f)(key), jax.jit(f)(key)
+      same(self, got, want)
+      self.assertEqual(got.sharding, want.sharding)
+    # the shape-rule cache is keyed by the mesh: a later compile without one works
+    g = lambda x: jnp.broadcast_to(x, (8,)) * 2  # noqa: E731
+    with jax.set_mesh(mesh):
+      js.jit(g)(jnp.float32(1.5))
+    same(self, js.jit(g)(jnp.float32(1.5)), jax.jit(g)(jnp.float32(1.5)))
+
+  def test_strict_promotion(self):
+    """jax.numpy_dtype_promotion('strict') (JAX's test harness turns it on):
+    the weak-type analysis's traces may raise there; compile does not."""
+    x = jnp.asarray(self.rng.standard_normal(4), jnp.float32)
+    with jax.numpy_dtype_promotion("strict"):
+      same(self, js.jit(lambda x: x * 2)(x), jax.jit(lambda x: x * 2)(x))
+      same(self, js.jit(lambda x, s: x * s)(x, 2.0), jax.jit(lambda x, s: x * s)(x, 2.0))
+      mixed = lambda x, s: (x.astype(jnp.bfloat16) * s, x * 2)  # noqa: E731
+      same(self, js.jit(mixed)(x, 2.0), jax.jit(mixed)(x, 2.0))  # s made strong: refused
+      with self.assertRaises(jax.dtypes.TypePromotionError):
+        js.jit(lambda x, s: x * s)(x, jnp.float16(2))  # strict: jax.jit refuses too
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -10,6 +10,7 @@ import itertools
 import weakref
 
 import numpy as np
+import jax
 
 from jaxsession.graph.op_properties import node_props
 
@@ -494,17 +495,24 @@ def _expected_avals(node):
   """[(shape, dtype)] from the primitive's abstract evaluation, cached by
   (primitive, input avals, params); None when it cannot be asked; a string
   saying why when the inputs do not fit the primitive."""
-  try:
+  meshes = {m for m in (mesh_of(v.aval) for v in node.inputs) if m is not None}
+  if len(meshes) > 1:  # inputs on different meshes (constants on none): no one context
+    return None
+  mesh = meshes.pop() if meshes else jax.sharding.get_abstract_mesh()
+  try:  # everything the answer depends on: the avals with their shardings, the mesh
     key = (node.prim, tuple((tuple(v.aval.shape), v.aval.dtype, getattr(v.aval, "weak_type",
-                                                                       False))
+                                                                       False),
+                             getattr(v.aval, "sharding", None))
                             for v in node.inputs),
-           param_key(node.params))
+           param_key(node.params), mesh)
+    hash(key)
   except (TypeError, AttributeError):
     key = None
   if key is not None and key in _SHAPE_RULE_CACHE:
     return _SHAPE_RULE_CACHE[key]
-  try:
-    result = node.prim.abstract_eval(*[v.aval for v in node.inputs], **node.params)
+  try:  # under the inputs' mesh, as the trace that made them ran
+    with jax.sharding.use_abstract_mesh(mesh):
+      result = node.prim.abstract_eval(*[v.aval for v in node.inputs], **node.params)
   except (TypeError, ValueError) as exc:
     return f"{type(exc).__name__}: {exc}"
   except Exception:  # a primitive without a usable shape rule: nothing to check
@@ -520,6 +528,13 @@ def _expected_avals(node):
       _SHAPE_RULE_CACHE.clear()
     _SHAPE_RULE_CACHE[key] = expected
   return expected
+
+
+def mesh_of(aval):
+  """The abstract mesh an aval is laid out on under explicit sharding; None
+  for an aval on no mesh."""
+  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+  return None if mesh is None or getattr(mesh, "empty", True) else mesh
 
 
 def param_key(params):

@@ -6,11 +6,12 @@ liveness of the node list, session/graph/liveness.py). Traced
 under `jax.jit` this yields one XLA computation for the whole node list.
 """
 import numpy as np
+import jax
 from jax.core import ShapedArray
 
 from jaxsession.graph import liveness
 from jaxsession.errors import KernelSelectError
-from jaxsession.graph.ir import Literal, aval_str
+from jaxsession.graph.ir import Literal, aval_str, mesh_of
 from jaxsession.kernels import xla as xla_kernels
 
 
@@ -37,6 +38,16 @@ def check_kernel_outputs(node, outs):
                               f"{node.id} '{node.op}', which is {aval_str(value.aval)}")
 
 
+def node_mesh(node):
+  """The abstract mesh a node's values are laid out on under explicit
+  sharding (its outputs', else its inputs'), None for none."""
+  for v in (*node.outputs, *node.inputs):
+    mesh = mesh_of(getattr(v, "aval", None))
+    if mesh is not None:
+      return mesh
+  return None
+
+
 def lower_nodes(nodes, in_values, out_values, consts=None):
   """Returns fn(*arrays) -> list, computing `out_values` from `in_values`.
 
@@ -49,6 +60,9 @@ def lower_nodes(nodes, in_values, out_values, consts=None):
   bound = dict(consts or {})
   frees = liveness.of_nodes(nodes, out_values).frees()
   fns = [kernel_fn(n) for n in nodes]
+  # a node traced on an explicit-sharding mesh binds under that mesh: an inlined
+  # nested jit (jax.random's samplers) may run on another mesh than its caller
+  meshes = [node_mesh(n) for n in nodes]
 
   def read(env, value):
     return value.value if isinstance(value, Literal) else env[value.id]
@@ -56,9 +70,13 @@ def lower_nodes(nodes, in_values, out_values, consts=None):
   def run_nodes(*arrays):
     env = dict(bound)
     env.update(zip(in_ids, arrays))
-    for node, fn, free in zip(nodes, fns, frees):
+    for node, fn, free, mesh in zip(nodes, fns, frees, meshes):
       try:
-        outs = fn(node, *[read(env, v) for v in node.inputs])
+        if mesh is None:
+          outs = fn(node, *[read(env, v) for v in node.inputs])
+        else:
+          with jax.sharding.use_abstract_mesh(mesh):
+            outs = fn(node, *[read(env, v) for v in node.inputs])
       except Exception as exc:  # raised while the executable is traced, at compile
         name = node.kernel.name if node.kernel is not None else "xla:bind"
         raise KernelSelectError(f"kernel {name} of node {node.id} '{node.op}' raised "
