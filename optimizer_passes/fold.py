@@ -18,8 +18,10 @@ a closure's constants. An array made of literals alone (broadcast_in_dim 1.0,
 iota...) stays a node, so that XLA sees the same expression as under jax.jit
 (its simplifier rewrites x / c into x * (1/c) and combines constant factors
 when it sees c; the 1-ulp drift an optax step showed with only this pass on
-came from hiding such a c). Its value is still known, for folding the nodes
-that read it.
+came from hiding such a c). Nothing that reads one is folded either: XLA's
+constant folder leaves broadcasts and iotas unfolded, so under jax.jit their
+readers run at run time (`x * jnp.linspace(.1, 1, 64).mean()`: folding the
+mean gave other bits in 64 of 64 elements).
 
 A result larger than `SessionOptions.fold_limit_bytes` is not folded. Only
 nodes that op_properties calls foldable are evaluated: never control flow,
@@ -105,17 +107,14 @@ class FoldConstants(Pass):
     limit = ctx.options.fold_limit_bytes
     known = {v.id: graph.const_values[v.id] for v in graph.inputs_of_kind("const")}
     from_const = set(known)  # values an executable receives as arguments
-    pending = {}  # literal-only array values kept as nodes: id -> node, evaluated on demand
     folded = []
     fold = Evaluator(ctx.platform)
     for node in graph.nodes:
-      if not self._foldable(node, known, pending, limit):
+      if not self._foldable(node, known, limit):
         continue
       reads_const = any(isinstance(v, Value) and v.id in from_const for v in node.inputs)
       if not reads_const and any(o.aval.shape != () for o in node.outputs):
-        pending.update((out.id, node) for out in node.outputs)
-        continue
-      self._resolve(node.inputs, known, pending, fold)
+        continue  # a literal-only array: stays a node, unknown to its readers
       args = [v.value if isinstance(v, Literal) else known[v.id] for v in node.inputs]
       for out, result in zip(node.outputs, fold(node, args)):
         value = np.asarray(result, dtype=out.aval.dtype)
@@ -133,32 +132,10 @@ class FoldConstants(Pass):
     return PassResult(bool(folded))
 
   @staticmethod
-  def _resolve(values, known, pending, fold):
-    """Evaluates the pending (literal-only) nodes that `values` need, in
-    dependency order, without recursion."""
-    stack = [v for v in values if isinstance(v, Value) and v.id in pending]
-    while stack:
-      value = stack[-1]
-      if value.id in known:
-        stack.pop()
-        continue
-      node = pending[value.id]
-      missing = [v for v in node.inputs
-                 if isinstance(v, Value) and v.id in pending and v.id not in known]
-      if missing:
-        stack.extend(missing)
-        continue
-      args = [v.value if isinstance(v, Literal) else known[v.id] for v in node.inputs]
-      for out, result in zip(node.outputs, fold(node, args)):
-        known[out.id] = np.asarray(result, dtype=out.aval.dtype)
-      stack.pop()
-
-  @staticmethod
-  def _foldable(node, known, pending, limit):
+  def _foldable(node, known, limit):
     if not node.props.foldable or node.prim is None:
       return False
-    if any(not (isinstance(v, Literal) or v.id in known or v.id in pending)
-           for v in node.inputs):
+    if any(not (isinstance(v, Literal) or v.id in known) for v in node.inputs):
       return False
     try:  # extended dtypes (PRNG keys), in or out, have no numpy form
       return all(np.dtype(v.aval.dtype) is not None for v in (*node.inputs, *node.outputs)
