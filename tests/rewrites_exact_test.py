@@ -299,6 +299,23 @@ class FoldComputesWhatXlaComputesTest(absltest.TestCase):
                lambda x: x * jnp.exp(jnp.linspace(-2.0, 2.0, 64)).max()):
       _check(self, fn, normal(RNG, 64))
 
+  def test_random_samplers_with_constant_parameters(self):
+    """jax.random wraps its samplers in a nested jit taking the parameter as
+    an argument: a parameter inside XLA's called computation, never a
+    constant. Inlined with the literal visible, 5 to 7 of 64 samples
+    differed; the importer's optimization_barrier keeps it a parameter.
+    (jax.random.f and generalized_normal still differ: not yet understood.)"""
+    key = jax.random.key(int(RNG.integers(1 << 30)))
+    for fn in (lambda k: jax.random.gamma(k, 2.0, (64,)),
+               lambda k: jax.random.beta(k, 2.0, 3.0, (64,)),
+               lambda k: jax.random.t(k, 3.0, (64,)),
+               lambda k: jax.random.loggamma(k, 0.5, (64,)),
+               lambda k: jax.random.chisquare(k, 3.0, (64,)),
+               lambda k: jax.random.wald(k, 1.5, (64,)),
+               lambda k: jax.random.ball(k, 3, 2.0, (16,)),
+               lambda k: jax.random.dirichlet(k, jnp.array([1.0, 2.0, 3.0]), (16,))):
+      _check(self, fn, key)
+
 
 class FoldOnlyOptaxTest(absltest.TestCase):
   """Bug 6: with only fold_constants on, optax Adam drifted by an ulp: folding

@@ -43,12 +43,13 @@ class OpProps:
   user_code: bool = False
   effects: bool = False
   control_flow: bool = False
+  opaque: bool = False  # a value XLA must not see through (never folded)
 
   @property
   def foldable(self):
     """May be evaluated at compile time (constant folding)."""
     return (self.deterministic and not self.user_code and not self.effects
-            and not self.control_flow)
+            and not self.control_flow and not self.opaque)
 
   def join(self, other):
     """The properties of a node that runs both `self` and `other`."""
@@ -57,7 +58,8 @@ class OpProps:
                    may_fail=self.may_fail or other.may_fail,
                    user_code=self.user_code or other.user_code,
                    effects=self.effects or other.effects,
-                   control_flow=self.control_flow or other.control_flow)
+                   control_flow=self.control_flow or other.control_flow,
+                   opaque=self.opaque or other.opaque)
 
   def describe(self):
     flags = [name for name, on in (("impure", not self.pure),
@@ -202,6 +204,9 @@ OP_TABLE = {
     # are never merged, since nothing promises the callback is deterministic.
     **_facts("io_callback", "debug_callback", "debug_print", props=_EFFECTFUL_CALLBACK),
     "rng_uniform": OpFacts(props=OpProps(deterministic=False)),  # each call differs
+    # what XLA must not see through (the importer puts one on a literal operand
+    # of an inlined jit, which jax.jit's XLA sees as a parameter)
+    "optimization_barrier": OpFacts(props=OpProps(opaque=True)),
     "scan": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
     "cond": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
     "while": OpFacts(props=_CONTROL_FLOW, dce=_while_dce),
