@@ -95,6 +95,14 @@ def main(argv):
     row.update(seconds_plain=round(t_plain), seconds_routed=round(t_routed))
     everything[module] = row
     rows.append(row | {"module": module})
+    print(f"# {module}: {row['tests']} tests, plain {row['passed_plain']} passed "
+          f"({row['seconds_plain']} s), routed {row['passed_routed']} passed "
+          f"({row['seconds_routed']} s), {row['shadow_differences']} shadow differences",
+          flush=True)
+    if FLAGS.json_out:
+      with open(FLAGS.json_out, "w") as f:
+        json.dump({m: {k: (dict(v) if isinstance(v, collections.Counter) else v)
+                       for k, v in r.items()} for m, r in everything.items()}, f, indent=1)
   print(f"JAX's test modules (jax {_jax_version()}), JAX_NUM_GENERATED_CASES={FLAGS.cases}"
         + (f", -k {FLAGS.k!r}" if FLAGS.k else ""))
   print()
@@ -114,10 +122,6 @@ def main(argv):
       print(f"\n{r['module']}: shadow differences (first {min(len(r['diffs']), 20)})")
       for test, what in r["diffs"][:20]:
         print(f"  {test.split('::')[-1] if test else '?'}: {what}")
-  if FLAGS.json_out:
-    with open(FLAGS.json_out, "w") as f:
-      json.dump({m: {k: (dict(v) if isinstance(v, collections.Counter) else v)
-                     for k, v in r.items()} for m, r in everything.items()}, f, indent=1)
 
 
 def _jax_version():

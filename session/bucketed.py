@@ -306,11 +306,13 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
 
 
 def _paddable(dtype):
+  """Numeric or bool, ml_dtypes' included (bfloat16 and the float8s are numpy
+  kind 'V'); not extended dtypes (PRNG keys)."""
   try:
-    kind = np.dtype(dtype).kind
-  except TypeError:  # extended dtypes (PRNG keys)
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.number)
+                or jax.numpy.issubdtype(dtype, jax.numpy.bool_))
+  except TypeError:
     return False
-  return kind in "biufc"
 
 
 def _weak_like(sliced, original):
@@ -334,7 +336,9 @@ def program_signature(graph, rows):
   literals and types of every node in order (no ids, no source lines), so
   two traces at different row counts compare equal unless the program reads
   the row count itself."""
-  pattern = re.compile(rf"(?<![0-9.]){rows}(?![0-9.])")
+  # the row count as a dimension or a tuple item only - "[32," "(32)" ", 32]" -
+  # never inside a dtype's name (f32, i8) or a scalar param (bit_width=32)
+  pattern = re.compile(rf"(?<=[\[(,\s]){rows}(?=[,\])])")
   name = lambda text: pattern.sub("B", text)
   lines = [name(" ".join(aval_str(v.aval) for v in graph.inputs))]
   for node in graph.nodes:

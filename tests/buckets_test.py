@@ -172,6 +172,30 @@ class PaddingRefusedTest(absltest.TestCase):
                            buckets={1: [4, 8]})
 
 
+class PaddingDtypesTest(absltest.TestCase):
+  """The batch-size check reads shapes, not text: a row count of 32 is not
+  the "32" of f32 or i32 (nor 16 of f16, 8 of i8); ml_dtypes pad."""
+
+  def test_row_counts_that_spell_a_dtype_and_bf16(self):
+    rng = np.random.default_rng(5)
+    for dtype, rows in ((jnp.float32, 32), (jnp.int32, 32), (jnp.float16, 16),
+                        (jnp.int8, 8), (jnp.bfloat16, 32), (jnp.float8_e4m3fn, 16),
+                        (jnp.float64 if jax.config.jax_enable_x64 else jnp.uint8, 64)):
+      example = jnp.asarray(rng.standard_normal((rows, 8)) * 4).astype(dtype)
+      fn = lambda x: (x * 2, x.astype(jnp.float32) + 1)  # noqa: E731
+      sess = js.Session()
+      gid = sess.compile(fn, example, buckets={0: [rows // 4, rows // 2, rows]})
+      for n in (1, 3, rows // 2 + 1):
+        got, want = sess.run(gid, example[:n]), jax.jit(fn)(example[:n])
+        for g, w in zip(got, want):
+          self.assertEqual(g.dtype, w.dtype)
+          np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+  def test_reading_the_row_count_is_still_refused(self):
+    with self.assertRaisesRegex(InputError, "depends on the batch size"):
+      js.Session().compile(lambda x: x / x.shape[0], jnp.ones((32, 8)), buckets={0: [8, 32]})
+
+
 class RecompileWarningTest(absltest.TestCase):
 
   def test_warns_at_the_limit_and_at_every_new_size(self):
