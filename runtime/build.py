@@ -14,6 +14,7 @@ from typing import Callable, List, Tuple
 import jax
 import numpy as np
 
+from jaxsession.jax_api import real_jit
 from jaxsession.graph import liveness
 from jaxsession.errors import HostOpError
 from jaxsession.graph.ir import Literal, aval_str
@@ -49,7 +50,7 @@ def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
   executable is looked up under `key` + the argument types + the donation
   before anything is traced, and stored after a compile."""
   def compile_now():
-    lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*arg_structs)
+    lowered = real_jit(fn, donate_argnums=donate_argnums).lower(*arg_structs)
     return lowered.compile(compiler_options=compiler_options or None)
   if cache is None or key is None:
     return compile_now()

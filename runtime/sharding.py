@@ -26,6 +26,7 @@ import numpy as np
 from jax import tree_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxsession.jax_api import real_jit
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
 
@@ -162,8 +163,8 @@ def put_global(x, sharding):
   the same whole value; each puts its addressable shards."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     if x.sharding == sharding:
-      return jax.jit(lambda a: a.copy(), out_shardings=sharding)(x)
-    return jax.jit(lambda a: a, out_shardings=sharding)(x)  # a reshard copies
+      return real_jit(lambda a: a.copy(), out_shardings=sharding)(x)
+    return real_jit(lambda a: a, out_shardings=sharding)(x)  # a reshard copies
   if isinstance(x, jax.Array) and sharding.is_fully_addressable:
     # device_put may keep the caller's buffer as the shard on its own device
     # (may_alias=False notwithstanding, measured with jax 0.10.2), and the

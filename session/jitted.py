@@ -28,6 +28,7 @@ import numpy as np
 from jax import tree_util
 
 from jaxsession.errors import InputError
+from jaxsession.jax_api import real_jit
 
 _DEFAULT = []                 # the process's default Session, made on first use
 _DEFAULT_LOCK = threading.Lock()
@@ -156,7 +157,7 @@ class Jitted:
 
   def _under_trace(self):
     if self._traced is None:
-      self._traced = jax.jit(self._fn, static_argnums=self._argnums,
+      self._traced = real_jit(self._fn, static_argnums=self._argnums,
                              static_argnames=self._argnames)
     return self._traced
 

@@ -14,6 +14,7 @@ from typing import Any, List, Optional
 import jax
 from jax import tree_util
 
+from jaxsession.jax_api import real_jit
 from jaxsession.errors import InputError
 from jaxsession.inputs import leaf_aval, paths_of
 from jaxsession.runtime import collectives, compile_cache, sharding
@@ -58,7 +59,7 @@ def check_compiler_options(opts, platform):
   arg = jax.ShapeDtypeStruct((), "float32", sharding=jax.sharding.SingleDeviceSharding(
       jax.local_devices(backend=platform)[0]))
   try:
-    jax.jit(lambda a: a).lower(arg).compile(compiler_options=dict(opts))
+    real_jit(lambda a: a).lower(arg).compile(compiler_options=dict(opts))
   except Exception as exc:  # pylint: disable=broad-except  # XLA's error, restated
     raise InputError(f"SessionOptions.compiler_options={opts!r} is not taken by the "
                      f"{platform} compiler: {str(exc).splitlines()[0]}") from None

@@ -170,6 +170,22 @@ class JitTest(absltest.TestCase):
       with self.assertRaises(jax.dtypes.TypePromotionError):
         js.jit(lambda x, s: x * s)(x, jnp.float16(2))  # strict: jax.jit refuses too
 
+  def test_jax_jit_rebound_to_it(self):
+    """The one-line patch `jax.jit = jaxsession.jit`: the session's own
+    compiles (Build, constant folding) use the real jax.jit, never route back
+    into themselves (a fold once recursed until RecursionError)."""
+    real = jax.jit
+    x = jnp.asarray(self.rng.standard_normal(8), jnp.float32)
+    fn = lambda x: jnp.where(x > 0, x, 0.0) * jnp.exp(jnp.float32(0.5))  # noqa: E731
+    want = real(fn)(x)
+    jax.jit = js.jit
+    try:
+      got = jax.jit(fn)(x)
+      same(self, jax.jit(lambda x: jnp.sum(x * 2))(x), real(lambda x: jnp.sum(x * 2))(x))
+    finally:
+      jax.jit = real
+    same(self, got, want)
+
 
 if __name__ == "__main__":
   absltest.main()
