@@ -80,14 +80,21 @@ def _resolve_statics(fn, argnums, argnames):
   return frozenset(nums), frozenset(names)
 
 
+_PY_SCALARS = (bool, int, float, complex)
+
+
 def _leaf_key(x):
   """What a leaf contributes to the signature: jax.jit compiles anew for a
   new type, shape, dtype or weak type (a Python scalar is weak)."""
   if isinstance(x, jax.Array):
     return (type(x), x.shape, x.dtype, getattr(x, "weak_type", False))
-  if isinstance(x, np.ndarray) or isinstance(x, np.generic):
-    return (np.ndarray, x.shape, x.dtype)
-  return (type(x),)
+  if type(x) in _PY_SCALARS:
+    return (type(x),)
+  try:  # numpy arrays and scalars, and anything else jax takes (custom element types)
+    aval = jax.api_util.shaped_abstractify(x)
+  except TypeError:
+    return (type(x),)  # not a jax type: compile names it (InputError)
+  return (type(x), aval.shape, aval.dtype, getattr(aval, "weak_type", False))
 
 
 class Jitted:

@@ -82,6 +82,9 @@ class JitTest(absltest.TestCase):
     f(jnp.ones(4), 2)   # a new shape
     f(2.0, 2)           # a weak scalar
     self.assertLen(f._graphs, 5)  # pylint: disable=protected-access
+    for shape in ((3,), (2, 2), ()):  # numpy leaves: their shapes tell signatures apart
+      v = np.asarray(self.rng.standard_normal(shape), np.float32)
+      same(self, f(v, 2), jax.jit(lambda x, n: x * n, static_argnames="n")(v, 2))
 
   def test_under_a_trace_it_is_jax_jit(self):
     f = lambda x: jnp.sum(jnp.tanh(x) ** 2)  # noqa: E731

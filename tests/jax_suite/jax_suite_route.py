@@ -90,6 +90,7 @@ class RoutedJit:
     self._real = _real_jit(fun, **kwargs)
     self._ours = js.jit(fun, **kwargs)
     self.__wrapped__ = fun
+    self._label = getattr(fun, "__name__", None) or repr(fun)[:60]
     for name in ("__name__", "__qualname__", "__doc__", "__module__"):
       try:
         setattr(self, name, getattr(fun, name))
@@ -116,11 +117,12 @@ class RoutedJit:
     try:
       want = self._real(*args, **kwargs)
     except Exception as exc:  # pylint: disable=broad-except
-      _diff(f"the session ran; jax.jit raised {type(exc).__name__}: {str(exc)[:120]}")
+      _diff(f"{self._label}: the session ran; jax.jit raised {type(exc).__name__}: "
+            f"{str(exc)[:120]}")
       return got
     what = _describe(got, want)
     if what is not None:
-      _diff(what)
+      _diff(f"{self._label}: {what}")
     return got
 
 
