@@ -383,6 +383,44 @@ def call_path(program, layout, lock):
   return call
 
 
+def eager_program(graph, spec, rest_tree, layout, steps=None):
+  """The Program that runs the graph op by op (each node's kernel bound
+  eagerly), for runs under `jax.disable_jit()`, where jax.jit runs its
+  function op by op too and an ahead-of-time executable refuses to run.
+  Nothing is donated; `steps` runs that many steps on the stacked args and
+  commits once, as a sunk run does."""
+  consts = graph_consts(graph)
+  in_ids = [v.id for v in graph.inputs if v.kind != "const"]
+  k, n = layout.num_outputs, len(layout.structs())
+
+  def one_step(leaves, user):
+    env = dict(consts)
+    env.update(zip(in_ids, [*leaves, *user]))
+    read = lambda v: v.value if isinstance(v, Literal) else env[v.id]  # noqa: E731
+    for node in graph.nodes:
+      env.update(zip([o.id for o in node.outputs],
+                     kernel_fn(node)(node, *[read(v) for v in node.inputs])))
+    return [read(v) for v in graph.outputs]
+
+  def run(*xs):
+    leaves = layout.leaves_of(xs[:n])
+    user = tree_util.tree_leaves(spec.conform(xs[n:], leading=steps))
+    if steps is None:
+      outs = one_step(leaves, user)
+      return layout.returned([outs[i] for i in layout.updated_idx]), \
+          tree_util.tree_unflatten(rest_tree, outs[k:])
+    per_step = []
+    for t in range(steps):
+      outs = one_step(leaves, [x[t] for x in user])
+      for i in layout.updated_idx:
+        leaves[i] = outs[i]
+      per_step.append(outs[k:])
+    stacked = [jax.numpy.stack(column) for column in zip(*per_step)]
+    return layout.returned([leaves[i] for i in layout.updated_idx]), \
+        tree_util.tree_unflatten(rest_tree, stacked)
+  return Program([], [], 0, 0, [], frozenset(), frozenset(), [], {}, {}, run)
+
+
 def runtime_failure(partition, recorder, exc):
   """A runtime error of a partition with callbacks is the callback's failure
   (HostOpError); any other runtime error stays what it is."""

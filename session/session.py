@@ -14,7 +14,7 @@ from jax.extend import core as jcore
 
 from jaxsession import bucketed, inputs, pipeline, spmd, tracing
 from jaxsession.graph import importer
-from jaxsession.errors import InputError, UnknownGraphError
+from jaxsession.errors import InputError, SessionError, UnknownGraphError
 from jaxsession.inputs import ArgSpec, check_leaf
 from jaxsession.dump import GraphDumper
 from jaxsession.optimizer_passes.base import PassContext
@@ -38,6 +38,7 @@ class _Entry:
   slots: List[StateSlot]
   make_sunk: Any            # steps -> the Runner of run(steps=)
   hooks: Any = None         # the profiler's GraphHooks, when profiling
+  make_eager: Any = None    # steps -> the Runner of a run under jax.disable_jit()
   sunk: Dict[int, Any] = dataclasses.field(default_factory=dict)  # steps -> call
   released: bool = False
   bucketed: Any = None      # a BucketedGraph: run dispatches to its sub-graphs
@@ -259,7 +260,8 @@ class Session:
                                     self.platform, extra=(rest_tree, spmd.key_text(mesh_layout)))
     build_start = time.perf_counter()
     hooks = self.profiler.graph_hooks(None, name, graph)  # bound to the id below
-    runner, make_sunk = self._build(graph, spec, rest_tree, leaf_slots, cache, key, hooks)
+    runner, make_sunk, make_eager = self._build(graph, spec, rest_tree, leaf_slots, cache,
+                                                key, hooks)
     build_seconds = time.perf_counter() - build_start
 
     if dumper:
@@ -279,7 +281,8 @@ class Session:
         slots[k].weak_sensitive[j] = weak
       if hooks is not None:
         hooks.bind(gid)
-      self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk, hooks)
+      self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk, hooks,
+                                 make_eager)
     self.profiler.record_compile(gid, name, ctx.records, build_seconds,
                                  report.compile_seconds)
     return gid
@@ -305,7 +308,10 @@ class Session:
       sunk = lambda steps: loop_sink.stepped_program(program, layout, spec, rest_tree, steps)
     if parts:
       memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
-    return executor.Runner(program, layout), lambda steps: executor.Runner(sunk(steps), layout)
+    eager = lambda steps: executor.Runner(  # noqa: E731
+        executor.eager_program(graph, spec, rest_tree, layout, steps), layout)
+    return (executor.Runner(program, layout),
+            lambda steps: executor.Runner(sunk(steps), layout), eager)
 
   def _check_shared(self, name, state_nums, state_flats, state_from, source):
     """InputError unless the state examples fit `state_from`'s slots: the
@@ -396,10 +402,15 @@ class Session:
           if call is None:
             call = entry.sunk[steps] = entry.sunk_call(steps)
       return call(args)
-    except Exception:
+    except Exception as exc:
       if entry.released:  # released by another thread while this call ran
         raise UnknownGraphError(f"graph id {graph_id!r} was released while this run "
                                 "was starting") from None
+      if (jax.config.jax_disable_jit and entry.make_eager is not None
+          and not isinstance(exc, SessionError)):
+        # an executable refuses to run under jax.disable_jit() before it runs
+        # anything: run op by op, as jax.jit does there
+        return entry.make_eager(steps).call(args)
       raise
 
   # -- state --------------------------------------------------------------

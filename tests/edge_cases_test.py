@@ -303,6 +303,46 @@ class PipelineEdgesTest(absltest.TestCase):
       js.Session(js.SessionOptions(save_graphs=path))
 
 
+class DisableJitTest(absltest.TestCase):
+  """Under `jax.disable_jit()` jax.jit runs its function op by op; so does
+  Session.run (an ahead-of-time executable refuses to run there): single,
+  stateful, loop-sunk and multi-partition graphs, bit for bit with jax.jit
+  under the same flag, and the state committed once per run."""
+
+  def test_runs_op_by_op(self):
+    rng = np.random.default_rng(21)
+    w = jnp.asarray(rng.standard_normal(6), jnp.float32)
+    x = jnp.asarray(rng.standard_normal(6), jnp.float32)
+    xs = jnp.asarray(rng.standard_normal((3, 6)), jnp.float32)
+
+    def step(w, x):
+      return w * 0.5 + jnp.tanh(x), jnp.sum(w * x)
+
+    def plan(x):
+      y = jax.pure_callback(lambda a: np.asarray(a) * np.float32(3), jax.ShapeDtypeStruct(
+          x.shape, x.dtype), x)
+      return jnp.exp(y) - x
+    sess = js.Session()
+    sid = sess.compile(step, w, x, state_argnums=0)
+    pid = sess.compile(plan, x)
+    self.assertGreater(len(sess.report(pid).partitions), 1)
+    with jax.disable_jit():
+      w1, want = jax.jit(step)(w, x)
+      np.testing.assert_array_equal(sess.run(sid, x), want)
+      np.testing.assert_array_equal(sess.get_state(sid)[0], w1)
+      wants, wn = [], w1
+      for t in range(3):
+        wn, out = jax.jit(step)(wn, xs[t])
+        wants.append(out)
+      np.testing.assert_array_equal(sess.run(sid, xs, steps=3), jnp.stack(wants))
+      np.testing.assert_array_equal(sess.get_state(sid)[0], wn)
+      np.testing.assert_array_equal(sess.run(pid, x), jax.jit(plan)(x))
+      with self.assertRaises(js.InputError):  # bad input: still named, nothing changed
+        sess.run(sid, jnp.ones(5))
+      np.testing.assert_array_equal(sess.get_state(sid)[0], wn)
+    np.testing.assert_array_equal(sess.run(sid, x), jax.jit(step)(wn, x)[1])  # compiled again
+
+
 class DebugNansTest(absltest.TestCase):
   """jax_debug_nans on (before compile, as jax.jit reads it at trace time):
   a nan is a FloatingPointError naming the graph and the node, and the
