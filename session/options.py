@@ -30,6 +30,8 @@ class SessionOptions:
     to skip. User passes are added process-wide with `jaxsession.register_pass`;
     each runs before the decisions (required passes) of its stage.
   fold_limit_bytes: constant folding does not materialise larger results.
+  reorder_slack_bytes: reorder_for_partitions may raise the planned peak of
+    live bytes by 10% or by this many bytes, whichever is more.
   recompile_warn_limit: a bucketed graph warns (absl logging) when it has
     compiled this many distinct batch sizes, and at every new one after.
   precompile_buckets: compile every bucket at compile, not on first use.
@@ -59,6 +61,7 @@ class SessionOptions:
   place_all_on_device: bool = False
   disabled_passes: Sequence[str] = ()
   fold_limit_bytes: int = 1 << 16
+  reorder_slack_bytes: int = 4 << 20
   recompile_warn_limit: int = 8
   precompile_buckets: bool = False
   run_op_cache_size: int = 128
@@ -84,7 +87,8 @@ class SessionOptions:
         isinstance(p, str) for p in self.disabled_passes):
       raise InputError("SessionOptions.disabled_passes must be a list of pass names, got "
                        f"{self.disabled_passes!r}")
-    for name in ("fold_limit_bytes", "recompile_warn_limit", "run_op_cache_size"):
+    for name in ("fold_limit_bytes", "reorder_slack_bytes", "recompile_warn_limit",
+                 "run_op_cache_size"):
       limit = getattr(self, name)
       if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise InputError(f"SessionOptions.{name} must be an int >= 0, got {limit!r}")
