@@ -12,7 +12,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = os.path.join(REPO, "..", "shared", "jax-tests")
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+sys.path.insert(0, os.path.join(REPO, "tests", "jax_suite"))
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ KNOWN = {
 class JaxSuiteTest(absltest.TestCase):
 
   def test_operators_module_routed_equals_plain(self):
-    import jax_suite  # pylint: disable=import-outside-toplevel
+    import suite as jax_suite  # pylint: disable=import-outside-toplevel
     module = "lax_numpy_operators_test"
     plain, _ = jax_suite.run_module(SUITE, module, False, cases=1)
     routed, _ = jax_suite.run_module(SUITE, module, True, cases=1)
