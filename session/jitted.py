@@ -30,6 +30,11 @@ from jax import tree_util
 from jaxsession.errors import InputError
 from jaxsession.jax_api import real_jit
 
+try:  # True outside every trace (vmap with an axis name, grad, jit, ...)
+  from jax._src.core import trace_state_clean as _top_level
+except ImportError:  # an internal API: tracer arguments alone tell a trace then
+  _top_level = lambda: True  # noqa: E731
+
 _DEFAULT = []                 # the process's default Session, made on first use
 _DEFAULT_LOCK = threading.Lock()
 
@@ -90,10 +95,9 @@ def _leaf_key(x):
     return (type(x), x.shape, x.dtype, getattr(x, "weak_type", False))
   if type(x) in _PY_SCALARS:
     return (type(x),)
-  try:  # numpy arrays and scalars, and anything else jax takes (custom element types)
-    aval = jax.api_util.shaped_abstractify(x)
-  except TypeError:
-    return (type(x),)  # not a jax type: compile names it (InputError)
+  # numpy arrays and scalars, anything else jax takes (custom element types); not
+  # a JAX type: jax's own TypeError, as jax.jit raises
+  aval = jax.api_util.shaped_abstractify(x)
   return (type(x), aval.shape, aval.dtype, getattr(aval, "weak_type", False))
 
 
@@ -151,7 +155,9 @@ class Jitted:
       return self._fn(*args, **kwargs)
     statics, dyn_args, dyn_kw = self._split(args, kwargs)
     leaves, treedef = tree_util.tree_flatten((dyn_args, dyn_kw))
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    if not _top_level() or any(isinstance(x, jax.core.Tracer) for x in leaves):
+      # under a trace (even with concrete arguments: a collective over vmap's
+      # axis name) it is jax.jit, traced inline
       return self._under_trace()(*args, **kwargs)
     key = (statics, treedef, tuple(map(_leaf_key, leaves)))
     gid = self._graphs.get(key)

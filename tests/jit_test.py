@@ -93,7 +93,13 @@ class JitTest(absltest.TestCase):
     same(self, jax.grad(ours)(x), jax.grad(jax.jit(f))(x))
     same(self, jax.vmap(ours)(jnp.stack([x, 2 * x])), jax.vmap(jax.jit(f))(jnp.stack([x, 2 * x])))
     same(self, jax.jit(lambda x: ours(x) * 2)(x), jax.jit(lambda x: jax.jit(f)(x) * 2)(x))
+    # concrete arguments, but under vmap's axis name: traced inline too
+    psum = js.jit(lambda v: jax.lax.psum(v, "i"))
+    ref = jax.jit(lambda v: jax.lax.psum(v, "i"))
+    same(self, jax.vmap(lambda v: psum(2.0) * v, axis_name="i")(x),
+         jax.vmap(lambda v: ref(2.0) * v, axis_name="i")(x))
     self.assertEqual(len(ours._graphs), 0)  # pylint: disable=protected-access
+    self.assertEqual(len(psum._graphs), 0)  # pylint: disable=protected-access
 
   def test_disable_jit_runs_op_by_op(self):
     seen = []
@@ -130,6 +136,8 @@ class JitTest(absltest.TestCase):
       js.jit(lambda x, d: x, static_argnums=1)(x, {"a": 1})
     with self.assertRaisesRegex(js.InputError, "callable"):
       js.jit(3)
+    with self.assertRaisesRegex(TypeError, "not a valid JAX type"):  # jax.jit's error
+      js.jit(lambda s: s)("abc")
 
   def test_given_session_and_release_with_the_wrapper(self):
     sess = js.Session()
