@@ -128,6 +128,9 @@ class Jitted:
       self._finalizer = weakref.finalize(self, _release, self._session, self._graphs)
     return self._session
 
+  def __get__(self, obj, objtype=None):  # a jitted method: bound as jax.jit binds it
+    return self if obj is None else functools.partial(self, obj)
+
   def __getattr__(self, name):
     if name.startswith("__") or name in ("_fn", "_session", "_graphs"):
       raise AttributeError(name)

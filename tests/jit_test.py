@@ -127,7 +127,20 @@ class JitTest(absltest.TestCase):
     @js.jit
     def g(x):
       return -x
+    class Scaled:
+      def __init__(self, s):
+        self.s = s
+
+      @functools.partial(js.jit, static_argnums=0)
+      def apply(self, x):
+        return x * self.s
+
+      @functools.partial(jax.jit, static_argnums=0)
+      def ref(self, x):
+        return x * self.s
     x = jnp.arange(5.0)
+    obj = Scaled(1.5)
+    same(self, obj.apply(x), obj.ref(x))  # a method: self bound, static
     same(self, f(x, 2), x[:2])
     same(self, g(x), -x)
     with self.assertRaisesRegex(js.InputError, "static_argnums"):
