@@ -94,6 +94,11 @@ def _leaf_key(x):
   if isinstance(x, jax.Array):
     return (type(x), x.shape, x.dtype, getattr(x, "weak_type", False))
   if type(x) in _PY_SCALARS:
+    if type(x) is int:  # out of the default int's range: jax.jit's OverflowError
+      bits = 64 if jax.config.jax_enable_x64 else 32
+      if not -(1 << (bits - 1)) <= x < (1 << (bits - 1)):
+        raise OverflowError(f"jaxsession.jit: the Python int {x} does not fit int{bits}, "
+                            "the type jax.jit gives it (jax.jit raises OverflowError too)")
     return (type(x),)
   # numpy arrays and scalars, anything else jax takes (custom element types); not
   # a JAX type: jax's own TypeError, as jax.jit raises

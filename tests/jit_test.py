@@ -151,6 +151,12 @@ class JitTest(absltest.TestCase):
       js.jit(3)
     with self.assertRaisesRegex(TypeError, "not a valid JAX type"):  # jax.jit's error
       js.jit(lambda s: s)("abc")
+    for big in (2**31, -2**31 - 1, 2**40):  # jax.jit's OverflowError (without x64)
+      with self.assertRaises(OverflowError):
+        jax.jit(lambda v: v + 1)(big)
+      with self.assertRaises(OverflowError):
+        js.jit(lambda v: v + 1)(big)
+    same(self, js.jit(lambda v: v + 1)(2**31 - 1), jax.jit(lambda v: v + 1)(2**31 - 1))
 
   def test_given_session_and_release_with_the_wrapper(self):
     sess = js.Session()
