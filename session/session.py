@@ -23,6 +23,7 @@ from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_
 from jaxsession.run_op import OpRunner
 from jaxsession.runtime import build, compile_cache, executor, interrupts, loop_sink, memory
 from jaxsession.runtime.profiler import Profiler
+from jaxsession.weak_outputs import WeakOutputs
 from jaxsession.runtime.state import (StateSlot, check_structure, holding, owned_copy,
                                       slots_lock)
 
@@ -39,6 +40,7 @@ class _Entry:
   make_sunk: Any            # steps -> the Runner of run(steps=)
   hooks: Any = None         # the profiler's GraphHooks, when profiling
   make_eager: Any = None    # steps -> the Runner of a run under jax.disable_jit()
+  weak_outputs: Any = None  # weak_outputs.WeakOutputs: output weak types follow the scalars
   sunk: Dict[int, Any] = dataclasses.field(default_factory=dict)  # steps -> call
   released: bool = False
   bucketed: Any = None      # a BucketedGraph: run dispatches to its sub-graphs
@@ -47,6 +49,8 @@ class _Entry:
     self.call = self._wrap(self.runner, None)  # run's hot path: one attribute, one call
     if self.spec.weak_sensitive:  # only where a weak type changes the program
       self.call = self.spec.weak_guard(self.call)
+    if self.weak_outputs is not None:  # only where the graph has scalar run args
+      self.call = self.weak_outputs.guard(self.call)
     if self.spec.local_pieces:  # many processes: assemble the global batch first
       call, conform = self.call, self.spec.conform
       self.call = lambda args: call(conform(args))
@@ -225,6 +229,12 @@ class Session:
                    local_pieces=bool(mesh_layout and mesh_layout.local_pieces),
                    weak_sensitive=weak_dyn)
     rest_tree = tree_util.tree_structure(out_shape[1])
+    weak_outputs = None
+    if mesh_layout is None:  # traced again on types only: the examples are not kept
+      typed = [a if i in static_nums else None for i, a in enumerate(example_args)]
+      weak_outputs = WeakOutputs.make(
+          tracing.stateful_fn(fn, name, typed, state_nums, dyn_nums, updates),
+          state_args, dyn_args, spec, out_shape[1])
     kinds, labels = tracing.input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
     graph.updates_state = updates
@@ -234,13 +244,13 @@ class Session:
                              mesh_layout and mesh_layout.state)
     try:
       return self._compile_bound(gid, name, graph, slots, spec, weak_state, rest_tree,
-                                 nodes_imported, start, mesh_layout)
+                                 nodes_imported, start, mesh_layout, weak_outputs)
     except BaseException:
       self._unpin(slots)
       raise
 
   def _compile_bound(self, gid, name, graph, slots, spec, weak_state, rest_tree,
-                     nodes_imported, start, mesh_layout=None):
+                     nodes_imported, start, mesh_layout=None, weak_outputs=None):
     """The pipeline and Build for a graph whose state slots are bound."""
     ctx = PassContext(platform=self.platform, options=self.options,
                       verify=self.options.verify_graphs)
@@ -282,7 +292,7 @@ class Session:
       if hooks is not None:
         hooks.bind(gid)
       self._graphs[gid] = _Entry(name, graph, report, runner, spec, slots, make_sunk, hooks,
-                                 make_eager)
+                                 make_eager, weak_outputs=weak_outputs)
     self.profiler.record_compile(gid, name, ctx.records, build_seconds,
                                  report.compile_seconds)
     return gid

@@ -166,6 +166,29 @@ class WeakTypesTest(absltest.TestCase):
     sess.run(gid, jnp.ones(2))
     np.testing.assert_array_equal(sess.run(gid, jnp.ones(2)), [2.5, 2.5])
 
+  def test_output_weak_types_follow_the_scalars(self):
+    """Compiled with a Python float and run with a strong float32 (or the
+    other way round), the outputs carry the weak types jax.jit gives them,
+    so `out * bf16` promotes as under jax.jit."""
+    rng = np.random.default_rng(33)
+    x = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    params = jnp.asarray(rng.standard_normal(4), jnp.bfloat16)
+    fns = (lambda s: s * 2, lambda s, x: (s * 3, x * s, s > 0), lambda s: {"a": -s, "b": s})
+    examples = ((2.0,), (1.5, x), (0.5,))
+    for fn, example in zip(fns, examples):
+      for compiled_weak in (True, False):
+        sess = js.Session()
+        first = example[0] if compiled_weak else jnp.float32(example[0])
+        gid = sess.compile(fn, first, *example[1:])
+        for value in (-0.0, jnp.float32(2.5), np.float32(np.inf), 7.25):
+          got = sess.run(gid, value, *example[1:])
+          want = jax.jit(fn)(value, *example[1:])
+          for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            self.assertEqual((g.dtype, g.weak_type), (w.dtype, w.weak_type), (fn, value))
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+            if g.dtype == jnp.float32 and g.shape == ():
+              self.assertEqual((g * params).dtype, (w * params).dtype)
+
 
 class DevicesTest(absltest.TestCase):
 

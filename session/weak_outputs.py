@@ -1,0 +1,88 @@
+"""Output weak types that follow the run's scalars, as jax.jit's do.
+
+A graph compiled with a Python float `s` and run with a strong float32 `s`
+computes the same arithmetic (else the weak guard refuses the run: inputs.py),
+but jax.jit, which compiles again for the strong scalar, returns a strong
+`s * 2` where the graph's executable returns the weak one it was compiled for -
+and `out * bf16_params` is then bfloat16 instead of float32. So where a
+graph has scalar run arguments, `run` compares their weak types with the
+compiled ones; on a difference, the output weak types for that pattern are
+found once by tracing the function with those types (jax.eval_shape, no user
+code runs) and the outputs are retyped (an eager convert_element_type each:
+only on such runs).
+"""
+import jax
+import numpy as np
+from jax import tree_util
+
+from jaxsession.inputs import is_weak
+
+try:  # a weak retype has no public form: jax.numpy arrays of Python scalars are weak
+  from jax._src.lax.lax import _convert_element_type as _retype
+except ImportError:  # an internal API: outputs made weak are left strong
+  _retype = None
+
+
+class WeakOutputs:
+  """The guard of one graph: `guard(call)` wraps its run."""
+
+  def __init__(self, wrapped, state_structs, dyn_structs, spec, out_weak):
+    self.wrapped = wrapped
+    self.state_structs = tuple(state_structs)
+    self.dyn_structs = list(dyn_structs)
+    self.scalars = [(i, j) for i, avals in enumerate(spec.avals) for j, a in enumerate(avals)
+                    if a.shape == () and jax.numpy.issubdtype(a.dtype, jax.numpy.number)]
+    self.compiled = tuple(bool(spec.avals[i][j].weak_type) for i, j in self.scalars)
+    self.flags = {self.compiled: tuple(out_weak)}
+
+  @classmethod
+  def make(cls, wrapped, state_args, dyn_args, spec, out_shape):
+    """The guard, or None where the graph has no scalar run argument."""
+    structs = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x),
+                                       weak_type=is_weak(x)), tree)
+    out_weak = [bool(getattr(a, "weak_type", False)) for a in tree_util.tree_leaves(out_shape)]
+    guard = cls(wrapped, structs(tuple(state_args)), [structs(a) for a in dyn_args], spec,
+                out_weak)
+    return guard if guard.scalars else None
+
+  def out_flags(self, pattern):
+    """The output weak types jax.jit gives for the scalars' weak `pattern`."""
+    if pattern not in self.flags:
+      dyn = list(self.dyn_structs)
+      for (i, j), weak in zip(self.scalars, pattern):
+        leaves, treedef = tree_util.tree_flatten(dyn[i])
+        leaves[j] = jax.ShapeDtypeStruct((), leaves[j].dtype, weak_type=weak)
+        dyn[i] = tree_util.tree_unflatten(treedef, leaves)
+      try:
+        _, rest = jax.eval_shape(self.wrapped, self.state_structs, *dyn)
+        flags = tuple(bool(getattr(a, "weak_type", False)) for a in tree_util.tree_leaves(rest))
+      except Exception:  # pylint: disable=broad-except
+        flags = None  # it does not trace so: the outputs stay as compiled
+      self.flags[pattern] = flags
+    return self.flags[pattern]
+
+  def guard(self, call):
+    scalars, compiled = self.scalars, self.compiled
+
+    def run(args):
+      out = call(args)
+      pattern = tuple(is_weak(tree_util.tree_leaves(args[i])[j]) for i, j in scalars)
+      if pattern == compiled:
+        return out
+      want = self.out_flags(pattern)
+      if want is None:
+        return out
+      leaves, treedef = tree_util.tree_flatten(out)
+      if len(leaves) != len(want):
+        return out
+      return tree_util.tree_unflatten(treedef, [_with_weak(x, w) for x, w in zip(leaves, want)])
+    return run
+
+
+def _with_weak(x, weak):
+  if not isinstance(x, jax.Array) or bool(getattr(x, "weak_type", False)) == weak:
+    return x
+  if not weak:
+    return jax.lax.convert_element_type(x, x.dtype)  # strong, the same bits
+  return x if _retype is None else _retype(x, x.dtype, weak_type=True)
