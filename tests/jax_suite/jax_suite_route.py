@@ -78,8 +78,12 @@ def _describe(got, want):
   return None
 
 
-def _contains_tracer(args, kwargs):
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+def _under_a_trace(args, kwargs):
+  """A tracer among the arguments, or a trace running (vmap with an axis
+  name calls a jitted function with concrete arguments too)."""
+  from jax._src.core import trace_state_clean  # pylint: disable=import-outside-toplevel
+  return (not trace_state_clean()
+          or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))))
 
 
 class RoutedJit:
@@ -105,7 +109,7 @@ class RoutedJit:
     return self if obj is None else types.MethodType(self, obj)
 
   def __call__(self, *args, **kwargs):
-    if _contains_tracer(args, kwargs) or jax.config.jax_disable_jit:
+    if _under_a_trace(args, kwargs) or jax.config.jax_disable_jit:
       STATS["calls under a trace or disable_jit"] += 1
       return self._ours(*args, **kwargs)  # jaxsession.jit is jax.jit there
     STATS["routed calls"] += 1
