@@ -133,11 +133,16 @@ class Jitted:
       self._finalizer = weakref.finalize(self, _release, self._session, self._graphs)
     return self._session
 
+  @property
+  def graph_ids(self):
+    """The graphs this wrapper compiled in its session, one per signature."""
+    return tuple(self._graphs.values())
+
   def __get__(self, obj, objtype=None):  # a jitted method: bound as jax.jit binds it
     return self if obj is None else functools.partial(self, obj)
 
   def __getattr__(self, name):
-    if name.startswith("__") or name in ("_fn", "_session", "_graphs"):
+    if name.startswith("__") or name in ("_fn", "_session", "_graphs", "graph_ids"):
       raise AttributeError(name)
     raise AttributeError(f"jaxsession.jit offers calling only; for '{name}' use "
                          f"jax.jit(fn).{name}")

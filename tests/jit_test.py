@@ -81,7 +81,7 @@ class JitTest(absltest.TestCase):
     f(x, 3)             # a new static value
     f(jnp.ones(4), 2)   # a new shape
     f(2.0, 2)           # a weak scalar
-    self.assertLen(f._graphs, 5)  # pylint: disable=protected-access
+    self.assertLen(f.graph_ids, 5)
     for shape in ((3,), (2, 2), ()):  # numpy leaves: their shapes tell signatures apart
       v = np.asarray(self.rng.standard_normal(shape), np.float32)
       same(self, f(v, 2), jax.jit(lambda x, n: x * n, static_argnames="n")(v, 2))
@@ -98,8 +98,8 @@ class JitTest(absltest.TestCase):
     ref = jax.jit(lambda v: jax.lax.psum(v, "i"))
     same(self, jax.vmap(lambda v: psum(2.0) * v, axis_name="i")(x),
          jax.vmap(lambda v: ref(2.0) * v, axis_name="i")(x))
-    self.assertEqual(len(ours._graphs), 0)  # pylint: disable=protected-access
-    self.assertEqual(len(psum._graphs), 0)  # pylint: disable=protected-access
+    self.assertEqual(ours.graph_ids, ())
+    self.assertEqual(psum.graph_ids, ())
 
   def test_disable_jit_runs_op_by_op(self):
     seen = []
@@ -163,7 +163,7 @@ class JitTest(absltest.TestCase):
     f = js.jit(lambda x: x + 1, session=sess)
     x = jnp.asarray(self.rng.standard_normal(3), jnp.float32)
     same(self, f(x), x + 1)
-    gid, = f._graphs.values()  # pylint: disable=protected-access
+    gid, = f.graph_ids
     sess.report(gid)
     del f
     gc.collect()
