@@ -152,9 +152,11 @@ class Program:
   analyses: dict               # partition index -> compiled.memory_analysis()
   executables: dict = dataclasses.field(default_factory=dict)  # partition index -> exe
   run: Callable = None         # fn(*state, *args) -> (new state leaves, user outputs)
+                               # (the user outputs alone where `bare`)
   recoverable: tuple = ()      # what run may raise that `recover` handles
   recover: Callable = None     # fn(exc, state, args): a refused run retried, or its error
   run_flat: Callable = None    # a plan's: fn(state leaves, user leaves) -> outputs
+  bare: bool = False           # run returns the user outputs alone (no state)
 
 
 def host_op(node):

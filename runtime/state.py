@@ -66,17 +66,29 @@ class _Locks:
   def __init__(self, locks):
     self.locks = locks
 
-  def __enter__(self):
+  def acquire(self):
     for lock in self.locks:
       lock.acquire()
 
-  def __exit__(self, *exc):
+  def release(self):
     for lock in reversed(self.locks):
       lock.release()
+
+  def __enter__(self):
+    self.acquire()
+
+  def __exit__(self, *exc):
+    self.release()
 
 
 class _NoLock:
   __slots__ = ()
+
+  def acquire(self):
+    pass
+
+  def release(self):
+    pass
 
   def __enter__(self):
     pass

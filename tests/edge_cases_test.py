@@ -431,6 +431,57 @@ class DebugNansTest(absltest.TestCase):
         np.testing.assert_array_equal(sess.run(gid, good), jax.jit(fn)(w, good)[1])
         np.testing.assert_array_equal(sess.get_state(gid)[0], jax.jit(fn)(w, good)[0])
 
+  def test_flags_set_globally_and_in_another_thread(self):
+    """In a fresh process (the run reads one cell kept by hooks on the two
+    flags, runtime/debug_flags.py): a global jax_debug_nans and a thread's
+    own `with jax.debug_infs(True)`, both set after compile, raise and keep
+    the donated state; switched off again, the runs donate and advance."""
+    child = textwrap.dedent(r"""
+      import json, threading
+      import jax, jax.numpy as jnp, numpy as np
+      import jaxsession as js
+      from jaxsession.runtime import debug_flags
+      step = lambda w, x: (w * 2.0 + jnp.log(x), jnp.sum(w))
+      inf_step = lambda w, x: (w * 2.0 + 1.0 / x, jnp.sum(w))
+      rng = np.random.default_rng(13)
+      w = jnp.asarray(rng.uniform(1, 2, 5), jnp.float32)
+      good = jnp.asarray(rng.uniform(1, 2, 5), jnp.float32)
+      sess = js.Session()
+      g, h = (sess.compile(f, w, good, state_argnums=0) for f in (step, inf_step))
+      out = {"maybe_at_start": debug_flags.MAYBE[0]}
+      def attempt(gid, x):
+        try:
+          sess.run(gid, x)
+          return "ran"
+        except FloatingPointError:
+          return "raised"
+      jax.config.update("jax_debug_nans", True)
+      out["maybe_global_on"] = debug_flags.MAYBE[0]
+      out["nan"] = attempt(g, -good)
+      jax.config.update("jax_debug_nans", False)
+      out["maybe_global_off"] = debug_flags.MAYBE[0]
+      out["kept_g"] = bool(np.array_equal(sess.get_state(g)[0], w))
+      def worker():
+        with jax.debug_infs(True):
+          out["inf_in_thread"] = attempt(h, jnp.zeros_like(good))
+      t = threading.Thread(target=worker)
+      t.start(); t.join()
+      out["kept_h"] = bool(np.array_equal(sess.get_state(h)[0], w))
+      out["off_in_main"] = attempt(h, jnp.zeros_like(good))  # the flag was the thread's
+      want = jax.jit(step)(w, good)[0]
+      sess.run(g, good)
+      out["advanced"] = bool(np.array_equal(sess.get_state(g)[0], want))
+      print(json.dumps(out))
+    """)
+    res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                         timeout=300)
+    self.assertEqual(res.returncode, 0, res.stderr[-3000:])
+    import json
+    self.assertEqual(json.loads(res.stdout.strip().splitlines()[-1]), {
+        "maybe_at_start": False, "maybe_global_on": True, "nan": "raised",
+        "maybe_global_off": False, "kept_g": True, "inf_in_thread": "raised",
+        "kept_h": True, "off_in_main": "ran", "advanced": True})
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -203,6 +203,36 @@ print(json.dumps({"interrupted_during_worker_run": got,
                   "state_after": bool(np.array_equal(state, np.asarray(w0 + w0)))}))
 """
 
+# A graph without state has nothing to protect: a Ctrl-C during its runs
+# raises there, at once, in every trial (a deferred one would wait for the
+# next stateful run, or never come).
+STATELESS_CHILD = r"""
+import json, os, signal, sys
+import jax, jax.numpy as jnp, numpy as np
+import jaxsession as js
+
+TRIALS = int(sys.argv[1])
+x = jnp.asarray(np.random.default_rng(4).standard_normal(8), jnp.float32)
+sess = js.Session()
+single = sess.compile(lambda x: x * 2.0 + 1.0, x)
+plan = sess.compile(lambda x: jax.pure_callback(np.tanh, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                x * 2.0) + 1.0, x)
+signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+missed = {}
+for name, gid in (("single", single), ("plan", plan)):
+  missed[name] = 0
+  for t in range(TRIALS):
+    try:
+      signal.setitimer(signal.ITIMER_REAL, 1e-4 * (t % 20 + 1))
+      for _ in range(20000):
+        sess.run(gid, x)
+      missed[name] += 1  # 20000 runs and no KeyboardInterrupt
+    except KeyboardInterrupt:
+      pass
+    signal.setitimer(signal.ITIMER_REAL, 0)
+print(json.dumps({"missed": missed}))
+"""
+
 
 class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s here
   """Six graph kinds; in each the state is donated to the executable (else
@@ -236,6 +266,10 @@ class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s her
     out = run_json(THREAD_CHILD, timeout=200)
     self.assertTrue(out["interrupted_during_worker_run"])
     self.assertTrue(out["state_after"])  # the worker's run then committed
+
+  def test_a_stateless_run_raises_a_ctrl_c_at_once(self):
+    out = run_json(STATELESS_CHILD, args=("20",), timeout=300)
+    self.assertEqual(out["missed"], {"single": 0, "plan": 0})
 
   def test_two_state_args_leave_no_lock_held(self):
     out = run_json(LOCKS_CHILD, args=("300",), timeout=300)
