@@ -170,6 +170,16 @@ def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
   return np.broadcast_to(expanded, shape)
 
 
+def _select_n(which, *cases, **_):
+  """lax.select_n: cases[which], elementwise (a scalar `which` picks a whole
+  case); any number of cases (np.choose takes at most 64)."""
+  which = np.asarray(which).astype(np.intp)
+  stacked = np.stack(cases)
+  if which.ndim == 0:
+    return stacked[which]
+  return np.take_along_axis(stacked, which[None], axis=0)[0]
+
+
 def _reshape(x, new_sizes, dimensions=None, **_):
   return np.reshape(x if dimensions is None else np.transpose(x, dimensions), new_sizes)
 
@@ -230,8 +240,7 @@ OP_TABLE = {
     "convert_element_type": OpFacts(
         elementwise=True, host=True, numpy=lambda x, new_dtype, **_: x.astype(new_dtype)),
     "select_n": OpFacts(elementwise=True, range_preserving=True, host=True,
-                        numpy=lambda which, *cases, **_: np.choose(which.astype(np.int32),
-                                                                   cases)),
+                        numpy=_select_n),
     "broadcast_in_dim": OpFacts(range_preserving=True, numpy=_broadcast_in_dim, fold="exact",
                                 host=True),
     "reshape": OpFacts(range_preserving=True, numpy=_reshape, fold="exact", host=True),
