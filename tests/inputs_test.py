@@ -7,6 +7,7 @@ import dataclasses
 import functools
 
 from absl.testing import absltest
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -331,6 +332,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # fresh interpreters
 class SubprocessTest(absltest.TestCase):
 
   def test_x64(self):

@@ -5,6 +5,7 @@ from a timer thread at a random instant; after each KeyboardInterrupt the
 state must be readable and equal, bit for bit, to the state jax.jit computes
 either before or after the run that was interrupted."""
 from absl.testing import absltest
+import pytest
 
 from subproc import run_json
 
@@ -232,6 +233,9 @@ for name, gid in (("single", single), ("plan", plan)):
     signal.setitimer(signal.ITIMER_REAL, 0)
 print(json.dumps({"missed": missed}))
 """
+
+
+pytestmark = pytest.mark.slow  # subprocesses under signals (docs/testing.md)
 
 
 class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s here

@@ -11,6 +11,7 @@ NaN, +-inf, values past 2**24 (past 2**53 with x64) and weak-typed scalars.
   7. two rng_uniform draws stay two draws
 """
 from absl.testing import absltest
+import pytest
 import flax.linen as nn
 import jax
 from jax import lax
@@ -299,6 +300,7 @@ class FoldComputesWhatXlaComputesTest(absltest.TestCase):
                lambda x: x * jnp.exp(jnp.linspace(-2.0, 2.0, 64)).max()):
       _check(self, fn, normal(RNG, 64))
 
+  @pytest.mark.slow  # ten samplers, ~30 s here
   def test_random_samplers_with_constant_parameters(self):
     """jax.random wraps its samplers in a nested jit taking the parameter as
     an argument: a parameter inside XLA's called computation, never a
