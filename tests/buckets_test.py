@@ -176,6 +176,7 @@ class PaddingDtypesTest(absltest.TestCase):
   """The batch-size check reads shapes, not text: a row count of 32 is not
   the "32" of f32 or i32 (nor 16 of f16, 8 of i8); ml_dtypes pad."""
 
+  @pytest.mark.slow
   def test_row_counts_that_spell_a_dtype_and_bf16(self):
     rng = np.random.default_rng(5)
     for dtype, rows in ((jnp.float32, 32), (jnp.int32, 32), (jnp.float16, 16),

@@ -431,6 +431,7 @@ class DebugNansTest(absltest.TestCase):
         np.testing.assert_array_equal(sess.run(gid, good), jax.jit(fn)(w, good)[1])
         np.testing.assert_array_equal(sess.get_state(gid)[0], jax.jit(fn)(w, good)[0])
 
+  @pytest.mark.slow
   def test_flags_set_globally_and_in_another_thread(self):
     """In a fresh process (the run reads one cell kept by hooks on the two
     flags, runtime/debug_flags.py): a global jax_debug_nans and a thread's

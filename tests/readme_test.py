@@ -4,6 +4,7 @@ import os
 import re
 
 from absl.testing import absltest
+import pytest
 import jax
 import numpy as np
 
@@ -28,6 +29,7 @@ def run_blocks(path):
 
 class ReadmeTest(absltest.TestCase):
 
+  @pytest.mark.slow
   def test_readme_tour_runs(self):
     namespace = run_blocks(README)
     sess, train = namespace["sess"], namespace["train"]

@@ -166,6 +166,7 @@ class AddNTest(absltest.TestCase):
     self.assertIn("AddN", _ops(sess, gid))
     self.assertTrue(sess.run(gid, 1e8, 1.0, -1e8, -0.0).weak_type)
 
+  @pytest.mark.slow
   def test_a_1500_term_sum_fuses_iteratively(self):
     # two values taking turns keep XLA's compile short; the chain is 1500 deep
     fn = lambda x, y: sum([x, y] * 750)

@@ -4,6 +4,7 @@ refused (never a silent recompile). Every comparison with jax.jit is bit for
 bit, on fresh random inputs salted with -0.0, NaN and inf."""
 
 from absl.testing import absltest
+import pytest
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -98,6 +99,7 @@ class FaultInjectionTest(absltest.TestCase):
     got_loss = sess.run(gid, xs[2])
     assert_trees_equal((sess.get_state(gid)[0], got_loss), (want_w, want_loss), where)
 
+  @pytest.mark.slow
   def test_every_callback_position_single_and_sunk(self):
     for where in ("top", "scan", "cond", "while", "host_and_scan"):
       for steps in (False, True):
