@@ -396,6 +396,30 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
       self.assertEqual(out.weak_type, want.weak_type)
       self.assertEqual((out + jnp.ones(3, jnp.bfloat16)).dtype, jnp.bfloat16)
 
+  def test_padding_compiles_nothing_per_request(self):
+    """Over many batch sizes each bucket compiles one executable and the
+    padding and slicing compile nothing (XLA compiles counted from jax's own
+    backend_compile event), weak-typed outputs included."""
+    compiles = []
+    def listener(event, duration, **_):
+      if event == "/jax/core/compile/backend_compile_duration":
+        compiles.append(duration)
+    from jax._src import monitoring  # pylint: disable=import-outside-toplevel
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    self.addCleanup(monitoring.unregister_event_duration_listener, listener)
+    strong = lambda x: (rowwise(jnp.float32(0.5), x)[0], x.sum(1))
+    for fn, make in ((strong, _rows), (lambda x: x * 2, lambda n: jnp.full((n, F), 1.5))):
+      sess = js.Session()
+      gid = sess.compile(fn, make(16), buckets={0: [4, 8, 16]})
+      sizes = list(range(1, 17)) + list(range(16, 0, -3))
+      xs = [make(n) for n in sizes]
+      wants = [jax.jit(fn)(x) for x in xs]  # before counting: one compile per size
+      del compiles[:]
+      for x, want in zip(xs, wants):
+        got = sess.run(gid, x)
+        jax.tree.map(lambda g, w: self.assertEqual((g.shape, g.dtype, g.weak_type),
+                                                   (w.shape, w.dtype, w.weak_type)), got, want)
+      self.assertLessEqual(len(compiles), 3)  # the three buckets, at first use
 
 class FailedRunTest(absltest.TestCase):
   """A bucketed run that fails changes nothing: no traffic counted, no
