@@ -26,14 +26,16 @@ from jaxsession.runtime import callbacks, codegen, debug_flags, interrupts, shar
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, fast_call, memory_analysis,
                                       recovery, shape_struct)
-from jaxsession.runtime.state import slots_lock
+from jaxsession.runtime.state import private_copy, slots_lock
 
 _pending = interrupts.pending
 def _private(state):
   """Copies of the state leaves (layouts kept), for a run whose executables
   donate them while jax_debug_nans/infs may raise after they consumed them:
-  the slots keep their own buffers, whatever the run raises."""
-  return jax.tree.map(lambda x: x.copy(), state)
+  the slots keep their own buffers, whatever the run raises (copied without
+  a computation, which the flags would check: a nan already in the state is
+  the run's to report)."""
+  return jax.tree.map(private_copy, state)
 
 class StateLayout:
   """How state leaves travel: which are donated, kept and updated, and the

@@ -431,6 +431,23 @@ class DebugNansTest(absltest.TestCase):
         np.testing.assert_array_equal(sess.run(gid, good), jax.jit(fn)(w, good)[1])
         np.testing.assert_array_equal(sess.get_state(gid)[0], jax.jit(fn)(w, good)[0])
 
+  def test_a_nan_in_the_state_can_be_read_and_set_under_the_flag(self):
+    """get_state and set_state copy without a computation: the flag checks
+    what runs compute, not what the user reads or writes."""
+    sess = js.Session()
+    gid = sess.compile(lambda s, x: (s + x, x.sum()), jnp.zeros(3), jnp.ones(3),
+                       state_argnums=0)
+    v = jnp.asarray(np.random.default_rng(14).standard_normal(3), jnp.float32).at[1].set(jnp.nan)
+    w = v * 2
+    sess.set_state(gid, v)
+    with jax.debug_nans(True), jax.debug_infs(True):
+      np.testing.assert_array_equal(sess.get_state(gid)[0], v)
+      sess.set_state(gid, w)
+      np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+      with self.assertRaises(FloatingPointError):
+        sess.run(gid, jnp.ones(3))
+      np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+
   @pytest.mark.slow
   def test_flags_set_globally_and_in_another_thread(self):
     """In a fresh process (the run reads one cell kept by hooks on the two
