@@ -1,15 +1,17 @@
 """fold_constants (Optimize): evaluates, at compile time, nodes whose inputs
 are all literals or constants, and computes what jax.jit computes for them.
 
-Under jax.jit every constant subexpression is folded by XLA's constant folder
-(its HLO evaluator: no flush of subnormals to zero, its own reduction order,
-libm transcendentals) - not by the CPU kernels, which flush subnormals and
-approximate exp or tanh. So a node is evaluated as XLA folds it: by compiling
-it with its operands as embedded constants, or in numpy where numpy is
-provably bit-identical to that evaluator (data movement, and IEEE add, sub,
-mul, div, neg of real floats whose result holds no NaN, since NaN payloads
-differ). max and min are not among them: numpy's max(-0.0, 0.0) is -0.0,
-XLA's is 0.0.
+Under jax.jit a constant subexpression is XLA's to fold (its HLO evaluator:
+no flush of subnormals to zero, libm transcendentals), and XLA sees the whole
+expression when it does, or leaves it to run time. So a node is folded here
+only where the result cannot differ: in numpy where numpy is provably
+bit-identical to that evaluator (data movement, and IEEE add, sub, mul, div,
+neg of real floats whose result holds no NaN, since NaN payloads differ), or
+for scalars alone by compiling the node with its operands embedded (XLA
+folds a scalar expression whole). Anything else on arrays - a
+transcendental, a reduction, a dot, max or min (numpy's max(-0.0, 0.0) is
+-0.0, XLA's is 0.0) - is left to XLA: compiled alone, a softmax of a
+closed-over array gave other bits than jax.jit's whole program.
 
 What a fold produces must keep what XLA sees. A scalar result becomes a
 literal, an embedded constant again; an array result that reads a const input
@@ -58,12 +60,21 @@ def numpy_fold(node, arrays):
 
 def evaluate(node, args, platform=None):
   """The node's outputs on constant `args`, as XLA's constant folder computes
-  them (on `platform`'s compiler, the one the graph is built for)."""
+  them (on `platform`'s compiler, the one the graph is built for): in numpy
+  where that is exact (numpy_fold), else by XLA for scalars alone; None for
+  an array numpy cannot fold exactly (a transcendental, a reduction, a dot,
+  max or min): that node is left to XLA, which folds it or not as it does
+  under jax.jit. (Compiled alone with its operands embedded, such a node
+  gave other bits than jax.jit's whole program: a softmax of a closed-over
+  array differed in 4 of 32 elements, a normalised Gram matrix in 8,
+  tests/fuzz_test.py.)"""
   arrays = [np.asarray(a, dtype=v.aval.dtype) for a, v in zip(args, node.inputs)]
   with np.errstate(all="ignore"):  # inf is a value like any other here
     out = numpy_fold(node, arrays)
   if out is not None:
     return [np.asarray(out, dtype=node.outputs[0].aval.dtype)]
+  if any(np.shape(a) != () for a in arrays) or any(o.aval.shape != () for o in node.outputs):
+    return None  # an array: left to XLA, which folds it or not as under jax.jit
   fn = kernel_fn(node)
   # The operands are closed over, so they are HLO constants and XLA folds the
   # node as it would inside the user's jax.jit.
@@ -117,7 +128,10 @@ class FoldConstants(Pass):
       if not reads_const and any(o.aval.shape != () for o in node.outputs):
         continue  # a literal-only array: stays a node, unknown to its readers
       args = [v.value if isinstance(v, Literal) else known[v.id] for v in node.inputs]
-      for out, result in zip(node.outputs, fold(node, args)):
+      results = fold(node, args)
+      if results is None:  # left to XLA
+        continue
+      for out, result in zip(node.outputs, results):
         value = np.asarray(result, dtype=out.aval.dtype)
         if out.aval.shape == ():
           graph.replace_uses(out, Literal(value[()], out.aval))

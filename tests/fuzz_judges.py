@@ -44,18 +44,6 @@ CONST_OPS = {  # x (ROWS, COLS) f32, k a key -> (ROWS, COLS) f32
     "nested_static": lambda x, k: _nested_static(x, 0.3, 3),
     "scan_nested_const": _scan_with_const,
     "tanh": lambda x, k: jnp.tanh(x), "mul_x": lambda x, k: x * x,
-}
-
-# What this fuzz found and is not fixed yet (issue 15's note): the session's
-# bits differ from jax.jit's on these forms, so they are kept out of
-# CONST_OPS until they are. A closed-over array given to a nested jit
-# (jax.jit's constant for tanh(c) is 1 ulp off the session's, even with
-# every optional pass off), and a softmax or Gram matrix of a closed-over
-# array (fold_constants evaluates it node by node; XLA does not). And the
-# samplers with constant parameters: alone each gives jax.jit's bits
-# (rewrites_exact_test.py), chained with other arithmetic on the same key's
-# draws 1 to 8 ulp apart (8 of 30 programs).
-KNOWN_OPEN = {
     "gamma": lambda x, k: x + jax.random.gamma(k, 2.5, x.shape),
     "beta": lambda x, k: x * jax.random.beta(k, 2.0, 3.0, x.shape),
     "dirichlet": lambda x, k: x + jax.random.dirichlet(k, jnp.full(COLS, 1.5), (ROWS,)),
@@ -63,12 +51,13 @@ KNOWN_OPEN = {
     "loggamma": lambda x, k: x + jax.random.loggamma(k, 0.7, x.shape),
     "chisquare": lambda x, k: x * jax.random.chisquare(k, 4.0, x.shape),
     "wald": lambda x, k: x + jax.random.wald(k, 1.5, x.shape),
-    "row_softmax_const": lambda x, k: x + jax.nn.softmax(CONST, -1),
     "norm_const": lambda x, k: x @ (CONST.T @ CONST / jnp.linalg.norm(CONST)),
     "nested_array": lambda x, k: _nested(x, jnp.asarray(PRIOR)),
     "nested_closed": lambda x, k: _nested(x, PRIOR),
+    "row_softmax_const": lambda x, k: x + jax.nn.softmax(CONST, -1),
+    "f": lambda x, k: x + jax.random.f(k, 3.0, 4.0, x.shape),
+    "generalized_normal": lambda x, k: x + jax.random.generalized_normal(k, 1.5, x.shape),
 }
-
 
 def make_const_program(rng, n_ops=4):
   """fn(x, key): a chain of ops drawn from CONST_OPS (each step's key split)."""

@@ -264,9 +264,8 @@ class FoldComputesWhatXlaComputesTest(absltest.TestCase):
     for op in (jnp.maximum, jnp.minimum):
       fn = lambda x: x * op(a, b)
       sess, gid = _check(self, fn, normal(RNG, 8))
-      self.assertEqual(_ops(sess, gid), ["mul"])  # folded, then multiplied at run time
-      folded = sess.graph(gid).const_values[sess.graph(gid).inputs[-1].id]
-      assert_same_bits(folded, jax.jit(lambda: op(a, b))())
+      # numpy's max(-0.0, 0.0) is -0.0, XLA's 0.0: left to XLA, not folded
+      self.assertEqual(len(_ops(sess, gid)), 2)
 
   def test_transcendentals_reductions_and_subnormals(self):
     table = np.array(wide(RNG, 256) * 1e-3, np.float32)
@@ -274,8 +273,7 @@ class FoldComputesWhatXlaComputesTest(absltest.TestCase):
     for op in (jnp.exp, jnp.tanh, lambda t: jnp.sum(t.reshape(16, 16), 0),
                lambda t: t * np.float32(1.5), lambda t: jnp.log1p(jnp.abs(t))):
       fn = lambda x: jnp.concatenate([x, op(table).reshape(-1)[:16]])
-      sess, gid = _check(self, fn, normal(RNG, 4))
-      self.assertEqual(_ops(sess, gid), ["concatenate"])
+      _check(self, fn, normal(RNG, 4))  # folded exactly in numpy, or left to XLA
 
   def test_numpy_folds_equal_xla_constant_folding(self):
     specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 3e-38, 1.0,
@@ -289,6 +287,10 @@ class FoldComputesWhatXlaComputesTest(absltest.TestCase):
         graph = import_jaxpr(jax.make_jaxpr(fn)(x, y))
         node = graph.nodes[-1]
         got = fold.evaluate(node, [np.asarray(x), np.asarray(y)][:len(node.inputs)])
+        if got is None:  # no exact numpy fold (max, min, a NaN result): left to XLA
+          self.assertTrue(fn in (lax.max, lax.min) or np.isnan(
+              np.asarray(jax.jit(lambda: fn(np.asarray(x), np.asarray(y)))(), np.float32)).any())
+          continue
         assert_same_bits(got[0], jax.jit(lambda: fn(np.asarray(x), np.asarray(y)))(),
                          f"{node.op} {dtype.__name__}")
 
@@ -301,23 +303,40 @@ class FoldComputesWhatXlaComputesTest(absltest.TestCase):
                lambda x: x * jnp.exp(jnp.linspace(-2.0, 2.0, 64)).max()):
       _check(self, fn, normal(RNG, 64))
 
-  @pytest.mark.slow  # ten samplers, ~30 s here
+  @pytest.mark.slow  # eleven samplers, ~40 s here
   def test_random_samplers_with_constant_parameters(self):
     """jax.random wraps its samplers in a nested jit taking the parameter as
     an argument: a parameter inside XLA's called computation, never a
     constant. Inlined with the literal visible, 5 to 7 of 64 samples
-    differed; the importer's optimization_barrier keeps it a parameter.
-    (jax.random.f and generalized_normal still differ: not yet understood.)"""
-    key = jax.random.key(int(RNG.integers(1 << 30)))
-    for fn in (lambda k: jax.random.gamma(k, 2.0, (64,)),
-               lambda k: jax.random.beta(k, 2.0, 3.0, (64,)),
-               lambda k: jax.random.t(k, 3.0, (64,)),
-               lambda k: jax.random.loggamma(k, 0.5, (64,)),
-               lambda k: jax.random.chisquare(k, 3.0, (64,)),
-               lambda k: jax.random.wald(k, 1.5, (64,)),
-               lambda k: jax.random.ball(k, 3, 2.0, (16,)),
-               lambda k: jax.random.dirichlet(k, jnp.array([1.0, 2.0, 3.0]), (16,))):
-      _check(self, fn, key)
+    differed, and behind an optimization_barrier f and generalized_normal
+    still did, and the others for some keys and in chains: the importer
+    keeps such a nested jit a call, as jax.jit lowers it."""
+    for seed in RNG.integers(1 << 30, size=1):
+      key = jax.random.key(int(seed))
+      for fn in (lambda k: jax.random.gamma(k, 2.0, (64,)),
+                 lambda k: jax.random.beta(k, 2.0, 3.0, (64,)),
+                 lambda k: jax.random.t(k, 3.0, (64,)),
+                 lambda k: jax.random.loggamma(k, 0.5, (64,)),
+                 lambda k: jax.random.chisquare(k, 3.0, (64,)),
+                 lambda k: jax.random.wald(k, 1.5, (64,)),
+                 lambda k: jax.random.ball(k, 3, 2.0, (16,)),
+                 lambda k: jax.random.dirichlet(k, jnp.array([1.0, 2.0, 3.0]), (16,)),
+                 lambda k: jax.random.f(k, 3.0, 4.0, (64,)),
+                 lambda k: jax.random.generalized_normal(k, 1.5, (64,)),
+                 lambda k: jnp.tanh(jax.random.gamma(k, 0.3, (64,))) + jax.random.t(
+                     jax.random.fold_in(k, 1), 2.0, (64,))):
+        _check(self, fn, key)
+
+  def test_a_nested_jit_given_a_constant_stays_a_call(self):
+    """`jitted(x, closed_over)`: under jax.jit the array is a parameter of
+    the called computation (its tanh gave other bits, 1 ulp, inlined)."""
+    prior = np.abs(RNG.standard_normal(64)).astype(np.float32) + np.float32(0.1)
+    inner = jax.jit(lambda a, c: a / c.sum() + jnp.tanh(c))
+    for fn in (lambda x: inner(x, prior), lambda x: inner(x, jnp.full(64, 1.5) * prior)):
+      _check(self, fn, normal(RNG, 64))
+      sess = js.Session()
+      gid = sess.compile(fn, normal(RNG, 64))
+      self.assertIn("jit", [n.op for n in sess.graph(gid).nodes])
 
 
 class FoldOnlyOptaxTest(absltest.TestCase):

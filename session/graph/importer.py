@@ -10,6 +10,7 @@ the jaxpr (at any depth) become `const` inputs; literals stay literals.
 import jax
 from jax.extend import core as jcore
 
+from jaxsession.graph import op_properties
 from jaxsession.graph.ir import KernelGraph, Literal
 
 
@@ -82,36 +83,48 @@ def _read(env, atom):
   return env[atom]
 
 
-def _barrier_primitive():
-  """lax.optimization_barrier's primitive, found through its public function."""
-  jaxpr = jax.make_jaxpr(jax.lax.optimization_barrier)(0.0)
-  return jaxpr.jaxpr.eqns[0].primitive
+# A nested jit is a called computation for XLA: an operand is a parameter
+# inside it, never a constant its simplifier and folder see, and the body is
+# compiled as jax.jit lowers it. A nested jit given a literal or a constant
+# (jax.random.gamma(key, 2.0), `jitted(x, closed_over_array)`) stays one
+# node, the call itself, so that XLA sees what it sees under jax.jit:
+# inlined, even behind an optimization_barrier, the samplers drew other bits
+# for some keys and in chains (tests/fuzz_test.py). A body with callbacks or
+# effects is still inlined: its host work is placed between executables.
+KEPT_CALLS = ("jit", "pjit")
 
 
-_BARRIER = _barrier_primitive()
-# A nested jit is a called computation for XLA, and a literal operand is a
-# parameter inside it, not a constant that XLA's simplifier sees
-# (jax.random.gamma(key, 2.0): inlining the literal changed 7 of 64 samples
-# under plain jax.jit too). Inlined, such an operand goes through an
-# optimization_barrier (op_properties: opaque, never folded), which XLA cannot
-# see through either.
-OPAQUE_OPERANDS = ("jit", "pjit")
+def _kept_call(eqn, inputs):
+  if eqn.primitive.name not in KEPT_CALLS:
+    return False
+  memo = {}
+  if not any(_constant(v, memo) for v in inputs):
+    return False
+  props = op_properties.jaxpr_props(eqn.params["jaxpr"].jaxpr)
+  return not (props.user_code or props.effects)
 
 
-def _opaque(graph, value, source):
-  node = graph.add_node("optimization_barrier", _BARRIER, {}, [value], [value.aval],
-                        (), source)
-  return node.outputs[0]
+def _constant(value, memo):
+  """Whether `value` is known at compile time: a literal, a constant, or
+  made from those alone by deterministic nodes (`jnp.full(8, 1.5)`)."""
+  if isinstance(value, Literal):
+    return True
+  if value.id not in memo:
+    node = value.producer
+    if node is None:
+      memo[value.id] = value.kind == "const"
+    else:
+      memo[value.id] = False  # (a cycle cannot occur; this bounds the walk)
+      memo[value.id] = (node.props.foldable or node.props.opaque) and all(
+          _constant(v, memo) for v in node.inputs)
+  return memo[value.id]
 
 
 def _import_eqns(graph, env, eqns):
   for eqn in eqns:
     inputs = [_read(env, v) for v in eqn.invars]
     inner = INLINE_RULES.get(eqn.primitive.name)
-    if inner is not None:
-      if eqn.primitive.name in OPAQUE_OPERANDS:
-        inputs = [_opaque(graph, v, source_of(eqn)) if isinstance(v, Literal) else v
-                  for v in inputs]
+    if inner is not None and not _kept_call(eqn, inputs):
       outs = _inline(graph, inner(eqn.params), inputs)
       for var, value in zip(eqn.outvars, outs):
         env[var] = value

@@ -217,6 +217,9 @@ OP_TABLE = {
     # what XLA must not see through (the importer puts one on a literal operand
     # of an inlined jit, which jax.jit's XLA sees as a parameter)
     "optimization_barrier": OpFacts(props=OpProps(opaque=True)),
+    # a nested jit the importer keeps as a call (given a literal or a
+    # constant): XLA compiles it as a called computation, never folds into it
+    **_facts("jit", "pjit", props=OpProps(opaque=True)),
     "scan": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
     "cond": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
     "while": OpFacts(props=_CONTROL_FLOW, dce=_while_dce),
