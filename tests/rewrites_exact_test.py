@@ -303,7 +303,7 @@ class FoldComputesWhatXlaComputesTest(absltest.TestCase):
                lambda x: x * jnp.exp(jnp.linspace(-2.0, 2.0, 64)).max()):
       _check(self, fn, normal(RNG, 64))
 
-  @pytest.mark.slow  # eleven samplers, ~40 s here
+  @pytest.mark.slow  # eight samplers, ~30 s here (loggamma, wald: fuzz_test.py)
   def test_random_samplers_with_constant_parameters(self):
     """jax.random wraps its samplers in a nested jit taking the parameter as
     an argument: a parameter inside XLA's called computation, never a
@@ -316,10 +316,7 @@ class FoldComputesWhatXlaComputesTest(absltest.TestCase):
       for fn in (lambda k: jax.random.gamma(k, 2.0, (64,)),
                  lambda k: jax.random.beta(k, 2.0, 3.0, (64,)),
                  lambda k: jax.random.t(k, 3.0, (64,)),
-                 lambda k: jax.random.loggamma(k, 0.5, (64,)),
                  lambda k: jax.random.chisquare(k, 3.0, (64,)),
-                 lambda k: jax.random.wald(k, 1.5, (64,)),
-                 lambda k: jax.random.ball(k, 3, 2.0, (16,)),
                  lambda k: jax.random.dirichlet(k, jnp.array([1.0, 2.0, 3.0]), (16,)),
                  lambda k: jax.random.f(k, 3.0, 4.0, (64,)),
                  lambda k: jax.random.generalized_normal(k, 1.5, (64,)),
