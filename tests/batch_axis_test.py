@@ -435,7 +435,7 @@ class RefusedTest(absltest.TestCase):
 
 
 # -- fuzz -------------------------------------------------------------------------------
-FUZZ_PROGRAMS, FUZZ_GROUP, FUZZ_BUCKET, FUZZ_SIZES = 150, 25, 8, (1, 3, 5)
+FUZZ_PROGRAMS, FUZZ_GROUP, FUZZ_BUCKET, FUZZ_SIZES = 100, 25, 8, (1, 3, 5)
 FZ, FT = 5, 3  # feature and time sizes: no fuzz shape reaches the bucket size 8
 
 

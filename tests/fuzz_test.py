@@ -1,4 +1,4 @@
-"""Fuzz: 324 random programs through the whole pipeline, each compared with
+"""Fuzz: 294 random programs through the whole pipeline, each compared with
 jax.jit on fresh random inputs, bit for bit (DESIGN.md: "the session's output
 equals jax.jit's bit for bit wherever the arithmetic is the same").
 
@@ -6,10 +6,10 @@ Generators with fixed seeds; program i of a test draws from its own generator
 (seed, i), so a failure reproduces from its index alone, and every failure
 message carries the program's recipe. A test runs all its programs and then
 lists every one that failed (a mismatch or a crash).
-- stateless (100): elementwise, broadcast, reduction, dot, norm and literal ops
+- stateless (80): elementwise, broadcast, reduction, dot, norm and literal ops
   (the shapes the fusions look for), weak-typed Python scalar args, and inputs
   holding -0.0, NaN, +-inf, huge and subnormal values;
-- callbacks and effects (40): `jax.pure_callback` (numpy) at top level and
+- callbacks and effects (30): `jax.pure_callback` (numpy) at top level and
   inside `lax.scan` / `lax.cond` / `lax.while_loop` / `lax.fori_loop` bodies;
   `io_callback(ordered=False)`, which must run as often and on the same
   arguments as under jax.jit; `jax.random` ops on a key passed as an input
@@ -303,6 +303,14 @@ class Failures:
     except Exception as exc:  # a crash is a finding too: record it, go on
       self.found.append(f"{what}\n  {type(exc).__name__}: {exc}")
 
+  def programs(self, what, n, seed, check, *extra):
+    """check(session, program i's generator, i, *extra) for i < n, in one
+    Session; then fails listing every program that failed."""
+    sess = js.Session()
+    for i in range(n):
+      self.check(f"{what} {i}", check, sess, _seeded(seed, i), i, *extra)
+    self.assert_none(n)
+
   def assert_none(self, total):
     if self.found:
       self.test.fail(f"{len(self.found)} of {total} programs failed:\n\n"
@@ -317,21 +325,13 @@ def _seeded(seed, i):
 class FuzzTest(absltest.TestCase):
 
   def test_stateless_random_programs_bit_exact(self):
-    sess = js.Session()
-    failures, fused, n = Failures(self), [], 100
-    for i in range(n):
-      failures.check(f"stateless program {i}", check_stateless, sess, _seeded(2026, i), i,
-                     fused)
-    failures.assert_none(n)
+    fused = []
+    Failures(self).programs("stateless program", 80, 2026, check_stateless, fused)
     self.assertGreater(sum(fused), 50)  # the fusions did fire along the way
 
   def test_callbacks_control_flow_and_random_programs(self):
-    sess = js.Session()
-    failures, io_calls, inner, n = Failures(self), [], [], 40
-    for i in range(n):
-      failures.check(f"callback program {i}", check_callbacks, sess, _seeded(7070, i), i,
-                     io_calls, inner)
-    failures.assert_none(n)
+    io_calls, inner = [], []
+    Failures(self).programs("callback program", 30, 7070, check_callbacks, io_calls, inner)
     self.assertGreater(sum(io_calls), 20)  # the effects did run
     self.assertGreater(sum(inner), 15)     # callbacks inside control flow survived to the end
 
@@ -362,37 +362,22 @@ class FuzzTest(absltest.TestCase):
     failures.assert_none(n)
 
   def test_nested_jits_and_constant_subexpressions(self):
-    sess = js.Session()
-    failures, n = Failures(self), 6
-    for i in range(n):
-      failures.check(f"constant program {i}", check_constants, sess, _seeded(515, i), i)
-    failures.assert_none(n)
+    Failures(self).programs("constant program", 6, 515, check_constants)
 
   def test_host_integer_chains(self):
-    sess = js.Session()
-    failures, host_ops, n = Failures(self), set(), 24
-    for i in range(n):
-      failures.check(f"host integer chain {i}", check_int_chain, sess, _seeded(616, i), i,
-                     host_ops)
-    failures.assert_none(n)
+    host_ops = set()
+    Failures(self).programs("host integer chain", 24, 616, check_int_chain, host_ops)
     # the chains reached every host kernel the table has
     self.assertContainsSubset(set(op_properties.ops_with(host=True)), host_ops)
 
   def test_buckets_over_reductions_and_every_dtype(self):
-    sess = js.Session()
-    failures, exact, n = Failures(self), [], 10
-    for i in range(n):
-      failures.check(f"bucketed program {i}", check_bucketed, sess, _seeded(717, i), i, exact)
-    failures.assert_none(n)
+    exact = []
+    Failures(self).programs("bucketed program", 10, 717, check_bucketed, exact)
     self.assertGreater(len(exact), 8)  # many runs were held to exact-shape jax.jit
 
   def test_weak_strong_scalar_flips(self):
-    sess = js.Session()
-    failures, verdicts, n = Failures(self), [], 24
-    for i in range(n):
-      failures.check(f"weak flip program {i}", check_weak_flip, sess, _seeded(818, i), i,
-                     verdicts)
-    failures.assert_none(n)
+    verdicts = []
+    Failures(self).programs("weak flip program", 24, 818, check_weak_flip, verdicts)
     self.assertGreater(verdicts.count("ran"), 5)
     self.assertGreater(verdicts.count("refused"), 5)
 

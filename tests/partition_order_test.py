@@ -38,7 +38,7 @@ class BruteForcePartitionCountTest(absltest.TestCase):
     rng = np.random.default_rng(7007)
     sess = js.Session(js.SessionOptions(reorder_slack_bytes=0))  # the ratio guard alone
     checked = reordered = peak_kept = 0
-    for case in range(220):
+    for case in range(130):
       recipe = random_recipe(rng, int(rng.integers(3, 10)))
       fn = program_of(recipe)
       x, y = _x(rng), _x(rng)
@@ -81,8 +81,8 @@ class BruteForcePartitionCountTest(absltest.TestCase):
       assert_same_bits(sess.run(gid, x, y), jax.jit(fn)(x, y), where)
       sess.release(gid)
       checked += 1
-    self.assertEqual(checked, 220)
-    self.assertGreater(reordered, 20)  # the programs do exercise the reorder
+    self.assertEqual(checked, 130)
+    self.assertGreater(reordered, 12)  # the programs do exercise the reorder
     self.assertLess(peak_kept, checked // 4)  # and the optimum is mostly kept
 
 
