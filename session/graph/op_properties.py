@@ -214,8 +214,7 @@ OP_TABLE = {
     # are never merged, since nothing promises the callback is deterministic.
     **_facts("io_callback", "debug_callback", "debug_print", props=_EFFECTFUL_CALLBACK),
     "rng_uniform": OpFacts(props=OpProps(deterministic=False)),  # each call differs
-    # what XLA must not see through (the importer puts one on a literal operand
-    # of an inlined jit, which jax.jit's XLA sees as a parameter)
+    # what XLA must not see through (lax.optimization_barrier): never folded
     "optimization_barrier": OpFacts(props=OpProps(opaque=True)),
     # a nested jit the importer keeps as a call (given a literal or a
     # constant): XLA compiles it as a called computation, never folds into it
