@@ -41,16 +41,22 @@ def shape_struct(aval, sharding=None):
 
 
 def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
-               compiler_options=None):
+               compiler_options=None, out_shardings=None):
   """jit + lower + compile, ahead of time, for exactly these argument types.
   Its call checks the argument types before it runs or consumes anything.
+  `out_shardings` (a prefix of fn's outputs, None where XLA chooses): the
+  layouts outputs must have - jit's own out_shardings, never a
+  with_sharding_constraint, which XLA partitions otherwise (other bits than
+  jax.jit with the same out_shardings: tests/spmd_test.py, ZeRO-1).
 
   With `cache` (a compile_cache.ExecutableCache or RecordingCache) and `key`
   (the graph's fingerprint and which of its executables this is), the
   executable is looked up under `key` + the argument types + the donation
   before anything is traced, and stored after a compile."""
   def compile_now():
-    lowered = real_jit(fn, donate_argnums=donate_argnums).lower(*arg_structs)
+    jitted = real_jit(fn, donate_argnums=donate_argnums) if out_shardings is None else \
+        real_jit(fn, donate_argnums=donate_argnums, out_shardings=out_shardings)
+    lowered = jitted.lower(*arg_structs)
     return lowered.compile(compiler_options=compiler_options or None)
   if cache is None or key is None:
     return compile_now()
@@ -60,15 +66,15 @@ def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
 
 
 def compile_recorded(fn, recorder, arg_structs, donate_argnums=(), cache=None, key=None,
-                     compiler_options=None):
+                     compiler_options=None, out_shardings=None):
   """(executable, recorder) for `fn`, whose callbacks leave their exceptions
   in `recorder` (a callbacks.ErrorRecorder). A cached executable keeps
   calling the callbacks it was compiled with, so the recorder is cached with
   it: on a hit, this returns the recorder that executable writes to, which
   the runner must read instead of its own."""
   def compile_now():
-    return compile_fn(fn, arg_structs, donate_argnums,
-                      compiler_options=compiler_options), recorder
+    return compile_fn(fn, arg_structs, donate_argnums, compiler_options=compiler_options,
+                      out_shardings=out_shardings), recorder
   if cache is None or key is None:
     return compile_now()
   key = (*key, "recorded") if isinstance(key, tuple) else (key, "recorded")
@@ -204,18 +210,6 @@ def _arg_struct(value, layouts=None):
   return shape_struct(value.aval, sharding)
 
 
-def _keep_layouts(body, layouts):
-  """`body` with each output whose layout is fixed (new state under a mesh)
-  constrained to it, so the slot keeps its layout and is donated in place."""
-  if not any(s is not None for s in layouts):
-    return body
-
-  def constrained(*xs):
-    return [x if s is None else jax.lax.with_sharding_constraint(x, s)
-            for x, s in zip(body(*xs), layouts)]
-  return constrained
-
-
 def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=None,
                       fixed=None, compiler_options=None):
   """Compiles one device partition with the values donated to it; returns
@@ -228,12 +222,13 @@ def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=N
   body = lower_nodes(callbacks.instrumented(part.nodes, recorder), inputs, part.outputs,
                      {v.id: consts[v.id] for v in part.inputs if v.kind == "const"})
   donate = tuple(i for i, v in enumerate(inputs) if v.id in donated_ids)
-  if fixed:
-    body = _keep_layouts(body, [fixed.get(v.id) for v in part.outputs])
+  # outputs whose layout is fixed (new state under a mesh) keep it, so the
+  # slot keeps its layout and is donated in place
+  out_shardings = [fixed.get(v.id) for v in part.outputs] if fixed else None
   exe, recorder = compile_recorded(lambda *xs: body(*xs), recorder,
                                    [_arg_struct(v, layouts) for v in inputs], donate, cache,
                                    None if key is None else (key, "partition", part.index),
-                                   compiler_options)
+                                   compiler_options, out_shardings)
   call = fast_call(exe)
   if not part.may_fail:
     return call, exe

@@ -158,16 +158,22 @@ def graph_body(graph, layout, rest_tree, recorder):
                      [v for v in graph.inputs if v.kind != "const"], graph.outputs,
                      graph_consts(graph))
   k = layout.num_outputs
-  keep = [layout.state_shardings[i] for i in layout.updated_idx]
 
   def step(state, args):
     outs = body(*state, *tree_util.tree_leaves(args))
     new = [outs[i] for i in layout.updated_idx]
-    if any(s is not None for s in keep):  # under a mesh: new state keeps its layout,
-      new = [x if s is None else jax.lax.with_sharding_constraint(x, s)  # so it is
-             for x, s in zip(new, keep)]                                 # donated in place
     return new, tree_util.tree_unflatten(rest_tree, outs[k:])
   return step
+
+
+def kept_layouts(layout):
+  """The out_shardings of an executable returning (layout.returned(new),
+  outputs): under a mesh the new state keeps its slot's layout, so it is
+  donated in place; XLA chooses the outputs'. None without a mesh."""
+  keep = [layout.state_shardings[i] for i in layout.updated_idx]
+  if all(s is None for s in keep):
+    return None
+  return (layout.returned(keep), None)
 
 
 def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=None):
@@ -225,7 +231,7 @@ def single_program(graph, spec, rest_tree, layout, cache=None, key=None, hooks=N
   exe, recorder = compile_recorded(
       whole_step, recorder, (*layout.structs(), *arg_structs(spec)),
       layout.donate_argnums() if layout.donated_idx else (), cache, key,
-      graph.compiler_options)
+      graph.compiler_options, None if bare else kept_layouts(layout))
   program = executable_program(exe, recorder, graph, layout, spec, hooks)
   program.bare = bare
   return program

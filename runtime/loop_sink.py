@@ -17,7 +17,7 @@ from jax import lax, tree_util
 from jaxsession.errors import InputError
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn
-from jaxsession.runtime.executor import arg_structs, executable_program, graph_body
+from jaxsession.runtime.executor import arg_structs, executable_program, graph_body, kept_layouts
 from jaxsession.runtime.state import owned_copy
 
 
@@ -38,15 +38,13 @@ def sunk_program(graph, spec, rest_tree, layout, steps, hooks=None):
       return tuple(state), out
     state = tuple(layout.leaves_of(xs[:n]))
     final, ys = lax.scan(one_step, state, tuple(xs[n:]), length=steps)
-    new = [final[i] for i in layout.updated_idx]
-    keep = [layout.state_shardings[i] for i in layout.updated_idx]
-    # under a mesh: the carry's layout is XLA's choice; the slots keep theirs
-    return layout.returned([x if s is None else lax.with_sharding_constraint(x, s)
-                            for x, s in zip(new, keep)]), ys
+    return layout.returned([final[i] for i in layout.updated_idx]), ys
 
+  # under a mesh: the carry's layout is XLA's choice; the slots keep theirs
   exe = compile_fn(sunk, (*layout.structs(), *arg_structs(spec, steps)),
                    donate_argnums=layout.donate_argnums() if layout.donated_idx else (),
-                   compiler_options=graph.compiler_options)
+                   compiler_options=graph.compiler_options,
+                   out_shardings=kept_layouts(layout))
   return executable_program(exe, recorder, graph, layout, spec, hooks, leading=steps)
 
 
