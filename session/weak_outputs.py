@@ -12,7 +12,6 @@ code runs) and the outputs are retyped (an eager convert_element_type each:
 only on such runs).
 """
 import jax
-import numpy as np
 from jax import tree_util
 
 from jaxsession.inputs import is_weak
@@ -31,20 +30,20 @@ class WeakOutputs:
     self.state_structs = tuple(state_structs)
     self.dyn_structs = list(dyn_structs)
     self.scalars = [(i, j) for i, avals in enumerate(spec.avals) for j, a in enumerate(avals)
-                    if a.shape == () and jax.numpy.issubdtype(a.dtype, jax.numpy.number)]
+                    if _numeric_scalar(a)]
     self.compiled = tuple(bool(spec.avals[i][j].weak_type) for i, j in self.scalars)
     self.flags = {self.compiled: tuple(out_weak)}
 
   @classmethod
   def make(cls, wrapped, state_args, dyn_args, spec, out_shape):
     """The guard, or None where the graph has no scalar run argument."""
-    structs = lambda tree: jax.tree.map(  # noqa: E731
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x),
-                                       weak_type=is_weak(x)), tree)
+    if not any(_numeric_scalar(a) for avals in spec.avals for a in avals):
+      return None
+    def structs(tree):  # jax.typeof: Python scalars weak, extended dtypes kept
+      return jax.tree.map(lambda x: _struct(jax.typeof(x)), tree)
     out_weak = [bool(getattr(a, "weak_type", False)) for a in tree_util.tree_leaves(out_shape)]
-    guard = cls(wrapped, structs(tuple(state_args)), [structs(a) for a in dyn_args], spec,
-                out_weak)
-    return guard if guard.scalars else None
+    return cls(wrapped, structs(tuple(state_args)), [structs(a) for a in dyn_args], spec,
+               out_weak)
 
   def out_flags(self, pattern):
     """The output weak types jax.jit gives for the scalars' weak `pattern`."""
@@ -78,6 +77,14 @@ class WeakOutputs:
         return out
       return tree_util.tree_unflatten(treedef, [_with_weak(x, w) for x, w in zip(leaves, want)])
     return run
+
+
+def _numeric_scalar(aval):
+  return aval.shape == () and jax.numpy.issubdtype(aval.dtype, jax.numpy.number)
+
+
+def _struct(aval):
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def _with_weak(x, weak):
