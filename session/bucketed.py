@@ -175,8 +175,8 @@ class BucketedGraph:
     """One bucket's executables: Session.compile at `size` rows, sharing the
     first bucket's state."""
     kwargs = dict(self.kwargs)
-    if self.first is not None:
-      kwargs["state_from"] = self.first
+    if self.first is not None:  # the first bucket's slots, already mapped
+      kwargs["state_from"], kwargs["state_map"] = self.first, None
     return self.session.compile(self.fn, *self.examples(size), name=f"{self.name}[batch {size}]",
                                 **kwargs)
 

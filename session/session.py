@@ -12,7 +12,7 @@ import jax
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import bucketed, inputs, pipeline, spmd, tracing
+from jaxsession import bucketed, inputs, pipeline, spmd, state_values, tracing
 from jaxsession.graph import importer
 from jaxsession.errors import InputError, SessionError, UnknownGraphError
 from jaxsession.inputs import ArgSpec, check_leaf
@@ -91,6 +91,33 @@ def _argnums(nums, what, nargs):
   return tuple(int(i) % nargs for i in nums)
 
 
+def _shared_slots(state_map, source, n):
+  """The source graph's slots the n state args bind (`state_map`, checked),
+  or None without state_from."""
+  if source is None:
+    if state_map is not None:
+      raise InputError("compile: state_map is given without state_from")
+    return None
+  if state_map is None:
+    return source.slots[:n]
+  try:
+    mapping = tuple(state_map)
+  except TypeError:
+    raise InputError(f"compile: state_map must be a sequence of slot indices, got "
+                     f"{state_map!r}") from None
+  if len(mapping) != n:
+    raise InputError(f"compile: state_map has {len(mapping)} entries for {n} state args "
+                     "(one slot index of the state_from graph per state arg)")
+  for m in mapping:
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or \
+        not 0 <= m < len(source.slots):
+      raise InputError(f"compile: state_map entry {m!r} is not a slot of graph "
+                       f"'{source.name}' (it has {len(source.slots)}: 0..{len(source.slots) - 1})")
+  if len(set(mapping)) != len(mapping):
+    raise InputError(f"compile: state_map {mapping} binds one slot twice")
+  return [source.slots[int(m)] for m in mapping]
+
+
 def _graph_id(graph_id):
   """A graph id is an int (numpy ints too); 0.0, True and '0' are not."""
   if isinstance(graph_id, bool) or not isinstance(graph_id, numbers.Integral):
@@ -146,7 +173,8 @@ class Session:
   # -- compile ------------------------------------------------------------
   def compile(self, fn, *example_args, state_argnums=(), static_argnums=(),
               state_from=None, updates_state=True, name=None, buckets=None,
-              max_buckets=7, bucket_sizes_hint=None, in_specs=None, state_specs=None):
+              max_buckets=7, bucket_sizes_hint=None, in_specs=None, state_specs=None,
+              state_map=None):
     """Traces `fn` on the example args, runs the pipeline, returns a graph id.
 
     With `updates_state=True` (the default), `fn` returns a tuple whose first
@@ -157,6 +185,9 @@ class Session:
     `buckets={argnum: [sizes] | "auto"}` makes the leading axis of those run
     args a batch axis run on shape buckets (session/bucketed.py); compile
     refuses it with an InputError when padding could reach a real row.
+
+    `state_from=other` binds the k-th state arg to `other`'s slot
+    `state_map[k]` (default: slot k), shared without a copy.
 
     Under `SessionOptions(mesh=...)`, `in_specs` and `state_specs` lay the
     run arguments and the state out on the mesh (session/spmd.py).
@@ -172,18 +203,20 @@ class Session:
       dispatcher = bucketed.compile_bucketed(
           self, fn, example_args, dict(state_argnums=state_argnums,
                                        static_argnums=static_argnums,
-                                       state_from=state_from, updates_state=updates_state),
+                                       state_from=state_from, state_map=state_map,
+                                       updates_state=updates_state),
           name, buckets, max_buckets, bucket_sizes_hint, state_nums,
           [i for i in range(nargs) if i not in fixed])
       return self._bucketed_entry(dispatcher)
     if bucket_sizes_hint is not None:
       raise InputError("compile: bucket_sizes_hint is given without buckets=")
     return self._compile(fn, example_args, state_argnums, static_argnums, state_from,
-                         updates_state, name, in_specs=in_specs, state_specs=state_specs)
+                         updates_state, name, in_specs=in_specs, state_specs=state_specs,
+                         state_map=state_map)
 
   def _compile(self, fn, example_args, state_argnums=(), static_argnums=(),
                state_from=None, updates_state=True, name=None, in_specs=None,
-               state_specs=None):
+               state_specs=None, state_map=None):
     """compile without buckets."""
     start = time.perf_counter()
     if isinstance(fn, jcore.ClosedJaxpr):
@@ -201,7 +234,12 @@ class Session:
     if set(state_nums) & set(static_nums):
       raise InputError(f"compile: positions {sorted(set(state_nums) & set(static_nums))} "
                        "are in both state_argnums and static_argnums")
+    if list(state_nums) != sorted(state_nums):
+      raise InputError(f"compile: state_argnums {tuple(state_nums)} is not in increasing "
+                       f"order; pass {tuple(sorted(state_nums))}: fn returns the new state "
+                       "values first, in the order of their positions")
     source = None if state_from is None else self._entry(state_from)
+    shared = _shared_slots(state_map, source, len(state_nums))
     name = name or getattr(fn, "__name__", "graph")
     updates = updates_state and bool(state_nums)
     dyn_nums = [i for i in range(nargs) if i not in state_nums and i not in static_nums]
@@ -212,10 +250,10 @@ class Session:
                    for i, a in zip(state_nums, state_args)]
     dyn_flats = [inputs.flatten_example(where, i, a) for i, a in zip(dyn_nums, dyn_args)]
     if source is not None:
-      self._check_shared(name, state_nums, state_flats, state_from, source)
+      self._check_shared(name, state_nums, state_flats, state_from, source, shared)
     mesh_layout, dyn_args = spmd.layout(  # bad specs: InputError
         self.options, self.platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, state_nums,
-        state_flats, state_specs, None if source is None else source.slots)
+        state_flats, state_specs, shared)
     wrapped = tracing.stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates)
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
                                                                   *dyn_args)
@@ -240,7 +278,7 @@ class Session:
     graph.updates_state = updates
     spmd.mark_graph(graph, mesh_layout, self.options, self.platform)
     nodes_imported = len(graph.nodes)
-    slots = self._bind_state(name, state_nums, state_flats, state_from, source,
+    slots = self._bind_state(name, state_nums, state_flats, state_from, source, shared,
                              mesh_layout and mesh_layout.state)
     try:
       return self._compile_bound(gid, name, graph, slots, spec, weak_state, rest_tree,
@@ -323,14 +361,13 @@ class Session:
     return (executor.Runner(program, layout),
             lambda steps: executor.Runner(sunk(steps), layout), eager)
 
-  def _check_shared(self, name, state_nums, state_flats, state_from, source):
-    """InputError unless the state examples fit `state_from`'s slots: the
-    same structure and leaf types, weak ones too."""
+  def _check_shared(self, name, state_nums, state_flats, state_from, source, shared):
+    """InputError unless the state examples fit the `shared` slots of
+    `state_from`: the same structure and leaf types, weak ones too."""
     if len(state_flats) > len(source.slots):
       raise InputError(f"compile({name}): {len(state_flats)} state args but graph "
                        f"{state_from} ('{source.name}') has {len(source.slots)} state slots")
-    for k, flat in enumerate(state_flats):
-      slot = source.slots[k]
+    for k, (flat, slot) in enumerate(zip(state_flats, shared)):
       where = (f"compile({name}): state arg {k} (position {state_nums[k]}) shared from "
                f"graph {state_from}")
       check_structure(slot, tree_util.tree_unflatten(flat.treedef, flat.leaves), where)
@@ -338,7 +375,8 @@ class Session:
         check_leaf(f"{where} at path {path or '(root)'}", x, aval, weak=aval.weak_type,
                    note=f" (the state slot {slot.name} holds the former)")
 
-  def _bind_state(self, name, state_nums, state_flats, state_from, source, layouts=None):
+  def _bind_state(self, name, state_nums, state_flats, state_from, source, shared,
+                  layouts=None):
     """The state slots of a new graph, pinned (owners counted) so that a
     concurrent release of the source graph cannot free them; a compile that
     fails afterwards unpins them (`_unpin`). `state_flats`: the checked
@@ -352,7 +390,7 @@ class Session:
         slots[-1].owners = 1
         slots[-1].shardings = layouts[k] if layouts else None
       return slots
-    slots = source.slots[:len(state_flats)]
+    slots = shared
     with self._lock:
       if source.released:
         raise UnknownGraphError(f"compile({name}): state_from graph {state_from!r} was "
@@ -432,26 +470,39 @@ class Session:
         owned_copy(x, None if s.shardings is None else s.shardings[j])
         for j, x in enumerate(s.leaves)]) for s in entry.slots))
 
-  def set_state(self, graph_id, *values):
-    """Replaces the state args' values; checks every value before changing any."""
+  def set_state(self, graph_id, *values, donate=False):
+    """Replaces the state args' values; checks every value before changing
+    any. `donate=True` takes the caller's arrays over without a copy where
+    their type, device and layout are the slot's (those arrays are deleted,
+    as jax.jit deletes a donated argument); the others are copied."""
     entry = self._entry(graph_id)
+    where = f"set_state(graph {graph_id} '{entry.name}')"
     if len(values) != len(entry.slots):
-      raise InputError(f"set_state(graph {graph_id} '{entry.name}'): expected "
-                       f"{len(entry.slots)} value(s), one per state arg, got {len(values)}")
-    new = []
-    for k, (slot, value) in enumerate(zip(entry.slots, values)):
-      where = f"set_state(graph {graph_id} '{entry.name}'): value {k}"
-      check_structure(slot, value, where)
-      pairs = tree_util.tree_flatten_with_path(value)[0]
-      for j, ((path, leaf), aval) in enumerate(zip(pairs, slot.avals)):
-        check_leaf(f"{where} at path {tree_util.keystr(path) or '(root)'}", leaf, aval,
-                   weak=slot.weak_sensitive.get(j))
-      new.append(tuple(owned_copy(x, None if slot.shardings is None else slot.shardings[j])
-                       for j, (_, x) in enumerate(pairs)))
+      raise InputError(f"{where}: expected {len(entry.slots)} value(s), one per state arg, "
+                       f"got {len(values)}")
+    new = state_values.new_leaves(where, [(f"{where}: value {k}", slot, value) for k, (slot, value)
+                                          in enumerate(zip(entry.slots, values))], donate)
     def write():
       for slot, leaves in zip(entry.slots, new):
         slot.leaves = leaves
     holding(entry.lock, write)
+
+  def replace_state(self, graph_id, index, value, donate=False):
+    """Replaces one state arg (`index`: its position in state_argnums) with
+    set_state's checks and binding; the other state args are untouched."""
+    entry = self._entry(graph_id)
+    where = f"replace_state(graph {graph_id} '{entry.name}')"
+    if isinstance(index, bool) or not isinstance(index, numbers.Integral) or \
+        not 0 <= index < len(entry.slots):
+      raise InputError(f"{where}: index {index!r} is not a state arg: the graph has "
+                       f"{len(entry.slots)} (indices 0..{len(entry.slots) - 1}, positions in "
+                       "state_argnums)")
+    slot = entry.slots[int(index)]
+    (leaves,) = state_values.new_leaves(where, [(f"{where}: state arg {index}", slot, value)],
+                                        donate)
+    def write():
+      slot.leaves = leaves
+    holding(slots_lock([slot]), write)
 
   def release(self, graph_id):
     """Frees a graph: its executables, and its state unless another graph

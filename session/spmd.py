@@ -100,7 +100,7 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
     if state_specs is not None:
       raise InputError(f"{where}: state_specs is given with state_from; shared state keeps "
                        "the layout of the graph it comes from")
-    state = [list(slot.shardings) for slot in source_slots[:len(state_flats)]]
+    state = [list(slot.shardings) for slot in source_slots]
   else:
     state_names = [f"state argument at position {i}" for i in state_nums]
     specs = sharding.leaf_specs("state_specs", mesh, state_specs, state_args, state_names,

@@ -1,0 +1,76 @@
+"""New values for a graph's state slots: checked, then bound.
+
+`set_state`, `replace_state` (and a checkpoint's restore) all go through
+`new_leaves`: every value is checked against its slot (structure, each leaf's
+shape, dtype and - where it changes the program - weak type) before any slot
+changes, then bound as session-owned buffers: a copy by default, or with
+`donate=True` the caller's own buffer where it is already laid out as the
+slot's leaf (the caller's array is then deleted, as `jax.jit` deletes a
+donated argument). Binding happens only once every value has passed.
+"""
+import jax
+from jax import tree_util
+
+from jaxsession.errors import InputError
+from jaxsession.inputs import check_leaf
+from jaxsession.jax_api import real_jit
+from jaxsession.runtime import debug_flags
+from jaxsession.runtime.state import check_structure, owned_copy, session_device
+
+# moves an array's buffer into a new array without a copy: XLA aliases the
+# donated parameter to the output, and jax deletes the argument
+_take = real_jit(lambda x: x, donate_argnums=0)
+
+
+def check_values(place, slot, value):
+  """The flat leaves of `value` for `slot`, checked (InputError naming
+  `place` and the path)."""
+  check_structure(slot, value, place)
+  pairs = tree_util.tree_flatten_with_path(value)[0]
+  for j, ((path, leaf), aval) in enumerate(zip(pairs, slot.avals)):
+    check_leaf(f"{place} at path {tree_util.keystr(path) or '(root)'}", leaf, aval,
+               weak=slot.weak_sensitive.get(j))
+  return [leaf for _, leaf in pairs]
+
+
+def _fits(x, slot, j):
+  """Whether `x` can become slot's leaf j as it is: a live jax.Array of the
+  leaf's exact type, on the session's device (under a mesh: in its sharding)."""
+  if not isinstance(x, jax.Array) or x.is_deleted():
+    return False
+  aval = slot.avals[j]
+  if x.dtype != aval.dtype or x.shape != aval.shape:
+    return False
+  if slot.shardings is not None:
+    return x.sharding == slot.shardings[j]
+  return x.devices() == {session_device()}
+
+
+def new_leaves(where, items, donate=False):
+  """`items`: (place, slot, value) triples. Every value checked against its
+  slot first, then bound: a tuple of session-owned leaves per item - copies,
+  or with `donate` the caller's buffers where they fit (an array passed
+  twice is taken once; the copies are made before anything is taken)."""
+  if not isinstance(donate, bool):
+    raise InputError(f"{where}: donate must be True or False, got {donate!r}")
+  flats = [check_values(place, slot, value) for place, slot, value in items]
+  taken, bound = set(), []
+  for (_, slot, _), flat in zip(items, flats):
+    row = []
+    for j, x in enumerate(flat):
+      if donate and id(x) not in taken and _fits(x, slot, j):
+        taken.add(id(x))
+        row.append(x)  # taken below, once every copy is made
+      else:
+        row.append(owned_copy(x, None if slot.shardings is None else slot.shardings[j]))
+    bound.append(row)
+  if taken:
+    bound = [[_take_over(x) if id(x) in taken else x for x in row] for row in bound]
+  return [tuple(row) for row in bound]
+
+
+def _take_over(x):
+  if debug_flags.MAYBE[0]:  # a nan the caller's array holds is not the take's to report
+    with jax.debug_nans(False), jax.debug_infs(False):
+      return _take(x)
+  return _take(x)

@@ -1,0 +1,190 @@
+"""State bound and updated in part: replace_state, set_state(donate=True),
+state_from with state_map, and the order of state_argnums. Every result
+equals jax.jit's bit for bit; every bad call is an InputError that changes
+nothing."""
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxsession as js
+from jaxsession.errors import InputError
+
+
+def _state_bytes(sess, gid):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(sess.get_state(gid))]
+
+
+def _decode_step(params, cache, pos, token):
+  """One token of a toy decoder with a KV cache: attention over the cache."""
+  emb = params["emb"][token]
+  k, v = emb @ params["wk"], emb @ params["wv"]
+  cache = {"k": cache["k"].at[pos].set(k), "v": cache["v"].at[pos].set(v)}
+  mask = jnp.arange(cache["k"].shape[0]) <= pos
+  att = jnp.where(mask, cache["k"] @ (emb @ params["wq"]), -jnp.inf)
+  out = jax.nn.softmax(att) @ cache["v"]
+  return params, cache, jnp.argmax(out @ params["emb"].T).astype(jnp.int32)
+
+
+class ReplaceStateTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    rng = np.random.default_rng(16)
+    self.params = {n: rng.standard_normal(s).astype(np.float32)
+                   for n, s in (("emb", (11, 8)), ("wk", (8, 8)), ("wv", (8, 8)),
+                                ("wq", (8, 8)))}
+    self.cache = {"k": np.zeros((6, 8), np.float32), "v": np.zeros((6, 8), np.float32)}
+    self.rng = rng
+
+  def test_a_cache_reset_leaves_the_parameters_and_equals_jit(self):
+    sess = js.Session()
+    gid = sess.compile(_decode_step, self.params, self.cache, np.int32(0), np.int32(3),
+                       state_argnums=(0, 1))
+    step = jax.jit(_decode_step)
+    for rollout in range(3):
+      fresh = {"k": self.rng.standard_normal((6, 8)).astype(np.float32),
+               "v": self.rng.standard_normal((6, 8)).astype(np.float32)}
+      fresh["k"][0, :2] = [-0.0, np.nan]  # a signed zero and a nan travel as they are
+      params_before = sess.get_state(gid)[0]
+      sess.replace_state(gid, 1, fresh)
+      np.testing.assert_array_equal(sess.get_state(gid)[1]["k"], fresh["k"])
+      for name, leaf in params_before.items():  # untouched, bit for bit
+        self.assertEqual(np.asarray(sess.get_state(gid)[0][name]).tobytes(),
+                         np.asarray(leaf).tobytes())
+      p, c, token = self.params, fresh, np.int32(rollout + 1)
+      for pos in range(6):
+        got = sess.run(gid, np.int32(pos), token)
+        p, c, want = step(p, c, np.int32(pos), token)
+        np.testing.assert_array_equal(got, want)
+        token = want
+      self.assertEqual(_state_bytes(sess, gid),
+                       [np.asarray(x).tobytes() for x in jax.tree.leaves((p, c))])
+
+  def test_bad_input_is_an_input_error_and_changes_nothing(self):
+    sess = js.Session()
+    gid = sess.compile(_decode_step, self.params, self.cache, np.int32(0), np.int32(3),
+                       state_argnums=(0, 1))
+    sess.run(gid, np.int32(0), np.int32(2))
+    before = _state_bytes(sess, gid)
+    good = {"k": np.ones((6, 8), np.float32), "v": np.ones((6, 8), np.float32)}
+    bad = [((2, good), "index 2 is not a state arg"),
+           ((-1, good), "index -1 is not a state arg"),
+           ((True, good), "index True"),
+           ((1, {"k": good["k"]}), "pytree structure"),
+           ((1, {"k": good["k"], "v": good["v"][:3]}), r"state arg 1 at path \['v'\]"),
+           ((1, {"k": good["k"], "v": good["v"].astype(np.int32)}), "i32"),
+           ((0, good), "pytree structure")]
+    for args, message in bad:
+      with self.assertRaisesRegex(InputError, message):
+        sess.replace_state(gid, *args)
+      self.assertEqual(_state_bytes(sess, gid), before)
+    with self.assertRaisesRegex(InputError, "donate must be True or False"):
+      sess.replace_state(gid, 1, good, donate="yes")
+    self.assertEqual(_state_bytes(sess, gid), before)
+
+
+class DonateTest(absltest.TestCase):
+
+  def test_set_state_takes_the_callers_arrays_over(self):
+    rng = np.random.default_rng(3)
+    params = {"w": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
+              "b": jnp.asarray(rng.standard_normal(3), jnp.float32)}
+    tx = optax.adam(1e-2)
+    def train(p, o, x):
+      g = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(p)
+      u, o = tx.update(g, o, p)
+      return optax.apply_updates(p, u), o, jnp.sum(g["w"])
+    opt = tx.init(params)
+    sess = js.Session()
+    gid = sess.compile(train, params, opt, np.ones((5, 4), np.float32), state_argnums=(0, 1))
+    new_p = jax.tree.map(lambda a: a * 1.5, params)
+    new_o = tx.init(new_p)
+    keep = jax.tree.map(np.array, (new_p, new_o))  # copies: a numpy view would pin the buffer
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(new_p)]
+    sess.set_state(gid, new_p, new_o, donate=True)
+    self.assertTrue(all(x.is_deleted() for x in jax.tree.leaves(new_p)))  # as donate_argnums
+    slot_leaves = sess._entry(gid).slots[0].leaves
+    self.assertEqual([x.unsafe_buffer_pointer() for x in slot_leaves], pointers)  # no copy
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    ref = jax.jit(train)(*keep, x)
+    got = sess.run(gid, x)
+    np.testing.assert_array_equal(got, ref[2])
+    self.assertEqual(_state_bytes(sess, gid),
+                     [np.asarray(v).tobytes() for v in jax.tree.leaves(ref[:2])])
+
+  def test_what_does_not_fit_is_copied_and_the_same_array_taken_once(self):
+    sess = js.Session()
+    gid = sess.compile(lambda a, b, x: (a + x, b - x, a * b), np.ones(3, np.float32),
+                       np.ones(3, np.float32), np.ones(3, np.float32), state_argnums=(0, 1))
+    shared = jnp.asarray(np.float32([1.5, -0.0, 3.0]))
+    sess.set_state(gid, shared, shared, donate=True)  # twice: taken once, copied once
+    a, b = sess.get_state(gid)
+    np.testing.assert_array_equal(a, [1.5, -0.0, 3.0])
+    np.testing.assert_array_equal(b, [1.5, -0.0, 3.0])
+    host = np.float32([2.0, 4.0, 8.0])  # numpy: copied, the caller's untouched
+    sess.set_state(gid, host, jnp.asarray(host), donate=True)
+    np.testing.assert_array_equal(host, [2.0, 4.0, 8.0])
+    np.testing.assert_array_equal(sess.run(gid, np.ones(3, np.float32)), host * host)
+    before = _state_bytes(sess, gid)
+    wrong = jnp.ones(4, jnp.float32)
+    with self.assertRaisesRegex(InputError, "expected f32\\[3\\], got f32\\[4\\]"):
+      sess.set_state(gid, jnp.ones(3, jnp.float32), wrong, donate=True)
+    self.assertFalse(wrong.is_deleted())  # nothing taken before every value passed
+    self.assertEqual(_state_bytes(sess, gid), before)
+
+
+class StateMapTest(absltest.TestCase):
+
+  def test_an_eval_graph_binds_a_subset_in_another_order(self):
+    rng = np.random.default_rng(4)
+    a, b, c = (rng.standard_normal(4).astype(np.float32) for _ in range(3))
+    def train(a, b, c, x):
+      return a + x, b * x, c - x, jnp.sum(a)
+    def evaluate(c, a, x):
+      return jnp.sum(c * x) - jnp.sum(a)
+    sess = js.Session()
+    tid = sess.compile(train, a, b, c, a, state_argnums=(0, 1, 2))
+    eid = sess.compile(evaluate, c, a, a, state_argnums=(0, 1), state_from=tid,
+                       state_map=(2, 0), updates_state=False)
+    ra, rb, rc = a, b, c
+    for _ in range(3):
+      x = rng.standard_normal(4).astype(np.float32)
+      sess.run(tid, x)
+      ra, rb, rc, _ = jax.jit(train)(ra, rb, rc, x)
+      np.testing.assert_array_equal(sess.run(eid, x), jax.jit(evaluate)(rc, ra, x))
+    # a graph that updates through the map writes the train graph's slots
+    def bump(c, x):
+      return c * 2.0, jnp.sum(c)
+    bid = sess.compile(bump, c, a, state_argnums=0, state_from=tid, state_map=(2,))
+    sess.run(bid, a)
+    np.testing.assert_array_equal(sess.get_state(tid)[2], rc * 2.0)
+    np.testing.assert_array_equal(sess.get_state(tid)[0], ra)
+
+  def test_bad_maps_and_orders_are_input_errors(self):
+    sess = js.Session()
+    v = np.float32([1.0, 2.0])
+    tid = sess.compile(lambda a, b, x: (a + x, b + 1, x), v, v.astype(np.int32), v,
+                       state_argnums=(0, 1))
+    reader = lambda a, x: jnp.sum(a) + x  # noqa: E731
+    cases = [(dict(state_from=tid, state_map=(2,)), "not a slot"),
+             (dict(state_from=tid, state_map=(0, 1)), "2 entries for 1 state args"),
+             (dict(state_from=tid, state_map=(True,)), "not a slot"),
+             (dict(state_from=tid, state_map=5), "must be a sequence"),
+             (dict(state_map=(0,)), "without state_from"),
+             (dict(state_from=tid, state_map=(1,)), "expected i32")]  # slot 1 holds ints
+    for kwargs, message in cases:
+      with self.assertRaisesRegex(InputError, message):
+        sess.compile(reader, v, np.float32(1.0), state_argnums=0, updates_state=False,
+                     **kwargs)
+    with self.assertRaisesRegex(InputError, "twice"):
+      sess.compile(lambda a, b, x: a.sum() + b.sum(), v, v, v, state_argnums=(0, 1),
+                   state_from=tid, state_map=(0, 0), updates_state=False)
+    # positions out of order would bind the new values to the other arg
+    with self.assertRaisesRegex(InputError, r"not in increasing order; pass \(0, 2\)"):
+      sess.compile(lambda a, x, b: (a, b, x), v, v, v, state_argnums=(2, 0))
+
+
+if __name__ == "__main__":
+  absltest.main()
