@@ -127,6 +127,11 @@ class DonateTest(absltest.TestCase):
     sess.set_state(gid, host, jnp.asarray(host), donate=True)
     np.testing.assert_array_equal(host, [2.0, 4.0, 8.0])
     np.testing.assert_array_equal(sess.run(gid, np.ones(3, np.float32)), host * host)
+    pinned = jnp.asarray(np.float32([5.0, 6.0, 7.0]))
+    view = np.asarray(pinned)  # a numpy view pins the buffer: XLA copies it instead
+    sess.set_state(gid, pinned, jnp.asarray(host), donate=True)
+    self.assertFalse(pinned.is_deleted())
+    np.testing.assert_array_equal(sess.get_state(gid)[0], view)
     before = _state_bytes(sess, gid)
     wrong = jnp.ones(4, jnp.float32)
     with self.assertRaisesRegex(InputError, "expected f32\\[3\\], got f32\\[4\\]"):
