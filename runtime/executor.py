@@ -136,12 +136,14 @@ def state_layout(graph, plan, leaf_slots, one_executable):
 
 def arg_structs(spec, leading=None):
   """ShapeDtypeStruct pytrees for the run arguments (optionally with a leading
-  steps axis), with their shardings under a mesh."""
-  lead = () if leading is None else (leading,)
+  steps axis: `leading` as ArgSpec.conform takes it), with their shardings
+  under a mesh."""
   out = []
   for i, (treedef, avals) in enumerate(zip(spec.treedefs, spec.avals)):
+    steps = per_arg(leading, len(spec.avals))[i]
+    lead = () if steps is None else (steps,)
     shardings = spec.shardings[i] if spec.shardings else [None] * len(avals)
-    if leading is not None:
+    if steps is not None:
       shardings = [s if s is None else sharding.stacked(s) for s in shardings]
     leaves = [jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype, sharding=s,
                                    weak_type=getattr(a, "weak_type", False))
@@ -174,6 +176,19 @@ def kept_layouts(layout):
   if all(s is None for s in keep):
     return None
   return (layout.returned(keep), None)
+
+
+def per_arg(leading, n):
+  """`leading` - steps on every run argument's new first axis, or a tuple of
+  one steps-or-None per argument (run's in_axes) - as that tuple of n."""
+  return leading if isinstance(leading, tuple) else (leading,) * n
+
+
+def leaf_steps(spec, leading):
+  """Per flat run leaf: whether it carries the steps (`leading` as
+  ArgSpec.conform takes it)."""
+  lead = per_arg(leading, len(spec.avals))
+  return [lead[i] is not None for i, avals in enumerate(spec.avals) for _ in avals]
 
 
 def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=None):
@@ -401,12 +416,14 @@ def call_path(program, layout, lock):
   return call
 
 
-def eager_program(graph, spec, rest_tree, layout, steps=None):
+def eager_program(graph, spec, rest_tree, layout, steps=None, leading=None):
   """The Program that runs the graph op by op (each node's kernel bound
   eagerly), for runs under `jax.disable_jit()`, where jax.jit runs its
   function op by op too and an ahead-of-time executable refuses to run.
-  Nothing is donated; `steps` runs that many steps on the stacked args and
-  commits once, as a sunk run does."""
+  Nothing is donated; `steps` runs that many steps on the stacked args
+  (`leading`: which are stacked, as ArgSpec.conform takes it; default all)
+  and commits once, as a sunk run does."""
+  leading = steps if leading is None else leading
   consts = graph_consts(graph)
   in_ids = [v.id for v in graph.inputs if v.kind != "const"]
   k, n = layout.num_outputs, len(layout.structs())
@@ -422,14 +439,15 @@ def eager_program(graph, spec, rest_tree, layout, steps=None):
 
   def run(*xs):
     leaves = layout.leaves_of(xs[:n])
-    user = tree_util.tree_leaves(spec.conform(xs[n:], leading=steps))
+    user = tree_util.tree_leaves(spec.conform(xs[n:], leading=leading))
     if steps is None:
       outs = one_step(leaves, user)
       return layout.returned([outs[i] for i in layout.updated_idx]), \
           tree_util.tree_unflatten(rest_tree, outs[k:])
+    stacked_leaf = leaf_steps(spec, leading)
     per_step = []
     for t in range(steps):
-      outs = one_step(leaves, [x[t] for x in user])
+      outs = one_step(leaves, [x[t] if s else x for x, s in zip(user, stacked_leaf)])
       for i in layout.updated_idx:
         leaves[i] = outs[i]
       per_step.append(outs[k:])

@@ -3,7 +3,8 @@
 For a graph that is one device partition, the N steps become one `lax.scan`
 inside one executable - a Program whose one op is that executable: the state
 is the carry, the per-step arguments are scanned over their leading axis and
-the outputs come back stacked. A graph with host partitions cannot live
+the outputs come back stacked; an argument run's in_axes marks None is the
+same every step, passed once beside the scan. A graph with host partitions cannot live
 inside one executable; its program runs the plan N times on a private copy
 of the leaves the plan donates, and returns the last step's state, so the
 commit after the last step is the only one and a failure at any step leaves
@@ -17,35 +18,43 @@ from jax import lax, tree_util
 from jaxsession.errors import InputError
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn
-from jaxsession.runtime.executor import arg_structs, executable_program, graph_body, kept_layouts
+from jaxsession.runtime.executor import (arg_structs, executable_program, graph_body,
+                                         kept_layouts, leaf_steps, per_arg)
 from jaxsession.runtime.state import owned_copy
 
 
-def sunk_program(graph, spec, rest_tree, layout, steps, hooks=None):
+def sunk_program(graph, spec, rest_tree, layout, steps, hooks=None, leading=None):
   """One executable that runs `steps` steps of a single-partition graph,
   taking the state in the layout's form (profiled: one partition event for
-  all the steps)."""
+  all the steps). `leading`: which arguments carry the steps (as
+  ArgSpec.conform takes it; default every one)."""
   recorder = callbacks.ErrorRecorder()
   step = graph_body(graph, layout, rest_tree, recorder)
   n = len(layout.structs())
+  leading = steps if leading is None else leading
+  stacked = [s is not None for s in per_arg(leading, len(spec.avals))]
 
   def sunk(*xs):
+    scanned = tuple(a for a, s in zip(xs[n:], stacked) if s)
+    fixed = [a for a, s in zip(xs[n:], stacked) if not s]
+
     def one_step(state, xs):
-      new, out = step(list(state), xs)
+      it, same = iter(xs), iter(fixed)
+      new, out = step(list(state), tuple(next(it) if s else next(same) for s in stacked))
       state = list(state)
       for i, x in zip(layout.updated_idx, new):
         state[i] = lax.convert_element_type(x, state[i].dtype)
       return tuple(state), out
     state = tuple(layout.leaves_of(xs[:n]))
-    final, ys = lax.scan(one_step, state, tuple(xs[n:]), length=steps)
+    final, ys = lax.scan(one_step, state, scanned, length=steps)
     return layout.returned([final[i] for i in layout.updated_idx]), ys
 
   # under a mesh: the carry's layout is XLA's choice; the slots keep theirs
-  exe = compile_fn(sunk, (*layout.structs(), *arg_structs(spec, steps)),
+  exe = compile_fn(sunk, (*layout.structs(), *arg_structs(spec, leading)),
                    donate_argnums=layout.donate_argnums() if layout.donated_idx else (),
                    compiler_options=graph.compiler_options,
                    out_shardings=kept_layouts(layout))
-  return executable_program(exe, recorder, graph, layout, spec, hooks, leading=steps)
+  return executable_program(exe, recorder, graph, layout, spec, hooks, leading=leading)
 
 
 MAX_COMPILED_STEPS = 256  # split/stack executables up to this many steps
@@ -88,22 +97,25 @@ class _Stacker:
     return self.exe(*flat)
 
 
-def stepped_program(program, layout, spec, rest_tree, steps):
+def stepped_program(program, layout, spec, rest_tree, steps, leading=None):
   """`steps` runs of a multi-partition plan (`program.run_flat`), stacked;
   all-or-nothing. Its cost is the plan's, N times, plus one executable per
   argument leaf that splits it into steps and one that stacks all the
   outputs; it saves only `run`'s per-call checks. The arguments are checked
   once, up front. The plan's ops are the graph's (a profiled graph records
-  each step's partitions)."""
-  structs = tree_util.tree_leaves(arg_structs(spec, steps))
+  each step's partitions). `leading`: as sunk_program's; an argument not
+  stacked is passed as it is at every step."""
+  leading = steps if leading is None else leading
+  structs = tree_util.tree_leaves(arg_structs(spec, leading))
   compiled = steps <= MAX_COMPILED_STEPS  # beyond: N-output executables compile slowly
-  splitters = [compile_fn(lambda a: [a[t] for t in range(steps)], [st])
-               if compiled else list for st in structs]
+  splitters = [(compile_fn(lambda a: [a[t] for t in range(steps)], [st])
+                if compiled else list) if s else (lambda a: [a] * steps)
+               for st, s in zip(structs, leaf_steps(spec, leading))]
   stack = _Stacker(eager=not compiled)
   run_flat = program.run_flat
 
   def run(*xs):
-    state, args = xs[:layout.num_state], spec.conform(xs[layout.num_state:], leading=steps)
+    state, args = xs[:layout.num_state], spec.conform(xs[layout.num_state:], leading=leading)
     columns = [split(leaf) for split, leaf in zip(splitters, tree_util.tree_leaves(args))]
     # The plan donates some leaves to its executables: those get a private copy,
     # so the slots' buffers survive a failure at any step.
@@ -135,3 +147,23 @@ def check_steps(steps):
     raise InputError(f"run: steps must be a positive int, got {steps!r} "
                      f"({type(steps).__name__})")
   return int(steps)
+
+
+def check_in_axes(in_axes, steps, nargs):
+  """(steps checked, run's `in_axes` as ArgSpec.conform's `leading`): `steps`
+  where every argument is stacked (None, the default, or all 0), else one
+  steps-or-None per argument; InputError for anything but 0 or None per
+  argument, or for in_axes without steps."""
+  if in_axes is not None and steps is None:
+    raise InputError("run: in_axes is given without steps (it says which arguments "
+                     "carry the steps of a sunk run)")
+  steps = check_steps(steps)
+  if in_axes is None:
+    return steps, steps
+  if isinstance(in_axes, (list, tuple)) and len(in_axes) == nargs and all(
+      a is None or (type(a) is int and a == 0) for a in in_axes):
+    return steps, (steps if all(a == 0 for a in in_axes) else tuple(
+        steps if a == 0 else None for a in in_axes))
+  raise InputError(f"run: in_axes must be a tuple of one 0 (stacked: a leading axis of "
+                   f"steps) or None (the same value every step) per run argument "
+                   f"({nargs} here), got {in_axes!r}")

@@ -19,6 +19,7 @@ from jax import tree_util
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
 from jaxsession.runtime import sharding
+from jaxsession.runtime.executor import per_arg
 from jaxsession.runtime.state import session_device
 
 _PY_SCALARS = (bool, int, float, complex)
@@ -217,9 +218,11 @@ class ArgSpec:
 
   def conform(self, args, leading=None):
     """Returns `args` with Python scalars converted where that is exact; raises
-    InputError naming the first argument that does not fit. With `leading`,
-    every leaf must carry that many steps on a new leading axis."""
+    InputError naming the first argument that does not fit. With `leading`
+    (steps), every leaf must carry that many steps on a new leading axis;
+    `leading` may also be one steps-or-None per argument (run's in_axes)."""
     self.check_arity(args)
+    lead = per_arg(leading, len(args))
     fixed = []
     for i, arg in enumerate(args):
       leaves, treedef = tree_util.tree_flatten(arg)
@@ -227,7 +230,7 @@ class ArgSpec:
         raise InputError(f"{self.where}: argument {i} (position {self.positions[i]} of the "
                          f"function) has pytree structure {treedef}, expected "
                          f"{self.treedefs[i]}")
-      new_leaves = [self.conform_leaf(i, j, x, leading) for j, x in enumerate(leaves)]
+      new_leaves = [self.conform_leaf(i, j, x, lead[i]) for j, x in enumerate(leaves)]
       fixed.append(tree_util.tree_unflatten(treedef, new_leaves))
     return tuple(fixed)
 

@@ -37,11 +37,11 @@ class _Entry:
   runner: Any               # executor.Runner: run's one path
   spec: ArgSpec
   slots: List[StateSlot]
-  make_sunk: Any            # steps -> the Runner of run(steps=)
+  make_sunk: Any            # (steps, leading) -> the Runner of run(steps=, in_axes=)
   hooks: Any = None         # the profiler's GraphHooks, when profiling
-  make_eager: Any = None    # steps -> the Runner of a run under jax.disable_jit()
+  make_eager: Any = None    # (steps, leading) -> the Runner of a run under jax.disable_jit()
   weak_outputs: Any = None  # weak_outputs.WeakOutputs: output weak types follow the scalars
-  sunk: Dict[int, Any] = dataclasses.field(default_factory=dict)  # steps -> call
+  sunk: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # leading -> call
   released: bool = False
   bucketed: Any = None      # a BucketedGraph: run dispatches to its sub-graphs
 
@@ -61,9 +61,10 @@ class _Entry:
   def _wrap(self, runner, steps):
     return runner.call if self.hooks is None else self.hooks.run_call(runner.call, steps)
 
-  def sunk_call(self, steps):
-    """The call of run(steps=steps), built on first use."""
-    runner = self.make_sunk(steps)
+  def sunk_call(self, steps, leading):
+    """The call of run(steps=steps) (`leading`: loop_sink.check_in_axes's),
+    built on first use."""
+    runner = self.make_sunk(steps, leading)
     self.report.loop_sink[steps] = ("one executable (lax.scan)" if runner.layout.one_executable
                                     else "the plan, once per step")
     return self._wrap(runner, steps)
@@ -347,19 +348,20 @@ class Session:
     layout = executor.state_layout(graph, graph.memory, leaf_slots, one)
     if one:
       program = executor.single_program(graph, spec, rest_tree, layout, cache, key, hooks)
-      sunk = lambda steps: loop_sink.sunk_program(graph, spec, rest_tree, layout, steps,
-                                                  hooks)
+      sunk = lambda steps, leading: loop_sink.sunk_program(  # noqa: E731
+          graph, spec, rest_tree, layout, steps, hooks, leading)
     else:
       program = executor.plan_program(graph, build.build_program(
           graph, parts, graph.memory, spec, self.platform, cache, key, hooks), spec,
           rest_tree, layout)
-      sunk = lambda steps: loop_sink.stepped_program(program, layout, spec, rest_tree, steps)
+      sunk = lambda steps, leading: loop_sink.stepped_program(  # noqa: E731
+          program, layout, spec, rest_tree, steps, leading)
     if parts:
       memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
-    eager = lambda steps: executor.Runner(  # noqa: E731
-        executor.eager_program(graph, spec, rest_tree, layout, steps), layout)
+    eager = lambda steps, leading=None: executor.Runner(  # noqa: E731
+        executor.eager_program(graph, spec, rest_tree, layout, steps, leading), layout)
     return (executor.Runner(program, layout),
-            lambda steps: executor.Runner(sunk(steps), layout), eager)
+            lambda steps, leading: executor.Runner(sunk(steps, leading), layout), eager)
 
   def _check_shared(self, name, state_nums, state_flats, state_from, source, shared):
     """InputError unless the state examples fit the `shared` slots of
@@ -426,9 +428,12 @@ class Session:
     cached). Equals `op.bind(*args, **params)`."""
     return self._ops.run(op, *args, **params)
 
-  def run(self, graph_id, *args, steps=None):
+  def run(self, graph_id, *args, steps=None, in_axes=None):
     """Runs one step (or `steps` steps, loop-sunk) and returns fn's non-state
-    outputs. State advances only if the whole call succeeds."""
+    outputs. State advances only if the whole call succeeds. With `steps`,
+    every argument carries the steps on a new leading axis, or per
+    `in_axes` (one 0 or None per argument): None passes that argument as
+    it is, the same value every step (as vmap's in_axes)."""
     try:
       entry = self._graphs[graph_id]
     except (KeyError, TypeError):
@@ -436,19 +441,23 @@ class Session:
     else:
       if type(graph_id) is not int:  # a float or bool key that hashes like an int
         entry = self._entry(graph_id)
+    leading = None
     try:
-      if steps is None:
+      if steps is None and in_axes is None:
         return entry.call(args)
-      steps = loop_sink.check_steps(steps)
+      steps, leading = loop_sink.check_in_axes(in_axes, steps, len(entry.spec.treedefs))
       if entry.bucketed is not None:
+        if leading != steps:
+          raise InputError(f"run(graph {graph_id} '{entry.name}'): in_axes with None is not "
+                           "supported on a bucketed graph; stack every argument")
         return entry.bucketed.run(args, steps)
-      call = entry.sunk.get(steps)
+      call = entry.sunk.get(leading)
       if call is None:
-        entry.spec.conform(args, leading=steps)  # the args, before anything is built
+        entry.spec.conform(args, leading=leading)  # the args, before anything is built
         with self._lock:
-          call = entry.sunk.get(steps)
+          call = entry.sunk.get(leading)
           if call is None:
-            call = entry.sunk[steps] = entry.sunk_call(steps)
+            call = entry.sunk[leading] = entry.sunk_call(steps, leading)
       return call(args)
     except Exception as exc:
       if entry.released:  # released by another thread while this call ran
@@ -458,7 +467,7 @@ class Session:
           and not isinstance(exc, SessionError)):
         # an executable refuses to run under jax.disable_jit() before it runs
         # anything: run op by op, as jax.jit does there
-        return entry.make_eager(steps).call(args)
+        return entry.make_eager(steps, leading).call(args)
       raise
 
   # -- state --------------------------------------------------------------

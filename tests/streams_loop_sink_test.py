@@ -212,5 +212,76 @@ class HostFailureWithDonationTest(absltest.TestCase):
     assert_same_bits(sess.get_state(gid), (want_w, want_v), "state after the next run")
 
 
+class InAxesTest(absltest.TestCase):
+  """run(steps=N, in_axes=...): an argument marked None is the same every
+  step, passed once, not stacked N times."""
+
+  def setUp(self):
+    super().setUp()
+    rng = np.random.default_rng(21)
+    self.w = rng.standard_normal((4, 4)).astype(np.float32)
+    self.xs = rng.standard_normal((6, 3, 4)).astype(np.float32)
+    self.xs[0, 0, :3] = [-0.0, np.inf, 1e-40]
+    self.lr = np.float32(0.01)
+    self.table = {"scale": rng.standard_normal(4).astype(np.float32),
+                  "shift": np.int32([7, -3, 2**30, 0])}
+
+  @staticmethod
+  def step(w, x, lr, table):
+    w = w - lr * (x.T @ jnp.nan_to_num(x @ w)) * table["scale"]
+    return w, jnp.sum(w) + table["shift"].astype(jnp.float32).sum()
+
+  def test_invariant_arguments_equal_a_scan_over_the_stacked_ones(self):
+    step = self.step
+    def scan_ref(w, xs, lr, table):  # jax.jit of the same loop, the same arguments
+      return jax.lax.scan(lambda w, x: step(w, x, lr, table), w, xs)
+    want_w, want = jax.jit(scan_ref)(self.w, self.xs, self.lr, self.table)
+    sess = js.Session()
+    gid = sess.compile(step, self.w, self.xs[0], self.lr, self.table, state_argnums=0)
+    got = sess.run(gid, self.xs, self.lr, self.table, steps=6, in_axes=(0, None, None))
+    assert_same_bits(got, want, "sunk outputs")
+    assert_same_bits(sess.get_state(gid)[0], want_w, "sunk state")
+    # all 0 is the default: one executable for both spellings
+    lrs, tables = np.full(6, self.lr), jax.tree.map(lambda a: np.stack([a] * 6), self.table)
+    sess.set_state(gid, self.w)
+    stacked = sess.run(gid, self.xs, lrs, tables, steps=6, in_axes=(0, 0, 0))
+    sess.set_state(gid, self.w)
+    assert_same_bits(sess.run(gid, self.xs, lrs, tables, steps=6), stacked, "stacked")
+    self.assertEqual(len(sess._entry(gid).sunk), 2)  # (0, None, None) and stacked
+
+  def test_a_plan_with_host_work_passes_them_every_step(self):
+    def step(w, x, lr, table):
+      m = jax.pure_callback(lambda a: np.float32(np.abs(a).max()),
+                            jax.ShapeDtypeStruct((), np.float32), x)
+      w, out = self.step(w, x, lr, table)
+      return w, out + m
+    sess = js.Session()
+    gid = sess.compile(step, self.w, self.xs[0], self.lr, self.table, state_argnums=0)
+    self.assertGreater(len(sess.report(gid).partitions), 1)
+    got = sess.run(gid, self.xs, self.lr, self.table, steps=6, in_axes=(0, None, None))
+    w, want = self.w, []
+    for t in range(6):  # the plan, once per step: each step is one run
+      w, out = jax.jit(step)(w, self.xs[t], self.lr, self.table)
+      want.append(out)
+    assert_same_bits(got, np.stack(want), "outputs")
+    assert_same_bits(sess.get_state(gid)[0], w, "state")
+
+  def test_bad_in_axes_are_input_errors_and_change_nothing(self):
+    sess = js.Session()
+    gid = sess.compile(self.step, self.w, self.xs[0], self.lr, self.table, state_argnums=0)
+    before = np.asarray(sess.get_state(gid)[0]).tobytes()
+    cases = [(dict(in_axes=(0, None, None)), "without steps"),
+             (dict(steps=6, in_axes=(0, None)), "one 0 .* per run argument \\(3 here\\)"),
+             (dict(steps=6, in_axes=(0, False, None)), "got \\(0, False, None\\)"),
+             (dict(steps=6, in_axes=(1, None, None)), "got \\(1, None, None\\)"),
+             (dict(steps=6, in_axes=0), "got 0")]
+    for kwargs, message in cases:
+      with self.assertRaisesRegex(js.InputError, message):
+        sess.run(gid, self.xs, self.lr, self.table, **kwargs)
+    with self.assertRaisesRegex(js.InputError, r"argument 1 .* expected f32\[\], got f32\[6\]"):
+      sess.run(gid, self.xs, np.full(6, self.lr), self.table, steps=6, in_axes=(0, None, None))
+    self.assertEqual(np.asarray(sess.get_state(gid)[0]).tobytes(), before)
+
+
 if __name__ == "__main__":
   absltest.main()
