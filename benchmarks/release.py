@@ -11,6 +11,7 @@ and `len(jax.live_arrays())` after warm-up cycles and at the end.
     python benchmarks/release.py [--cycles 1000] [--warmup 100]
 """
 import json
+import os
 import subprocess
 import sys
 

@@ -12,8 +12,9 @@ node ids, source lines, names).
     exe = build.compile_fn(fn, structs, donate, cache=executables, key=(fp, "partition", 0))
 
 `ExecutableCache` is the in-memory store (LRU, thread-safe, one compile per
-key); `RecordingCache` wraps it for one Build and records each lookup (hit or
-miss, seconds) for the compile report. `enable_persistent_cache` turns on JAX's
+key, entries pinned by the live graphs that use them); `RecordingCache` wraps
+it for one Build, pins what it finds for that graph and records each lookup
+(hit or miss, seconds) for the compile report. `enable_persistent_cache` turns on JAX's
 own on-disk cache, so that a new process skips XLA compilation as well.
 """
 import collections
@@ -39,7 +40,7 @@ from jaxsession.graph.ir import Literal, Value, aval_str
 # part of the key, so a new option is safe by default.
 NOT_EXECUTABLE_OPTIONS = frozenset({
     "save_graphs", "verify_graphs", "run_op_cache_size", "compilation_cache_dir",
-    "recompile_warn_limit", "precompile_buckets", "enable_profiling"})
+    "recompile_warn_limit", "precompile_buckets", "enable_profiling", "compile_cache_size"})
 
 # jax settings read while a program is traced or lowered.
 _JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision",
@@ -372,6 +373,12 @@ class ExecutableCache:
   the same missing key compile it once (the second waits for the first and
   counts a hit; if the first fails, or its value is not to be stored, the
   second compiles itself). maxsize=None: unbounded; 0: nothing is kept.
+
+  Owners: a lookup given `owner` (a graph id) pins its entry for that owner
+  until `release_owner(owner)`; pinned entries are never evicted and do not
+  count against `maxsize`, which bounds the unpinned ones - executables no
+  live graph uses. So a Session's cache shares executables between live
+  graphs and keeps `maxsize` more after their graphs are released.
   """
 
   def __init__(self, maxsize=128):
@@ -384,29 +391,58 @@ class ExecutableCache:
     self.misses = 0
     self._entries = collections.OrderedDict()
     self._pending = {}
+    self._pins = collections.defaultdict(set)    # key -> owners
+    self._owned = collections.defaultdict(set)   # owner -> keys
     self._lock = threading.Lock()
 
-  def get_or_compile(self, key, compile_thunk):
+  def _pin(self, key, owner):
+    if owner is not None and key in self._entries:
+      self._pins[key].add(owner)
+      self._owned[owner].add(key)
+
+  def _evict(self):
+    """Drops the least recently used unpinned entries beyond maxsize."""
+    if self.maxsize is None:
+      return
+    unpinned = [k for k in self._entries if not self._pins.get(k)]
+    for k in unpinned[:max(0, len(unpinned) - self.maxsize)]:
+      del self._entries[k]
+
+  def release_owner(self, owner):
+    """Unpins every entry `owner` pinned; those no other owner pins become
+    evictable (beyond maxsize, at once)."""
+    with self._lock:
+      for key in self._owned.pop(owner, ()):
+        pins = self._pins.get(key)
+        if pins is not None:
+          pins.discard(owner)
+          if not pins:
+            del self._pins[key]
+      self._evict()
+
+  def get_or_compile(self, key, compile_thunk, owner=None):
     while True:
       with self._lock:
         if key in self._entries:
           self._entries.move_to_end(key)
           self.hits += 1
+          self._pin(key, owner)
           return self._entries[key], True
         pending = self._pending.get(key)
-        owner = pending is None
-        if owner:
+        compiles_here = pending is None
+        if compiles_here:
           pending = self._pending[key] = _Pending()
-      if owner:
-        return self._compile(key, pending, compile_thunk), False
+      if compiles_here:
+        return self._compile(key, pending, compile_thunk, owner), False
       pending.done.wait()
       if pending.ok:
         with self._lock:
           self.hits += 1
+          self._pin(key, owner)
         return pending.value, True
       # the compile we waited for failed or was not stored: compile here
 
-  def _compile(self, key, pending, compile_thunk):
+  def _compile(self, key, pending, compile_thunk, owner=None):
     try:
       value = compile_thunk()
     except BaseException:
@@ -420,11 +456,11 @@ class ExecutableCache:
       del self._pending[key]
       if store:
         self.misses += 1
-        if self.maxsize is None or self.maxsize > 0:
+        if self.maxsize is None or self.maxsize > 0 or owner is not None:
           self._entries[key] = value
           self._entries.move_to_end(key)
-          while self.maxsize is not None and len(self._entries) > self.maxsize:
-            self._entries.popitem(last=False)  # the least recently used
+          self._pin(key, owner)
+          self._evict()
     if not store:
       pending.done.set()
       return value.value
@@ -480,14 +516,15 @@ class RecordingCache:
   """An ExecutableCache as one Build sees it: the same `get_or_compile`,
   with every lookup recorded in `use` (a CacheUse) for the report."""
 
-  def __init__(self, cache):
+  def __init__(self, cache, owner=None):
     self.cache = cache
+    self.owner = owner  # the graph id its entries are pinned for
     self.use = CacheUse()
     self._lock = threading.Lock()
 
   def get_or_compile(self, key, compile_thunk):
     start = time.perf_counter()
-    value, hit = self.cache.get_or_compile(key, compile_thunk)
+    value, hit = self.cache.get_or_compile(key, compile_thunk, self.owner)
     seconds = time.perf_counter() - start
     with self._lock:
       if hit:

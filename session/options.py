@@ -36,6 +36,9 @@ class SessionOptions:
     compiled this many distinct batch sizes, and at every new one after.
   precompile_buckets: compile every bucket at compile, not on first use.
   run_op_cache_size: executables `run_op` keeps (least recently used evicted).
+  compile_cache_size: executables the compile cache keeps after the graphs
+    that used them are released (least recently used evicted; those of live
+    graphs are always shared). 0: `release` frees a graph's executables.
   compilation_cache_dir: turns on JAX's persistent compilation cache there, so
     a new process skips XLA compilation (a process-wide JAX setting).
   enable_profiling: record every run, partition, transfer and compile stage
@@ -65,6 +68,7 @@ class SessionOptions:
   recompile_warn_limit: int = 8
   precompile_buckets: bool = False
   run_op_cache_size: int = 128
+  compile_cache_size: int = 0
   compilation_cache_dir: Optional[str] = None
   enable_profiling: bool = False
   mesh: Optional[Any] = None
@@ -88,7 +92,7 @@ class SessionOptions:
       raise InputError("SessionOptions.disabled_passes must be a list of pass names, got "
                        f"{self.disabled_passes!r}")
     for name in ("fold_limit_bytes", "reorder_slack_bytes", "recompile_warn_limit",
-                 "run_op_cache_size"):
+                 "run_op_cache_size", "compile_cache_size"):
       limit = getattr(self, name)
       if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise InputError(f"SessionOptions.{name} must be an int >= 0, got {limit!r}")

@@ -165,7 +165,9 @@ class Session:
     self._graphs = {}
     self._ids = itertools.count()
     self._lock = threading.RLock()  # the graph table and the sunk-runner caches
-    self._executables = compile_cache.ExecutableCache(maxsize=64)  # the compile cache
+    # the compile cache: executables of live graphs, shared between them, and
+    # compile_cache_size more that released graphs used
+    self._executables = compile_cache.ExecutableCache(self.options.compile_cache_size)
     self.profiler = Profiler(enabled=self.options.enable_profiling, platform=self.platform)
     self._ops = OpRunner(self.platform, self.options.run_op_cache_size)
     if self.options.compilation_cache_dir:  # JAX's persistent cache (process-wide)
@@ -286,6 +288,7 @@ class Session:
                                  nodes_imported, start, mesh_layout, weak_outputs)
     except BaseException:
       self._unpin(slots)
+      self._executables.release_owner(gid)
       raise
 
   def _compile_bound(self, gid, name, graph, slots, spec, weak_state, rest_tree,
@@ -304,7 +307,7 @@ class Session:
     # The compile cache: executables keyed by a fingerprint of the optimised
     # graph (not the Python function), so a second compile of the same
     # program with the same types and options compiles nothing.
-    cache = compile_cache.RecordingCache(self._executables)
+    cache = compile_cache.RecordingCache(self._executables, owner=gid)
     key = compile_cache.fingerprint(graph, spec.avals, compile_cache.options_key(self.options),
                                     self.platform, extra=(rest_tree, spmd.key_text(mesh_layout)))
     build_start = time.perf_counter()
@@ -534,6 +537,7 @@ class Session:
           slot.leaves = ()
     holding(entry.lock, free)
     entry.sunk.clear()
+    self._executables.release_owner(_graph_id(graph_id))
 
   # -- introspection --------------------------------------------------------
   def graph(self, graph_id):

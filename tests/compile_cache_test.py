@@ -1,6 +1,7 @@
 """The compile cache (runtime/compile_cache.py): the fingerprint of the
 optimised graph, the in-memory ExecutableCache and its use by Build, and
 JAX's persistent cache across processes."""
+import gc
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import weakref
 
 from absl.testing import absltest
 import pytest
@@ -205,6 +207,51 @@ class ExecutableCacheTest(absltest.TestCase):
     self.assertEqual(cache.get_or_compile("b", thunk("b")), ("b", False))
     self.assertEqual(made, ["a", "b", "c", "b"])
     self.assertEqual(cache.cache_info(), (2, 4, 2, 2))
+
+  def test_owners_pin_entries_until_released(self):
+    cache = ExecutableCache(maxsize=1)
+    cache.get_or_compile("a", lambda: "a", owner=1)
+    cache.get_or_compile("b", lambda: "b", owner=2)
+    cache.get_or_compile("a", lambda: "never", owner=3)  # shared: a hit, pinned twice
+    for key in "cdef":  # unpinned entries: at most maxsize of them are kept
+      cache.get_or_compile(key, lambda k=key: k)
+    self.assertEqual(sorted(cache._entries), ["a", "b", "f"])
+    cache.release_owner(1)
+    self.assertIn("a", cache)  # owner 3 still uses it
+    cache.release_owner(3)
+    cache.release_owner(2)  # a and b unpinned: only the most recent of a, b, f stays
+    self.assertEqual(list(cache._entries), ["f"])
+    cache.release_owner(2)  # twice, or an owner that pinned nothing: no-op
+    cache.release_owner(99)
+    nothing_kept = ExecutableCache(maxsize=0)
+    nothing_kept.get_or_compile("x", lambda: "x", owner=1)  # kept while owned
+    self.assertIn("x", nothing_kept)
+    nothing_kept.release_owner(1)
+    self.assertNotIn("x", nothing_kept)
+
+  def test_release_frees_the_executables(self):
+    def step(w, x):
+      return w * 0.5 + x, jnp.sum(w)
+    w, x = np.float32([1.0, -2.0, 3.5]), np.float32([0.25, -0.0, 7.0])
+    sess = js.Session()
+    a = sess.compile(step, w, x, state_argnums=0)
+    b = sess.compile(step, w, x, state_argnums=0)  # the same program: shared
+    self.assertTrue(sess.report(b).cache.hit)
+    self.assertIs(sess.executables(a)[0], sess.executables(b)[0])
+    gone = weakref.ref(sess.executables(a)[0])
+    sess.release(a)
+    np.testing.assert_array_equal(sess.run(b, x), jax.jit(step)(w, x)[1])
+    sess.release(b)
+    gc.collect()
+    self.assertIsNone(gone())  # nothing of the session keeps it
+    self.assertEqual(len(sess._executables), 0)
+    keeps = js.Session(js.SessionOptions(compile_cache_size=4))
+    c = keeps.compile(step, w, x, state_argnums=0)
+    keeps.release(c)
+    d = keeps.compile(step, w, x, state_argnums=0)  # kept after its graph went
+    self.assertTrue(keeps.report(d).cache.hit)
+    with self.assertRaisesRegex(js.InputError, "compile_cache_size must be an int >= 0"):
+      js.SessionOptions(compile_cache_size=-1)
 
   def test_do_not_store(self):
     cache = ExecutableCache(4)
