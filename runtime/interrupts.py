@@ -24,10 +24,13 @@ What it covers: SIGINT, with a Python-level handler installed when a Session
 was created or a graph compiled (Python's default one, or the user's). A
 handler installed after that replaces ours, and a Ctrl-C during a run then
 behaves as that handler makes it; compiling another graph wraps it again.
+A SIGINT that lands inside jax's garbage-collector callback, where CPython
+would ignore the KeyboardInterrupt, is sent again once that callback returned.
 Other signals, and SIGINT handlers set to SIG_IGN/SIG_DFL or installed in C,
 are left alone. A run of the main thread that never returns (a callback that
 blocks forever) cannot be interrupted by Ctrl-C: its state would be lost.
 """
+import os
 import signal
 import threading
 
@@ -50,6 +53,24 @@ def _inside_critical(frame):
   return False
 
 
+def _inside_gc_callback(frame):
+  """Whether the handler runs inside a garbage-collector callback (jax
+  registers one, `_xla_gc_callback`): CPython ignores what a gc callback
+  raises ("Exception ignored in ..."), so a KeyboardInterrupt raised there
+  is lost - measured here: 1 Ctrl-C in ~20 during a loop of plan runs."""
+  while frame is not None:
+    if frame.f_code.co_name == "_xla_gc_callback":
+      return True
+    frame = frame.f_back
+  return False
+
+
+def _resend(signum):
+  """Sends `signum` to this process again from another thread, so the main
+  thread's handler runs once the gc callback has returned."""
+  threading.Thread(target=os.kill, args=(os.getpid(), signum), daemon=True).start()
+
+
 class _Deferring:
   """The SIGINT handler: the previous one, deferred inside critical functions."""
 
@@ -59,6 +80,9 @@ class _Deferring:
   def __call__(self, signum, frame):
     if _inside_critical(frame):
       pending.append(signum)
+      return
+    if _inside_gc_callback(frame):
+      _resend(signum)
       return
     self.previous(signum, frame)
 
