@@ -140,6 +140,98 @@ def stepped_program(program, layout, spec, rest_tree, steps, leading=None):
                  frozenset(), [], program.analyses, program.executables, run)
 
 
+def chunk_sizes(steps):
+  """Powers of two summing to `steps`, largest first (100: 64, 32, 4)."""
+  return [1 << k for k in reversed(range(steps.bit_length())) if steps >> k & 1]
+
+
+def with_steps(leading, steps):
+  """`leading` (as ArgSpec.conform takes it) for `steps` steps."""
+  if isinstance(leading, tuple):
+    return tuple(None if s is None else steps for s in leading)
+  return steps
+
+
+def chunked_program(parts, layout, spec, rest_tree, steps, leading):
+  """`steps` steps as consecutive runs of the Programs in `parts` ((size,
+  Program) pairs, the sizes summing to `steps`), so that a new steps value
+  reuses executables compiled for others instead of compiling its own. The
+  arguments are checked once and split into the chunks by one small
+  executable, each chunk's new state feeds the next, and one more joins
+  the outputs (both compiled once for this steps value: data movement, not
+  the step). The commit is the Runner's, after the last chunk: a failure at
+  any chunk leaves the slots as they were."""
+  n = len(layout.structs())
+  leaf_stacked = leaf_steps(spec, leading)
+  structs = [st for st, s in zip(tree_util.tree_leaves(arg_structs(spec, leading)),
+                                 leaf_stacked) if s]
+  sizes = [size for size, _ in parts]
+  bounds = [(sum(sizes[:k]), size) for k, size in enumerate(sizes)]
+  def split_all(*xs):
+    return [[lax.slice_in_dim(x, start, start + size) for x in xs] for start, size in bounds]
+  split = compile_fn(split_all, structs) if structs else (lambda: [[] for _ in parts])
+  join = _Joiner()
+  treedefs, updated = spec.treedefs, layout.updated_idx
+
+  def run(*xs):
+    state, args = xs[:n], spec.conform(xs[n:], leading=leading)
+    leaves = tree_util.tree_leaves(args)
+    pieces = split(*[x for x, s in zip(leaves, leaf_stacked) if s])
+    outs = []
+    for (size, part), piece in zip(parts, pieces):
+      it = iter(piece)
+      flat = [next(it) if s else x for x, s in zip(leaves, leaf_stacked)]
+      chunk, k = [], 0
+      for treedef in treedefs:
+        chunk.append(tree_util.tree_unflatten(treedef, flat[k:k + treedef.num_leaves]))
+        k += treedef.num_leaves
+      new, out = part.run(*state, *chunk)
+      outs.append(out)
+      if layout.whole:
+        state = (new,)
+      else:
+        full = list(layout.leaves_of(state))
+        for i, x in zip(updated, new):
+          full[i] = x
+        state = tuple(full)
+    return new, tree_util.tree_unflatten(rest_tree, join([tree_util.tree_leaves(o)
+                                                          for o in outs]))
+  program = parts[0][1]
+  return Program(program.ops, [], program.num_state, program.num_user, [], frozenset(),
+                 frozenset(), [], program.analyses, program.executables, run)
+
+
+class _Joiner:
+  """Concatenates the chunks' stacked outputs, leaf by leaf: one executable
+  compiled on first use (eagerly under a mesh with host outputs, as
+  _Stacker)."""
+
+  def __init__(self):
+    self.exe = None
+
+  def __call__(self, chunks):
+    columns = list(zip(*chunks))
+    flat = [x for column in columns for x in column]
+    if not flat:
+      return []
+    kinds = {isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) for x in flat}
+    if len(kinds) > 1:
+      return [jax.numpy.concatenate(column) for column in columns]
+    if self.exe is None:
+      structs = [jax.ShapeDtypeStruct(
+          jax.numpy.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False),
+          sharding=x.sharding if isinstance(getattr(x, "sharding", None),
+                                            jax.sharding.NamedSharding) else None)
+          for x in flat]
+      sizes = [len(column) for column in columns]
+
+      def concat(*xs):
+        it = iter(xs)
+        return [jax.numpy.concatenate([next(it) for _ in range(k)]) for k in sizes]
+      self.exe = compile_fn(concat, structs)
+    return self.exe(*flat)
+
+
 def check_steps(steps):
   """`steps` as an int, checked before anything is built: a positive integer
   (Python or numpy), not a bool, a float or a string."""

@@ -37,11 +37,12 @@ class _Entry:
   runner: Any               # executor.Runner: run's one path
   spec: ArgSpec
   slots: List[StateSlot]
-  make_sunk: Any            # (steps, leading) -> the Runner of run(steps=, in_axes=)
+  make_sunk: Any            # (steps, leading[, chunks]) -> the Runner of run(steps=, in_axes=)
   hooks: Any = None         # the profiler's GraphHooks, when profiling
   make_eager: Any = None    # (steps, leading) -> the Runner of a run under jax.disable_jit()
   weak_outputs: Any = None  # weak_outputs.WeakOutputs: output weak types follow the scalars
   sunk: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # leading -> call
+  chunks: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # leading -> Runner
   released: bool = False
   bucketed: Any = None      # a BucketedGraph: run dispatches to its sub-graphs
 
@@ -63,10 +64,27 @@ class _Entry:
 
   def sunk_call(self, steps, leading):
     """The call of run(steps=steps) (`leading`: loop_sink.check_in_axes's),
-    built on first use."""
-    runner = self.make_sunk(steps, leading)
-    self.report.loop_sink[steps] = ("one executable (lax.scan)" if runner.layout.one_executable
-                                    else "the plan, once per step")
+    built on first use: the first steps value a graph runs compiles its own
+    executable; any other runs as chunks of power-of-two steps (64 + 32 + 4
+    for 100), each chunk's executable compiled once and shared by every
+    steps value - the short last chunk of an epoch compiles at most
+    log2(steps) + 1 small ones, once."""
+    kind = "one executable (lax.scan)" if self.runner.layout.one_executable else \
+        "the plan, once per step"
+    sizes = loop_sink.chunk_sizes(steps)
+    if not self.chunks or len(sizes) == 1:
+      runner = self.chunks[leading] = self.make_sunk(steps, leading)
+      self.report.loop_sink[steps] = kind
+      return self._wrap(runner, steps)
+    parts = []
+    for size in sizes:
+      key = loop_sink.with_steps(leading, size)
+      if key not in self.chunks:
+        self.chunks[key] = self.make_sunk(size, key)
+        self.report.loop_sink.setdefault(size, kind)
+      parts.append((size, self.chunks[key].program))
+    runner = self.make_sunk(steps, leading, parts)
+    self.report.loop_sink[steps] = f"chunks of {' + '.join(map(str, sizes))} steps ({kind} each)"
     return self._wrap(runner, steps)
 
 
@@ -363,8 +381,12 @@ class Session:
       memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
     eager = lambda steps, leading=None: executor.Runner(  # noqa: E731
         executor.eager_program(graph, spec, rest_tree, layout, steps, leading), layout)
-    return (executor.Runner(program, layout),
-            lambda steps, leading: executor.Runner(sunk(steps, leading), layout), eager)
+    def make_sunk(steps, leading, parts=None):  # parts: chunked_program's
+      if parts is None:
+        return executor.Runner(sunk(steps, leading), layout)
+      return executor.Runner(loop_sink.chunked_program(parts, layout, spec, rest_tree, steps,
+                                                       leading), layout)
+    return executor.Runner(program, layout), make_sunk, eager
 
   def _check_shared(self, name, state_nums, state_flats, state_from, source, shared):
     """InputError unless the state examples fit the `shared` slots of

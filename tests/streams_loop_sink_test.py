@@ -283,5 +283,73 @@ class InAxesTest(absltest.TestCase):
     self.assertEqual(np.asarray(sess.get_state(gid)[0]).tobytes(), before)
 
 
+class StepsValuesTest(absltest.TestCase):
+  """A new steps value does not compile its own executable: after the first,
+  every steps value runs as chunks of power-of-two steps executables."""
+
+  @staticmethod
+  def step(w, x):
+    w = w * 0.9 + jnp.tanh(x)
+    return w, {"s": jnp.sum(w), "m": w.max()}
+
+  def test_other_steps_values_reuse_power_of_two_chunks(self):
+    rng = np.random.default_rng(22)
+    w = rng.standard_normal(8).astype(np.float32)
+    xs = rng.standard_normal((100, 8)).astype(np.float32)
+    xs[3, :2] = [-0.0, np.inf]
+    compiles = []
+    def listener(event, duration, **_):
+      if event == "/jax/core/compile/backend_compile_duration":
+        compiles.append(duration)
+    from jax._src import monitoring  # pylint: disable=import-outside-toplevel
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    self.addCleanup(monitoring.unregister_event_duration_listener, listener)
+    sess = js.Session()
+    gid = sess.compile(self.step, w, xs[0], state_argnums=0)
+    scan = jax.jit(lambda w, xs: jax.lax.scan(self.step, w, xs))
+    plan = [100, 37, 100, 5, 69, 3, 38]
+    wants, ref = [], w
+    for n in plan:  # jax.jit's side first: its compiles are not counted
+      ref, out = scan(ref, xs[:n])
+      wants.append((ref, out))
+    del compiles[:]
+    counts = []
+    for n, (want_w, want) in zip(plan, wants):
+      got = sess.run(gid, xs[:n], steps=n)
+      assert_same_bits(got, want, f"steps={n}")
+      assert_same_bits(sess.get_state(gid)[0], want_w, f"state after steps={n}")
+      counts.append(len(compiles))
+    # 100 exact (1); 37 = 32 + 4 + 1: three step executables plus the split of
+    # its arguments and the join of its outputs (5); 100 again: nothing; 5 =
+    # 4 + 1: split and join only (2); 69 = 64 + 4 + 1: 64, split, join (3);
+    # 3 = 2 + 1: 2, split, join (3); 38 = 32 + 4 + 2: split, join (2)
+    self.assertEqual(counts, [1, 6, 6, 8, 11, 14, 16])
+    self.assertEqual(sorted(k for k in sess._entry(gid).chunks), [1, 2, 4, 32, 64, 100])
+    self.assertIn("chunks of 32 + 4 + 1 steps", sess.report(gid).loop_sink[37])
+
+  def test_a_failing_chunk_leaves_the_state_as_it_was(self):
+    rng = np.random.default_rng(23)
+    w = rng.standard_normal(8).astype(np.float32)
+    xs = rng.standard_normal((40, 8)).astype(np.float32)
+    calls = []
+    def host(a):
+      calls.append(1)
+      if len(calls) == 30:  # step 30 of 37: in the second chunk (32 + 4 + 1)
+        raise ValueError("boom at step 30")
+      return np.float32(np.abs(a).max())
+    def step(w, x):
+      m = jax.pure_callback(host, jax.ShapeDtypeStruct((), np.float32), x)
+      return w * 0.5 + x, m
+    sess = js.Session()
+    gid = sess.compile(step, w, xs[0], state_argnums=0)
+    sess.run(gid, xs[:2], steps=2)
+    before = np.asarray(sess.get_state(gid)[0]).tobytes()
+    del calls[:]
+    calls.extend([1] * 2)  # so that the 30th call of the 37-step run fails
+    with self.assertRaises(js.HostOpError):
+      sess.run(gid, xs[:37], steps=37)
+    self.assertEqual(np.asarray(sess.get_state(gid)[0]).tobytes(), before)
+
+
 if __name__ == "__main__":
   absltest.main()
