@@ -34,7 +34,11 @@ setup(
     # flax and optax only in tests: the fusion tests check the forms they write.
     # hypothesis, cloudpickle and portpicker: JAX's own test modules need them
     # (tests/jax_suite_test.py runs some of them routed through the session).
-    extras_require={"test": ["pytest>=7", "flax", "optax", "hypothesis", "cloudpickle",
-                             "portpicker"]},
+    # orbax-checkpoint: Session.save/restore write through it (the JAX field's
+    # checkpoint library: atomic steps, keep-N, sharded arrays); imported only
+    # when a checkpoint is saved or restored.
+    extras_require={"checkpoint": ["orbax-checkpoint"],
+                    "test": ["pytest>=7", "flax", "optax", "hypothesis", "cloudpickle",
+                             "portpicker", "orbax-checkpoint"]},
     entry_points={"console_scripts": ["jaxsession=jaxsession.cli:run_main"]},
 )

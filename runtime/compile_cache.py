@@ -40,7 +40,8 @@ from jaxsession.graph.ir import Literal, Value, aval_str
 # part of the key, so a new option is safe by default.
 NOT_EXECUTABLE_OPTIONS = frozenset({
     "save_graphs", "verify_graphs", "run_op_cache_size", "compilation_cache_dir",
-    "recompile_warn_limit", "precompile_buckets", "enable_profiling", "compile_cache_size"})
+    "recompile_warn_limit", "precompile_buckets", "enable_profiling", "compile_cache_size",
+    "checkpoint_keep"})
 
 # jax settings read while a program is traced or lowered.
 _JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision",

@@ -36,6 +36,8 @@ class SessionOptions:
     compiled this many distinct batch sizes, and at every new one after.
   precompile_buckets: compile every bucket at compile, not on first use.
   run_op_cache_size: executables `run_op` keeps (least recently used evicted).
+  checkpoint_keep: `Session.save` keeps the newest N checkpoints per
+    directory (None: every one).
   compile_cache_size: executables the compile cache keeps after the graphs
     that used them are released (least recently used evicted; those of live
     graphs are always shared). 0: `release` frees a graph's executables.
@@ -69,6 +71,7 @@ class SessionOptions:
   precompile_buckets: bool = False
   run_op_cache_size: int = 128
   compile_cache_size: int = 0
+  checkpoint_keep: Optional[int] = None
   compilation_cache_dir: Optional[str] = None
   enable_profiling: bool = False
   mesh: Optional[Any] = None
@@ -101,6 +104,10 @@ class SessionOptions:
                        f"{type(self.mesh).__name__}")
     if self.mesh is not None and len(set(self.mesh.axis_names)) != len(self.mesh.axis_names):
       raise InputError(f"SessionOptions.mesh names an axis twice: {self.mesh.axis_names}")
+    keep = self.checkpoint_keep
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+      raise InputError(f"SessionOptions.checkpoint_keep must be an int >= 1 or None, got "
+                       f"{keep!r}")
     for name in ("allreduce_bucket_bytes", "first_bucket_bytes"):
       value = getattr(self, name)
       if value is None:

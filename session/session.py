@@ -12,7 +12,7 @@ import jax
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import bucketed, inputs, pipeline, spmd, state_values, tracing
+from jaxsession import bucketed, checkpoints, inputs, pipeline, spmd, state_values, tracing
 from jaxsession.graph import importer
 from jaxsession.errors import InputError, SessionError, UnknownGraphError
 from jaxsession.inputs import ArgSpec, check_leaf
@@ -187,6 +187,7 @@ class Session:
     # compile_cache_size more that released graphs used
     self._executables = compile_cache.ExecutableCache(self.options.compile_cache_size)
     self.profiler = Profiler(enabled=self.options.enable_profiling, platform=self.platform)
+    self._checkpoints = checkpoints.Checkpointer(self.options.checkpoint_keep)
     self._ops = OpRunner(self.platform, self.options.run_op_cache_size)
     if self.options.compilation_cache_dir:  # JAX's persistent cache (process-wide)
       compile_cache.enable_persistent_cache(self.options.compilation_cache_dir)
@@ -537,6 +538,37 @@ class Session:
     def write():
       slot.leaves = leaves
     holding(slots_lock([slot]), write)
+
+  # -- checkpoints ----------------------------------------------------------
+  def save(self, graph_id, directory, step):
+    """Snapshots the graph's state between runs (under its slot locks) and
+    writes it to `directory` as checkpoint `step` in the background, on
+    orbax; returns at once. A step is complete only once fully written
+    (a process killed meanwhile leaves the earlier steps as they were);
+    SessionOptions(checkpoint_keep=N) keeps the newest N."""
+    entry = self._entry(graph_id)
+    self._checkpoints.save(entry, f"save(graph {graph_id} '{entry.name}')", directory, step)
+
+  def wait_until_saved(self):
+    """Blocks until every pending save is written; raises the first error a
+    save met."""
+    self._checkpoints.wait()
+
+  def restore(self, graph_id, directory, step=None):
+    """Reads checkpoint `step` (None: the newest complete one) of `directory`
+    into the graph's state and returns its step. Its structure, shapes and
+    dtypes are checked against the state first: what does not fit, or a
+    checkpoint that cannot be read, is an InputError and changes nothing."""
+    entry = self._entry(graph_id)
+    where = f"restore(graph {graph_id} '{entry.name}')"
+    step, values = self._checkpoints.restore(entry, where, directory, step)
+    new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, value) for k, (slot, value)
+                                          in enumerate(zip(entry.slots, values))], donate=True)
+    def write():
+      for slot, leaves in zip(entry.slots, new):
+        slot.leaves = leaves
+    holding(entry.lock, write)
+    return step
 
   def release(self, graph_id):
     """Frees a graph: its executables, and its state unless another graph

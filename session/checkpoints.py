@@ -1,0 +1,243 @@
+"""Checkpoints of a graph's state, on orbax-checkpoint.
+
+`Session.save(gid, directory, step)` snapshots the state between runs: under
+the graph's slot locks it takes device copies of the leaves (so later runs,
+which donate the slots' buffers, cannot touch what is being written), then a
+background thread hands them to an orbax `CheckpointManager`, which writes
+the step into a temporary folder and renames it when complete; the session
+then marks the step complete (`MARKER`), and restore reads marked steps only
+- a process killed mid-save leaves no half-written step that restores, and
+every earlier one as it was. `wait_until_saved()` waits for every pending save and raises
+the first error one met. `restore(gid, directory, step=None)` reads a step
+(None: the newest complete one), checks its structure, shapes and dtypes
+against the graph's slots first (InputError naming the leaf), and binds the
+arrays it read without another copy, laid out as the slots are (under a mesh
+orbax reads each process's shards and reshards).
+
+What is written per step: `state` (one list of leaves per state arg; typed
+PRNG keys as their key data) and `meta` (JSON: the slots' names, leaf paths
+and types, and the PRNG implementation of each key leaf).
+"""
+import atexit
+import os
+import queue
+import threading
+import weakref
+
+import jax
+from jax import tree_util
+
+from jaxsession.errors import InputError
+from jaxsession.graph.ir import aval_str
+from jaxsession.runtime.state import holding, private_copy, session_device
+
+FORMAT = "jaxsession-checkpoint-1"
+
+
+def _ocp():
+  try:
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  except ImportError as exc:
+    raise ImportError("Session.save/restore need orbax-checkpoint: pip install "
+                      "'jaxsession[checkpoint]'") from exc
+  return ocp  # imported on first use: ~1 s
+
+
+def _is_key(aval):
+  return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key)
+
+
+def _paths(slot):
+  return [tree_util.keystr(p) for p, _ in tree_util.tree_flatten_with_path(
+      tree_util.tree_unflatten(slot.treedef, list(range(len(slot.avals)))))[0]]
+
+
+def _meta(entry):
+  slots = []
+  for slot in entry.slots:
+    slots.append({"name": slot.name, "paths": _paths(slot),
+                  "types": [aval_str(a) for a in slot.avals],
+                  "keys": {str(j): str(jax.random.key_impl(x)) for j, (x, a)
+                           in enumerate(zip(slot.leaves, slot.avals)) if _is_key(a)}})
+  return {"format": FORMAT, "graph": entry.name, "slots": slots}
+
+
+class Checkpointer:
+  """A Session's checkpoints: one orbax CheckpointManager per directory,
+  the background saves and their errors."""
+
+  def __init__(self, keep):
+    self.keep = keep
+    self._managers = {}
+    self._queue = queue.Queue()  # writes, in the order the saves were asked
+    self._worker = None
+    self._errors = []
+    self._lock = threading.Lock()
+    atexit.register(_drain, weakref.ref(self))  # pending saves finish before exit
+
+  def _work(self):
+    while True:
+      write = self._queue.get()
+      try:
+        write()
+      finally:
+        self._queue.task_done()
+
+  def _manager(self, where, directory, create):
+    path = os.path.abspath(os.fspath(directory))
+    with self._lock:
+      manager = self._managers.get(path)
+      if manager is None:
+        if not create and not os.path.isdir(path):
+          raise InputError(f"{where}: checkpoint directory {path!r} does not exist")
+        if os.path.exists(path) and not os.path.isdir(path):
+          raise InputError(f"{where}: {path!r} is a file, not a directory")
+        ocp = _ocp()
+        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=create,
+                                               enable_async_checkpointing=False)
+        manager = self._managers[path] = ocp.CheckpointManager(path, options=options)
+      return path, manager
+
+  def save(self, entry, where, directory, step):
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+      raise InputError(f"{where}: step must be an int >= 0, got {step!r}")
+    if not isinstance(directory, (str, os.PathLike)):
+      raise InputError(f"{where}: directory must be a str or os.PathLike, got "
+                       f"{type(directory).__name__}")
+    if any(slot.leaves is None for slot in entry.slots):
+      raise InputError(f"{where}: the state is unset")
+    path, manager = self._manager(where, directory, create=True)
+
+    def snapshot():  # between runs: the slots' leaves now, in buffers of their own
+      return [[private_copy(jax.random.key_data(x) if _is_key(a) else x)
+               for x, a in zip(slot.leaves, slot.avals)] for slot in entry.slots]
+    leaves = holding(entry.lock, snapshot)
+    meta = _meta(entry)
+
+    def write():
+      ocp = _ocp()
+      try:
+        manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"slots": leaves}), meta=ocp.args.JsonSave(meta)))
+        manager.wait_until_finished()
+        _mark_complete(os.path.join(path, str(step)))
+      except BaseException as exc:  # pylint: disable=broad-except
+        with self._lock:
+          self._errors.append(RuntimeError(f"{where}: writing step {step} to {path} "
+                                           f"failed: {type(exc).__name__}: {exc}"))
+    with self._lock:
+      if self._worker is None:
+        self._worker = threading.Thread(target=self._work, name="jaxsession-checkpoints",
+                                        daemon=True)
+        self._worker.start()
+    self._queue.put(write)
+
+  def wait(self):
+    self._queue.join()
+    with self._lock:
+      errors, self._errors = self._errors, []
+    if errors:
+      raise errors[0]
+
+  def restore(self, entry, where, directory, step):
+    """The new leaves per slot, read and checked; `step` and the leaves."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+      raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
+    if not isinstance(directory, (str, os.PathLike)):
+      raise InputError(f"{where}: directory must be a str or os.PathLike, got "
+                       f"{type(directory).__name__}")
+    self.wait()
+    path, manager = self._manager(where, directory, create=False)
+    manager.reload()
+    steps = [k for k in manager.all_steps() if _complete(os.path.join(path, str(k)))]
+    if step is None:
+      if not steps:
+        raise InputError(f"{where}: no complete checkpoint in {path}")
+      step = max(steps)
+    elif step not in steps:
+      raise InputError(f"{where}: no complete checkpoint of step {step} in {path} "
+                       f"(complete: {sorted(steps)})")
+    ocp = _ocp()
+    try:
+      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as exc:  # pylint: disable=broad-except
+      raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "
+                       f"{type(exc).__name__}: {exc}") from None
+    _check_meta(where, f"{path}/{step}", meta, entry)
+    targets = {"slots": [[_target(slot, j) for j in range(len(slot.avals))]
+                         for slot in entry.slots]}
+    try:
+      read = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(targets)))["state"]["slots"]
+    except Exception as exc:  # pylint: disable=broad-except
+      raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "
+                       f"{type(exc).__name__}: {exc}") from None
+    values = []
+    for k, (slot, row) in enumerate(zip(entry.slots, read)):
+      keys = meta["slots"][k]["keys"]
+      leaves = [jax.random.wrap_key_data(x, impl=keys[str(j)]) if str(j) in keys else x
+                for j, x in enumerate(row)]
+      values.append(tree_util.tree_unflatten(slot.treedef, leaves))
+    return step, values
+
+
+# A step is complete once this file is in it, written after orbax finished
+# the step: a process killed during a save can leave orbax's step folder
+# renamed into place without all of its items (seen in the kill test).
+MARKER = "jaxsession_complete"
+
+
+def _mark_complete(step_dir):
+  tmp = os.path.join(step_dir, MARKER + ".tmp")
+  with open(tmp, "w") as f:
+    f.write(FORMAT)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, os.path.join(step_dir, MARKER))
+
+
+def _complete(step_dir):
+  return os.path.isfile(os.path.join(step_dir, MARKER))
+
+
+def _drain(ref):
+  checkpointer = ref()
+  if checkpointer is not None:
+    checkpointer._queue.join()  # pylint: disable=protected-access
+
+
+def _target(slot, j):
+  """What orbax reads leaf j of `slot` as: its type (a key as its data), laid
+  out as the slot's leaf."""
+  aval = slot.avals[j]
+  if _is_key(aval):
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    shape, dtype = data.shape, data.dtype
+  else:
+    shape, dtype = aval.shape, aval.dtype
+  sharding = slot.shardings[j] if slot.shardings is not None else \
+      jax.sharding.SingleDeviceSharding(session_device())
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _check_meta(where, name, meta, entry):
+  """InputError unless the checkpoint's slots are the graph's: count, leaf
+  paths and types."""
+  if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    raise InputError(f"{where}: {name} is not a jaxsession checkpoint")
+  saved = meta["slots"]
+  if len(saved) != len(entry.slots):
+    raise InputError(f"{where}: {name} holds {len(saved)} state arg(s), graph "
+                     f"'{entry.name}' has {len(entry.slots)}")
+  for k, (slot, got) in enumerate(zip(entry.slots, saved)):
+    paths = _paths(slot)
+    if got["paths"] != paths:
+      missing = [p for p in paths if p not in got["paths"]]
+      extra = [p for p in got["paths"] if p not in paths]
+      raise InputError(f"{where}: state arg {k} of {name} has another structure than "
+                       f"slot {slot.name}: missing {missing or 'nothing'}, extra "
+                       f"{extra or 'nothing'}")
+    for path, saved_type, aval in zip(paths, got["types"], slot.avals):
+      if saved_type != aval_str(aval):
+        raise InputError(f"{where}: state arg {k} of {name} at path {path or '(root)'}: "
+                         f"the checkpoint holds {saved_type}, the slot {aval_str(aval)}")

@@ -1,0 +1,208 @@
+"""Checkpoints (Session.save / wait_until_saved / restore, on orbax): a
+restored state trains on bit for bit as if there had been no break, in a new
+process too; bad checkpoints are InputErrors that change nothing; a process
+killed during saves leaves every complete step restorable."""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxsession as js
+from subproc import run_json
+
+TX = optax.adamw(1e-2)
+
+
+def train(p, o, k, x):
+  k, sub = jax.random.split(k)
+  noise = jax.random.normal(sub, x.shape, x.dtype) * 0.01
+  g = jax.grad(lambda p: jnp.mean(
+      jnp.tanh((x + noise) @ p["w"] + p["b"].astype(jnp.float32)) ** 2))(p)
+  u, o = TX.update(g, o, p)
+  return optax.apply_updates(p, u), o, k, jnp.sum(g["w"])
+
+
+def examples(seed=0):
+  rng = np.random.default_rng(seed)
+  p = {"w": rng.standard_normal((4, 3)).astype(np.float32),
+       "b": rng.standard_normal(3).astype(jnp.bfloat16)}
+  xs = rng.standard_normal((20, 5, 4)).astype(np.float32)
+  xs[0, 0, :2] = [-0.0, 1e-40]
+  return p, TX.init(p), jax.random.key(3), xs
+
+
+def state_bytes(sess, gid):
+  return [np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+                     else x).tobytes() + str(x.dtype).encode()
+          for x in jax.tree.leaves(sess.get_state(gid))]
+
+
+class CheckpointTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    self.dir = tmp.name
+
+  def test_save_restore_train_on_equals_no_break(self):
+    p, o, k, xs = examples()
+    sess = js.Session()
+    gid = sess.compile(train, p, o, k, xs[0], state_argnums=(0, 1, 2))
+    for t in range(10):
+      sess.run(gid, xs[t])
+    sess.save(gid, self.dir, 10)  # returns at once; the runs below may overlap it
+    for t in range(10, 20):
+      sess.run(gid, xs[t])
+    sess.wait_until_saved()
+    other = js.Session()
+    gid2 = other.compile(train, p, o, k, xs[0], state_argnums=(0, 1, 2))
+    self.assertEqual(other.restore(gid2, self.dir), 10)
+    for t in range(10, 20):
+      other.run(gid2, xs[t])
+    self.assertEqual(state_bytes(other, gid2), state_bytes(sess, gid))  # key, bf16, int too
+
+  def test_keep_the_newest_and_restore_a_given_step(self):
+    sess = js.Session(js.SessionOptions(checkpoint_keep=2))
+    gid = sess.compile(lambda w, x: (w + x, jnp.sum(w)), np.float32([1.0, -0.0]),
+                       np.float32([0.5, 0.25]), state_argnums=0)
+    for step in range(4):
+      sess.run(gid, np.float32([0.5, 0.25]))
+      sess.save(gid, self.dir, step)
+    sess.wait_until_saved()
+    self.assertEqual(sorted(int(n) for n in os.listdir(self.dir) if n.isdigit()), [2, 3])
+    self.assertEqual(sess.restore(gid, self.dir, step=2), 2)
+    np.testing.assert_array_equal(sess.get_state(gid)[0], [2.5, 0.75])
+
+  def test_what_does_not_fit_is_an_input_error_and_changes_nothing(self):
+    p, o, k, xs = examples()
+    sess = js.Session()
+    gid = sess.compile(train, p, o, k, xs[0], state_argnums=(0, 1, 2))
+    sess.save(gid, self.dir, 1)
+    sess.wait_until_saved()
+    sess.run(gid, xs[0])
+    other = js.Session()
+    wide = {"w": np.ones((4, 4), np.float32), "b": np.ones(4, jnp.bfloat16)}
+    renamed = {"w": p["w"], "c": p["b"]}
+    keep = lambda p, o, k, x: (p, o, k, jnp.sum(x))  # noqa: E731
+    cases = [
+        (other.compile(train, wide, TX.init(wide), k, xs[0], state_argnums=(0, 1, 2)),
+         r"state arg 0 .* at path \['b'\]: the checkpoint holds bf16\[3\], the slot bf16\[4\]"),
+        (other.compile(lambda w, x: (w * 2, x), p["w"], xs[0], state_argnums=0),
+         "holds 3 state arg"),
+        (other.compile(keep, renamed, TX.init(renamed), k, xs[0], state_argnums=(0, 1, 2)),
+         r"missing \[\"\['c'\]\"\], extra \[\"\['b'\]\"\]"),
+    ]
+    for gid2, message in cases:
+      before = state_bytes(other, gid2)
+      with self.assertRaisesRegex(js.InputError, message):
+        other.restore(gid2, self.dir)
+      self.assertEqual(state_bytes(other, gid2), before)
+    before = state_bytes(sess, gid)
+    for kwargs, message in ((dict(step=7), r"no complete checkpoint of step 7 .*\[1\]"),
+                            (dict(step=-1), "step must be an int >= 0 or None"),
+                            (dict(step=True), "step must be")):
+      with self.assertRaisesRegex(js.InputError, message):
+        sess.restore(gid, self.dir, **kwargs)
+    with self.assertRaisesRegex(js.InputError, "does not exist"):
+      sess.restore(gid, os.path.join(self.dir, "nowhere"))
+    with self.assertRaisesRegex(js.InputError, "step must be an int >= 0"):
+      sess.save(gid, self.dir, 1.5)
+    # a corrupted checkpoint: the array files truncated
+    for root, _, files in os.walk(os.path.join(self.dir, "1", "state")):
+      for name in files:
+        path = os.path.join(root, name)
+        if os.path.getsize(path) > 16:
+          with open(path, "r+b") as f:
+            f.truncate(8)
+    with self.assertRaisesRegex(js.InputError, "cannot be read"):
+      sess.restore(gid, self.dir)
+    self.assertEqual(state_bytes(sess, gid), before)
+    with self.assertRaisesRegex(js.InputError, "checkpoint_keep must be an int >= 1"):
+      js.SessionOptions(checkpoint_keep=0)
+
+
+KILLED_CHILD = r"""
+import sys
+import numpy as np, jax, jax.numpy as jnp
+import jaxsession as js
+directory = sys.argv[1]
+sess = js.Session(js.SessionOptions(checkpoint_keep=3))
+w = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: a save takes a while
+gid = sess.compile(lambda w: (w + 1.0, jnp.sum(w)), w, state_argnums=0)
+step = 0
+while True:
+  sess.run(gid)
+  step += 1
+  sess.save(gid, directory, step)
+  if step % 3 == 0:
+    sess.wait_until_saved()
+"""
+
+RESTORE_CHILD = r"""
+import json, os, sys
+import numpy as np, jax, jax.numpy as jnp
+import jaxsession as js
+directory = sys.argv[1]
+sess = js.Session()
+w = np.arange(1 << 18, dtype=np.float32)
+gid = sess.compile(lambda w: (w + 1.0, jnp.sum(w)), w, state_argnums=0)
+folders = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+steps, bad, refused = [], [], []
+for step in folders:  # a folder the kill left half-written must refuse, never restore
+  try:
+    sess.restore(gid, directory, step=step)
+  except js.InputError as exc:
+    refused.append(step)
+    if not np.array_equal(sess.get_state(gid)[0], w + (steps[-1] if steps else 0)):
+      bad.append(("changed by a refused restore", step))
+    continue
+  steps.append(step)
+  if not np.array_equal(sess.get_state(gid)[0], w + step):
+    bad.append(step)
+latest = sess.restore(gid, directory) if steps else None
+print(json.dumps({"steps": steps, "bad": bad, "latest": latest, "refused": refused}))
+"""
+
+
+@pytest.mark.slow
+class KilledSaveTest(absltest.TestCase):
+
+  def test_a_kill_at_any_instant_leaves_complete_steps_restorable(self):
+    rng = np.random.default_rng(7)
+    with tempfile.TemporaryDirectory() as tmp:
+      script = os.path.join(tmp, "child.py")
+      with open(script, "w") as f:
+        f.write(KILLED_CHILD)
+      latest = 0
+      for trial in range(4):
+        directory = os.path.join(tmp, f"ckpt{trial}")
+        proc = subprocess.Popen([sys.executable, script, directory],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline and not (
+            os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))):
+          time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))  # a random instant, mid-save or between saves
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        out = run_json(RESTORE_CHILD, args=(directory,), devices=1, timeout=200)
+        self.assertEqual(out["bad"], [], out)
+        self.assertLessEqual(len(out["refused"]), 1, out)  # at most the one being written
+        if out["steps"]:
+          self.assertEqual(out["latest"], max(out["steps"]))
+          latest = max(latest, out["latest"])
+      self.assertGreater(latest, 1)  # the trials did get past their first saves
+
+
+if __name__ == "__main__":
+  absltest.main()
