@@ -83,8 +83,9 @@ def _select_n(rng, ints):
 
 def _broadcast_in_dim(rng, ints):
   out_shape = _shape(rng, rank=int(rng.integers(1, 4)), ones=0.1)
-  dims = tuple(sorted(rng.choice(len(out_shape), int(rng.integers(0, len(out_shape) + 1)),
-                                 replace=False).tolist()))
+  dims = rng.choice(len(out_shape), int(rng.integers(0, len(out_shape) + 1)),
+                    replace=False).tolist()
+  dims = tuple(dims if rng.random() < 0.5 else sorted(dims))  # lax takes any order
   in_shape = tuple(1 if rng.random() < 0.4 else out_shape[d] for d in dims)
   dtype = ints[int(rng.integers(len(ints)))]
   return ((lambda x: lax.broadcast_in_dim(x, out_shape, dims)),
@@ -205,6 +206,14 @@ class HostKernelRulesTest(absltest.TestCase):
 
   def test_rules(self):
     self.check(INTS, seed=0)
+
+  def test_a_folded_transposing_broadcast_equals_jit(self):
+    # constant folding runs the same numpy kernel: broadcast_dimensions in
+    # decreasing order transposes the operand (it once only reshaped it)
+    const = jnp.asarray(np.random.default_rng(5).standard_normal((2, 4)), jnp.float32)
+    f = lambda x: x + lax.broadcast_in_dim(const, (4, 3, 2), (2, 0))  # noqa: E731
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((4, 3, 2)), jnp.float32)
+    np.testing.assert_array_equal(js.jit(f)(x), jax.jit(f)(x))
 
   def test_rules_x64(self):
     with jax.enable_x64(True):

@@ -165,8 +165,14 @@ def _ufunc(fn):
 
 
 def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
-  expanded = np.reshape(x, [x.shape[broadcast_dimensions.index(i)]
-                            if i in broadcast_dimensions else 1 for i in range(len(shape))])
+  """lax.broadcast_in_dim: operand axis k becomes output axis
+  broadcast_dimensions[k], in any order (a decreasing order transposes)."""
+  dims = list(broadcast_dimensions)
+  order = sorted(range(len(dims)), key=dims.__getitem__)
+  x = np.transpose(np.asarray(x), order)  # operand axes in the order of their output axes
+  placed = sorted(dims)
+  expanded = np.reshape(x, [x.shape[placed.index(i)] if i in placed else 1
+                            for i in range(len(shape))])
   return np.broadcast_to(expanded, shape)
 
 
