@@ -128,6 +128,18 @@ def flatten_example(where, position, arg, state=False):
   return Flat(treedef, leaves, paths, avals)
 
 
+def check_one_device(where, position, flat, state=False):
+  """InputError for an example leaf sharded over several devices, given to a
+  session without a mesh (its graphs run on one device)."""
+  for path, x in zip(flat.paths, flat.leaves):
+    sharding = getattr(x, "sharding", None)
+    if isinstance(x, jax.Array) and sharding is not None and len(sharding.device_set) > 1:
+      raise InputError(f"{example_place(where, position, path, state)}: sharded over "
+                       f"{len(sharding.device_set)} devices ({sharding}); this session runs "
+                       "on one device: compile under SessionOptions(mesh=...), or pass "
+                       "one-device arrays")
+
+
 def is_weak(x):
   """Whether jax would see `x` as weakly typed (numpy scalars, although
   np.float64 subclasses float, are strongly typed)."""

@@ -29,6 +29,7 @@ from jax import tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.jax_api import real_jit
+from jaxsession.runtime.state import session_device
 
 try:  # True outside every trace (vmap with an axis name, grad, jit, ...)
   from jax._src.core import trace_state_clean as _top_level
@@ -91,8 +92,9 @@ _PY_SCALARS = (bool, int, float, complex)
 def _leaf_key(x):
   """What a leaf contributes to the signature: jax.jit compiles anew for a
   new type, shape, dtype or weak type (a Python scalar is weak)."""
-  if isinstance(x, jax.Array):
-    return (type(x), x.shape, x.dtype, getattr(x, "weak_type", False))
+  if isinstance(x, jax.Array):  # a committed array's placement decides where jax.jit runs
+    return (type(x), x.shape, x.dtype, getattr(x, "weak_type", False),
+            x.sharding if x.committed else None)
   if type(x) in _PY_SCALARS:
     if type(x) is int:  # out of the default int's range: jax.jit's OverflowError
       bits = 64 if jax.config.jax_enable_x64 else 32
@@ -136,7 +138,7 @@ class Jitted:
   @property
   def graph_ids(self):
     """The graphs this wrapper compiled in its session, one per signature."""
-    return tuple(self._graphs.values())
+    return tuple(g for g in self._graphs.values() if g is not _JAX)
 
   def __get__(self, obj, objtype=None):  # a jitted method: bound as jax.jit binds it
     return self if obj is None else functools.partial(self, obj)
@@ -172,13 +174,19 @@ class Jitted:
       # under a trace (even with concrete arguments: a collective over vmap's
       # axis name) it is jax.jit, traced inline
       return self._under_trace()(*args, **kwargs)
-    key = (statics, treedef, tuple(map(_leaf_key, leaves)))
+    # the trace-time configuration is part of the signature, as in jax.jit's
+    # cache (threefry_partitionable, dtype and rank promotion, the mesh...)
+    key = (statics, treedef, tuple(map(_leaf_key, leaves)), _trace_context())
     gid = self._graphs.get(key)
     if gid is None:
       with self._lock:
         gid = self._graphs.get(key)
         if gid is None:
-          gid = self._graphs[key] = self._compile(statics, args, dyn_args, dyn_kw)
+          gid = self._graphs[key] = (
+              _JAX if _placed_elsewhere(key[2]) else
+              self._compile(statics, args, dyn_args, dyn_kw))
+    if gid is _JAX:  # arguments committed to other devices or sharded over many:
+      return self._under_trace()(*args, **kwargs)  # jax.jit runs where they are
     return self.session.run(gid, dyn_args, dyn_kw)
 
   def _under_trace(self):
@@ -199,6 +207,24 @@ class Jitted:
     return self.session.compile(call, dyn_args, dyn_kw, updates_state=False, name=_name(fn))
 
 
+try:  # the tuple jax.jit keys its own caches by (~0.2 µs a call here)
+  from jax._src.config import trace_context as _trace_context
+except ImportError:  # an internal API: the settings the compile cache reads
+  from jaxsession.runtime.compile_cache import jax_settings as _trace_context
+
+
+_JAX = "jax.jit"  # a signature jax.jit itself runs (see _placed_elsewhere)
+
+
+def _placed_elsewhere(leaf_keys):
+  """Whether a committed argument lives elsewhere than the session's one
+  device (another device, or sharded over several): jax.jit then computes
+  there, and commits its outputs there; so does this wrapper, by calling it."""
+  home = {session_device()}
+  return any(len(k) == 5 and k[4] is not None and k[4].device_set != home
+             for k in leaf_keys)
+
+
 def _name(fn):
   return getattr(fn, "__name__", None) or type(fn).__name__
 
@@ -207,6 +233,8 @@ def _release(session, graphs):
   if session is None:
     return
   for gid in list(graphs.values()):
+    if gid is _JAX:
+      continue
     try:
       session.release(gid)
     except Exception:  # pylint: disable=broad-except

@@ -271,6 +271,11 @@ class Session:
     state_flats = [inputs.flatten_example(where, i, a, state=True)
                    for i, a in zip(state_nums, state_args)]
     dyn_flats = [inputs.flatten_example(where, i, a) for i, a in zip(dyn_nums, dyn_args)]
+    if self.options.mesh is None:
+      for i, flat in zip(state_nums, state_flats):
+        inputs.check_one_device(where, i, flat, state=True)
+      for i, flat in zip(dyn_nums, dyn_flats):
+        inputs.check_one_device(where, i, flat)
     if source is not None:
       self._check_shared(name, state_nums, state_flats, state_from, source, shared)
     mesh_layout, dyn_args = spmd.layout(  # bad specs: InputError

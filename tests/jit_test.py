@@ -188,6 +188,26 @@ class JitTest(absltest.TestCase):
       js.jit(g)(jnp.float32(1.5))
     same(self, js.jit(g)(jnp.float32(1.5)), jax.jit(g)(jnp.float32(1.5)))
 
+  def test_trace_time_configuration_is_part_of_the_signature(self):
+    # a graph traced under one setting is not reused under another (jax.jit
+    # keys its cache by them too): other random bits, a promotion error
+    key = jax.random.key(int(self.rng.integers(1 << 30)))
+    normal = js.jit(lambda k: jax.random.normal(k, (4,)))
+    same(self, normal(key), jax.jit(lambda k: jax.random.normal(k, (4,)))(key))
+    with jax.threefry_partitionable(not jax.config.jax_threefry_partitionable):
+      same(self, normal(key), jax.jit(lambda k: jax.random.normal(k, (4,)))(key))
+    mul = js.jit(lambda a, b: a * b)
+    a, b = jnp.float32([1.5, -0.0]), jnp.int32([3, -2])
+    same(self, mul(a, b), jax.jit(lambda a, b: a * b)(a, b))
+    with jax.numpy_dtype_promotion("strict"):
+      with self.assertRaises(jax.dtypes.TypePromotionError):
+        mul(a, b)
+    add = js.jit(lambda a, b: a + b)
+    add(a, jnp.ones((3, 1)))
+    with jax.numpy_rank_promotion("raise"):
+      with self.assertRaises(ValueError):
+        add(a, jnp.ones((3, 1)))
+
   def test_strict_promotion(self):
     """jax.numpy_dtype_promotion('strict') (JAX's test harness turns it on):
     the weak-type analysis's traces may raise there; compile does not."""
