@@ -266,17 +266,25 @@ class BucketPolicy:
 
 
 def pad_rows(x, size, axis):
-  """`x` with zero rows added along `axis` up to `size`, on the host (numpy):
-  the executable's call copies it in as it copies any host argument."""
+  """`x` with rows added along `axis` up to `size`, copies of its last row
+  (zeros when it has none), on the host (numpy): the executable's call copies
+  it in as it copies any host argument. The padding analysis proves no pad
+  row reaches a real one, so any value would do; copies of a real row compute
+  what that row computes, so no nan or inf appears that jax.jit on the exact
+  shape would not meet (jax_debug_nans: 0 * log(0) on zero rows raised)."""
   x = np.asarray(x)
-  if x.shape[axis] == size:
+  n = x.shape[axis]
+  if n == size:
     return x
   shape = list(x.shape)
   shape[axis] = size
   out = np.zeros(shape, x.dtype)
   index = [slice(None)] * x.ndim
-  index[axis] = slice(0, x.shape[axis])
+  index[axis] = slice(0, n)
   out[tuple(index)] = x
+  if n:
+    index[axis] = slice(n, size)
+    out[tuple(index)] = np.take(x, [n - 1], axis=axis)
   return out
 
 

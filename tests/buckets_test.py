@@ -397,6 +397,24 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
       self.assertEqual(out.weak_type, want.weak_type)
       self.assertEqual((out + jnp.ones(3, jnp.bfloat16)).dtype, jnp.bfloat16)
 
+  def test_pad_rows_raise_no_nan_jit_would_not(self):
+    # zero pad rows made 0 * log(0) = nan (and 1/0 = inf) in rows jax.jit
+    # never computes: under the debug flags the run raised
+    cases = ((lambda x: x * jnp.log(x), jax.debug_nans), (lambda x: 1.0 / x, jax.debug_infs),
+             (lambda x: x / x, jax.debug_nans))
+    rng = np.random.default_rng(31)
+    for fn, flag in cases:
+      sess = js.Session()
+      gid = sess.compile(fn, jnp.full((8, 4), 2.0), buckets={0: [8, 16]})
+      for n in (1, 3, 9):
+        x = jnp.asarray(rng.uniform(0.5, 2.0, (n, 4)), jnp.float32)
+        with flag(True):
+          got = sess.run(gid, x)
+        np.testing.assert_array_equal(got, jax.jit(fn)(x))
+      with flag(True):  # a real row's nan is still reported, as jax.jit reports it
+        with self.assertRaises(FloatingPointError):
+          sess.run(gid, jnp.zeros((3, 4), jnp.float32))
+
   def test_padding_compiles_nothing_per_request(self):
     """Over many batch sizes each bucket compiles one executable and the
     padding and slicing compile nothing (XLA compiles counted from jax's own
