@@ -121,7 +121,9 @@ class Jitted:
     self._session = session
     self._graphs = {}          # signature -> graph id
     self._lock = threading.Lock()
-    self._traced = None        # jax.jit(fn, ...), for calls under a trace
+    # jax.jit(fn, ...), for calls under a trace; made here, so that statics
+    # the signature does not have raise jax's own ValueError, as jax.jit does
+    self._traced = real_jit(fn, static_argnums=static_argnums, static_argnames=static_argnames)
     functools.update_wrapper(self, fn)
     # release the graphs with the wrapper (the session outlives it)
     self._finalizer = weakref.finalize(self, _release, session, self._graphs)
@@ -190,9 +192,6 @@ class Jitted:
     return self.session.run(gid, dyn_args, dyn_kw)
 
   def _under_trace(self):
-    if self._traced is None:
-      self._traced = real_jit(self._fn, static_argnums=self._argnums,
-                             static_argnames=self._argnames)
     return self._traced
 
   def _compile(self, statics, args, dyn_args, dyn_kw):

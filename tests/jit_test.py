@@ -149,6 +149,12 @@ class JitTest(absltest.TestCase):
       js.jit(lambda x, d: x, static_argnums=1)(x, {"a": 1})
     with self.assertRaisesRegex(js.InputError, "callable"):
       js.jit(3)
+    two = lambda a, b: a + b  # noqa: E731
+    for bad in (dict(static_argnums=3), dict(static_argnames="zz")):  # jax.jit's ValueError
+      with self.assertRaises(ValueError):
+        jax.jit(two, **bad)
+      with self.assertRaisesRegex(ValueError, "static_arg"):
+        js.jit(two, **bad)
     with self.assertRaisesRegex(TypeError, "not a valid JAX type"):  # jax.jit's error
       js.jit(lambda s: s)("abc")
     for big in (2**31, -2**31 - 1, 2**40):  # jax.jit's OverflowError (without x64)
