@@ -1,5 +1,8 @@
 """The main job: `jaxsession demo`, and --help."""
 import contextlib
+import os
+import shutil
+import tempfile
 import io
 import re
 import subprocess
@@ -39,6 +42,23 @@ class DemoTest(absltest.TestCase):
     self.assertLess(losses[-2], losses[0])  # the last one is the eval graph
     diff = float(re.search(r"plain jax.jit loop params\| = (\S+)", text).group(1))
     self.assertLess(diff, 1e-5)
+
+  def test_demo_checkpoints_and_resumes(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      directory = os.path.join(tmp, "ckpt")
+      flags_ = dict(steps=20, batch=16, sink=2, repeats=1, checkpoint_dir=directory,
+                    checkpoint_every=10)
+      code, text = self._demo(**flags_)
+      self.assertEqual(code, 0)
+      self.assertEqual(sorted(os.listdir(directory)), ["10", "20"])
+      shutil.rmtree(os.path.join(directory, "20"))  # as if the first run died after 10
+      code, text = self._demo(**flags_)
+      self.assertEqual(code, 0)
+      self.assertIn("resumed from the checkpoint of step 10", text)
+      self.assertIn("step   19", text)
+      self.assertNotIn("step    0", text)
+      # trained on from the checkpoint, the params equal an unbroken jax.jit loop
+      self.assertIn("plain jax.jit loop params| = 0\n", text)
 
   def _demo(self, **flag_values):
     out = io.StringIO()

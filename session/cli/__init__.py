@@ -13,6 +13,10 @@ Commands:
          sharded ZeRO-style (--state_specs); prints the losses beside
          single-device jax.jit, the per-device state bytes and the collectives.
 
+         demo --checkpoint-dir DIR: saves the training state every
+         --checkpoint_every steps and resumes from the newest complete
+         checkpoint in DIR when started again.
+
          demo --model decode: greedy decoding with the bundled GPT-style
          decoder, the KV cache as session state, --tokens per run in one
          dispatch (steps=N); tokens/s beside a per-token jax.jit loop that
@@ -34,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +52,11 @@ flags.DEFINE_integer("sink", 50, "demo: steps per loop-sunk run in the timing ta
 flags.DEFINE_integer("repeats", 5, "demo: timing repeats (medians are reported)",
                      lower_bound=1)
 flags.DEFINE_string("save_graphs", None, "demo: folder for IR dumps (SessionOptions.save_graphs)")
+flags.DEFINE_string("checkpoint_dir", None, "demo: save the training state there every "
+                    "--checkpoint_every steps (orbax) and resume from its newest complete "
+                    "checkpoint when started again (also spelt --checkpoint-dir)")
+flags.DEFINE_integer("checkpoint_every", 50, "demo --checkpoint_dir: steps between saves",
+                     lower_bound=1)
 flags.DEFINE_integer("seed", 0, "demo: random seed for the data and the initial params",
                      lower_bound=0, upper_bound=2**32 - 1)
 flags.DEFINE_integer("devices", None, "demo: train data-parallel on a mesh of this many devices "
@@ -99,12 +108,29 @@ def demo():
                           state_from=train, updates_state=False, name="eval_step")
   print(sess.report(train))
   print()
+  start = 0
+  if FLAGS.checkpoint_dir:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
+  if FLAGS.checkpoint_dir and os.path.isdir(FLAGS.checkpoint_dir):
+    try:
+      start = sess.restore(train, FLAGS.checkpoint_dir)
+      print(f"resumed from the checkpoint of step {start} in {FLAGS.checkpoint_dir}")
+    except js.InputError as exc:
+      if "no complete checkpoint" not in str(exc):
+        raise
   print(f"training {FLAGS.steps} steps (batch {FLAGS.batch}) through Session.run:")
   every = max(FLAGS.steps // 6, 1)
-  for step in range(FLAGS.steps):
+  for step in range(start, FLAGS.steps):
     loss = sess.run(train, jax.tree.map(lambda a: a[step], data))
     if step % every == 0 or step == FLAGS.steps - 1:
       print(f"  step {step:4d}  loss {float(loss):.5f}")
+    if FLAGS.checkpoint_dir and ((step + 1) % FLAGS.checkpoint_every == 0
+                                 or step == FLAGS.steps - 1):
+      sess.save(train, FLAGS.checkpoint_dir, step + 1)  # written in the background
+  if FLAGS.checkpoint_dir:
+    sess.wait_until_saved()
+    print(f"  checkpoints in {FLAGS.checkpoint_dir} (every {FLAGS.checkpoint_every} steps "
+          "and the last)")
   print(f"  eval graph sharing the trained params (state_from): loss "
         f"{float(sess.run(evaluate, batch0)):.5f}")
 
@@ -414,6 +440,8 @@ def run_main():
   if any(arg in ("-h", "--help", "--helpshort", "-?") for arg in sys.argv[1:]):
     print(usage())
     sys.exit(0)
+  sys.argv = [a.replace("--checkpoint-dir", "--checkpoint_dir", 1)
+              if a.startswith("--checkpoint-dir") else a for a in sys.argv]
   app.run(main)
 
 
