@@ -67,6 +67,12 @@ class StateSlot:
     self.weak_sensitive = {}     # leaf index -> weak type a graph was compiled for,
                                  # where the weak type changes that graph's program
 
+  @property
+  def unset(self):
+    """Compiled from jax.ShapeDtypeStruct examples and not set since: a leaf
+    is None until set_state, replace_state or restore binds it."""
+    return any(x is None for x in self.leaves)
+
 
 class _Locks:
   """Several slot locks held together, acquired in slot-creation order."""

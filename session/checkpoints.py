@@ -104,8 +104,9 @@ class Checkpointer:
     if not isinstance(directory, (str, os.PathLike)):
       raise InputError(f"{where}: directory must be a str or os.PathLike, got "
                        f"{type(directory).__name__}")
-    if any(slot.leaves is None for slot in entry.slots):
-      raise InputError(f"{where}: the state is unset")
+    if any(slot.unset for slot in entry.slots):
+      raise InputError(f"{where}: the state is unset (compiled from jax.ShapeDtypeStruct "
+                       "examples; set_state or restore binds it)")
     path, manager = self._manager(where, directory, create=True)
 
     def snapshot():  # between runs: the slots' leaves now, in buffers of their own

@@ -82,12 +82,12 @@ def weak_type_error(place, weak, against, why, remedy):
                     f"{'strongly' if weak else 'weakly'} typed: {why}. {remedy}")
 
 
-def check_leaf(place, x, want, weak=None, leading=None, note=""):
+def check_leaf(place, x, want, weak=None, leading=None, note="", type_only=False):
   """The one leaf check: `x`'s aval, or InputError naming `place` when `x` is
   not an array value (leaf_aval), does not have `want`'s shape and dtype
   (check_aval), or - with `weak` given, where the weak type changes the
   program - is not typed as weakly as `weak` says."""
-  got = leaf_aval(x, place)
+  got = leaf_aval(x, place, type_only=type_only)
   if weak is not None and is_weak(x) != weak:  # first: a Python float is f64 under x64
     raise weak_type_error(place, not weak, "the value it was compiled for",
                           "here the weak type changes the program (jax.jit would compile "
@@ -119,12 +119,14 @@ def example_place(where, position, path, state=False):
 def flatten_example(where, position, arg, state=False):
   """A compile example checked leaf by leaf (InputError naming the position
   and path): a run argument's example gives only its type (it may be a
-  jax.ShapeDtypeStruct), a state argument's is its initial value."""
+  jax.ShapeDtypeStruct), a state argument's is its initial value - or a
+  jax.ShapeDtypeStruct too, a leaf left unset until set_state or restore."""
   pairs, treedef = tree_util.tree_flatten_with_path(arg)
   paths = tuple(tree_util.keystr(p) for p, _ in pairs)
   leaves = tuple(x for _, x in pairs)
   avals = tuple(leaf_aval(x, example_place(where, position, path, state),
-                          type_only=not state) for path, x in zip(paths, leaves))
+                          type_only=not state or isinstance(x, jax.ShapeDtypeStruct))
+                for path, x in zip(paths, leaves))
   return Flat(treedef, leaves, paths, avals)
 
 

@@ -48,6 +48,8 @@ class _Entry:
 
   def __post_init__(self):
     self.call = self._wrap(self.runner, None)  # run's hot path: one attribute, one call
+    if any(slot.unset for slot in self.slots):  # compiled from ShapeDtypeStructs
+      self.call = self._until_set(self.call)
     if self.spec.weak_sensitive:  # only where a weak type changes the program
       self.call = self.spec.weak_guard(self.call)
     if self.weak_outputs is not None:  # only where the graph has scalar run args
@@ -58,6 +60,24 @@ class _Entry:
     self.lock = slots_lock(self.slots)
     executables = self.runner.program.executables
     self.executables = [executables[k] for k in sorted(executables)]
+
+  def check_set(self, what="run"):
+    """InputError while a state arg is unset (compiled from ShapeDtypeStructs)."""
+    for k, slot in enumerate(self.slots):
+      if slot.unset:
+        raise InputError(f"{what}(graph '{self.name}'): state arg {k} ({slot.name}) is unset: "
+                         "it was compiled from jax.ShapeDtypeStruct examples; bind it with "
+                         "set_state, replace_state or restore first")
+
+  def _until_set(self, call):
+    """`call`, refused while the state is unset; once it is set (here or
+    through a graph sharing the slots), the call itself again."""
+    def guarded(args):
+      self.check_set()
+      self.call = guarded_call[0]
+      return self.call(args)
+    guarded_call = [call]
+    return guarded
 
   def _wrap(self, runner, steps):
     return runner.call if self.hooks is None else self.hooks.run_call(runner.call, steps)
@@ -271,6 +291,10 @@ class Session:
     state_flats = [inputs.flatten_example(where, i, a, state=True)
                    for i, a in zip(state_nums, state_args)]
     dyn_flats = [inputs.flatten_example(where, i, a) for i, a in zip(dyn_nums, dyn_args)]
+    if self.options.mesh is not None and any(
+        isinstance(x, jax.ShapeDtypeStruct) for f in state_flats for x in f.leaves):
+      raise InputError(f"{where}: jax.ShapeDtypeStruct state examples under a mesh are not "
+                       "supported yet; pass the initial values")
     if self.options.mesh is None:
       for i, flat in zip(state_nums, state_flats):
         inputs.check_one_device(where, i, flat, state=True)
@@ -406,7 +430,8 @@ class Session:
       check_structure(slot, tree_util.tree_unflatten(flat.treedef, flat.leaves), where)
       for path, x, aval in zip(flat.paths, flat.leaves, slot.avals):
         check_leaf(f"{where} at path {path or '(root)'}", x, aval, weak=aval.weak_type,
-                   note=f" (the state slot {slot.name} holds the former)")
+                   note=f" (the state slot {slot.name} holds the former)",
+                   type_only=isinstance(x, jax.ShapeDtypeStruct))  # shared: a type will do
 
   def _bind_state(self, name, state_nums, state_flats, state_from, source, shared,
                   layouts=None):
@@ -419,7 +444,8 @@ class Session:
       for k, (i, flat) in enumerate(zip(state_nums, state_flats)):
         row = layouts[k] if layouts else [None] * len(flat.leaves)
         slots.append(StateSlot(f"{name}:state{k}(arg {i})", flat.treedef, flat.avals,
-                               [owned_copy(x, s) for x, s in zip(flat.leaves, row)]))
+                               [None if isinstance(x, jax.ShapeDtypeStruct) else owned_copy(x, s)
+                                for x, s in zip(flat.leaves, row)]))
         slots[-1].owners = 1
         slots[-1].shardings = layouts[k] if layouts else None
       return slots
@@ -477,6 +503,7 @@ class Session:
       if steps is None and in_axes is None:
         return entry.call(args)
       steps, leading = loop_sink.check_in_axes(in_axes, steps, len(entry.spec.treedefs))
+      entry.check_set()
       if entry.bucketed is not None:
         if leading != steps:
           raise InputError(f"run(graph {graph_id} '{entry.name}'): in_axes with None is not "
@@ -506,6 +533,7 @@ class Session:
     """The state args' current values, one pytree each (the session's own
     buffers are copied, so later runs cannot invalidate what you hold)."""
     entry = self._entry(graph_id)
+    entry.check_set("get_state")
     return holding(entry.lock, lambda: tuple(tree_util.tree_unflatten(s.treedef, [
         owned_copy(x, None if s.shardings is None else s.shardings[j])
         for j, x in enumerate(s.leaves)]) for s in entry.slots))
@@ -592,7 +620,8 @@ class Session:
         slot.owners -= 1
         if slot.owners == 0:
           for leaf in slot.leaves:
-            leaf.delete()
+            if leaf is not None:
+              leaf.delete()
           slot.leaves = ()
     holding(entry.lock, free)
     entry.sunk.clear()

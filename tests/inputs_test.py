@@ -98,10 +98,14 @@ class CallSignatureTest(absltest.TestCase):
     self.assert_unchanged()
 
   def test_shape_dtype_struct_state_example(self):
-    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _rng_state(5))
-    self.assert_refused(r"position 0 \(a state argument\), path \['inner'\]\['b'\] is a "
-                        r"jax.ShapeDtypeStruct \(float32\[3\]\).*pass an array",
-                        lambda: self.sess.compile(step, structs, self.x, state_argnums=0))
+    # a state example may be a type (DESIGN.md): the state is unset until bound
+    state = _rng_state(5)
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    gid = self.sess.compile(step, structs, self.x, state_argnums=0)
+    self.assert_refused(r"state arg 0 .* is unset: it was compiled from jax.ShapeDtypeStruct",
+                        lambda: self.sess.run(gid, self.x))
+    self.sess.set_state(gid, state)
+    assert_same_bits(self.sess.run(gid, self.x), jax.jit(step)(state, self.x)[1], "bound")
     self.assert_unchanged()
 
   def test_shape_dtype_struct_run_example_is_a_type(self):

@@ -140,6 +140,55 @@ class DonateTest(absltest.TestCase):
     self.assertEqual(_state_bytes(sess, gid), before)
 
 
+class ShapeDtypeStructStateTest(absltest.TestCase):
+  """State compiled from jax.ShapeDtypeStructs: unset until bound, then the
+  caller's arrays taken over (one copy of the state, never two)."""
+
+  def test_unset_until_bound_then_equals_jit(self):
+    rng = np.random.default_rng(8)
+    tx = optax.adam(1e-2)
+    def train(p, o, x):
+      g = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(p)
+      u, o = tx.update(g, o, p)
+      return optax.apply_updates(p, u), o, jnp.sum(g["w"])
+    p = {"w": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
+         "b": jnp.asarray(rng.standard_normal(3), jnp.float32)}
+    o = tx.init(p)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (p, o))
+    sess = js.Session()
+    gid = sess.compile(train, *structs, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                       state_argnums=(0, 1))
+    refusals = [(lambda: sess.run(gid, x), "run.* state arg 0 .* is unset"),
+                (lambda: sess.run(gid, x[None], steps=1), "is unset"),
+                (lambda: sess.get_state(gid), "get_state.* is unset"),
+                (lambda: sess.save(gid, "/nonexistent/never", 1), "the state is unset")]
+    for call, message in refusals:
+      with self.assertRaisesRegex(InputError, message):
+        call()
+    want = jax.jit(train)(p, o, x)
+    sess.replace_state(gid, 0, p)
+    with self.assertRaisesRegex(InputError, "state arg 1 .* is unset"):
+      sess.run(gid, x)
+    taken = jax.tree.map(jnp.copy, o)
+    sess.replace_state(gid, 1, taken, donate=True)
+    self.assertTrue(all(a.is_deleted() for a in jax.tree.leaves(taken)))
+    np.testing.assert_array_equal(sess.run(gid, x), want[2])
+    self.assertEqual(_state_bytes(sess, gid),
+                     [np.asarray(v).tobytes() for v in jax.tree.leaves(want[:2])])
+    # an eval graph sharing the unset slots is refused until they are bound
+    other = js.Session()
+    tid = other.compile(train, *structs, x, state_argnums=(0, 1))
+    eid = other.compile(lambda p, x: jnp.sum(x @ p["w"]), structs[0], x, state_argnums=0,
+                        state_from=tid, updates_state=False)
+    with self.assertRaisesRegex(InputError, "is unset"):
+      other.run(eid, x)
+    other.set_state(tid, p, o)
+    np.testing.assert_array_equal(other.run(eid, x), jax.jit(lambda p, x: jnp.sum(x @ p["w"]))(p, x))
+    other.release(eid)
+    other.release(tid)
+
+
 class StateMapTest(absltest.TestCase):
 
   def test_an_eval_graph_binds_a_subset_in_another_order(self):
