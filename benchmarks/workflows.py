@@ -1,0 +1,183 @@
+"""Training and serving workflows (issue 16), each against plain JAX in the
+same run:
+
+  * decode: 32 greedy tokens per request with the KV cache, token and
+    position reset by `replace_state` (the parameters stay), one sunk run
+    (`steps=32`), against a `lax.scan` decode loop under `jax.jit` given the
+    same parameters and initial cache; tokens/s (target >= 1.0x);
+  * checkpoints: MLP+Adam train steps while an asynchronous `save` is in
+    flight against steps without one (target <= 1.1x), and the seconds of a
+    save (until written) and a restore of a 100 MiB state;
+  * memory: peak RSS of compile + bind + first step of a state of
+    --big_mib MiB, each in a fresh process: the session compiled from
+    `jax.ShapeDtypeStruct`s and bound with `set_state(donate=True)`, beside
+    `jax.jit` with `donate_argnums`; peak minus the RSS before the state was
+    made, over the state size (target <= 1.15x).
+
+    python benchmarks/workflows.py [--wf_repeats 5] [--big_mib 1536]
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import jaxsession as js  # noqa: E402
+from jaxsession.cli import demo_models  # noqa: E402
+from jaxsession.examples import mlp_adam  # noqa: E402
+from jaxsession.examples import transformer_decode as td  # noqa: E402
+
+flags.DEFINE_integer("wf_repeats", 5, "interleaved repeats (medians reported)")
+flags.DEFINE_integer("big_mib", 1536, "the state of the memory case, MiB")
+FLAGS = flags.FLAGS
+
+
+def decode_case(rows):
+  params = td.init_params(jax.random.key(0))
+  cache0 = td.init_cache(params)
+  token0, pos0 = jnp.array([3, 7], jnp.int32), jnp.int32(0)
+  sess = js.Session()
+  gid = sess.compile(demo_models.greedy_step, params, cache0, token0, pos0,
+                     state_argnums=(0, 1, 2, 3))
+
+  def session_decode():
+    sess.replace_state(gid, 1, cache0)  # the parameters stay: no copy of them
+    sess.replace_state(gid, 2, token0)
+    sess.replace_state(gid, 3, pos0)
+    return sess.run(gid, steps=32)
+
+  @jax.jit
+  def scan_decode(params, cache, token):
+    def body(carry, t):
+      cache, token = carry
+      cache, logits = td.decode_step(params, cache, token, t)
+      nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      return (cache, nxt), nxt
+    return jax.lax.scan(body, (cache, token), jnp.arange(32, dtype=jnp.int32))[1]
+
+  def jit_decode():
+    return scan_decode(params, cache0, token0)
+
+  np.testing.assert_array_equal(np.asarray(session_decode()), np.asarray(jit_decode()))
+  samples = []
+  sess_us, jit_us = common.compare_us([session_decode, jit_decode], 20, FLAGS.wf_repeats,
+                                      warmup=3, samples_out=samples)
+  speed = common.paired_ratio(samples[1], samples[0])  # jit time / session time
+  rows.append(("decode 32 tokens, cache reset by replace_state: tokens/s vs lax.scan "
+               "under jax.jit", f"{32 / jit_us * 1e6:.0f}", f"{32 / sess_us * 1e6:.0f}",
+               f"{speed:.2f}x", ">= 1.0x", "yes" if speed >= 1.0 else "no"))
+
+
+def checkpoint_case(rows):
+  key_p, key_d = jax.random.split(jax.random.key(0))
+  params = mlp_adam.init_params(key_p, sizes=(32, 1024, 1024, 1))
+  opt = mlp_adam.adam_init(params)
+  data = mlp_adam.make_data(key_d, 8)
+  batch = jax.tree.map(lambda a: a[0], data)
+  sess = js.Session()
+  gid = sess.compile(mlp_adam.train_step, params, opt, batch, state_argnums=(0, 1))
+  for _ in range(3):
+    jax.block_until_ready(sess.run(gid, batch))
+  steps = 20
+  with tempfile.TemporaryDirectory() as tmp:
+    free, busy = [], []
+    for r in range(FLAGS.wf_repeats):
+      start = time.perf_counter()
+      for _ in range(steps):
+        jax.block_until_ready(sess.run(gid, batch))
+      free.append((time.perf_counter() - start) / steps)
+      sess.save(gid, tmp, r)
+      start = time.perf_counter()
+      for _ in range(steps):
+        jax.block_until_ready(sess.run(gid, batch))
+      busy.append((time.perf_counter() - start) / steps)
+      sess.wait_until_saved()
+    ratio = statistics.median(b / f for b, f in zip(busy, free))
+    nbytes = sum(x.nbytes for x in jax.tree.leaves((params, opt)))
+    rows.append((f"train step (MLP+Adam, {nbytes / 2**20:.0f} MiB state) while a save is in "
+                 "flight / without", f"{statistics.median(free) * 1e6:.0f} us",
+                 f"{statistics.median(busy) * 1e6:.0f} us", f"{ratio:.2f}x", "<= 1.1x",
+                 "yes" if ratio <= 1.1 else "no"))
+  big = np.arange(100 * 2**18, dtype=np.float32)  # 100 MiB
+  s2 = js.Session()
+  g2 = s2.compile(lambda w: (w + 1.0, jnp.sum(w[:8])), big, state_argnums=0)
+  saves, restores = [], []
+  for r in range(FLAGS.wf_repeats):
+    with tempfile.TemporaryDirectory() as tmp:
+      start = time.perf_counter()
+      s2.save(g2, tmp, 0)
+      s2.wait_until_saved()
+      saves.append(time.perf_counter() - start)
+      start = time.perf_counter()
+      s2.restore(g2, tmp)
+      restores.append(time.perf_counter() - start)
+  rows.append(("save (until written) / restore, 100 MiB state, seconds",
+               f"{statistics.median(saves):.2f}", f"{statistics.median(restores):.2f}", "-",
+               "-", "-"))
+
+
+MEMORY_CHILD = r"""
+import json, resource, sys
+import numpy as np, jax, jax.numpy as jnp
+import jaxsession as js
+contender, mib = sys.argv[1], int(sys.argv[2])
+def rss():
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * 4096
+step = lambda w, x: (w * 0.5 + x, x + 1.0)  # the update in place: nothing else reads w
+x = jnp.float32(1.0)
+n = mib * 2**18
+jax.block_until_ready(jnp.ones(8) + 1)  # jax started
+before = rss()
+w = jnp.ones((n,), jnp.float32)  # the state, made on the device
+w.block_until_ready()
+if contender == "session":
+  sess = js.Session()
+  gid = sess.compile(step, jax.ShapeDtypeStruct((n,), jnp.float32), x, state_argnums=0)
+  sess.set_state(gid, w, donate=True)
+  del w
+  jax.block_until_ready(sess.run(gid, x))
+else:
+  f = jax.jit(step, donate_argnums=0)
+  w, out = f(w, x)
+  jax.block_until_ready(out)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"ratio": (peak - before) / (n * 4)}))
+"""
+
+
+def memory_case(rows):
+  got = {}
+  for contender in ("jit", "session"):
+    proc = subprocess.run([sys.executable, "-c", MEMORY_CHILD, contender, str(FLAGS.big_mib)],
+                          capture_output=True, text=True, check=True)
+    got[contender] = json.loads(proc.stdout.strip().splitlines()[-1])["ratio"]
+  rows.append((f"peak RSS of compile + bind + first step / state size ({FLAGS.big_mib} MiB)",
+               f"{got['jit']:.2f}x", f"{got['session']:.2f}x", "-", "<= 1.15x",
+               "yes" if got["session"] <= 1.15 else "no"))
+
+
+def main(argv):
+  del argv
+  rows = []
+  decode_case(rows)
+  checkpoint_case(rows)
+  memory_case(rows)
+  print(f"machine: {common.machine()}")
+  common.print_table(f"workflows, medians of {FLAGS.wf_repeats} repeats", rows,
+                     ["case", "plain JAX (or: without)", "Session (or: with)", "ratio",
+                      "target", "met"])
+
+
+if __name__ == "__main__":
+  app.run(main)
