@@ -276,10 +276,6 @@ class Session:
     if set(state_nums) & set(static_nums):
       raise InputError(f"compile: positions {sorted(set(state_nums) & set(static_nums))} "
                        "are in both state_argnums and static_argnums")
-    if list(state_nums) != sorted(state_nums):
-      raise InputError(f"compile: state_argnums {tuple(state_nums)} is not in increasing "
-                       f"order; pass {tuple(sorted(state_nums))}: fn returns the new state "
-                       "values first, in the order of their positions")
     source = None if state_from is None else self._entry(state_from)
     shared = _shared_slots(state_map, source, len(state_nums))
     name = name or getattr(fn, "__name__", "graph")
