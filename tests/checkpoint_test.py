@@ -197,7 +197,9 @@ class KilledSaveTest(absltest.TestCase):
         proc.wait()
         out = run_json(RESTORE_CHILD, args=(directory,), devices=1, timeout=200)
         self.assertEqual(out["bad"], [], out)
-        self.assertLessEqual(len(out["refused"]), 1, out)  # at most the one being written
+        # the step being written (and one keep-N was deleting) may refuse: an
+        # InputError that changes nothing, never wrong data
+        self.assertLessEqual(len(out["refused"]), 2, out)
         if out["steps"]:
           self.assertEqual(out["latest"], max(out["steps"]))
           latest = max(latest, out["latest"])
