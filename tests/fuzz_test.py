@@ -326,7 +326,7 @@ class FuzzTest(absltest.TestCase):
 
   def test_stateless_random_programs_bit_exact(self):
     fused = []
-    Failures(self).programs("stateless program", 60, 2026, check_stateless, fused)
+    Failures(self).programs("stateless program", 80, 2026, check_stateless, fused)
     self.assertGreater(sum(fused), 50)  # the fusions did fire along the way
 
   def test_callbacks_control_flow_and_random_programs(self):
@@ -337,7 +337,7 @@ class FuzzTest(absltest.TestCase):
 
   def test_stateful_random_programs(self):
     sess = js.Session()
-    failures, kinds, n = Failures(self), set(), 60
+    failures, kinds, n = Failures(self), set(), 80
     for i in range(n):
       rng = _seeded(31337, i)
       prog = make_adam_program(rng) if i % 6 == 5 else make_stateful_program(rng)
