@@ -60,28 +60,28 @@ def sunk_program(graph, spec, rest_tree, layout, steps, hooks=None, leading=None
 MAX_COMPILED_STEPS = 256  # split/stack executables up to this many steps
 
 
-class _Stacker:
-  """Stacks the steps' outputs: one executable compiled on first use (~2 µs
-  a step on CPU, measured here), or jnp.stack per output where one
-  executable cannot take them (beyond MAX_COMPILED_STEPS, or under a mesh
-  with host outputs)."""
+class _Columns:
+  """Joins per-step (or per-chunk) outputs leaf by leaf with `combine`
+  (jnp.stack: the steps' outputs; jnp.concatenate: the chunks' stacked
+  ones): one executable compiled on first use (~2 µs a step on CPU, measured
+  here), or `combine` per output where one executable cannot take them
+  (`eager`: beyond MAX_COMPILED_STEPS; under a mesh with host outputs)."""
 
-  def __init__(self, eager):
-    self.exe = self._stack_eagerly if eager else None
+  def __init__(self, combine, eager=False):
+    self.combine = combine
+    self.eager = eager
+    self.exe = None
 
-  @staticmethod
-  def _stack_eagerly(*columns):
-    return [jax.numpy.stack(column) for column in columns]
-
-  def __call__(self, outs):
-    columns = list(zip(*outs))
-    if self.exe is self._stack_eagerly:
-      return self._stack_eagerly(*columns)
+  def __call__(self, rows):
+    columns = list(zip(*rows))
     flat = [x for column in columns for x in column]
-    if self.exe is None and len({isinstance(getattr(x, "sharding", None),
-                                            jax.sharding.NamedSharding) for x in flat}) > 1:
-      self.exe = self._stack_eagerly  # under a mesh with host outputs: one
-      return self._stack_eagerly(*columns)  # executable cannot take both kinds
+    if not flat:
+      return []
+    if self.exe is None and not self.eager and len({isinstance(
+        getattr(x, "sharding", None), jax.sharding.NamedSharding) for x in flat}) > 1:
+      self.eager = True  # under a mesh with host outputs: one executable cannot take both
+    if self.eager:
+      return [self.combine(column) for column in columns]
     if self.exe is None:
       structs = [jax.ShapeDtypeStruct(  # under a mesh, as the plan laid them out
           jax.numpy.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False),
@@ -89,11 +89,12 @@ class _Stacker:
                                             jax.sharding.NamedSharding) else None)
           for x in flat]
       sizes = [len(column) for column in columns]
+      combine = self.combine
 
-      def stack(*xs):
+      def joined(*xs):
         it = iter(xs)
-        return [jax.numpy.stack([next(it) for _ in range(n)]) for n in sizes]
-      self.exe = compile_fn(stack, structs)
+        return [combine([next(it) for _ in range(k)]) for k in sizes]
+      self.exe = compile_fn(joined, structs)
     return self.exe(*flat)
 
 
@@ -111,7 +112,7 @@ def stepped_program(program, layout, spec, rest_tree, steps, leading=None):
   splitters = [(compile_fn(lambda a: [a[t] for t in range(steps)], [st])
                 if compiled else list) if s else (lambda a: [a] * steps)
                for st, s in zip(structs, leaf_steps(spec, leading))]
-  stack = _Stacker(eager=not compiled)
+  stack = _Columns(jax.numpy.stack, eager=not compiled)
   run_flat = program.run_flat
 
   def run(*xs):
@@ -170,7 +171,7 @@ def chunked_program(parts, layout, spec, rest_tree, steps, leading):
   def split_all(*xs):
     return [[lax.slice_in_dim(x, start, start + size) for x in xs] for start, size in bounds]
   split = compile_fn(split_all, structs) if structs else (lambda: [[] for _ in parts])
-  join = _Joiner()
+  join = _Columns(jax.numpy.concatenate)
   treedefs, updated = spec.treedefs, layout.updated_idx
 
   def run(*xs):
@@ -199,37 +200,6 @@ def chunked_program(parts, layout, spec, rest_tree, steps, leading):
   program = parts[0][1]
   return Program(program.ops, [], program.num_state, program.num_user, [], frozenset(),
                  frozenset(), [], program.analyses, program.executables, run)
-
-
-class _Joiner:
-  """Concatenates the chunks' stacked outputs, leaf by leaf: one executable
-  compiled on first use (eagerly under a mesh with host outputs, as
-  _Stacker)."""
-
-  def __init__(self):
-    self.exe = None
-
-  def __call__(self, chunks):
-    columns = list(zip(*chunks))
-    flat = [x for column in columns for x in column]
-    if not flat:
-      return []
-    kinds = {isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) for x in flat}
-    if len(kinds) > 1:
-      return [jax.numpy.concatenate(column) for column in columns]
-    if self.exe is None:
-      structs = [jax.ShapeDtypeStruct(
-          jax.numpy.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False),
-          sharding=x.sharding if isinstance(getattr(x, "sharding", None),
-                                            jax.sharding.NamedSharding) else None)
-          for x in flat]
-      sizes = [len(column) for column in columns]
-
-      def concat(*xs):
-        it = iter(xs)
-        return [jax.numpy.concatenate([next(it) for _ in range(k)]) for k in sizes]
-      self.exe = compile_fn(concat, structs)
-    return self.exe(*flat)
 
 
 def check_steps(steps):

@@ -13,6 +13,7 @@ import numpy as np
 import jaxsession as js
 from jaxsession.errors import InputError
 from jaxsession.runtime import buckets as policy_lib
+from exact import count_compiles
 
 RNG = np.random.default_rng(8)
 F = 6
@@ -419,13 +420,7 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
     """Over many batch sizes each bucket compiles one executable and the
     padding and slicing compile nothing (XLA compiles counted from jax's own
     backend_compile event), weak-typed outputs included."""
-    compiles = []
-    def listener(event, duration, **_):
-      if event == "/jax/core/compile/backend_compile_duration":
-        compiles.append(duration)
-    from jax._src import monitoring  # pylint: disable=import-outside-toplevel
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    self.addCleanup(monitoring.unregister_event_duration_listener, listener)
+    compiles = count_compiles(self)
     strong = lambda x: (rowwise(jnp.float32(0.5), x)[0], x.sum(1))
     for fn, make in ((strong, _rows), (lambda x: x * 2, lambda n: jnp.full((n, F), 1.5))):
       sess = js.Session()

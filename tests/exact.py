@@ -87,3 +87,17 @@ def only_session(*passes):
   """A Session with every optional pass off but `passes`."""
   return js.Session(js.SessionOptions(
       disabled_passes=[n for n in pipeline.optional_pass_names() if n not in passes]))
+
+
+def count_compiles(test):
+  """A list that grows by one per XLA compile (jax's own backend_compile
+  event) until `test` (a TestCase) ends."""
+  from jax._src import monitoring  # pylint: disable=import-outside-toplevel
+  compiles = []
+
+  def listener(event, duration, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(duration)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  test.addCleanup(monitoring.unregister_event_duration_listener, listener)
+  return compiles

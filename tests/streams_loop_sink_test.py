@@ -8,7 +8,7 @@ import numpy as np
 
 import jaxsession as js
 
-from exact import assert_same_bits
+from exact import assert_same_bits, count_compiles
 from host_ops import _cb, _f32, _host_affine
 
 
@@ -297,13 +297,7 @@ class StepsValuesTest(absltest.TestCase):
     w = rng.standard_normal(8).astype(np.float32)
     xs = rng.standard_normal((100, 8)).astype(np.float32)
     xs[3, :2] = [-0.0, np.inf]
-    compiles = []
-    def listener(event, duration, **_):
-      if event == "/jax/core/compile/backend_compile_duration":
-        compiles.append(duration)
-    from jax._src import monitoring  # pylint: disable=import-outside-toplevel
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    self.addCleanup(monitoring.unregister_event_duration_listener, listener)
+    compiles = count_compiles(self)
     sess = js.Session()
     gid = sess.compile(self.step, w, xs[0], state_argnums=0)
     scan = jax.jit(lambda w, xs: jax.lax.scan(self.step, w, xs))
