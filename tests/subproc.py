@@ -11,7 +11,13 @@ from absl.testing import absltest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The child gets Python's own SIGINT handler whatever it inherited: a suite
+# started in the background of a non-interactive shell (`cmd &`) runs with
+# SIGINT ignored, which its children inherit, and the interrupt tests' SIGINTs
+# would then never arrive (their loops ran until the timeout).
 PRELUDE = """
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import jax
 jax.config.update("jax_num_cpu_devices", {devices})
 jax.config.update("jax_enable_x64", {x64})
