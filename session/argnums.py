@@ -1,0 +1,63 @@
+"""The checks of compile's position arguments and of graph ids: which
+example positions `state_argnums` / `static_argnums` name, which slots of
+another graph `state_map` binds, and what counts as a graph id."""
+import numbers
+
+from jaxsession.errors import InputError, UnknownGraphError
+
+
+def _argnums(nums, what, nargs):
+  """`nums` (an int or a sequence of ints) as a tuple of positions, checked:
+  ints in range, no bools, no duplicates."""
+  if isinstance(nums, numbers.Integral):
+    nums = (nums,)
+  else:
+    try:
+      nums = () if nums is None else tuple(nums)
+    except TypeError:
+      raise InputError(f"compile: {what} must be an int or a sequence of ints, got "
+                       f"{nums!r}") from None
+  seen = set()
+  for i in nums:
+    if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not -nargs <= i < nargs:
+      raise InputError(f"compile: {what} entry {i!r} is not a position of the "
+                       f"{nargs} example arguments")
+    if int(i) % nargs in seen:
+      raise InputError(f"compile: {what} names position {int(i) % nargs} twice")
+    seen.add(int(i) % nargs)
+  return tuple(int(i) % nargs for i in nums)
+
+
+def _shared_slots(state_map, source, n):
+  """The source graph's slots the n state args bind (`state_map`, checked),
+  or None without state_from."""
+  if source is None:
+    if state_map is not None:
+      raise InputError("compile: state_map is given without state_from")
+    return None
+  if state_map is None:
+    return source.slots[:n]
+  try:
+    mapping = tuple(state_map)
+  except TypeError:
+    raise InputError(f"compile: state_map must be a sequence of slot indices, got "
+                     f"{state_map!r}") from None
+  if len(mapping) != n:
+    raise InputError(f"compile: state_map has {len(mapping)} entries for {n} state args "
+                     "(one slot index of the state_from graph per state arg)")
+  for m in mapping:
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or \
+        not 0 <= m < len(source.slots):
+      raise InputError(f"compile: state_map entry {m!r} is not a slot of graph "
+                       f"'{source.name}' (it has {len(source.slots)}: 0..{len(source.slots) - 1})")
+  if len(set(mapping)) != len(mapping):
+    raise InputError(f"compile: state_map {mapping} binds one slot twice")
+  return [source.slots[int(m)] for m in mapping]
+
+
+def _graph_id(graph_id):
+  """A graph id is an int (numpy ints too); 0.0, True and '0' are not."""
+  if isinstance(graph_id, bool) or not isinstance(graph_id, numbers.Integral):
+    raise UnknownGraphError(f"graph id {graph_id!r} ({type(graph_id).__name__}) is not "
+                            "an int returned by this session's compile")
+  return int(graph_id)
