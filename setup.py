@@ -31,7 +31,8 @@ setup(
         "numpy>=1.26",
         "absl-py>=1.0",
     ],
-    # flax and optax only in tests: the fusion tests check the forms they write.
+    # flax, optax and equinox only in tests: the fusion tests check the forms flax and
+    # optax write, and an equinox model trains as state (tests/static_leaves_test.py).
     # hypothesis, cloudpickle and portpicker: JAX's own test modules need them
     # (tests/jax_suite_test.py runs some of them routed through the session).
     # orbax-checkpoint: Session.save/restore write through it (the JAX field's
@@ -39,6 +40,6 @@ setup(
     # when a checkpoint is saved or restored.
     extras_require={"checkpoint": ["orbax-checkpoint"],
                     "test": ["pytest>=7", "flax", "optax", "hypothesis", "cloudpickle",
-                             "portpicker", "orbax-checkpoint"]},
+                             "portpicker", "orbax-checkpoint", "equinox"]},
     entry_points={"console_scripts": ["jaxsession=jaxsession.cli:run_main"]},
 )

@@ -17,7 +17,7 @@ import numpy as np
 from jax import tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.runtime import debug_flags, interrupts, sharding
+from jaxsession.runtime import debug_flags, interrupts, sharding, static_leaves
 
 _SERIAL = itertools.count()
 
@@ -66,6 +66,9 @@ class StateSlot:
     self.shardings = None        # under a mesh: a NamedSharding per leaf
     self.weak_sensitive = {}     # leaf index -> weak type a graph was compiled for,
                                  # where the weak type changes that graph's program
+    # the non-array leaves kept static, in the treedef (runtime/static_leaves.py)
+    self.statics = static_leaves.static_paths(
+        tree_util.tree_unflatten(treedef, [None] * treedef.num_leaves))
 
   @property
   def unset(self):
@@ -150,8 +153,10 @@ def tree_difference(expected, got, path=""):
   exp_def, exp_children = _children(expected)
   got_def, got_children = _children(got)
   where = path or "(root)"
+  if isinstance(expected, static_leaves.Static) and isinstance(got, static_leaves.Static):
+    return f"at {where}: {static_leaves.difference(expected, got)}"
   if type(expected) is not type(got):
-    return f"at {where}: expected a {type(expected).__name__}, got a {type(got).__name__}"
+    return f"at {where}: expected {_kind(expected)}, got {_kind(got)}"
   exp_keys = [tree_util.keystr((k,)) for k, _ in exp_children]
   got_keys = [tree_util.keystr((k,)) for k, _ in got_children]
   if exp_keys != got_keys:
@@ -169,6 +174,12 @@ def tree_difference(expected, got, path=""):
     if found:
       return found
   return f"at {where}: structures differ"
+
+
+def _kind(x):
+  if isinstance(x, static_leaves.Static):
+    return f"the non-array {type(x.value).__name__} {_short(x.value)} (kept static)"
+  return f"a {type(x).__name__}"
 
 
 def _metadata_difference(expected, got):

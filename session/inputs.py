@@ -30,8 +30,8 @@ _NOT_ARRAY_HINT = (
     "jax traces only arrays and scalars. A pytree's non-array fields (functions, strings, "
     "other objects) must be static: mark them as static fields (pytree metadata, not "
     "children), or split them off before compile and close over them in fn (as "
-    "equinox.partition / equinox.filter do); a whole non-array argument goes in "
-    "static_argnums")
+    "equinox.partition / equinox.filter do), or make the pytree a state argument, whose "
+    "non-array leaves are kept static; a whole non-array argument goes in static_argnums")
 
 
 def leaf_aval(x, place="a leaf", type_only=False):

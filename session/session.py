@@ -22,7 +22,8 @@ from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.options import SessionOptions
 from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_transfers
 from jaxsession.run_op import OpRunner
-from jaxsession.runtime import build, compile_cache, executor, interrupts, loop_sink, memory
+from jaxsession.runtime import (build, compile_cache, executor, interrupts, loop_sink, memory,
+                                static_leaves)
 from jaxsession.runtime.profiler import Profiler
 from jaxsession.weak_outputs import WeakOutputs
 from jaxsession.runtime.state import (StateSlot, check_structure, holding, owned_copy,
@@ -225,7 +226,9 @@ class Session:
     name = name or getattr(fn, "__name__", "graph")
     updates = updates_state and bool(state_nums)
     dyn_nums = [i for i in range(nargs) if i not in state_nums and i not in static_nums]
-    state_args = [example_args[i] for i in state_nums]
+    # a state's non-array leaves (an equinox module's functions) stay static,
+    # carried in its treedef (runtime/static_leaves.py)
+    state_args = [static_leaves.hide(example_args[i]) for i in state_nums]
     dyn_args = [example_args[i] for i in dyn_nums]
     where = f"compile({name})"  # every example leaf checked once, here (InputError)
     state_flats = [inputs.flatten_example(where, i, a, state=True)
@@ -474,9 +477,9 @@ class Session:
     buffers are copied, so later runs cannot invalidate what you hold)."""
     entry = self._entry(graph_id)
     entry.check_set("get_state")
-    return holding(entry.lock, lambda: tuple(tree_util.tree_unflatten(s.treedef, [
-        owned_copy(x, None if s.shardings is None else s.shardings[j])
-        for j, x in enumerate(s.leaves)]) for s in entry.slots))
+    return holding(entry.lock, lambda: tuple(static_leaves.show(tree_util.tree_unflatten(
+        s.treedef, [owned_copy(x, None if s.shardings is None else s.shardings[j])
+                    for j, x in enumerate(s.leaves)])) for s in entry.slots))
 
   def set_state(self, graph_id, *values, donate=False):
     """Replaces the state args' values; checks every value before changing

@@ -14,7 +14,7 @@ from jax import tree_util
 from jaxsession.errors import InputError
 from jaxsession.inputs import check_leaf
 from jaxsession.jax_api import real_jit
-from jaxsession.runtime import debug_flags
+from jaxsession.runtime import debug_flags, static_leaves
 from jaxsession.runtime.state import check_structure, owned_copy, session_device
 
 # moves an array's buffer into a new array without a copy: XLA aliases the
@@ -25,6 +25,8 @@ _take = real_jit(lambda x: x, donate_argnums=0)
 def check_values(place, slot, value):
   """The flat leaves of `value` for `slot`, checked (InputError naming
   `place` and the path)."""
+  if slot.statics:  # its non-array leaves are part of the structure
+    value = static_leaves.hide(value)
   check_structure(slot, value, place)
   pairs = tree_util.tree_flatten_with_path(value)[0]
   for j, ((path, leaf), aval) in enumerate(zip(pairs, slot.avals)):

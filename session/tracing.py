@@ -9,6 +9,7 @@ from jax.extend import core as jcore
 
 from jaxsession.errors import InputError
 from jaxsession.inputs import check_aval, leaf_aval, paths_of, weak_type_error
+from jaxsession.runtime import static_leaves
 from jaxsession.runtime.state import tree_difference
 
 
@@ -33,7 +34,7 @@ def stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates):
   def session_step(state, *dyn):
     full = list(example_args)  # static args stay as given
     for i, x in zip(state_nums, state):
-      full[i] = x
+      full[i] = static_leaves.show(x)  # the state's non-array leaves, as given
     for i, x in zip(dyn_nums, dyn):
       full[i] = x
     out = fn(*full)
@@ -48,7 +49,8 @@ def stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates):
           f"{list(state_nums)}; it returned {got}. If fn only reads its state (an "
           "eval step), pass updates_state=False.")
     rest = tuple(out[k:])
-    return tuple(out[:k]), (None if not rest else rest[0] if len(rest) == 1 else rest)
+    return (tuple(static_leaves.hide(s) for s in out[:k]),
+            None if not rest else rest[0] if len(rest) == 1 else rest)
   return session_step
 
 

@@ -1,0 +1,108 @@
+"""Non-array leaves of a state pytree, kept static.
+
+A state pytree may hold leaves jax cannot trace - an equinox module's
+activation function, a string, any other object. `eqx.filter_jit` keeps such
+leaves static (part of what the function is compiled for), and so does the
+session: `hide` turns each into a `Static` pytree node with no children and
+the object as its metadata, so the leaf moves from the state's leaves into
+its treedef. The slot then holds only arrays; its treedef says which object
+stands where, and `show` puts the objects back for the user's function and
+for `get_state`. A value given later (`set_state`, `replace_state`,
+`state_from`) must hold the same objects (compared with `is`, then `==`):
+another object would need another program, so the structure check refuses
+it and names the path.
+
+Python scalars stay traced, as jax.jit traces them (a Python float in state
+becomes a weakly typed array); only what jax refuses to trace is static.
+"""
+import jax
+import numpy as np
+from jax import tree_util
+
+_TRACED_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex,
+                 jax.ShapeDtypeStruct)
+
+
+def traceable(x):
+  """Whether jax traces leaf `x` (an array, a scalar, a type, a tracer or an
+  object with __jax_array__)."""
+  if isinstance(x, _TRACED_TYPES):
+    return True
+  try:
+    jax.api_util.shaped_abstractify(x)
+  except (TypeError, ValueError, OverflowError):
+    return False
+  return True
+
+
+class _Same:
+  """A static object as treedef metadata: equal to another only when it is
+  the same object or compares equal to it (an object whose == raises or is
+  not a bool is equal only to itself)."""
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+  def __eq__(self, other):
+    if not isinstance(other, _Same):
+      return NotImplemented
+    a, b = self.value, other.value
+    if a is b:
+      return True
+    if type(a) is not type(b):
+      return False
+    try:
+      return bool(a == b) is True
+    except Exception:  # pylint: disable=broad-except
+      return False
+
+  def __hash__(self):
+    return hash(type(self.value).__qualname__)
+
+  def __repr__(self):
+    text = repr(self.value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class Static:
+  """A non-array state leaf, carried in the treedef (see the module doc)."""
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+  def __repr__(self):
+    return f"Static({_Same(self.value)!r})"
+
+
+tree_util.register_pytree_node(Static, lambda s: ((), _Same(s.value)),
+                               lambda same, _: Static(same.value))
+
+
+def _is_static(x):
+  return isinstance(x, Static)
+
+
+def hide(tree):
+  """`tree` with each leaf jax cannot trace wrapped as a Static node."""
+  return tree_util.tree_map(lambda x: x if traceable(x) else Static(x), tree)
+
+
+def show(tree):
+  """`tree` with each Static node replaced by the object it carries."""
+  return tree_util.tree_map(lambda x: x.value if isinstance(x, Static) else x, tree,
+                            is_leaf=_is_static)
+
+
+def static_paths(tree):
+  """[(path, object)] of the Static nodes of a hidden tree."""
+  pairs = tree_util.tree_flatten_with_path(tree, is_leaf=_is_static)[0]
+  return [(tree_util.keystr(p), x.value) for p, x in pairs if isinstance(x, Static)]
+
+
+def difference(expected, got):
+  """What differs between two Static nodes, for tree_difference's message."""
+  return (f"the non-array leaf kept static is {_Same(got.value)!r}, the state was compiled "
+          f"for {_Same(expected.value)!r} (another object would need another program; "
+          "compile again for it)")
