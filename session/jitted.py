@@ -29,7 +29,6 @@ from jax import tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.jax_api import real_jit
-from jaxsession.runtime.state import session_device
 
 try:  # True outside every trace (vmap with an axis name, grad, jit, ...)
   from jax._src.core import trace_state_clean as _top_level
@@ -185,7 +184,7 @@ class Jitted:
         gid = self._graphs.get(key)
         if gid is None:
           gid = self._graphs[key] = (
-              _JAX if _placed_elsewhere(key[2]) else
+              _JAX if _placed_elsewhere(key[2], self.session.device) else
               self._compile(statics, args, dyn_args, dyn_kw))
     if gid is _JAX:  # arguments committed to other devices or sharded over many:
       return self._under_trace()(*args, **kwargs)  # jax.jit runs where they are
@@ -215,11 +214,11 @@ except ImportError:  # an internal API: the settings the compile cache reads
 _JAX = "jax.jit"  # a signature jax.jit itself runs (see _placed_elsewhere)
 
 
-def _placed_elsewhere(leaf_keys):
+def _placed_elsewhere(leaf_keys, home):
   """Whether a committed argument lives elsewhere than the session's one
   device (another device, or sharded over several): jax.jit then computes
   there, and commits its outputs there; so does this wrapper, by calling it."""
-  home = {session_device()}
+  home = {home}
   return any(len(k) == 5 and k[4] is not None and k[4].device_set != home
              for k in leaf_keys)
 

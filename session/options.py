@@ -45,6 +45,9 @@ class SessionOptions:
     a new process skips XLA compilation (a process-wide JAX setting).
   enable_profiling: record every run, partition, transfer and compile stage
     in `Session.profiler`.
+  device: the `jax.Device` a single-device session runs on: its executables,
+    state and outputs live there (default: jax's default device, read at each
+    call). Not with `mesh`.
   mesh: a `jax.sharding.Mesh`: graphs run on it through XLA's SPMD
     partitioner (runtime/sharding.py); `compile` then takes `in_specs` and
     `state_specs`.
@@ -74,6 +77,7 @@ class SessionOptions:
   checkpoint_keep: Optional[int] = None
   compilation_cache_dir: Optional[str] = None
   enable_profiling: bool = False
+  device: Optional[Any] = None
   mesh: Optional[Any] = None
   allreduce_bucket_bytes: Optional[int] = None
   first_bucket_bytes: Optional[int] = None
@@ -99,6 +103,12 @@ class SessionOptions:
       limit = getattr(self, name)
       if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise InputError(f"SessionOptions.{name} must be an int >= 0, got {limit!r}")
+    if self.device is not None and not isinstance(self.device, jax.Device):
+      raise InputError(f"SessionOptions.device must be a jax.Device (one of jax.devices()), "
+                       f"got {type(self.device).__name__}")
+    if self.device is not None and self.mesh is not None:
+      raise InputError("SessionOptions.device and mesh are both set: a session runs on one "
+                       "device or on a mesh; give one")
     if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
       raise InputError(f"SessionOptions.mesh must be a jax.sharding.Mesh, got "
                        f"{type(self.mesh).__name__}")

@@ -12,7 +12,8 @@ import jax
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import bucketed, checkpoints, inputs, pipeline, spmd, state_values, tracing
+from jaxsession import (bucketed, checkpoints, inputs, own_device, pipeline, spmd, state_values,
+                        tracing)
 from jaxsession.graph import importer
 from jaxsession.argnums import _argnums, _graph_id, _shared_slots
 from jaxsession.errors import InputError, SessionError, UnknownGraphError
@@ -27,7 +28,7 @@ from jaxsession.runtime import (build, compile_cache, executor, interrupts, loop
 from jaxsession.runtime.profiler import Profiler
 from jaxsession.weak_outputs import WeakOutputs
 from jaxsession.runtime.state import (StateSlot, check_structure, holding, owned_copy,
-                                      slots_lock)
+                                      session_device, slots_lock)
 
 
 @dataclasses.dataclass
@@ -134,12 +135,17 @@ class Session:
       raise InputError(f"SessionOptions.disabled_passes: unknown pass(es) "
                        f"{sorted(unknown)}; passes that can be disabled: "
                        f"{pipeline.optional_pass_names()}")
-    self.platform = self.options.platform or jax.default_backend()
+    device = self.options.device
+    self.platform = self.options.platform or (device.platform if device is not None
+                                              else jax.default_backend())
     try:
       jax.devices(self.platform)
     except RuntimeError as exc:
       raise InputError(f"SessionOptions.platform={self.platform!r} is not available "
                        f"here: {exc}") from None
+    if device is not None:
+      own_device.check(device, self.platform)
+      own_device.bind(self, device)
     spmd.check_compiler_options(self.options.compiler_options, self.platform)
     save = self.options.save_graphs
     if save is not None and os.path.exists(save) and not os.path.isdir(save):
@@ -571,6 +577,12 @@ class Session:
     self._executables.release_owner(_graph_id(graph_id))
 
   # -- introspection --------------------------------------------------------
+  @property
+  def device(self):
+    """The device a single-device session's graphs run on (its option, else
+    jax's default device now)."""
+    return self.options.device or session_device()
+
   def graph(self, graph_id):
     """The KernelGraph after the whole pipeline."""
     return self._entry(graph_id).graph
@@ -592,3 +604,4 @@ class Session:
       raise UnknownGraphError(f"graph id {graph_id!r} was not returned by this "
                               f"session's compile, or was released (known ids: "
                               f"{sorted(self._graphs)})") from None
+

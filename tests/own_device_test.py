@@ -1,0 +1,148 @@
+"""SessionOptions(device=...): a single-device session on another device than
+jax's default. Its executables, state and outputs live on that device
+(single, sunk, host-partitioned, run_op, js.jit), results equal jax.jit's bit
+for bit, arguments on other devices are moved, and other sessions and
+threads keep theirs. In a subprocess with 2 CPU devices."""
+from absl.testing import absltest
+
+from subproc import HELPERS, run_json
+
+SNIPPET = HELPERS + r"""
+import json, tempfile, threading
+import numpy as np, jax, jax.numpy as jnp, optax
+import jaxsession as js
+
+d0, d1 = jax.devices()
+out = {}
+rng = np.random.default_rng(21)
+tx = optax.adam(1e-2)
+def train(p, o, x):
+  g = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(p)
+  u, o = tx.update(g, o, p)
+  return optax.apply_updates(p, u), o, jnp.sum(g["w"])
+p = {"w": rng.standard_normal((4, 3)).astype(np.float32),
+     "b": rng.standard_normal(3).astype(np.float32)}
+p["w"][0, :2] = [-0.0, 3e38]
+o = tx.init(p)
+xs = rng.standard_normal((6, 5, 4)).astype(np.float32)
+devs = lambda tree: sorted({str(d) for a in jax.tree.leaves(tree) for d in a.devices()})
+
+sess = js.Session(js.SessionOptions(device=d1))
+out["device"], out["d0"], out["d1"] = str(sess.device), str(d0), str(d1)
+gid = sess.compile(train, p, o, xs[0], state_argnums=(0, 1))
+ref = jax.jit(train)
+rp, ro = p, o
+losses = []
+for i in range(3):
+  rp, ro, want = ref(rp, ro, xs[i])
+  x = jax.device_put(xs[i], d0) if i == 1 else xs[i]  # committed to the other device
+  got = sess.run(gid, x)
+  losses.append(bool(np.array_equal(got, want)))
+  out.setdefault("loss_devices", []).append(devs(got))
+sunk = sess.run(gid, xs[3:6], steps=3)
+wants = []
+for i in range(3, 6):
+  rp, ro, want = ref(rp, ro, xs[i])
+  wants.append(want)
+out["losses_equal"] = losses + [bool(np.array_equal(sunk, np.stack(wants)))]
+out["sunk_devices"] = devs(sunk)
+state = sess.get_state(gid)
+out["state_devices"] = devs(state)
+out["state_equal"] = all(np.array_equal(a, b) for a, b in
+                         zip(jax.tree.leaves(state), jax.tree.leaves((rp, ro))))
+
+# a host partition between two device partitions
+def host_fn(x):
+  y = jnp.sin(x)
+  z = jax.pure_callback(lambda a: np.cumsum(a, axis=-1).astype(a.dtype),
+                        jax.ShapeDtypeStruct(y.shape, y.dtype), y)
+  return z * 2.0
+hid = sess.compile(host_fn, xs[0])
+out["plan_places"] = [q.place for q in sess.report(hid).partitions]
+h = sess.run(hid, xs[0])
+out["host_equal"] = bool(np.array_equal(h, jax.jit(host_fn)(xs[0])))
+out["host_devices"] = devs(h)
+out["run_op_devices"] = devs(sess.run_op(jax.lax.exp, xs[0]))
+
+# donation: arrays on the session's device are taken, others copied
+on1 = jax.tree.map(lambda a: jax.device_put(a, d1), (rp, ro))
+on0 = jax.tree.map(lambda a: jax.device_put(a, d0), (rp, ro))
+sess.set_state(gid, *on1, donate=True)
+out["taken_on_d1"] = all(a.is_deleted() for a in jax.tree.leaves(on1))
+sess.set_state(gid, *on0, donate=True)
+out["copied_from_d0"] = not any(a.is_deleted() for a in jax.tree.leaves(on0))
+out["state_devices_after_set"] = devs(sess.get_state(gid))
+
+# a checkpoint written by a default session restores onto d1
+with tempfile.TemporaryDirectory() as folder:
+  plain = js.Session()
+  pid = plain.compile(train, p, o, xs[0], state_argnums=(0, 1))
+  plain.run(pid, xs[0])
+  plain.save(pid, folder, 1)
+  plain.wait_until_saved()
+  out["restored_step"] = sess.restore(gid, folder)
+  out["restored_devices"] = devs(sess.get_state(gid))
+  out["restored_equal"] = all(np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(sess.get_state(gid)), jax.tree.leaves(plain.get_state(pid))))
+  out["plain_devices"] = devs(plain.get_state(pid))
+
+# js.jit through the session, and a thread running another (default) session
+f = js.jit(lambda a: jnp.cos(a) * 3.0, session=sess)
+out["jit_devices"] = devs(f(xs[0]))
+seen = {}
+def other():
+  s2 = js.Session()
+  g2 = s2.compile(lambda a: a + 1.0, xs[0])
+  seen["other"] = devs(s2.run(g2, xs[0]))
+  seen["mine"] = devs(sess.run(hid, xs[0]))
+t = threading.Thread(target=other); t.start(); t.join()
+out.update(seen)
+out["errors"] = [err(lambda: js.SessionOptions(device="cpu:1")),
+                 err(lambda: js.SessionOptions(device=d1, mesh=jax.make_mesh((2,), ("d",))))]
+print(json.dumps(out))
+"""
+
+
+class OwnDeviceTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.out = run_json(SNIPPET, devices=2)
+
+  def test_everything_lives_on_the_sessions_device_and_equals_jit(self):
+    out, d1 = self.out, [self.out["d1"]]
+    self.assertEqual(out["device"], out["d1"])
+    self.assertNotEqual(out["d0"], out["d1"])
+    self.assertEqual(out["losses_equal"], [True] * 4)
+    self.assertTrue(out["state_equal"])
+    self.assertEqual(out["loss_devices"], [d1] * 3)
+    for key in ("sunk_devices", "state_devices", "host_devices", "run_op_devices",
+                "state_devices_after_set", "restored_devices", "jit_devices", "mine"):
+      self.assertEqual(out[key], d1, key)
+
+  def test_a_host_partition_runs_between_executables_on_the_device(self):
+    self.assertEqual(self.out["plan_places"], ["device", "host", "device"])
+    self.assertTrue(self.out["host_equal"])
+
+  def test_donation_takes_only_arrays_on_the_sessions_device(self):
+    self.assertTrue(self.out["taken_on_d1"])
+    self.assertTrue(self.out["copied_from_d0"])
+
+  def test_a_checkpoint_restores_onto_the_device(self):
+    self.assertEqual(self.out["restored_step"], 1)
+    self.assertTrue(self.out["restored_equal"])
+    self.assertEqual(self.out["plain_devices"], [self.out["d0"]])
+
+  def test_other_sessions_and_threads_keep_their_device(self):
+    self.assertEqual(self.out["other"], [self.out["d0"]])
+
+  def test_bad_options_are_input_errors(self):
+    (kind1, text1), (kind2, text2) = self.out["errors"]
+    self.assertEqual((kind1, kind2), ("InputError", "InputError"))
+    self.assertIn("SessionOptions.device must be a jax.Device", text1)
+    self.assertIn("device and mesh are both set", text2)
+
+
+if __name__ == "__main__":
+  absltest.main()
