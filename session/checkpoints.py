@@ -189,7 +189,9 @@ MARKER = "jaxsession_complete"
 
 
 def _mark_complete(step_dir):
-  tmp = os.path.join(step_dir, MARKER + ".tmp")
+  # each process marks its own step when its save has finished (under
+  # jax.distributed orbax returns on every process once the step is whole)
+  tmp = os.path.join(step_dir, f"{MARKER}.{os.getpid()}.tmp")
   with open(tmp, "w") as f:
     f.write(FORMAT)
     f.flush()

@@ -240,10 +240,6 @@ class Session:
     state_flats = [inputs.flatten_example(where, i, a, state=True)
                    for i, a in zip(state_nums, state_args)]
     dyn_flats = [inputs.flatten_example(where, i, a) for i, a in zip(dyn_nums, dyn_args)]
-    if self.options.mesh is not None and any(
-        isinstance(x, jax.ShapeDtypeStruct) for f in state_flats for x in f.leaves):
-      raise InputError(f"{where}: jax.ShapeDtypeStruct state examples under a mesh are not "
-                       "supported yet; pass the initial values")
     if self.options.mesh is None:
       for i, flat in zip(state_nums, state_flats):
         inputs.check_one_device(where, i, flat, state=True)

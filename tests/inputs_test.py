@@ -326,9 +326,15 @@ gone.delete()
 x = jnp.ones((4, 2))
 out["deleted"] = err(lambda: sess.compile(lambda s, x: (s, x.sum()), {"a": gone}, x,
                                           state_argnums=0))
-out["struct"] = err(lambda: sess.compile(lambda s, x: (s, x.sum()),
-                                         {"a": jax.ShapeDtypeStruct((4,), "float32")}, x,
-                                         state_argnums=0))
+sid = sess.compile(lambda s, x: ({"a": s["a"] * 2.0}, x.sum() * s["a"][0]),
+                   {"a": jax.ShapeDtypeStruct((4,), "float32")}, x, state_argnums=0,
+                   state_specs="zero")
+out["struct"] = err(lambda: sess.run(sid, x))
+a = np.asarray([-0.0, 3.0, np.nan, 1e-30], np.float32)
+sess.set_state(sid, {"a": a})
+out["struct_run"] = float(sess.run(sid, x))
+bound = sess.get_state(sid)[0]["a"]
+out["struct_state"] = [np.asarray(bound).tobytes().hex(), str(bound.sharding.spec)]
 gid = sess.compile(lambda s, x: (jnp.float32(-0.0), x.sum() * s), jnp.float32(2), x,
                    state_argnums=0)
 out["const"] = [float(sess.run(gid, x)), np.asarray(sess.get_state(gid)[0]).tobytes().hex()]
@@ -354,9 +360,13 @@ class SubprocessTest(absltest.TestCase):
     out = run_json(MESH_SNIPPET, devices=2)
     self.assertEqual(out["deleted"][0], "InputError")
     self.assertIn("path ['a']: the array has been deleted", out["deleted"][1])
+    # a ShapeDtypeStruct state is unset until bound, then laid out as compiled
     self.assertEqual(out["struct"][0], "InputError")
-    self.assertIn("jax.ShapeDtypeStruct state examples under a mesh are not supported yet",
-                  out["struct"][1])
+    self.assertIn("is unset", out["struct"][1])
+    self.assertEqual(out["struct_run"], 2.0 * -0.0)
+    a = np.asarray([-0.0, 3.0, np.nan, 1e-30], np.float32)
+    self.assertEqual(out["struct_state"], [(a * np.float32(2)).tobytes().hex(),
+                                           "P('data',)"])
     self.assertEqual(out["const"][1], np.float32(-0.0).tobytes().hex())
 
 
