@@ -27,8 +27,8 @@ from jaxsession.runtime import (build, compile_cache, executor, interrupts, loop
                                 static_leaves)
 from jaxsession.runtime.profiler import Profiler
 from jaxsession.weak_outputs import WeakOutputs
-from jaxsession.runtime.state import (StateSlot, check_structure, holding, owned_copy,
-                                      session_device, slots_lock)
+from jaxsession.runtime.state import (StateSlot, check_structure, holding, owned_copies,
+                                      owned_copy, session_device, slots_lock)
 
 
 @dataclasses.dataclass
@@ -480,8 +480,7 @@ class Session:
     entry = self._entry(graph_id)
     entry.check_set("get_state")
     return holding(entry.lock, lambda: tuple(static_leaves.show(tree_util.tree_unflatten(
-        s.treedef, [owned_copy(x, None if s.shardings is None else s.shardings[j])
-                    for j, x in enumerate(s.leaves)])) for s in entry.slots))
+        s.treedef, owned_copies(s.leaves, s.shardings))) for s in entry.slots))
 
   def set_state(self, graph_id, *values, donate=False):
     """Replaces the state args' values; checks every value before changing

@@ -15,7 +15,7 @@ from jaxsession.errors import InputError
 from jaxsession.inputs import check_leaf
 from jaxsession.jax_api import real_jit
 from jaxsession.runtime import debug_flags, static_leaves
-from jaxsession.runtime.state import check_structure, owned_copy, session_device
+from jaxsession.runtime.state import check_structure, owned_copies, session_device
 
 # moves an array's buffer into a new array without a copy: XLA aliases the
 # donated parameter to the output, and jax deletes the argument
@@ -56,16 +56,18 @@ def new_leaves(where, items, donate=False):
   if not isinstance(donate, bool):
     raise InputError(f"{where}: donate must be True or False, got {donate!r}")
   flats = [check_values(place, slot, value) for place, slot, value in items]
-  taken, bound = set(), []
+  taken, bound, copied = set(), [], []  # copied: (row, j, leaf, layout)
   for (_, slot, _), flat in zip(items, flats):
-    row = []
+    row = list(flat)
     for j, x in enumerate(flat):
       if donate and id(x) not in taken and _fits(x, slot, j):
-        taken.add(id(x))
-        row.append(x)  # taken below, once every copy is made
+        taken.add(id(x))  # taken below, once every copy is made
       else:
-        row.append(owned_copy(x, None if slot.shardings is None else slot.shardings[j]))
+        copied.append((row, j, x, None if slot.shardings is None else slot.shardings[j]))
     bound.append(row)
+  copies = owned_copies([x for _, _, x, _ in copied], [s for _, _, _, s in copied])
+  for (row, j, _, _), copy in zip(copied, copies):
+    row[j] = copy
   if taken:
     bound = [[_take_over(x) if id(x) in taken else x for x in row] for row in bound]
   return [tuple(row) for row in bound]
