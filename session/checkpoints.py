@@ -76,6 +76,7 @@ class Checkpointer:
     atexit.register(_drain, weakref.ref(self))  # pending saves finish before exit
 
   def _work(self):
+    _background_priority()
     while True:
       write = self._queue.get()
       try:
@@ -201,6 +202,17 @@ def _mark_complete(step_dir):
 
 def _complete(step_dir):
   return os.path.isfile(os.path.join(step_dir, MARKER))
+
+
+def _background_priority():
+  """The writer thread, and the threads orbax and tensorstore start from it,
+  yield the CPU to the training steps: the lowest scheduling priority (nice
+  19, per thread on Linux; a thread may always lower its own). Measured by
+  benchmarks/workflows.py: steps while a save is in flight / without one."""
+  try:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+  except (AttributeError, OSError):  # not Linux, or refused: the default priority
+    pass
 
 
 def _drain(ref):

@@ -152,26 +152,64 @@ RESTORE_CHILD = r"""
 import json, os, sys
 import numpy as np, jax, jax.numpy as jnp
 import jaxsession as js
-directory = sys.argv[1]
 sess = js.Session()
 w = np.arange(1 << 18, dtype=np.float32)
 gid = sess.compile(lambda w: (w + 1.0, jnp.sum(w)), w, state_argnums=0)
-folders = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
-steps, bad, refused = [], [], []
-for step in folders:  # a folder the kill left half-written must refuse, never restore
-  try:
-    sess.restore(gid, directory, step=step)
-  except js.InputError as exc:
-    refused.append(step)
-    if not np.array_equal(sess.get_state(gid)[0], w + (steps[-1] if steps else 0)):
-      bad.append(("changed by a refused restore", step))
-    continue
-  steps.append(step)
-  if not np.array_equal(sess.get_state(gid)[0], w + step):
-    bad.append(step)
-latest = sess.restore(gid, directory) if steps else None
-print(json.dumps({"steps": steps, "bad": bad, "latest": latest, "refused": refused}))
+trials = []
+for directory in sys.argv[1:]:  # one killed run's checkpoints each
+  folders = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+  steps, bad, refused = [], [], []
+  for step in folders:  # a folder the kill left half-written must refuse, never restore
+    try:
+      sess.restore(gid, directory, step=step)
+    except js.InputError as exc:
+      refused.append(step)
+      if steps and not np.array_equal(sess.get_state(gid)[0], w + steps[-1]):
+        bad.append(("changed by a refused restore", step))
+      continue
+    steps.append(step)
+    if not np.array_equal(sess.get_state(gid)[0], w + step):
+      bad.append(step)
+  latest = sess.restore(gid, directory) if steps else None
+  trials.append({"steps": steps, "bad": bad, "latest": latest, "refused": refused})
+print(json.dumps(trials))
 """
+
+X64_CHILD = r"""
+import json, os, sys, tempfile
+import numpy as np, jax, jax.numpy as jnp
+import jaxsession as js
+rng = np.random.default_rng(5)
+state = {"f64": rng.standard_normal(6), "i64": rng.integers(-2**62, 2**62, 5),
+         "u64": np.array([2**64 - 1, 0, 2**63], np.uint64),
+         "c128": (rng.standard_normal(3) + 1j * rng.standard_normal(3))}
+state["f64"][:3] = [-0.0, np.nan, 5e-324]  # a signed zero, a nan, the smallest subnormal
+step = lambda s, x: (jax.tree.map(lambda a: a * 3 if a.dtype.kind != "u" else a + 1, s),
+                     jnp.sum(s["f64"]) * x)
+sess = js.Session()
+gid = sess.compile(step, state, 1.5, state_argnums=0)
+sess.run(gid, 1.5)
+with tempfile.TemporaryDirectory() as folder:
+  sess.save(gid, folder, 1)
+  sess.wait_until_saved()
+  other = js.Session()
+  gid2 = other.compile(step, state, 1.5, state_argnums=0)
+  other.restore(gid2, folder)
+dump = lambda s: {k: [str(v.dtype), np.asarray(v).tobytes().hex()] for k, v in s.items()}
+print(json.dumps({"saved": dump(sess.get_state(gid)[0]), "restored": dump(other.get_state(gid2)[0]),
+                  "next": [np.asarray(s.run(g, 1.5)).tobytes().hex()
+                           for s, g in ((sess, gid), (other, gid2))]}))
+"""
+
+
+class X64CheckpointTest(absltest.TestCase):
+
+  def test_x64_leaves_round_trip_bit_for_bit(self):
+    out = run_json(X64_CHILD, devices=1, x64=True)
+    self.assertEqual(out["restored"], out["saved"])
+    self.assertEqual({k: v[0] for k, v in out["saved"].items()},
+                     {"f64": "float64", "i64": "int64", "u64": "uint64", "c128": "complex128"})
+    self.assertEqual(out["next"][0], out["next"][1])
 
 
 @pytest.mark.slow
@@ -183,9 +221,10 @@ class KilledSaveTest(absltest.TestCase):
       script = os.path.join(tmp, "child.py")
       with open(script, "w") as f:
         f.write(KILLED_CHILD)
-      latest = 0
-      for trial in range(3):
+      directories = []
+      for trial in range(6):
         directory = os.path.join(tmp, f"ckpt{trial}")
+        directories.append(directory)
         proc = subprocess.Popen([sys.executable, script, directory],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
@@ -195,7 +234,8 @@ class KilledSaveTest(absltest.TestCase):
         time.sleep(rng.uniform(0.0, 1.5))  # a random instant, mid-save or between saves
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        out = run_json(RESTORE_CHILD, args=(directory,), devices=1, timeout=200)
+      latest = 0
+      for out in run_json(RESTORE_CHILD, args=directories, devices=1, timeout=300):
         self.assertEqual(out["bad"], [], out)
         # the step being written (and one keep-N was deleting) may refuse: an
         # InputError that changes nothing, never wrong data
