@@ -33,13 +33,14 @@ setup(
     ],
     # flax, optax and equinox only in tests: the fusion tests check the forms flax and
     # optax write, and an equinox model trains as state (tests/static_leaves_test.py).
+    # pytest-xdist: the suite runs on 2 worker processes (pytest.ini).
     # hypothesis, cloudpickle and portpicker: JAX's own test modules need them
     # (tests/jax_suite_test.py runs some of them routed through the session).
     # orbax-checkpoint: Session.save/restore write through it (the JAX field's
     # checkpoint library: atomic steps, keep-N, sharded arrays); imported only
     # when a checkpoint is saved or restored.
     extras_require={"checkpoint": ["orbax-checkpoint"],
-                    "test": ["pytest>=7", "flax", "optax", "hypothesis", "cloudpickle",
-                             "portpicker", "orbax-checkpoint", "equinox"]},
+                    "test": ["pytest>=7", "pytest-xdist", "flax", "optax", "hypothesis",
+                             "cloudpickle", "portpicker", "orbax-checkpoint", "equinox"]},
     entry_points={"console_scripts": ["jaxsession=jaxsession.cli:run_main"]},
 )

@@ -202,6 +202,7 @@ print(json.dumps({"saved": dump(sess.get_state(gid)[0]), "restored": dump(other.
 """
 
 
+@pytest.mark.slow  # a fresh interpreter with x64
 class X64CheckpointTest(absltest.TestCase):
 
   def test_x64_leaves_round_trip_bit_for_bit(self):

@@ -4,8 +4,11 @@ jax's default. Its executables, state and outputs live on that device
 for bit, arguments on other devices are moved, and other sessions and
 threads keep theirs. In a subprocess with 2 CPU devices."""
 from absl.testing import absltest
+import pytest
 
 from subproc import HELPERS, run_json
+
+pytestmark = pytest.mark.slow  # a subprocess with 2 CPU devices
 
 SNIPPET = HELPERS + r"""
 import json, tempfile, threading

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxsession as js
 from jaxsession.errors import InputError
@@ -68,6 +69,7 @@ class EquinoxStateTest(absltest.TestCase):
       np.testing.assert_array_equal(sess.run(gid, self.xs[i], self.ys[i]), want_losses[i])
     self._assert_state_is(sess, gid, want_model, want_opt)
 
+  @pytest.mark.slow  # three more compiles of the equinox step
   def test_sunk_steps_and_a_shared_eval_graph_see_the_same_model(self):
     sess = js.Session()
     gid = sess.compile(_train_step, self.model, self.opt_state, self.xs[0], self.ys[0],
@@ -105,6 +107,7 @@ class EquinoxStateTest(absltest.TestCase):
     want_model, want_opt, _ = self._reference(1)
     self._assert_state_is(sess, gid, want_model, want_opt)
 
+  @pytest.mark.slow
   def test_a_checkpoint_round_trip_into_a_new_session_trains_on_equal(self):
     sess = js.Session()
     gid = sess.compile(_train_step, self.model, self.opt_state, self.xs[0], self.ys[0],
