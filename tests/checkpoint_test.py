@@ -3,6 +3,7 @@ restored state trains on bit for bit as if there had been no break, in a new
 process too; bad checkpoints are InputErrors that change nothing; a process
 killed during saves leaves every complete step restorable."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,6 +83,30 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(sorted(int(n) for n in os.listdir(self.dir) if n.isdigit()), [2, 3])
     self.assertEqual(sess.restore(gid, self.dir, step=2), 2)
     np.testing.assert_array_equal(sess.get_state(gid)[0], [2.5, 0.75])
+
+  def test_steps_increase_and_a_killed_saves_leftover_is_replaced(self):
+    sess = js.Session(js.SessionOptions(checkpoint_keep=2))
+    w = np.float32([1.0, -0.0, 3e37])
+    gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
+    sess.run(gid)
+    sess.save(gid, self.dir, 1)
+    sess.save(gid, self.dir, 2)  # queued behind 1
+    for stale in (0, 1, 2):  # on disk or queued: refused before any work
+      with self.assertRaisesRegex(js.InputError, rf"step {stale} is not after step 2, the "
+                                  "newest checkpoint saved to .*steps must increase"):
+        sess.save(gid, self.dir, stale)
+    sess.wait_until_saved()
+    # what a kill mid-save leaves: step 3's folder in place, without the marker
+    shutil.copytree(os.path.join(self.dir, "2"), os.path.join(self.dir, "3"))
+    os.remove(os.path.join(self.dir, "3", "jaxsession_complete"))
+    self.assertEqual(sess.restore(gid, self.dir), 2)  # the leftover never restores
+    sess.run(gid)
+    sess.save(gid, self.dir, 3)  # replaces the leftover
+    sess.wait_until_saved()
+    self.assertEqual(sorted(int(n) for n in os.listdir(self.dir) if n.isdigit()), [2, 3])
+    sess.run(gid)
+    self.assertEqual(sess.restore(gid, self.dir), 3)
+    np.testing.assert_array_equal(sess.get_state(gid)[0], w * 4)
 
   def test_what_does_not_fit_is_an_input_error_and_changes_nothing(self):
     p, o, k, xs = examples()
