@@ -115,6 +115,23 @@ class ProgramsTest(absltest.TestCase):
                                       jax.jit(fn)(x, jnp.asarray(np.float32(lr), dtype)))
 
 
+class DeepChainTest(absltest.TestCase):
+
+  def test_a_deep_chain_of_nested_jits_compiles(self):
+    # jnp.where is a nested jit: deciding whether its operands are constants
+    # walked the chain recursively (RecursionError past ~500 values)
+    def f(x, w):
+      for _ in range(700):
+        x = jnp.where(x > 0, x, 0.5 * x) - w
+      return x
+    rng = np.random.default_rng(31)
+    x, w = (rng.standard_normal((4, 3)).astype(np.float32) * 0.01 for _ in range(2))
+    x[0, :2] = [-0.0, np.nan]
+    sess = js.Session()
+    gid = sess.compile(f, x, w)
+    np.testing.assert_array_equal(sess.run(gid, x, w), jax.jit(f)(x, w))
+
+
 class WeakTypesTest(absltest.TestCase):
   """A weak type that changes the program is refused (jax.jit would compile
   another program); one that changes nothing runs on the same executable."""

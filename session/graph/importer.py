@@ -66,7 +66,7 @@ def import_jaxpr(closed_jaxpr, name="graph", input_kinds=None, input_names=None)
   for var, kind, label in zip(jaxpr.invars, kinds, names):
     env[var] = graph.add_input(var.aval, kind=kind, name=label)
   _bind_consts(graph, env, jaxpr.constvars, closed_jaxpr.consts)
-  _import_eqns(graph, env, jaxpr.eqns)
+  _import_eqns(graph, env, jaxpr.eqns, {})
   graph.outputs = [_read(env, v) for v in jaxpr.outvars]
   return graph
 
@@ -94,10 +94,9 @@ def _read(env, atom):
 KEPT_CALLS = ("jit", "pjit")
 
 
-def _kept_call(eqn, inputs):
+def _kept_call(eqn, inputs, memo):
   if eqn.primitive.name not in KEPT_CALLS:
     return False
-  memo = {}
   if not any(_constant(v, memo) for v in inputs):
     return False
   props = op_properties.jaxpr_props(eqn.params["jaxpr"].jaxpr)
@@ -106,26 +105,36 @@ def _kept_call(eqn, inputs):
 
 def _constant(value, memo):
   """Whether `value` is known at compile time: a literal, a constant, or
-  made from those alone by deterministic nodes (`jnp.full(8, 1.5)`)."""
-  if isinstance(value, Literal):
-    return True
-  if value.id not in memo:
-    node = value.producer
-    if node is None:
-      memo[value.id] = value.kind == "const"
-    else:
-      memo[value.id] = False  # (a cycle cannot occur; this bounds the walk)
-      memo[value.id] = (node.props.foldable or node.props.opaque) and all(
-          _constant(v, memo) for v in node.inputs)
-  return memo[value.id]
+  made from those alone by deterministic nodes (`jnp.full(8, 1.5)`).
+  `memo` (value id -> bool) is the whole import's: a value's producer never
+  changes, so each value is decided once, and the walk is a loop, not a
+  recursion (a chain of 11k equations with a nested jit per layer)."""
+  stack = [value]
+  while stack:
+    v = stack[-1]
+    if isinstance(v, Literal) or v.id in memo:
+      stack.pop()
+      continue
+    node = v.producer
+    if node is None or not (node.props.foldable or node.props.opaque):
+      memo[v.id] = node is None and v.kind == "const"
+      stack.pop()
+      continue
+    pending = [u for u in node.inputs if not isinstance(u, Literal) and u.id not in memo]
+    if pending:
+      stack.extend(pending)
+      continue
+    memo[v.id] = all(isinstance(u, Literal) or memo[u.id] for u in node.inputs)
+    stack.pop()
+  return isinstance(value, Literal) or memo[value.id]
 
 
-def _import_eqns(graph, env, eqns):
+def _import_eqns(graph, env, eqns, memo):
   for eqn in eqns:
     inputs = [_read(env, v) for v in eqn.invars]
     inner = INLINE_RULES.get(eqn.primitive.name)
-    if inner is not None and not _kept_call(eqn, inputs):
-      outs = _inline(graph, inner(eqn.params), inputs)
+    if inner is not None and not _kept_call(eqn, inputs, memo):
+      outs = _inline(graph, inner(eqn.params), inputs, memo)
       for var, value in zip(eqn.outvars, outs):
         env[var] = value
       continue
@@ -135,7 +144,7 @@ def _import_eqns(graph, env, eqns):
       env[var] = value  # DropVars are harmless keys: nobody reads them
 
 
-def _inline(graph, body, inputs):
+def _inline(graph, body, inputs, memo):
   """Imports `body` (Jaxpr or ClosedJaxpr) with its invars bound to `inputs`."""
   if isinstance(body, jcore.ClosedJaxpr):
     jaxpr, consts = body.jaxpr, body.consts
@@ -147,5 +156,5 @@ def _inline(graph, body, inputs):
   # custom_jvp/vjp with num_consts, where the consts lead the operands.
   for var, value in zip(jaxpr.invars, inputs[len(inputs) - len(jaxpr.invars):]):
     env[var] = value
-  _import_eqns(graph, env, jaxpr.eqns)
+  _import_eqns(graph, env, jaxpr.eqns, memo)
   return [_read(env, v) for v in jaxpr.outvars]
