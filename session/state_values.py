@@ -28,11 +28,22 @@ def check_values(place, slot, value):
   if slot.statics:  # its non-array leaves are part of the structure
     value = static_leaves.hide(value)
   check_structure(slot, value, place)
-  pairs = tree_util.tree_flatten_with_path(value)[0]
-  for j, ((path, leaf), aval) in enumerate(zip(pairs, slot.avals)):
-    check_leaf(f"{place} at path {tree_util.keystr(path) or '(root)'}", leaf, aval,
-               weak=slot.weak_sensitive.get(j))
-  return [leaf for _, leaf in pairs]
+  leaves = tree_util.tree_leaves(value)
+  for j, (leaf, aval) in enumerate(zip(leaves, slot.avals)):
+    weak = slot.weak_sensitive.get(j)
+    if not _exact(leaf, aval, weak):  # the one leaf check, and its message, for the rest
+      path = tree_util.keystr(tree_util.tree_flatten_with_path(value)[0][j][0])
+      check_leaf(f"{place} at path {path or '(root)'}", leaf, aval, weak=weak)
+  return leaves
+
+
+def _exact(x, aval, weak):
+  """Whether `x` is a live concrete jax.Array of `aval`'s dtype and shape
+  (and weak type, where `weak` says it matters): what check_leaf accepts,
+  decided without building its messages (a KV cache reset per request)."""
+  return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+          and x.dtype == aval.dtype and x.shape == aval.shape
+          and (weak is None or x.weak_type == weak) and not x.is_deleted())
 
 
 def _fits(x, slot, j):
