@@ -57,6 +57,8 @@ def small_integer_nodes(graph, host):
   """The largest set S of nodes with a host kernel such that every node in S
   reads only host values (from `host` or S, or constants) and is read only by
   host nodes, at least one (a greatest fixed point)."""
+  if not host:  # S's nodes read host values: a first one needs a node in `host`
+    return []
   state_news = {v.id for _, v in graph.state_updates() if not isinstance(v, Literal)}
   kernels = {}
   for node in graph.nodes:

@@ -7,6 +7,7 @@ graph (`memory`, `partitions`), so `dump()` after any stage shows everything
 decided so far.
 """
 import itertools
+import math
 import weakref
 
 import numpy as np
@@ -30,7 +31,7 @@ def aval_bytes(aval):
   dtype = getattr(aval, "dtype", None)
   if shape is None or dtype is None:
     return 0
-  return int(np.prod(shape, dtype=np.int64)) * int(getattr(dtype, "itemsize", 0))
+  return math.prod(map(int, shape)) * int(getattr(dtype, "itemsize", 0))
 
 
 class Value:
