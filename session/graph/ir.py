@@ -73,7 +73,7 @@ class Literal:
 class Node:
   """One operation: a JAX primitive, or a fused op made by a pass."""
   __slots__ = ("id", "op", "prim", "params", "inputs", "outputs", "effects",
-               "source", "kernel", "place", "stream", "notes", "_props")
+               "source", "kernel", "place", "stream", "notes", "_props", "_checked")
 
   def __init__(self, nid, op, prim, params, inputs, effects=(), source=None):
     self.id = nid
@@ -89,6 +89,7 @@ class Node:
     self.stream = None        # AssignStream: the queue number
     self.notes = []           # why a pass did what it did to this node
     self._props = None
+    self._checked = None      # verify(): what its shape check last saw (_shape_inputs)
 
   @property
   def props(self):
@@ -259,35 +260,49 @@ class KernelGraph:
     return True
 
   def _verify_structure(self, shapes=True):
+    # plain ifs, not _check(cond, lambda): a closure per check per node cost
+    # this loop most of its time on 11k-node graphs
     defined = set()
     for value in self.inputs:
-      _check(value.producer is None, lambda: f"input {value} has a producer")
-      _check(value not in defined, lambda: f"{value} defined twice")
+      if value.producer is not None:
+        raise ValueError(f"input {value} has a producer")
+      if value in defined:
+        raise ValueError(f"{value} defined twice")
       defined.add(value)
     readers = {}
     for node in self.nodes:
       for value in node.inputs:
         if isinstance(value, Literal):
           continue
-        _check(value in defined, lambda: f"{node} reads {value} before it is defined "
-               "(not in topological order)")
-        readers.setdefault(value, []).append(node)
+        if value not in defined:
+          raise ValueError(f"{node} reads {value} before it is defined (not in "
+                           "topological order)")
+        got = readers.get(value)
+        if got is None:
+          readers[value] = [node]
+        else:
+          got.append(node)
       for i, out in enumerate(node.outputs):
-        _check(out not in defined, lambda: f"{out} defined twice")
-        _check(out.producer is node and out.index == i,
-               lambda: f"{out} does not name {node} output {i} as its producer")
+        if out in defined:
+          raise ValueError(f"{out} defined twice")
+        if out.producer is not node or out.index != i:
+          raise ValueError(f"{out} does not name {node} output {i} as its producer")
         defined.add(out)
       if shapes:
-        _check_avals(node)
+        seen = _shape_inputs(node)
+        if node._checked is None or not _same(node._checked, seen):
+          _check_avals(node)
+          node._checked = seen
     for value in defined:
-      actual = readers.get(value, [])
-      if value.users != actual:  # the same readers in another order are in sync too
-        expect = sorted(n.id for n in actual)
-        _check(sorted(n.id for n in value.users) == expect,
-               lambda: f"users of {value} out of sync: recorded {value.users}, actual {expect}")
+      actual = readers.get(value, ())
+      if value.users != actual and len(value.users) + len(actual) and \
+          sorted(n.id for n in value.users) != sorted(n.id for n in actual):
+        # the same readers in another order are in sync too
+        raise ValueError(f"users of {value} out of sync: recorded {value.users}, actual "
+                         f"{sorted(n.id for n in actual)}")
     for value in self.outputs:
-      _check(isinstance(value, Literal) or value in defined,
-             lambda: f"graph output {value} is not defined")
+      if not (isinstance(value, Literal) or value in defined):
+        raise ValueError(f"graph output {value} is not defined")
 
   # -- text and Graphviz ----------------------------------------------------
   def dump(self):
@@ -459,6 +474,27 @@ def _check(condition, message):
   (an f-string built for every check cost verify() most of its time)."""
   if not condition:
     raise ValueError(message())
+
+
+def _shape_inputs(node):
+  """Everything a node's shape check reads, as the objects themselves: its
+  primitive, params and the avals of its inputs and outputs. verify() checks
+  the node again only when one of them is another object (a pass that
+  rewired, retyped or re-parametrised it); the node holds them, so no id is
+  reused meanwhile."""
+  return (node.prim, tuple(node.params.items()),
+          tuple(getattr(v, "aval", None) for v in node.inputs),
+          tuple(o.aval for o in node.outputs))
+
+
+def _same(a, b):
+  """Whether two _shape_inputs tuples hold the same objects."""
+  if a[0] is not b[0] or len(a[1]) != len(b[1]) or len(a[2]) != len(b[2]) or \
+      len(a[3]) != len(b[3]):
+    return False
+  return (all(k1 == k2 and v1 is v2 for (k1, v1), (k2, v2) in zip(a[1], b[1]))
+          and all(x is y for x, y in zip(a[2], b[2]))
+          and all(x is y for x, y in zip(a[3], b[3])))
 
 
 def _check_avals(node):
