@@ -483,6 +483,17 @@ class VerifyTest(absltest.TestCase):
     add.outputs[0].aval = jax.core.ShapedArray((3,), jnp.float32, weak_type=True)
     with self.assertRaisesRegex(ValueError, "f32\\[3\\]~"):
       graph.verify()
+    # a node checked once is checked again when a pass changes what its shape
+    # rule reads: a param, or an input rewired to another value
+    add.outputs[0].aval = jax.core.ShapedArray((3,), jnp.float32)
+    self.assertTrue(graph.verify())
+    shaped = importer.import_jaxpr(jax.make_jaxpr(lambda a: jnp.reshape(a, (3, 1)) * 2.0)(
+        jnp.ones(3)))
+    self.assertTrue(shaped.verify())
+    reshape = shaped.nodes[0]
+    reshape.params["new_sizes"] = (1, 3)
+    with self.assertRaisesRegex(ValueError, "f32\\[3,1\\] but reshape of its inputs gives"):
+      shaped.verify()
 
 
 if __name__ == "__main__":
