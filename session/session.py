@@ -12,8 +12,8 @@ import jax
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import (bucketed, checkpoints, inputs, own_device, pipeline, spmd, state_values,
-                        tracing)
+from jaxsession import (bucketed, checkpoints, gc_pause, inputs, own_device, pipeline, spmd,
+                        state_values, tracing)
 from jaxsession.graph import importer
 from jaxsession.argnums import _argnums, _graph_id, _shared_slots
 from jaxsession.errors import InputError, SessionError, UnknownGraphError
@@ -203,9 +203,10 @@ class Session:
       return self._bucketed_entry(dispatcher)
     if bucket_sizes_hint is not None:
       raise InputError("compile: bucket_sizes_hint is given without buckets=")
-    return self._compile(fn, example_args, state_argnums, static_argnums, state_from,
-                         updates_state, name, in_specs=in_specs, state_specs=state_specs,
-                         state_map=state_map)
+    with gc_pause.paused():  # no cyclic GC while the graph is built (gc_pause.py)
+      return self._compile(fn, example_args, state_argnums, static_argnums, state_from,
+                           updates_state, name, in_specs=in_specs, state_specs=state_specs,
+                           state_map=state_map)
 
   def _compile(self, fn, example_args, state_argnums=(), static_argnums=(),
                state_from=None, updates_state=True, name=None, in_specs=None,

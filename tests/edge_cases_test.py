@@ -132,6 +132,35 @@ class DeepChainTest(absltest.TestCase):
     np.testing.assert_array_equal(sess.run(gid, x, w), jax.jit(f)(x, w))
 
 
+class GcPauseTest(absltest.TestCase):
+
+  def test_compile_pauses_the_collector_and_puts_its_state_back(self):
+    import gc  # pylint: disable=import-outside-toplevel
+    seen = []
+    def step(x):
+      seen.append(gc.isenabled())  # traced inside the compile
+      return jnp.sin(x) * 2.0
+    x = np.random.default_rng(2).standard_normal(3).astype(np.float32)
+    sess = js.Session()
+    self.assertTrue(gc.isenabled())
+    sess.compile(step, x)
+    with self.assertRaises(js.InputError):  # a failed compile too
+      sess.compile(lambda a: (a[:1], 1.0), x, state_argnums=0)
+    self.assertEqual((seen, gc.isenabled()), ([False], True))
+    gc.disable()
+    try:
+      sess.compile(step, x)  # a user who turned it off keeps it off
+      self.assertFalse(gc.isenabled())
+    finally:
+      gc.enable()
+    threads = [threading.Thread(target=sess.compile, args=(step, x)) for _ in range(3)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    self.assertTrue(gc.isenabled())
+
+
 class WeakTypesTest(absltest.TestCase):
   """A weak type that changes the program is refused (jax.jit would compile
   another program); one that changes nothing runs on the same executable."""
