@@ -31,11 +31,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import decode  # noqa: E402  (benchmarks/decode.py: the decode row)
 
 import jaxsession as js  # noqa: E402
-from jaxsession.cli import demo_models  # noqa: E402
 from jaxsession.examples import mlp_adam  # noqa: E402
-from jaxsession.examples import transformer_decode as td  # noqa: E402
 
 flags.DEFINE_integer("wf_repeats", 5, "interleaved repeats (medians reported)")
 flags.DEFINE_integer("big_mib", 1536, "the state of the memory case, MiB")
@@ -43,39 +42,7 @@ FLAGS = flags.FLAGS
 
 
 def decode_case(rows):
-  params = td.init_params(jax.random.key(0))
-  cache0 = td.init_cache(params)
-  token0, pos0 = jnp.array([3, 7], jnp.int32), jnp.int32(0)
-  sess = js.Session()
-  gid = sess.compile(demo_models.greedy_step, params, cache0, token0, pos0,
-                     state_argnums=(0, 1, 2, 3))
-
-  def session_decode():
-    sess.replace_state(gid, 1, cache0)  # the parameters stay: no copy of them
-    sess.replace_state(gid, 2, token0)
-    sess.replace_state(gid, 3, pos0)
-    return sess.run(gid, steps=32)
-
-  @jax.jit
-  def scan_decode(params, cache, token):
-    def body(carry, t):
-      cache, token = carry
-      cache, logits = td.decode_step(params, cache, token, t)
-      nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-      return (cache, nxt), nxt
-    return jax.lax.scan(body, (cache, token), jnp.arange(32, dtype=jnp.int32))[1]
-
-  def jit_decode():
-    return scan_decode(params, cache0, token0)
-
-  np.testing.assert_array_equal(np.asarray(session_decode()), np.asarray(jit_decode()))
-  samples = []
-  sess_us, jit_us = common.compare_us([session_decode, jit_decode], 20, FLAGS.wf_repeats,
-                                      warmup=3, samples_out=samples)
-  speed = common.paired_ratio(samples[1], samples[0])  # jit time / session time
-  rows.append(("decode 32 tokens, cache reset by replace_state: tokens/s vs lax.scan "
-               "under jax.jit", f"{32 / jit_us * 1e6:.0f}", f"{32 / sess_us * 1e6:.0f}",
-               f"{speed:.2f}x", ">= 1.0x", "yes" if speed >= 1.0 else "no"))
+  rows.append(decode.reset_by_replace_state_row(20, FLAGS.wf_repeats))
 
 
 def checkpoint_case(rows):
