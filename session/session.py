@@ -44,8 +44,8 @@ class _Entry:
   hooks: Any = None         # the profiler's GraphHooks, when profiling
   make_eager: Any = None    # (steps, leading) -> the Runner of a run under jax.disable_jit()
   weak_outputs: Any = None  # weak_outputs.WeakOutputs: output weak types follow the scalars
-  sunk: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # leading -> call
-  chunks: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # leading -> Runner
+  sunk: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # (steps, leading) -> call
+  chunks: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # (steps, leading) -> Runner
   released: bool = False
   bucketed: Any = None      # a BucketedGraph: run dispatches to its sub-graphs
 
@@ -96,16 +96,16 @@ class _Entry:
         "the plan, once per step"
     sizes = loop_sink.chunk_sizes(steps)
     if not self.chunks or len(sizes) == 1:
-      runner = self.chunks[leading] = self.make_sunk(steps, leading)
+      runner = self.chunks[steps, leading] = self.make_sunk(steps, leading)
       self.report.loop_sink[steps] = kind
       return self._wrap(runner, steps)
     parts = []
     for size in sizes:
-      key = loop_sink.with_steps(leading, size)
-      if key not in self.chunks:
-        self.chunks[key] = self.make_sunk(size, key)
+      part = loop_sink.with_steps(leading, size)
+      if (size, part) not in self.chunks:
+        self.chunks[size, part] = self.make_sunk(size, part)
         self.report.loop_sink.setdefault(size, kind)
-      parts.append((size, self.chunks[key].program))
+      parts.append((size, self.chunks[size, part].program))
     runner = self.make_sunk(steps, leading, parts)
     self.report.loop_sink[steps] = f"chunks of {' + '.join(map(str, sizes))} steps ({kind} each)"
     return self._wrap(runner, steps)
@@ -455,13 +455,15 @@ class Session:
           raise InputError(f"run(graph {graph_id} '{entry.name}'): in_axes with None is not "
                            "supported on a bucketed graph; stack every argument")
         return entry.bucketed.run(args, steps)
-      call = entry.sunk.get(leading)
+      # keyed by steps too: with every argument unstacked, `leading` alone
+      # does not say how many steps
+      call = entry.sunk.get((steps, leading))
       if call is None:
         entry.spec.conform(args, leading=leading)  # the args, before anything is built
         with self._lock:
-          call = entry.sunk.get(leading)
+          call = entry.sunk.get((steps, leading))
           if call is None:
-            call = entry.sunk[leading] = entry.sunk_call(steps, leading)
+            call = entry.sunk[steps, leading] = entry.sunk_call(steps, leading)
       return call(args)
     except Exception as exc:
       if entry.released:  # released by another thread while this call ran

@@ -249,6 +249,30 @@ class InAxesTest(absltest.TestCase):
     assert_same_bits(sess.run(gid, self.xs, lrs, tables, steps=6), stacked, "stacked")
     self.assertEqual(len(sess._entry(gid).sunk), 2)  # (0, None, None) and stacked
 
+  def test_every_argument_unstacked_runs_each_steps_value(self):
+    # no stacked argument says how many steps: each steps value is its own
+    # run, in the scan and in the stepped plan (found by the break-it review)
+    def step(c, w):
+      return c * 0.5 + w, c
+    def host_step(c, w):
+      m = jax.pure_callback(lambda a: np.float32(a * 2), jax.ShapeDtypeStruct((), np.float32),
+                            c)
+      return c * 0.5 + w + m, c
+    for fn in (step, host_step):
+      sess = js.Session()
+      gid = sess.compile(fn, np.float32(1.5), np.float32(-0.25), state_argnums=0)
+      scan = jax.jit(lambda c, w, n: jax.lax.scan(lambda c, _: fn(c, w), c, None, length=n),
+                     static_argnums=2)
+      c = np.float32(1.5)
+      if fn is step:
+        sess.run(gid, np.full(8, -0.25, np.float32), steps=8)  # a stacked run first
+        c, _ = scan(c, np.float32(-0.25), 8)
+      for n in (2, 5, 3, 7, 1):
+        c, want = scan(c, np.float32(-0.25), n)
+        got = sess.run(gid, np.float32(-0.25), steps=n, in_axes=(None,))
+        assert_same_bits(got, want, f"{fn.__name__} steps={n}")
+        assert_same_bits(sess.get_state(gid)[0], c, f"{fn.__name__} state after {n}")
+
   def test_a_plan_with_host_work_passes_them_every_step(self):
     def step(w, x, lr, table):
       m = jax.pure_callback(lambda a: np.float32(np.abs(a).max()),
@@ -318,7 +342,7 @@ class StepsValuesTest(absltest.TestCase):
     # 4 + 1: split and join only (2); 69 = 64 + 4 + 1: 64, split, join (3);
     # 3 = 2 + 1: 2, split, join (3); 38 = 32 + 4 + 2: split, join (2)
     self.assertEqual(counts, [1, 6, 6, 8, 11, 14, 16])
-    self.assertEqual(sorted(k for k in sess._entry(gid).chunks), [1, 2, 4, 32, 64, 100])
+    self.assertEqual(sorted(k for k, _ in sess._entry(gid).chunks), [1, 2, 4, 32, 64, 100])
     self.assertIn("chunks of 32 + 4 + 1 steps", sess.report(gid).loop_sink[37])
 
   def test_a_failing_chunk_leaves_the_state_as_it_was(self):
