@@ -28,12 +28,34 @@ def session_device():
   return jax.config.jax_default_device or jax.local_devices()[0]
 
 
+def with_weak_type(x, weak):
+  """`x` typed weakly (`weak`) or strongly, with the same bits: its buffers
+  under the other aval, so nothing is compiled (an eager convert compiles
+  one per shape); where jax lacks that internal API, a convert. The one way
+  the session retypes an array: bound state (a Python scalar's copy, a
+  restored checkpoint), sliced bucket outputs, outputs whose weak type
+  jax.jit's would have."""
+  if not isinstance(x, jax.Array) or bool(getattr(x, "weak_type", False)) == weak:
+    return x
+  try:
+    from jax._src.array import ArrayImpl  # pylint: disable=import-outside-toplevel
+    return ArrayImpl(x.aval.update(weak_type=weak), x.sharding, list(x._arrays),  # pylint: disable=protected-access
+                     committed=x._committed)  # pylint: disable=protected-access
+  except (ImportError, AttributeError, TypeError):  # an internal API: convert (compiles)
+    from jax._src.lax import lax as lax_internal  # pylint: disable=import-outside-toplevel
+    return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)  # pylint: disable=protected-access
+
+
 def owned_copy(x, layout=None):
   """A device array the session owns, on the session's device: never the
   caller's buffer, since the session donates its state buffers and must not
   invalidate the caller's (an array on another device is moved, which copies).
   Under a mesh, `layout` is the leaf's NamedSharding: the copy is laid out
   so, whatever the layout of `x` (host, one device, another sharding)."""
+  if isinstance(x, (int, float, complex)) and not isinstance(x, bool):
+    # a Python scalar is weakly typed, as jax.jit sees it; np.asarray drops that
+    return with_weak_type(owned_copy(np.asarray(x, jax.dtypes.canonicalize_dtype(
+        np.result_type(x))), layout), True)
   if layout is not None:
     return sharding.put_global(x, layout)
   device = session_device()

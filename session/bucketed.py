@@ -30,6 +30,7 @@ from jaxsession.errors import InputError, UnknownGraphError
 from jaxsession.graph import importer
 from jaxsession.graph.ir import Literal, aval_str
 from jaxsession.runtime import buckets as policy_lib
+from jaxsession.runtime.state import with_weak_type
 
 
 class BucketedGraph:
@@ -317,18 +318,11 @@ def _paddable(dtype):
 
 def _weak_like(sliced, original):
   """A sliced output keeps the padded output's weak type (jax.jit's would
-  have it at the exact shape too): the same buffers under a weak aval, so
-  nothing is compiled per batch size (an eager convert would compile one
-  per shape: tests/buckets_test.py counts XLA compiles)."""
+  have it at the exact shape too), without a compile per batch size
+  (tests/buckets_test.py counts XLA compiles)."""
   if sliced is original or not getattr(original, "weak_type", False):
     return sliced
-  try:
-    from jax._src.array import ArrayImpl  # pylint: disable=import-outside-toplevel
-    return ArrayImpl(sliced.aval.update(weak_type=True), sliced.sharding, [sliced],
-                     committed=sliced._committed)  # pylint: disable=protected-access
-  except (ImportError, AttributeError, TypeError):  # an internal API: convert (compiles)
-    from jax._src.lax import lax as lax_internal  # pylint: disable=import-outside-toplevel
-    return lax_internal._convert_element_type(sliced, weak_type=True)  # pylint: disable=protected-access
+  return with_weak_type(sliced, True)
 
 
 def len_of_rows(graph, dynamic):

@@ -16,7 +16,8 @@ orbax reads each process's shards and reshards).
 
 What is written per step: `state` (one list of leaves per state arg; typed
 PRNG keys as their key data) and `meta` (JSON: the slots' names, leaf paths
-and types, and the PRNG implementation of each key leaf).
+and types, each leaf's weak type - orbax reads arrays back strong - and the
+PRNG implementation of each key leaf).
 """
 import atexit
 import contextlib
@@ -32,7 +33,7 @@ from jax import tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
-from jaxsession.runtime.state import holding, private_copy, session_device
+from jaxsession.runtime.state import holding, private_copy, session_device, with_weak_type
 
 FORMAT = "jaxsession-checkpoint-1"
 
@@ -127,6 +128,8 @@ class Checkpointer:
                for x, a in zip(slot.leaves, slot.avals)] for slot in entry.slots]
     leaves = holding(entry.lock, snapshot)
     meta = _meta(entry)
+    for row, saved in zip(leaves, meta["slots"]):  # orbax reads arrays back strong
+      saved["weak"] = [bool(getattr(x, "weak_type", False)) for x in row]
 
     def write():
       ocp = _ocp()
@@ -191,8 +194,9 @@ class Checkpointer:
     values = []
     for k, (slot, row) in enumerate(zip(entry.slots, read)):
       keys = meta["slots"][k]["keys"]
-      leaves = [jax.random.wrap_key_data(x, impl=keys[str(j)]) if str(j) in keys else x
-                for j, x in enumerate(row)]
+      weak = meta["slots"][k].get("weak") or [a.weak_type for a in slot.avals]
+      leaves = [jax.random.wrap_key_data(x, impl=keys[str(j)]) if str(j) in keys else
+                with_weak_type(x, weak[j]) for j, x in enumerate(row)]
       values.append(tree_util.tree_unflatten(slot.treedef, leaves))
     return step, values
 

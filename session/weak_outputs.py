@@ -8,18 +8,14 @@ and `out * bf16_params` is then bfloat16 instead of float32. So where a
 graph has scalar run arguments, `run` compares their weak types with the
 compiled ones; on a difference, the output weak types for that pattern are
 found once by tracing the function with those types (jax.eval_shape, no user
-code runs) and the outputs are retyped (an eager convert_element_type each:
-only on such runs).
+code runs) and the outputs are retyped (runtime/state.py's with_weak_type:
+the same buffers under the other aval; only on such runs).
 """
 import jax
 from jax import tree_util
 
 from jaxsession.inputs import is_weak
-
-try:  # a weak retype has no public form: jax.numpy arrays of Python scalars are weak
-  from jax._src.lax.lax import _convert_element_type as _retype
-except ImportError:  # an internal API: outputs made weak are left strong
-  _retype = None
+from jaxsession.runtime.state import with_weak_type
 
 
 class WeakOutputs:
@@ -75,7 +71,7 @@ class WeakOutputs:
       leaves, treedef = tree_util.tree_flatten(out)
       if len(leaves) != len(want):
         return out
-      return tree_util.tree_unflatten(treedef, [_with_weak(x, w) for x, w in zip(leaves, want)])
+      return tree_util.tree_unflatten(treedef, [with_weak_type(x, w) for x, w in zip(leaves, want)])
     return run
 
 
@@ -85,11 +81,3 @@ def _numeric_scalar(aval):
 
 def _struct(aval):
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
-def _with_weak(x, weak):
-  if not isinstance(x, jax.Array) or bool(getattr(x, "weak_type", False)) == weak:
-    return x
-  if not weak:
-    return jax.lax.convert_element_type(x, x.dtype)  # strong, the same bits
-  return x if _retype is None else _retype(x, x.dtype, weak_type=True)

@@ -84,6 +84,29 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(sess.restore(gid, self.dir, step=2), 2)
     np.testing.assert_array_equal(sess.get_state(gid)[0], [2.5, 0.75])
 
+  def test_weakly_typed_state_keeps_its_type_through_set_state_and_a_checkpoint(self):
+    # a Python-scalar state is weak, as jax.jit sees it; its weak type here
+    # changes the program (weak f32 * bf16 is bf16), and orbax reads arrays
+    # back strong: found by the break-it review, no step restored
+    f = lambda s, x: (s * 2.0, s * x)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal(3), jnp.bfloat16)
+    sess = js.Session()
+    gid = sess.compile(f, 3.0, x, state_argnums=0)
+    want_s, want = jax.jit(f)(3.0, x)
+    self.assertTrue(sess.get_state(gid)[0].weak_type)  # before a run, as jax.jit's input
+    sess.set_state(gid, *sess.get_state(gid))  # what get_state gave, set_state takes
+    np.testing.assert_array_equal(sess.run(gid, x), want)
+    sess.save(gid, self.dir, 1)
+    sess.wait_until_saved()
+    other = js.Session()
+    gid2 = other.compile(f, 3.0, x, state_argnums=0)
+    self.assertEqual(other.restore(gid2, self.dir), 1)
+    restored = other.get_state(gid2)[0]
+    self.assertEqual((restored.weak_type, restored.dtype), (want_s.weak_type, want_s.dtype))
+    got = other.run(gid2, x)
+    self.assertEqual(got.dtype, jnp.bfloat16)
+    np.testing.assert_array_equal(got, jax.jit(f)(want_s, x)[1])
+
   def test_steps_increase_and_a_killed_saves_leftover_is_replaced(self):
     sess = js.Session(js.SessionOptions(checkpoint_keep=2))
     w = np.float32([1.0, -0.0, 3e37])
