@@ -71,8 +71,9 @@ def new_leaves(where, items, donate=False):
   for (_, slot, _), flat in zip(items, flats):
     row = list(flat)
     for j, x in enumerate(flat):
-      if donate and id(x) not in taken and _fits(x, slot, j):
-        taken.add(id(x))  # taken below, once every copy is made
+      if donate and _fits(x, slot, j) and _buffers(x) not in taken:
+        taken.add(_buffers(x))  # taken below, once every copy is made
+        row[j] = _Taken(x)
       else:
         copied.append((row, j, x, None if slot.shardings is None else slot.shardings[j]))
     bound.append(row)
@@ -80,8 +81,26 @@ def new_leaves(where, items, donate=False):
   for (row, j, _, _), copy in zip(copied, copies):
     row[j] = copy
   if taken:
-    bound = [[_take_over(x) if id(x) in taken else x for x in row] for row in bound]
+    bound = [[_take_over(x.array) if isinstance(x, _Taken) else x for x in row]
+             for row in bound]
   return [tuple(row) for row in bound]
+
+
+class _Taken:
+  __slots__ = ("array",)
+
+  def __init__(self, array):
+    self.array = array
+
+
+def _buffers(x):
+  """What an array's buffers are: two arrays on one buffer (device_put of an
+  array to its own sharding) are taken once, the other copied - donating
+  both deleted both (jax.jit refuses to donate one buffer twice)."""
+  try:
+    return tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+  except Exception:  # pylint: disable=broad-except
+    return id(x)
 
 
 def _take_over(x):

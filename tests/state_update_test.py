@@ -123,6 +123,13 @@ class DonateTest(absltest.TestCase):
     a, b = sess.get_state(gid)
     np.testing.assert_array_equal(a, [1.5, -0.0, 3.0])
     np.testing.assert_array_equal(b, [1.5, -0.0, 3.0])
+    # two arrays on one buffer (device_put to its own sharding) are taken once
+    # too: donating both raised a RuntimeError (found by the break-it review)
+    one = jnp.asarray(np.float32([0.5, np.nan, -2.0]))
+    alias = jax.device_put(one, one.sharding)
+    sess.set_state(gid, one, alias, donate=True)
+    for got in sess.get_state(gid):
+      np.testing.assert_array_equal(got, [0.5, np.nan, -2.0])
     host = np.float32([2.0, 4.0, 8.0])  # numpy: copied, the caller's untouched
     sess.set_state(gid, host, jnp.asarray(host), donate=True)
     np.testing.assert_array_equal(host, [2.0, 4.0, 8.0])
