@@ -12,8 +12,10 @@ for `get_state`. A value given later (`set_state`, `replace_state`,
 another object would need another program, so the structure check refuses
 it and names the path.
 
-Python scalars stay traced, as jax.jit traces them (a Python float in state
-becomes a weakly typed array); only what jax refuses to trace is static.
+Python numbers stay traced, as jax.jit traces them (a Python float in state
+becomes a weakly typed array, and `set_state` can change it without another
+program); Python bools are static (a model's mode flags), and so is what jax
+refuses to trace.
 """
 import jax
 import numpy as np
@@ -25,7 +27,12 @@ _TRACED_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex,
 
 def traceable(x):
   """Whether jax traces leaf `x` (an array, a scalar, a type, a tracer or an
-  object with __jax_array__)."""
+  object with __jax_array__) and the session does: a Python bool is a flag
+  that a model branches on in Python (equinox's Dropout and BatchNorm
+  `inference`), so it stays static, as in eqx.filter_jit; pass np.bool_ or
+  jnp.bool_ for a traced one."""
+  if type(x) is bool:
+    return False
   if isinstance(x, _TRACED_TYPES):
     return True
   try:

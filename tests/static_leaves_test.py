@@ -132,8 +132,38 @@ class EquinoxStateTest(absltest.TestCase):
       sess.compile(_eval_step, self.model, self.xs[0])
 
 
+class EquinoxLayersTest(absltest.TestCase):
+  """Python bools are static too (a model's mode flags): equinox's attention
+  and dropout layers, whose `inference` the layer branches on in Python."""
+
+  def test_attention_and_dropout_in_inference_mode_train_equal_to_filter_jit(self):
+    keys = jax.random.split(jax.random.key(5), 2)
+    model = eqx.nn.inference_mode((eqx.nn.MultiheadAttention(2, 8, key=keys[0]),
+                                   eqx.nn.Dropout(0.25)))
+    def step(m, x):
+      def loss(m):
+        attn, drop = m
+        return jnp.sum(jax.vmap(drop)(attn(x, x, x)) ** 2)
+      value, grads = eqx.filter_value_and_grad(loss)(m)
+      return eqx.apply_updates(m, jax.tree.map(lambda g: -0.01 * g, grads)), value
+    x = np.random.default_rng(6).standard_normal((4, 8)).astype(np.float32)
+    sess = js.Session()
+    gid = sess.compile(step, model, x, state_argnums=0)
+    ref, m = eqx.filter_jit(step), model
+    for _ in range(3):
+      m, want = ref(m, x)
+      np.testing.assert_array_equal(sess.run(gid, x), want)
+    got = sess.get_state(gid)[0]
+    self.assertIs(got[1].inference, True)
+    for a, b in zip(_arrays(got), _arrays(m)):
+      np.testing.assert_array_equal(a, b)
+    with self.assertRaisesRegex(InputError, r"at \[0\]\.dropout\.inference: the non-array "
+                                r"leaf kept static is False, the state was compiled for True"):
+      sess.set_state(gid, eqx.nn.inference_mode(got, False))
+
+
 class PythonScalarStateTest(absltest.TestCase):
-  """A Python scalar in state stays traced, as jax.jit traces it (not static
+  """A Python number in state stays traced, as jax.jit traces it (not static
   as in eqx.filter_jit): another value is no other program."""
 
   def test_a_python_float_leaf_is_traced_and_can_be_set(self):
