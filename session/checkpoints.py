@@ -21,6 +21,7 @@ PRNG implementation of each key leaf).
 """
 import atexit
 import contextlib
+import numbers
 import os
 import queue
 import shutil
@@ -108,8 +109,9 @@ class Checkpointer:
       return path, manager
 
   def save(self, entry, where, directory, step):
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
       raise InputError(f"{where}: step must be an int >= 0, got {step!r}")
+    step = int(step)  # a numpy integer too, as run's steps=
     if not isinstance(directory, (str, os.PathLike)):
       raise InputError(f"{where}: directory must be a str or os.PathLike, got "
                        f"{type(directory).__name__}")
@@ -164,8 +166,10 @@ class Checkpointer:
 
   def restore(self, entry, where, directory, step):
     """The new leaves per slot, read and checked; `step` and the leaves."""
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
+                             or step < 0):
       raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
+    step = None if step is None else int(step)
     if not isinstance(directory, (str, os.PathLike)):
       raise InputError(f"{where}: directory must be a str or os.PathLike, got "
                        f"{type(directory).__name__}")

@@ -137,7 +137,7 @@ class CheckpointTest(absltest.TestCase):
     gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
     sess.run(gid)
     sess.save(gid, self.dir, 1)
-    sess.save(gid, self.dir, 2)  # queued behind 1
+    sess.save(gid, self.dir, np.int64(2))  # queued behind 1; a numpy int, as steps= takes
     for stale in (0, 1, 2):  # on disk or queued: refused before any work
       with self.assertRaisesRegex(js.InputError, rf"step {stale} is not after step 2, the "
                                   "newest checkpoint saved to .*steps must increase"):
