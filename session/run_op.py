@@ -97,7 +97,8 @@ class OpRunner:
     if key is None:  # effects or user code: never cached
       compiled = build().value
     else:
-      compiled, _ = self._cache.get_or_compile(key, build)
+      # keyed by the device too: an executable runs where it was compiled
+      compiled, _ = self._cache.get_or_compile((key, session_device()), build)
     return self._execute(compiled, leaves)
 
   # -- building ----------------------------------------------------------------

@@ -303,7 +303,10 @@ class Session:
     # program with the same types and options compiles nothing.
     cache = compile_cache.RecordingCache(self._executables, owner=gid)
     key = compile_cache.fingerprint(graph, spec.avals, compile_cache.options_key(self.options),
-                                    self.platform, extra=(rest_tree, spmd.key_text(mesh_layout)))
+                                    self.platform, extra=(rest_tree, spmd.key_text(mesh_layout),
+                                                          # an executable runs where it was compiled
+                                                          mesh_layout is None and
+                                                          str(session_device())))
     build_start = time.perf_counter()
     hooks = self.profiler.graph_hooks(None, name, graph)  # bound to the id below
     runner, make_sunk, make_eager = self._build(graph, spec, rest_tree, leaf_slots, cache,

@@ -100,6 +100,15 @@ def other():
   seen["mine"] = devs(sess.run(hid, xs[0]))
 t = threading.Thread(target=other); t.start(); t.join()
 out.update(seen)
+# a session without the option follows jax's default device per compile: its
+# caches are keyed by the device (they handed back cpu1's executables)
+free = js.Session()
+g_then = None
+with jax.default_device(d1):
+  g_then = free.compile(lambda a: a * 2.0 + 1.0, xs[0])
+  out["free_run_op_d1"] = devs(free.run_op(jax.lax.sin, xs[0]))
+g_now = free.compile(lambda a: a * 2.0 + 1.0, xs[0])
+out["free_after"] = [devs(free.run(g_now, xs[0])), devs(free.run_op(jax.lax.sin, xs[0]))]
 out["errors"] = [err(lambda: js.SessionOptions(device="cpu:1")),
                  err(lambda: js.SessionOptions(device=d1, mesh=jax.make_mesh((2,), ("d",))))]
 print(json.dumps(out))
@@ -139,6 +148,10 @@ class OwnDeviceTest(absltest.TestCase):
 
   def test_other_sessions_and_threads_keep_their_device(self):
     self.assertEqual(self.out["other"], [self.out["d0"]])
+
+  def test_a_session_without_the_option_keys_its_caches_by_the_device(self):
+    self.assertEqual(self.out["free_run_op_d1"], [self.out["d1"]])
+    self.assertEqual(self.out["free_after"], [[self.out["d0"]]] * 2)
 
   def test_bad_options_are_input_errors(self):
     (kind1, text1), (kind2, text2) = self.out["errors"]
