@@ -24,15 +24,18 @@ What it covers: SIGINT, with a Python-level handler installed when a Session
 was created or a graph compiled (Python's default one, or the user's). A
 handler installed after that replaces ours, and a Ctrl-C during a run then
 behaves as that handler makes it; compiling another graph wraps it again.
-A SIGINT that lands inside jax's garbage-collector callback, where CPython
-would ignore the KeyboardInterrupt, is sent again once that callback returned.
+A SIGINT whose KeyboardInterrupt CPython ignores (raised inside a gc
+callback, a __del__ or a weakref callback) is sent again (`_Unraisable`).
 Other signals, and SIGINT handlers set to SIG_IGN/SIG_DFL or installed in C,
 are left alone. A run of the main thread that never returns (a callback that
 blocks forever) cannot be interrupted by Ctrl-C: its state would be lost.
 """
+import _thread
 import os
 import signal
+import sys
 import threading
+import time
 
 _CRITICAL = set()  # code objects of the functions that hold slot locks
 pending = []       # signals recorded inside a critical function, not yet delivered
@@ -53,22 +56,34 @@ def _inside_critical(frame):
   return False
 
 
-def _inside_gc_callback(frame):
-  """Whether the handler runs inside a garbage-collector callback (jax
-  registers one, `_xla_gc_callback`): CPython ignores what a gc callback
-  raises ("Exception ignored in ..."), so a KeyboardInterrupt raised there
-  is lost - measured here: 1 Ctrl-C in ~20 during a loop of plan runs."""
-  while frame is not None:
-    if frame.f_code.co_name == "_xla_gc_callback":
-      return True
-    frame = frame.f_back
-  return False
-
-
 def _resend(signum):
-  """Sends `signum` to this process again from another thread, so the main
-  thread's handler runs once the gc callback has returned."""
-  threading.Thread(target=os.kill, args=(os.getpid(), signum), daemon=True).start()
+  """Sends `signum` to this process again from another thread, 5 ms later, so
+  the main thread's handler runs once the code that swallowed it has
+  returned. A raw thread: threading.Thread.start() waits for the thread in
+  the main thread, where the resent signal would land - inside the code
+  that swallows it."""
+  def later():
+    time.sleep(0.005)
+    os.kill(os.getpid(), signum)
+  _thread.start_new_thread(later, ())
+
+
+class _Unraisable:
+  """sys.unraisablehook: a KeyboardInterrupt that CPython ignores - raised in
+  a gc callback (jax registers one), a __del__ or a weakref callback, which
+  may run at any allocation - is sent again instead of lost (measured here:
+  1 Ctrl-C in ~20 lost in a loop of runs, first inside jax's gc callback,
+  then elsewhere once that one was caught by its frame name); anything else
+  goes to the hook before it."""
+
+  def __init__(self, previous):
+    self.previous = previous
+
+  def __call__(self, unraisable):
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+      _resend(signal.SIGINT)
+      return
+    self.previous(unraisable)
 
 
 class _Deferring:
@@ -81,9 +96,6 @@ class _Deferring:
     if _inside_critical(frame):
       pending.append(signum)
       return
-    if _inside_gc_callback(frame):
-      _resend(signum)
-      return
     self.previous(signum, frame)
 
 
@@ -92,6 +104,8 @@ def install():
   only from the main thread, and only a Python callable that is not ours."""
   if threading.current_thread() is not threading.main_thread():
     return
+  if not isinstance(sys.unraisablehook, _Unraisable):
+    sys.unraisablehook = _Unraisable(sys.unraisablehook)
   current = signal.getsignal(signal.SIGINT)
   if isinstance(current, _Deferring) or not callable(current):
     return

@@ -235,6 +235,23 @@ print(json.dumps({"missed": missed}))
 """
 
 
+SWALLOWED_CHILD = r"""
+import json, time
+import jaxsession as js
+js.Session()  # installs the handlers
+class Dies:
+  def __del__(self):
+    raise KeyboardInterrupt  # what a Ctrl-C landing in a __del__ becomes
+got = "lost"
+try:
+  Dies()  # CPython ignores what __del__ raises ("Exception ignored in ...")
+  for _ in range(200):
+    time.sleep(0.01)
+except KeyboardInterrupt:
+  got = "raised after the __del__"
+print(json.dumps({"got": got}))
+"""
+
 pytestmark = pytest.mark.slow  # subprocesses under signals (docs/testing.md)
 
 
@@ -270,6 +287,11 @@ class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s her
     out = run_json(THREAD_CHILD, timeout=200)
     self.assertTrue(out["interrupted_during_worker_run"])
     self.assertTrue(out["state_after"])  # the worker's run then committed
+
+  def test_a_ctrl_c_that_cpython_ignores_is_sent_again(self):
+    # a KeyboardInterrupt raised in a gc callback, __del__ or weakref callback
+    # is ignored by CPython; the session's unraisable hook sends SIGINT again
+    self.assertEqual(run_json(SWALLOWED_CHILD, devices=1)["got"], "raised after the __del__")
 
   def test_a_stateless_run_raises_a_ctrl_c_at_once(self):
     out = run_json(STATELESS_CHILD, args=("20",), timeout=300)
