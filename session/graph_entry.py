@@ -1,0 +1,90 @@
+"""A compiled graph as a Session keeps it: everything `run` needs, the
+state-set guard, and the factory of its sunk (`steps=N`) calls."""
+import dataclasses
+from typing import Any, Dict, List
+
+from jaxsession.errors import InputError
+from jaxsession.inputs import ArgSpec
+from jaxsession.report import CompileReport
+from jaxsession.runtime import loop_sink
+from jaxsession.runtime.state import StateSlot, slots_lock
+
+
+@dataclasses.dataclass
+class Entry:
+  """A compiled graph and everything `run` needs."""
+  name: str
+  graph: Any
+  report: CompileReport
+  runner: Any               # executor.Runner: run's one path
+  spec: ArgSpec
+  slots: List[StateSlot]
+  make_sunk: Any            # (steps, leading[, chunks]) -> the Runner of run(steps=, in_axes=)
+  hooks: Any = None         # the profiler's GraphHooks, when profiling
+  make_eager: Any = None    # (steps, leading) -> the Runner of a run under jax.disable_jit()
+  weak_outputs: Any = None  # weak_outputs.WeakOutputs: output weak types follow the scalars
+  sunk: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # (steps, leading) -> call
+  chunks: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # (steps, leading) -> Runner
+  released: bool = False
+  bucketed: Any = None      # a BucketedGraph: run dispatches to its sub-graphs
+
+  def __post_init__(self):
+    self.call = self._wrap(self.runner, None)  # run's hot path: one attribute, one call
+    if any(slot.unset for slot in self.slots):  # compiled from ShapeDtypeStructs
+      self.call = self._until_set(self.call)
+    if self.spec.weak_sensitive:  # only where a weak type changes the program
+      self.call = self.spec.weak_guard(self.call)
+    if self.weak_outputs is not None:  # only where the graph has scalar run args
+      self.call = self.weak_outputs.guard(self.call)
+    if self.spec.local_pieces:  # many processes: assemble the global batch first
+      call, conform = self.call, self.spec.conform
+      self.call = lambda args: call(conform(args))
+    self.lock = slots_lock(self.slots)
+    executables = self.runner.program.executables
+    self.executables = [executables[k] for k in sorted(executables)]
+
+  def check_set(self, what="run"):
+    """InputError while a state arg is unset (compiled from ShapeDtypeStructs)."""
+    for k, slot in enumerate(self.slots):
+      if slot.unset:
+        raise InputError(f"{what}(graph '{self.name}'): state arg {k} ({slot.name}) is unset: "
+                         "it was compiled from jax.ShapeDtypeStruct examples; bind it with "
+                         "set_state, replace_state or restore first")
+
+  def _until_set(self, call):
+    """`call`, refused while the state is unset; once it is set (here or
+    through a graph sharing the slots), the call itself again."""
+    def guarded(args):
+      self.check_set()
+      self.call = guarded_call[0]
+      return self.call(args)
+    guarded_call = [call]
+    return guarded
+
+  def _wrap(self, runner, steps):
+    return runner.call if self.hooks is None else self.hooks.run_call(runner.call, steps)
+
+  def sunk_call(self, steps, leading):
+    """The call of run(steps=steps) (`leading`: loop_sink.check_in_axes's),
+    built on first use: the first steps value a graph runs compiles its own
+    executable; any other runs as chunks of power-of-two steps (64 + 32 + 4
+    for 100), each chunk's executable compiled once and shared by every
+    steps value - the short last chunk of an epoch compiles at most
+    log2(steps) + 1 small ones, once."""
+    kind = "one executable (lax.scan)" if self.runner.layout.one_executable else \
+        "the plan, once per step"
+    sizes = loop_sink.chunk_sizes(steps)
+    if not self.chunks or len(sizes) == 1:
+      runner = self.chunks[steps, leading] = self.make_sunk(steps, leading)
+      self.report.loop_sink[steps] = kind
+      return self._wrap(runner, steps)
+    parts = []
+    for size in sizes:
+      part = loop_sink.with_steps(leading, size)
+      if (size, part) not in self.chunks:
+        self.chunks[size, part] = self.make_sunk(size, part)
+        self.report.loop_sink.setdefault(size, kind)
+      parts.append((size, self.chunks[size, part].program))
+    runner = self.make_sunk(steps, leading, parts)
+    self.report.loop_sink[steps] = f"chunks of {' + '.join(map(str, sizes))} steps ({kind} each)"
+    return self._wrap(runner, steps)
