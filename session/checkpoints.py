@@ -150,6 +150,8 @@ class Checkpointer:
         with self._lock:
           self._errors.append(RuntimeError(f"{where}: writing step {step} to {path} "
                                            f"failed: {type(exc).__name__}: {exc}"))
+          if self._queued.get(path) == step:  # a failed step may be saved again
+            self._queued[path] = max(_complete_steps(path), default=-1)
     with self._lock:
       if self._worker is None:
         self._worker = threading.Thread(target=self._work, name="jaxsession-checkpoints",
@@ -268,9 +270,11 @@ def _background_priority():
 # While a checkpoint is written, Python switches threads every 0.1 ms instead
 # of every 5 ms (its default): orbax's Python holds the GIL in the writer
 # thread, and a training step that has finished waits for the GIL until the
-# next switch - up to 5 ms a step, half of an 11 ms MLP step (measured by
-# benchmarks/workflows.py: 1.35x a step without a save, 1.02-1.17x with this). The interval is process-wide; the one found is
-# put back after the write, unless someone changed it meanwhile.
+# next switch - up to 5 ms a step, half of an 11 ms MLP step. Measured by
+# benchmarks/workflows.py, steps in flight / without: 1.35x with neither this
+# nor nice 19, 1.26x without this, 1.04-1.13x with both (RESULTS.md). The
+# interval is process-wide; the one found is put back after the write, unless
+# someone changed it meanwhile.
 SAVE_SWITCH_INTERVAL_S = 0.0001
 
 

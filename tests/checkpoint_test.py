@@ -107,6 +107,27 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(got.dtype, jnp.bfloat16)
     np.testing.assert_array_equal(got, jax.jit(f)(want_s, x)[1])
 
+  def test_a_step_whose_write_failed_can_be_saved_again(self):
+    from jaxsession import checkpoints  # pylint: disable=import-outside-toplevel
+    sess = js.Session()
+    w = np.float32([0.5, -0.0, 7.0])
+    gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
+    real = checkpoints._digest  # pylint: disable=protected-access
+    def broken(x):
+      raise OSError("disk full")
+    checkpoints._digest = broken  # pylint: disable=protected-access
+    try:
+      sess.save(gid, self.dir, 1)
+      with self.assertRaisesRegex(RuntimeError, "writing step 1 .* failed: OSError: disk full"):
+        sess.wait_until_saved()
+    finally:
+      checkpoints._digest = real  # pylint: disable=protected-access
+    sess.save(gid, self.dir, 1)  # not refused as "not after step 1"
+    sess.wait_until_saved()
+    sess.run(gid)
+    self.assertEqual(sess.restore(gid, self.dir), 1)
+    np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+
   def test_a_flipped_byte_is_an_input_error_that_changes_nothing(self):
     # orbax's compressed chunks carry no checksum: a flipped byte restored
     # other values silently (found by the break-it review)
