@@ -101,7 +101,8 @@ def gelu_tanh(node, x):
   return [gelu_tanh_math(x, node.params)]
 
 
-@fused_kernel("MatMulBiasAdd", "xla:matmul_bias_add", batch="matmul_bias_add", reduces=True)
+@fused_kernel("MatMulBiasAdd", "xla:matmul_bias_add", batch="matmul_bias_add", reduces=True,
+              contracts=(0, 1))
 def matmul_bias_add(node, a, w, bias):
   y = lax.dot_general_p.bind(a, w, **dict(node.params["dot"]))  # the user's dot as written
   return [_add(bias, y, node.params["bias_first"])]

@@ -1,6 +1,7 @@
 """plan_memory (AllocateMemory): liveness per partition, donation of
-session-owned state and of intermediates, and the planned peak, as
-`graph.memory` (runtime/memory.py). Annotates the graph; changes no node.
+session-owned state and of intermediates, which small state leaves are
+packed (runtime/packing.py), and the planned peak, as `graph.memory`
+(runtime/memory.py). Annotates the graph; changes no node.
 
 Needs assign_streams before it (the partitions in their launch order).
 """
@@ -14,5 +15,6 @@ class PlanMemory(Pass):
 
   def run(self, graph, ctx):
     graph.memory = memory.plan_memory(graph, graph.partitions,
-                                      ctx.options.donate_state, ctx.platform)
+                                      ctx.options.donate_state, ctx.platform,
+                                      ctx.options.pack_state_below_bytes, ctx.slot_leaves)
     return PassResult(False)

@@ -47,11 +47,11 @@ def sunk_program(graph, spec, rest_tree, layout, steps, hooks=None, leading=None
       return tuple(state), out
     state = tuple(layout.leaves_of(xs[:n]))
     final, ys = lax.scan(one_step, state, scanned, length=steps)
-    return layout.returned([final[i] for i in layout.updated_idx]), ys
+    return layout.returned([final[i] for i in layout.updated_idx], xs[:n]), ys
 
   # under a mesh: the carry's layout is XLA's choice; the slots keep theirs
   exe = compile_fn(sunk, (*layout.structs(), *arg_structs(spec, leading)),
-                   donate_argnums=layout.donate_argnums() if layout.donated_idx else (),
+                   donate_argnums=layout.donate_argnums(),
                    compiler_options=graph.compiler_options,
                    out_shardings=kept_layouts(layout))
   return executable_program(exe, recorder, graph, layout, spec, hooks, leading=leading)
@@ -172,7 +172,7 @@ def chunked_program(parts, layout, spec, rest_tree, steps, leading):
     return [[lax.slice_in_dim(x, start, start + size) for x in xs] for start, size in bounds]
   split = compile_fn(split_all, structs) if structs else (lambda: [[] for _ in parts])
   join = _Columns(jax.numpy.concatenate)
-  treedefs, updated = spec.treedefs, layout.updated_idx
+  treedefs = spec.treedefs
 
   def run(*xs):
     state, args = xs[:n], spec.conform(xs[n:], leading=leading)
@@ -188,13 +188,7 @@ def chunked_program(parts, layout, spec, rest_tree, steps, leading):
         k += treedef.num_leaves
       new, out = part.run(*state, *chunk)
       outs.append(out)
-      if layout.whole:
-        state = (new,)
-      else:
-        full = list(layout.leaves_of(state))
-        for i, x in zip(updated, new):
-          full[i] = x
-        state = tuple(full)
+      state = layout.merged(state, new)
     return new, tree_util.tree_unflatten(rest_tree, join([tree_util.tree_leaves(o)
                                                           for o in outs]))
   program = parts[0][1]

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxsession.graph import liveness, op_properties
 from jaxsession.graph.ir import Literal, aval_bytes, aval_str
+from jaxsession.runtime import packing as packing_
 
 
 @dataclasses.dataclass
@@ -55,6 +56,9 @@ class MemoryPlan:
   donations: List[DonationDecision]          # one per state leaf
   intermediate_donations: List[DonationDecision]
   partitions: List[PartitionMemory]
+  packing: List[packing_.PackDecision] = dataclasses.field(default_factory=list)  # per state
+  packings: Dict[int, packing_.Packing] = dataclasses.field(default_factory=dict)  # fresh slot
+                                                   # number -> how it is packed
 
   def donated_ids(self):
     return {d.state.id for d in self.donations if d.donated}
@@ -73,6 +77,9 @@ class MemoryPlan:
       name = f" ({d.state.name})" if d.state.name else ""
       lines.append(f"{d.state}{name}, {aval_str(d.state.aval)}: "
                    f"{'donated' if d.donated else 'kept'} - {d.reason}")
+    for d in self.packing:
+      name = f" ({d.state.name})" if d.state.name else ""
+      lines.append(f"{d.state}{name}: {'packed' if d.packed else 'own buffer'} - {d.reason}")
     return lines
 
 
@@ -84,6 +91,8 @@ class MemoryReport(tuple):
     report = super().__new__(cls, (plan.peak_bytes, plan.donated_bytes,
                                    plan.lower_bound_bytes))
     report.partitions = list(plan.partitions)
+    # per state leaf: (its name, packed, why) - runtime/packing.py
+    report.packing = [(d.state.name or str(d.state), d.packed, d.reason) for d in plan.packing]
     return report
 
   peak_bytes = property(lambda self: self[0])
@@ -291,9 +300,16 @@ def partition_figures(graph, partitions, ranges, figures, platform):
   return rows, max(peak, inputs)
 
 
-def plan_memory(graph, partitions, allow_donation=True, platform="cpu"):
+def plan_memory(graph, partitions, allow_donation=True, platform="cpu", pack_below=0,
+                slot_leaves=None):
   ranges = live_ranges(graph, partitions)
   donations, free = decide_donations(graph, partitions, allow_donation)
+  packing, packings = packing_.decide(graph, partitions, pack_below, slot_leaves)
+  if not (len(partitions) == 1 and partitions[0].place == "device"):
+    for d, p in zip(donations, packing):
+      if p.packed and d.donated:  # a plan reads a shared packed slot through its view
+        d.donated, d.reason = False, ("its slot is packed: a plan reads it through the "
+                                      "slot's view, whose buffers are not the plan's")
   # under a mesh an intermediate's layout is XLA's choice, and a donated
   # buffer of another layout is not usable: state only
   intermediates = ([] if graph.mesh is not None else
@@ -304,7 +320,8 @@ def plan_memory(graph, partitions, allow_donation=True, platform="cpu"):
       live_ranges=ranges, peak_bytes=peak, lower_bound_bytes=lower_bound(graph, platform),
       donated_bytes=sum(value_bytes(d.state) for d in donations + intermediates
                         if d.donated),
-      donations=donations, intermediate_donations=intermediates, partitions=rows)
+      donations=donations, intermediate_donations=intermediates, partitions=rows,
+      packing=packing, packings=packings)
 
 
 def refine(plan, graph, partitions, analyses, platform="cpu"):

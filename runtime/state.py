@@ -110,7 +110,10 @@ class StateSlot:
     self.name = name
     self.treedef = treedef
     self.avals = list(avals)
-    self.leaves = tuple(leaves)  # replaced whole on every update, never mutated
+    self.packing = None          # a runtime.packing.Packing once small leaves are packed
+    self.storage = tuple(leaves)  # a unit each (the leaves, unpacked); replaced whole
+                                  # on every update, never mutated
+    self._view = self._view_of = None
     self.lock = threading.Lock()
     self.serial = next(_SERIAL)
     self.owners = 0              # graphs bound to this slot (release frees at 0)
@@ -122,10 +125,41 @@ class StateSlot:
         tree_util.tree_unflatten(treedef, [None] * treedef.num_leaves))
 
   @property
+  def leaves(self):
+    """The leaves, in leaf order: the storage itself, or for a packed slot
+    its view (the packed leaves sliced out once per storage, cached; those
+    buffers are the view's, never donated)."""
+    if self.packing is None:
+      return self.storage
+    storage = self.storage
+    if self._view_of is not storage:
+      self._view, self._view_of = self.packing.view(storage), storage
+    return self._view
+
+  @leaves.setter
+  def leaves(self, leaves):
+    """Binds session-owned `leaves` (in leaf order), packed where the slot
+    packs (the packed ones are copied into its buffers)."""
+    self.storage = tuple(leaves) if self.packing is None else self.packing.pack(leaves)
+
+  def pack(self, packing):
+    """Keeps the slot's leaves as `packing` stores them (its first graph's
+    Build: AllocateMemory decided); the unpacked copies are let go."""
+    if packing is not None and self.packing is None:
+      self.storage, self.packing = packing.pack(self.storage), packing
+
+  def free(self):
+    """Deletes the slot's buffers (release, once no graph shares it)."""
+    for x in self.storage:
+      if x is not None:
+        x.delete()
+    self.storage, self.packing, self._view, self._view_of = (), None, None, None
+
+  @property
   def unset(self):
     """Compiled from jax.ShapeDtypeStruct examples and not set since: a leaf
     is None until set_state, replace_state or restore binds it."""
-    return any(x is None for x in self.leaves)
+    return any(x is None for x in self.storage)  # read without the lock: never the view
 
 
 class _Locks:

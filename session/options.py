@@ -30,6 +30,9 @@ class SessionOptions:
     to skip. User passes are added process-wide with `jaxsession.register_pass`;
     each runs before the decisions (required passes) of its stage.
   fold_limit_bytes: constant folding does not materialise larger results.
+  pack_state_below_bytes: state leaves smaller than this are kept packed, by
+    dtype, in a few flat buffers per slot (AllocateMemory, runtime/packing.py;
+    each leaf's decision in report.memory.packing); 0 packs nothing.
   reorder_slack_bytes: reorder_for_partitions may raise the planned peak of
     live bytes by 10% or by this many bytes, whichever is more.
   recompile_warn_limit: a bucketed graph warns (absl logging) when it has
@@ -69,6 +72,7 @@ class SessionOptions:
   place_all_on_device: bool = False
   disabled_passes: Sequence[str] = ()
   fold_limit_bytes: int = 1 << 16
+  pack_state_below_bytes: int = 0
   reorder_slack_bytes: int = 4 << 20
   recompile_warn_limit: int = 8
   precompile_buckets: bool = False
@@ -98,7 +102,8 @@ class SessionOptions:
         isinstance(p, str) for p in self.disabled_passes):
       raise InputError("SessionOptions.disabled_passes must be a list of pass names, got "
                        f"{self.disabled_passes!r}")
-    for name in ("fold_limit_bytes", "reorder_slack_bytes", "recompile_warn_limit",
+    for name in ("fold_limit_bytes", "pack_state_below_bytes", "reorder_slack_bytes",
+                 "recompile_warn_limit",
                  "run_op_cache_size", "compile_cache_size"):
       limit = getattr(self, name)
       if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:

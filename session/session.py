@@ -23,6 +23,7 @@ from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_
 from jaxsession.run_op import OpRunner
 from jaxsession.runtime import (build, compile_cache, executor, interrupts, loop_sink, memory,
                                 static_leaves)
+from jaxsession.runtime.packing import SlotLeaf
 from jaxsession.runtime.profiler import Profiler
 from jaxsession.weak_outputs import WeakOutputs
 from jaxsession.graph_entry import Entry
@@ -208,7 +209,11 @@ class Session:
                      nodes_imported, start, mesh_layout=None, weak_outputs=None):
     """The pipeline and Build for a graph whose state slots are bound."""
     ctx = PassContext(platform=self.platform, options=self.options,
-                      verify=self.options.verify_graphs)
+                      verify=self.options.verify_graphs,
+                      # a shared slot (state_from: owned by another graph too) keeps its layout
+                      slot_leaves=[SlotLeaf(k, j, slot.owners > 1, slot.packing)
+                                   for k, slot in enumerate(slots)
+                                   for j in range(len(slot.avals))])
     dumper = None
     if self.options.save_graphs:
       dumper = GraphDumper(self.options.save_graphs, gid, name)
@@ -216,7 +221,9 @@ class Session:
       ctx.instruments.append(dumper)
 
     pipeline.run_pipeline(graph, ctx)  # the stages, in MindSpore GPUSession's order
-    leaf_slots = [(slot, j) for slot in slots for j in range(len(slot.leaves))]
+    for k, packing in graph.memory.packings.items():  # AllocateMemory's packing, fresh slots
+      slots[k].pack(packing)
+    leaf_slots = [(slot, j) for slot in slots for j in range(len(slot.avals))]
     # The compile cache: executables keyed by a fingerprint of the optimised
     # graph (not the Python function), so a second compile of the same
     # program with the same types and options compiles nothing.
@@ -488,10 +495,7 @@ class Session:
       for slot in entry.slots:
         slot.owners -= 1
         if slot.owners == 0:
-          for leaf in slot.leaves:
-            if leaf is not None:
-              leaf.delete()
-          slot.leaves = ()
+          slot.free()
     holding(entry.lock, free)
     entry.sunk.clear()
     self._executables.release_owner(_graph_id(graph_id))

@@ -172,8 +172,7 @@ def sharding_report(graph, slots, mesh_layout):
 def output_names(graph, layout):
   """Names of an executable's flat outputs: the updated state leaves, then
   the user outputs (for the collectives' `serves`)."""
-  states = graph.inputs_of_kind("state")
-  names = [states[i].name or f"state {i}" for i in layout.updated_idx]
+  names = layout.updated_names([s.name for s in graph.inputs_of_kind("state")])
   names += [f"output {k}" for k in range(len(graph.outputs) - layout.num_outputs)]
   return names
 

@@ -28,7 +28,7 @@ Primitives' facts are in `OP_TABLE` below; a fused op registers its own
 (`register_op`) next to its kernel, so a new fusion touches its own files.
 """
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 import weakref
 
 import numpy as np
@@ -97,6 +97,8 @@ class OpFacts:
                                   # primitive's own rule in runtime/batch_axis.py, or it mixes
   transfer: Optional[str] = None  # "d2h" or "h2d": a value moved between places
   dce: Optional[Callable] = None  # dce(node, used_outputs) -> DceResult or None (no change)
+  contracts: Tuple[int, ...] = ()  # operands a matmul/convolution contracts (XLA copies a
+                                  # slice before it: packed state stays out, runtime/packing.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +263,9 @@ OP_TABLE = {
     **_facts("slice", "dynamic_slice", "gather", "sort", "rev", "expand_dims",
              range_preserving=True),
     **_facts("reduce_max", "reduce_min", reduces=True, range_preserving=True),
-    **_facts("reduce_sum", "dot_general", reduces=True),
+    "reduce_sum": OpFacts(reduces=True),
+    "dot_general": OpFacts(reduces=True, contracts=(0, 1)),
+    "conv_general_dilated": OpFacts(contracts=(0, 1)),
 }
 _NO_FACTS = OpFacts()
 
@@ -318,6 +322,12 @@ def _sub_jaxprs(params):
         yield item.jaxpr
       elif isinstance(item, jcore.Jaxpr):
         yield item
+
+
+def contracts_inside(params):
+  """Whether a primitive's sub-jaxprs (at any depth) contract anything."""
+  return any(facts(eqn.primitive.name).contracts or contracts_inside(eqn.params)
+             for sub in _sub_jaxprs(params) for eqn in sub.eqns)
 
 
 # jaxpr -> its joined props; weak, so that a released jaxpr (and the arrays
