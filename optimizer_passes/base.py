@@ -10,7 +10,7 @@ session/pipeline.py.
 import abc
 import dataclasses
 import time
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from jaxsession.errors import PassError, SessionError
 from jaxsession.options import SessionOptions
@@ -51,6 +51,9 @@ class PassContext:
   records: List[PassRecord] = dataclasses.field(default_factory=list)
   # instruments: fn(stage, pass_name, graph, record) called after each pass
   instruments: List[Callable] = dataclasses.field(default_factory=list)
+  # per state input, its slot (runtime.packing.SlotLeaf): which leaves share a slot
+  # and the layout a shared slot keeps; None: each state input its own fresh slot
+  slot_leaves: Optional[list] = None
 
 
 class Pass(abc.ABC):
@@ -110,13 +113,25 @@ class PassManager:
       return run_to_fixed_point(self, graph, ctx, self.max_iterations, disabled)
     return self.sweep(graph, ctx, disabled)
 
-  def sweep(self, graph, ctx, disabled=()):
-    """Runs every enabled pass once, in order; whether any changed the graph."""
+  def sweep(self, graph, ctx, disabled=(), settled=None):
+    """Runs every enabled pass once, in order; whether any changed the graph.
+    `settled` (the fixed point's): pass name -> the graph's version when the
+    pass last ran and changed nothing; a pass is skipped while the graph is
+    still at that version (a pass is a function of the graph: it would find
+    nothing again)."""
     changed_any = False
     for pass_ in self.passes:
       if pass_.name in disabled:
         continue
-      changed_any |= run_one(pass_, graph, ctx, self.stage, self.holds)
+      if settled is not None and settled.get(pass_.name) == settled[None]:
+        continue
+      changed = run_one(pass_, graph, ctx, self.stage, self.holds)
+      changed_any |= changed
+      if settled is not None:
+        if changed:
+          settled[None] += 1
+        else:
+          settled[pass_.name] = settled[None]
     return changed_any
 
 
@@ -190,8 +205,9 @@ def run_to_fixed_point(manager, graph, ctx, max_iterations=10, disabled=()):
   first sweep changed it. Raises PassError when the iteration limit is hit
   instead of quietly giving up."""
   changed = False
+  settled = {None: 0}  # None: the graph's version (a change bumps it)
   for _ in range(max_iterations):
-    if not manager.sweep(graph, ctx, disabled):
+    if not manager.sweep(graph, ctx, disabled, settled):
       return changed
     changed = True
   raise PassError(f"stage {manager.stage} did not reach a fixed point in "

@@ -62,9 +62,12 @@ class Literal:
     self.aval = aval
 
   def key(self):
-    """Hashable identity of the constant (for CSE)."""
+    """Hashable identity of the constant (for CSE): its type (weak or not)
+    and its bytes."""
     arr = np.asarray(self.value)
-    return ("lit", str(self.aval), arr.tobytes(), str(arr.dtype))
+    aval = self.aval
+    return ("lit", tuple(aval.shape), aval.dtype, bool(getattr(aval, "weak_type", False)),
+            arr.tobytes(), arr.dtype)
 
   def __repr__(self):
     return f"{np.asarray(self.value).item()!r}:{aval_str(self.aval)}"
