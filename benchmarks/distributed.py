@@ -11,7 +11,10 @@ run:
      one all-reduce per gradient leaf), without and with the session's
      bucket plan (SessionOptions(allreduce_bucket_bytes=...));
   4. 100 steps as one sunk run (steps=100) vs 100 Session.run calls vs 100
-     jax.jit calls.
+     jax.jit calls;
+  5. collective bytes per step, "zero" / replicated, with the bucket plan
+     (under "zero" the sharded leaves' gradients are reduce-scattered;
+     target <= 0.2x all-reduce + reduce-scatter bytes), and every kind.
 
 8 CPU devices on a machine with few cores measure overhead, not scaling.
 Run: .venv/bin/python benchmarks/distributed.py
@@ -149,6 +152,38 @@ def collective_counts(mesh, params, opt, batches):
   return rows
 
 
+def zero_traffic(mesh, params, opt, batches):
+  """Table 5: collective bytes per step by kind, replicated vs "zero", both
+  with the bucket plan (allreduce_bucket_bytes), and jax.jit's "zero"."""
+  rows, moved = [], {}
+  for specs in (None, "zero"):
+    sess, gid = session(mesh, params, opt, batches[0], specs,
+                        allreduce_bucket_bytes=FLAGS.bucket_bytes)
+    kinds = {}
+    for c in sess.report(gid).collectives:
+      kinds[c.kind] = kinds.get(c.kind, 0) + c.bytes
+    moved[specs] = kinds.get("all-reduce", 0) + kinds.get("reduce-scatter", 0)
+    name = "replicated" if specs is None else '"zero"'
+    rows.append((f"Session, {name}", kinds.get("all-reduce", 0), kinds.get("reduce-scatter", 0),
+                 kinds.get("all-gather", 0), sum(kinds.values()) - sum(
+                     kinds.get(k, 0) for k in ("all-reduce", "reduce-scatter", "all-gather")),
+                 moved[specs]))
+    if specs == "zero":
+      jitted, holder = gspmd_jit(mesh, sess, gid)
+      jkinds = {}
+      for c in collectives.collectives(jitted.lower(*holder, batches[0]).compile()):
+        jkinds[c.kind] = jkinds.get(c.kind, 0) + c.bytes
+      rows.append(('jax.jit, "zero" shardings', jkinds.get("all-reduce", 0),
+                   jkinds.get("reduce-scatter", 0), jkinds.get("all-gather", 0),
+                   sum(jkinds.values()) - sum(jkinds.get(k, 0) for k in
+                                              ("all-reduce", "reduce-scatter", "all-gather")),
+                   jkinds.get("all-reduce", 0) + jkinds.get("reduce-scatter", 0)))
+  ratio = moved["zero"] / moved[None]
+  rows.append(('"zero" / replicated, all-reduce + reduce-scatter bytes', "-", "-", "-", "-",
+               f"{ratio:.3f}x (target <= 0.2x: {'yes' if ratio <= 0.2 else 'no'})"))
+  return rows
+
+
 def sunk_vs_calls(mesh, params, opt, batches, stacked):
   """Table 4: 100 steps, three ways."""
   n = FLAGS.sunk
@@ -212,6 +247,10 @@ def main(argv):
       ["XLA CPU all-reduce combiner", "allreduce_bucket_bytes", "planned buckets",
        "session all-reduces", "session all-reduce bytes", "jax.jit all-reduces",
        "loss of one step"])
+  common.print_table(f"collective bytes per step (report.collectives), allreduce_bucket_bytes="
+                     f"{FLAGS.bucket_bytes}", zero_traffic(mesh, params, opt, batches),
+                     ["executable", "all-reduce B", "reduce-scatter B", "all-gather B", "other B",
+                      "all-reduce + reduce-scatter B"])
   common.print_table(f"{FLAGS.sunk} steps, µs/step, median of {FLAGS.repeats} interleaved "
                      "repeats, replicated state", sunk_vs_calls(mesh, params, opt, batches,
                                                                stacked),

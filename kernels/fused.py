@@ -15,6 +15,7 @@ kernels (kernels/pallas.py) run on their blocks too: one formula, two kernels.""
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxsession.graph import op_properties
@@ -256,6 +257,22 @@ def dp_partial(node, *operands):
     in_axes.append(axis)
   out = jax.vmap(lambda *ops: prim.bind(*ops, **params), in_axes=in_axes)(*split)
   return [_constrain(out, node.outputs[0].sharding)]
+
+
+@fused_kernel("dp_reduce_scatter", "xla:dp_reduce_scatter")
+def dp_reduce_scatter(node, partial):
+  """The per-device partials ([devices, *S], one on each device) summed
+  over the devices, each device keeping only its shard of axis `dim` - one
+  reduce-scatter (shard_map's psum_scatter: GSPMD would all-reduce and
+  slice) - laid out as the state leaf it is for."""
+  p = node.params
+  sharding = node.outputs[0].sharding
+  axis, dim = p["mesh_axis"], int(p["dim"])
+
+  def body(x):
+    return lax.psum_scatter(x[0], axis, scatter_dimension=dim, tiled=True)
+  return [jax.shard_map(body, mesh=sharding.mesh, in_specs=P(axis),
+                        out_specs=sharding.spec)(partial)]
 
 
 @fused_kernel("allreduce_bucket", "xla:allreduce_bucket")

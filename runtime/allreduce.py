@@ -12,6 +12,12 @@ dW = x^T dy) - into two steps:
     concatenated to [D, N], summed over the devices (XLA's SPMD partitioner,
     GSPMD, makes that exactly one all-reduce), split and reshaped back into
     the reduced values, replicated.
+Under a ZeRO layout (`state_specs="zero"`, or a leaf sharded on one axis
+over the row axis) a point whose sum has the shape of a sharded state leaf
+it feeds is instead reduce-scattered: `dp_reduce_scatter` sums the partials
+over the devices and leaves each device only its shard, laid out as the
+leaf (one reduce-scatter: 1/D of the all-reduce's bytes per device), not
+bucketed. GSPMD alone all-reduces the whole gradient and then slices it.
 The points are grouped in graph order - the backward pass's order, so the
 last layer's gradients come first - into buckets of at most
 `first_bucket_bytes` (the first one) and `allreduce_bucket_bytes` (the
@@ -55,6 +61,7 @@ from jaxsession.runtime.batch_rules import Eqn, Fact, FREE, Mixing
 
 PARTIAL_OP = "dp_partial"
 BUCKET_OP = "allreduce_bucket"
+SCATTER_OP = "dp_reduce_scatter"
 _UNKNOWN_INPUT = -1  # mixed_by of an input whose rows are not the batch's
 
 
@@ -78,21 +85,39 @@ class Bucket:
 
 
 @dataclasses.dataclass
+class Scatter:
+  """One sum over the rows reduce-scattered into a sharded state leaf's layout."""
+  node: int                # the dp_reduce_scatter node id
+  replaced: int            # the reduction node id it replaced
+  partial: int             # its dp_partial node id
+  leaf: str                # the state leaf whose layout it takes
+  dim: int                 # the axis scattered over the devices
+  bytes: int               # the whole sum's bytes; each device receives bytes / devices
+
+  def describe(self, devices):
+    return (f"reduce-scatter node {self.node}: node {self.replaced} summed over the rows "
+            f"(partials node {self.partial}), its axis {self.dim} scattered for {self.leaf}: "
+            f"{self.bytes // devices} B per device instead of {self.bytes} B all-reduced")
+
+
+@dataclasses.dataclass
 class AllReducePlan:
-  """The buckets of one graph, and the reductions left to GSPMD."""
+  """The buckets and reduce-scatters of one graph, and the reductions left to GSPMD."""
   mesh_axis: str
   devices: int
   bucket_bytes: int
   first_bucket_bytes: int
   buckets: List[Bucket] = dataclasses.field(default_factory=list)
   left: List[str] = dataclasses.field(default_factory=list)  # not planned, and why
+  scatters: List[Scatter] = dataclasses.field(default_factory=list)
 
   def describe(self):
     """Lines for dumps and reports."""
     lines = [f"all-reduce plan over mesh axis {self.mesh_axis!r} ({self.devices} devices): "
              f"{len(self.buckets)} bucket(s), limit {self.bucket_bytes} B "
-             f"(first {self.first_bucket_bytes} B)"]
+             f"(first {self.first_bucket_bytes} B), {len(self.scatters)} reduce-scatter(s)"]
     lines += ["  " + b.describe() for b in self.buckets]
+    lines += ["  " + s.describe(self.devices) for s in self.scatters]
     lines += ["  left to GSPMD: " + why for why in self.left]
     return lines
 
@@ -231,8 +256,9 @@ def _left_to_gspmd(graph, facts):
 
 
 # -- buckets --------------------------------------------------------------------------------
-def plan_buckets(points, bucket_bytes, first_bytes):
-  """[(bucket index, [point index], bytes, dtype, why closed)]."""
+def plan_buckets(points, bucket_bytes, first_bytes, only=None):
+  """[(bucket index, [point index], bytes, dtype, why closed)] over the
+  points whose indices are in `only` (default: all), in order."""
   buckets = []
   current = None
 
@@ -241,6 +267,8 @@ def plan_buckets(points, bucket_bytes, first_bytes):
     buckets.append(current)
 
   for k, (node, _, upstream) in enumerate(points):
+    if only is not None and k not in only:
+      continue
     out = node.outputs[0]
     size, dtype = aval_bytes(out.aval), str(out.aval.dtype)
     reason = None
@@ -268,22 +296,66 @@ def plan_buckets(points, bucket_bytes, first_bytes):
   return buckets
 
 
-def _serves(graph, deps, nbits):
-  """Per point index: the state leaves whose new value reads it, then the
-  other outputs (by position) that do."""
-  names = [[] for _ in range(nbits)]
+def _readers(graph, deps, nbits):
+  """Per point index: [(label, state input or None)] - the state leaves
+  whose new value reads it, then the other outputs (by position) that do."""
+  found = [[] for _ in range(nbits)]
   updates = graph.state_updates()
   for k, value in enumerate(graph.outputs):
     mask = deps.get(value.id, 0) if isinstance(value, Value) else 0
     if k < len(updates):
-      label = updates[k][0].name or f"state {k}"
+      label, state = updates[k][0].name or f"state {k}", updates[k][0]
     else:
-      label = f"output {k - len(updates)}"
+      label, state = f"output {k - len(updates)}", None
     while mask:
       low = mask & -mask
-      names[low.bit_length() - 1].append(label)
+      found[low.bit_length() - 1].append((label, state))
       mask ^= low
-  return names
+  return found
+
+
+def _scatter_dim(sharding, axis_name):
+  """The one axis `sharding` splits, over the row axis alone; else None."""
+  spec = getattr(sharding, "spec", None)
+  if spec is None:
+    return None
+  split = [d for d, s in enumerate(spec) if s is not None]
+  if len(split) != 1 or spec[split[0]] not in (axis_name, (axis_name,)):
+    return None
+  return split[0]
+
+
+def _forms(value):
+  """(shape, axis map) of `value` as it is and as each transpose of it reads
+  it: axis map[d] is the value's axis that lands on axis d (a weight's
+  gradient is often summed transposed: dW^T = dy^T x)."""
+  shape = tuple(value.aval.shape)
+  forms = [(shape, tuple(range(len(shape))))]
+  transposed = [tuple(u.params["permutation"]) for u in value.users if u.op == "transpose"]
+  if transposed and len(transposed) == len(value.users):
+    forms = []  # read transposed only: a square gradient must not match as it is
+  forms += [(tuple(shape[p] for p in perm), perm) for perm in transposed]
+  return forms
+
+
+def scatter_targets(points, readers, axis_name, devices):
+  """{point index: (state input, axis)}: the points whose sum has the shape
+  of a state leaf they feed (as it is or transposed) that is split on one
+  axis over the row axis (a ZeRO layout): reduce-scattered on the axis
+  that becomes the leaf's split one."""
+  targets = {}
+  for k, (node, _, _) in enumerate(points):
+    forms = _forms(node.outputs[0])
+    for _, state in readers[k]:
+      dim = None if state is None else _scatter_dim(state.sharding, axis_name)
+      if dim is None:
+        continue
+      match = next((axes[dim] for shape, axes in forms
+                    if shape == tuple(state.aval.shape)), None)
+      if match is not None and tuple(node.outputs[0].aval.shape)[match] % devices == 0:
+        targets[k] = (state, match)
+        break
+  return targets
 
 
 # -- the rewrite ------------------------------------------------------------------------------
@@ -337,20 +409,54 @@ def _stable_topo(nodes, key):
   return order
 
 
-def rewrite(graph, points, buckets, plan, serves, axis_name, devices):
-  """Replaces each point by its dp_partial and each bucket by one
-  allreduce_bucket node; keeps a topological order close to the old one."""
+def _scatter_node(graph, partial, original, dim, devices, axis_name):
+  params = {"devices": devices, "mesh_axis": axis_name, "dim": dim}
+  out = original.outputs[0].aval
+  node = graph.make_node(SCATTER_OP, None, params, [partial.outputs[0]], [out],
+                         source=original.source)
+  spec = [None] * len(out.shape)
+  spec[dim] = axis_name
+  node.outputs[0].sharding = NamedSharding(graph.mesh, P(*spec))
+  return node
+
+
+def rewrite(graph, points, buckets, plan, serves, axis_name, devices, scatters=None):
+  """Replaces each planned point by its dp_partial, each bucket by one
+  allreduce_bucket node and each of `scatters` ({point index: (state input,
+  axis)}) by one dp_reduce_scatter node; keeps a topological order close to
+  the old one. Points in neither are left as they are."""
   mesh = graph.mesh
+  scatters = scatters or {}
   split_sharding = NamedSharding(mesh, P(axis_name))
   replicated = NamedSharding(mesh, P())
   position = {id(n): float(i) for i, n in enumerate(graph.nodes)}
+  planned = {k for spec in buckets for k in spec["points"]} | set(scatters)
   partial_of = {}
-  for node, split, _ in points:
+  for k, (node, split, _) in enumerate(points):
+    if k not in planned:
+      continue
     partial = _partial_node(graph, node, split, devices, axis_name, split_sharding)
     graph.link(partial)
     position[id(partial)] = position[id(node)]
     partial_of[id(node)] = partial
   new_nodes = []
+  for k, (state, dim) in sorted(scatters.items()):
+    original = points[k][0]
+    partial = partial_of[id(original)]
+    node = _scatter_node(graph, partial, original, dim, devices, axis_name)
+    graph.link(node)
+    position[id(node)] = position[id(original)] + 0.5
+    new_nodes.append(node)
+    leaf = state.name or "a state leaf"
+    size = aval_bytes(original.outputs[0].aval)
+    plan.scatters.append(Scatter(node.id, original.id, partial.id, leaf, dim, size))
+    node.notes.append(f"reduce-scatter: node {original.id} '{original.op}' summed over the "
+                      f"{devices} devices of mesh axis {axis_name!r}, its axis {dim} left "
+                      f"split for {leaf} ({size // devices} B per device, not {size} B "
+                      "all-reduced)")
+    partial.notes.append(f"node {original.id} '{original.op}' summed over each device's own "
+                         f"rows, for reduce-scatter node {node.id}")
+    graph.replace_uses(original.outputs[0], node.outputs[0])
   for b, spec in enumerate(buckets):
     originals = [points[k][0] for k in spec["points"]]
     members = [partial_of[id(o)] for o in originals]
@@ -374,22 +480,22 @@ def rewrite(graph, points, buckets, plan, serves, axis_name, devices):
           f"'{orig.op}' summed over the rows, each device its own rows (operand axes "
           f"{partial.params['split']}); {aval_bytes(orig.outputs[0].aval)} B to all-reduce")
       graph.replace_uses(orig.outputs[0], node.outputs[j])
-  doomed = {id(n) for n, _, _ in points}
-  for node, _, _ in points:
-    graph.unlink(node)
+  doomed = {id(points[k][0]) for k in planned}
+  for k in planned:
+    graph.unlink(points[k][0])
   kept = [partial_of.get(id(n), n) for n in graph.nodes]
   graph.nodes = _stable_topo(kept + new_nodes, position)
   assert not any(id(n) in doomed for n in graph.nodes)
 
 
 def plan_allreduce(graph, options):
-  """The all-reduce bucket plan (module docstring), as `graph.allreduce_plan`,
-  and the rewrite; whether the graph changed. Plans only under a mesh with
+  """The all-reduce plan (module docstring), as `graph.allreduce_plan`, and
+  the rewrite; whether the graph changed. Plans only under a mesh with
   `allreduce_bucket_bytes` set (optimizer_passes/plan_allreduce.py runs it)."""
   limit = getattr(options, "allreduce_bucket_bytes", None)
   if graph.mesh is None or getattr(options, "mesh", None) is None or not limit:
     return False
-  if any(n.op in (PARTIAL_OP, BUCKET_OP) for n in graph.nodes):
+  if any(n.op in (PARTIAL_OP, BUCKET_OP, SCATTER_OP) for n in graph.nodes):
     return False  # planned already
   first = getattr(options, "first_bucket_bytes", None) or limit
   axis_name = _row_axis_name(graph)
@@ -404,9 +510,12 @@ def plan_allreduce(graph, options):
   if not points:
     logging.info("all-reduce plan of %s: no sum over the sharded rows", graph.name)
     return False
-  buckets = plan_buckets(points, int(limit), int(first))
-  serves = _serves(graph, deps, len(points))
-  rewrite(graph, points, buckets, plan, serves, axis_name, devices)
-  logging.info("all-reduce plan of %s: %d reduction(s) in %d bucket(s)", graph.name,
-               len(points), len(buckets))
+  readers = _readers(graph, deps, len(points))
+  scatters = scatter_targets(points, readers, axis_name, devices)
+  rest = {k for k in range(len(points)) if k not in scatters}
+  buckets = plan_buckets(points, int(limit), int(first), only=rest)
+  serves = [list(dict.fromkeys(label for label, _ in found)) for found in readers]
+  rewrite(graph, points, buckets, plan, serves, axis_name, devices, scatters)
+  logging.info("all-reduce plan of %s: %d reduction(s): %d bucket(s), %d reduce-scatter(s)",
+               graph.name, len(points), len(buckets), len(scatters))
   return True

@@ -191,6 +191,57 @@ class AllReducePlanTest(absltest.TestCase):
     self.assertEqual(r["l1"], r["l2"])
     self.assertTrue(r["same"])
 
+  def test_zero_gradients_are_reduce_scattered(self):
+    """Under "zero" a gradient whose leaf is sharded is reduce-scattered into
+    the leaf's layout, summed in the devices' order as the all-reduce sums
+    (RTOL against jax.jit: the plan's summation order); the collective bytes
+    are 1/8 of replicated training's; a sunk run gives N runs' bits."""
+    r = run_jax("""
+      from jaxsession.runtime import collectives
+      params, xs, ys = mlp(sizes=(16, 32, 64, 8))
+      def bytes_of(sess, gid):
+        kinds = {}
+        for c in sess.report(gid).collectives:
+          kinds[c.kind] = kinds.get(c.kind, 0) + c.bytes
+        return kinds
+      out = {}
+      for specs in (None, "zero"):
+        o = js.SessionOptions(mesh=mesh, allreduce_bucket_bytes=1 << 20)
+        sess = js.Session(o)
+        gid = sess.compile(sgd_step, params, xs[0], ys[0], state_argnums=0, state_specs=specs)
+        losses = [float(sess.run(gid, x, y)) for x, y in zip(xs, ys)]
+        got = [np.asarray(a) for a in jax.tree.leaves(sess.get_state(gid)[0])]
+        sunk = js.Session(o)
+        g2 = sunk.compile(sgd_step, params, xs[0], ys[0], state_argnums=0, state_specs=specs)
+        l2 = np.asarray(sunk.run(g2, np.stack(xs), np.stack(ys), steps=3)).tolist()
+        st2 = [np.asarray(a) for a in jax.tree.leaves(sunk.get_state(g2)[0])]
+        ref_state, ref_losses = params, []
+        for x, y in zip(xs, ys):
+          ref_state, loss = jax.jit(sgd_step)(ref_state, x, y)
+          ref_losses.append(float(loss))
+        want = [np.asarray(a) for a in jax.tree.leaves(ref_state)]
+        plan = sess.graph(gid).allreduce_plan
+        out[str(specs)] = {
+            "bytes": bytes_of(sess, gid), "losses": losses, "ref": ref_losses,
+            "err": max(leaf_err(g, w) for g, w in zip(got, want)),
+            "scatters": [s.describe(plan.devices) for s in plan.scatters],
+            "sunk_same": l2 == losses and all(np.array_equal(a, b) for a, b in zip(got, st2)),
+            "dump": sess.graph(gid).dump()}
+      result = out
+      """)
+    rep, zero = r["None"], r["zero"]
+    self.assertEqual(rep["scatters"], [])
+    self.assertNotIn("reduce-scatter", rep["bytes"])
+    self.assertLen(zero["scatters"], 6)  # every weight and bias gradient
+    self.assertIn("reduce-scatter", zero["bytes"])
+    self.assertIn("reduce-scatter: node", zero["dump"])
+    moved = zero["bytes"].get("all-reduce", 0) + zero["bytes"]["reduce-scatter"]
+    self.assertLessEqual(moved, rep["bytes"]["all-reduce"] / 8 + 64)  # + the loss's
+    for run in (rep, zero):
+      np.testing.assert_allclose(run["losses"], run["ref"], rtol=RTOL)
+      self.assertLess(run["err"], RTOL)
+      self.assertTrue(run["sunk_same"])
+
   def test_reduction_after_unknown_op_left_to_gspmd(self):
     """Rows sorted along the batch axis: the rules lose the rows, so the sums
     after the sort (and w1's gradient, through its gather) are not planned -
