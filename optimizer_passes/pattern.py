@@ -287,7 +287,7 @@ class RewritePass(Pass):
     self.index = {}
     for rule in self.rules:
       for op in root_ops(rule.pattern):
-        self.index.setdefault(op, []).append(rule)
+        self.index.setdefault(op, []).append((rule, _operand_ops(rule.pattern)))
     if doc:
       self.__doc__ = doc
 
@@ -308,7 +308,9 @@ class RewritePass(Pass):
   def _try_rules(self, graph, node, graph_outputs, dead, order):
     """Fires the first rule that matches at `node`, placing its new nodes in
     `order` (the nodes before `node`, rewritten so far); whether one fired."""
-    for rule in self.index.get(node.op, ()):
+    for rule, operand_ops in self.index.get(node.op, ()):
+      if operand_ops is not None and not _may_match(node, operand_ops):
+        continue  # an operand's producer is no op the pattern can take there
       m = Match(graph.const_values)
       if not match(rule.pattern, node.outputs[0], m):
         continue
@@ -335,6 +337,34 @@ class RewritePass(Pass):
       order[position:position] = rewriter.emitted
       return True
     return False
+
+
+def _operand_ops(pat):
+  """Per operand of an op pattern's root, the ops its producer must be (None:
+  anything - a var, a literal, an alternative); None when no operand says.
+  The one-level test `_may_match` rejects a node before the matcher runs."""
+  if pat.kind != "op" or not any(src.kind == "op" for src in pat.srcs):
+    return None
+  return [src.ops if src.kind == "op" else None for src in pat.srcs]
+
+
+def _may_match(node, operand_ops):
+  """Whether `node`'s operands' producers could match `operand_ops` (in
+  either order for a commutative binary op, as the matcher tries)."""
+  inputs = node.inputs
+  if len(inputs) != len(operand_ops):
+    return False
+
+  def fits(order):
+    for i, ops in zip(order, operand_ops):
+      if ops is not None:
+        producer = getattr(inputs[i], "producer", None)
+        if producer is None or producer.op not in ops:
+          return False
+    return True
+  if fits(range(len(inputs))):
+    return True
+  return len(inputs) == 2 and op_properties.facts(node.op).commutative and fits((1, 0))
 
 
 def _early_readers(exported, matched, order):

@@ -134,11 +134,18 @@ def bytes_live_after(graph, platform):
           for part in graph.partitions]
 
 
-def estimate(part, platform):
+def device_sizes(graph, platform):
+  """value id -> the device bytes it occupies (value_bytes), for every
+  device-resident value of the graph: computed once per plan."""
+  return {v.id: value_bytes(v) for v in graph.values() if device_resident(v, platform)}
+
+
+def estimate(part, sizes):
   """The session's figure for a partition: the device bytes of its arguments
-  and outputs plus the largest set of its own intermediates live at once."""
-  args = sum(value_bytes(v) for v in part.inputs if device_resident(v, platform))
-  outs = sum(value_bytes(v) for v in part.outputs if device_resident(v, platform))
+  and outputs plus the largest set of its own intermediates live at once
+  (`sizes`: device_sizes)."""
+  args = sum(sizes.get(v.id, 0) for v in part.inputs if not isinstance(v, Literal))
+  outs = sum(sizes.get(v.id, 0) for v in part.outputs if not isinstance(v, Literal))
   if part.place == "host":
     return args + outs
   exported = {v.id for v in part.outputs}
@@ -148,8 +155,10 @@ def estimate(part, platform):
   for pos, node in enumerate(part.nodes):
     for out in node.outputs:
       if out.id not in exported:
-        live += value_bytes(out)
-        dies[last[out.id]] += value_bytes(out)
+        size = sizes.get(out.id)
+        size = value_bytes(out) if size is None else size
+        live += size
+        dies[last[out.id]] += size
     peak = max(peak, live)
     live -= dies[pos]
   return args + outs + peak
@@ -166,26 +175,25 @@ def value_bytes(value):
   return int(np.prod(shape, dtype=np.int64)) * int(value.aval.dtype.itemsize)
 
 
-def node_floor(nodes, platform="cpu"):
+def node_floor(nodes, sizes):
   """The most device bytes one of `nodes` holds at once: its operands and
-  results (host values take no device memory)."""
+  results (host values take no device memory; `sizes`: device_sizes)."""
   bound = 0
   for node in nodes:
-    touched = {v.id: v for v in node.inputs
-               if not isinstance(v, Literal) and device_resident(v, platform)}
+    touched = {v.id for v in node.inputs if not isinstance(v, Literal) and v.id in sizes}
     if not op_properties.is_transfer(node.op, "d2h"):  # on CPU: its operand's buffer
-      touched.update((o.id, o) for o in node.outputs if device_resident(o, platform))
-    bound = max(bound, sum(value_bytes(v) for v in touched.values()))
+      touched.update(o.id for o in node.outputs if o.id in sizes)
+    bound = max(bound, sum(sizes[vid] for vid in touched))
   return bound
 
 
-def lower_bound(graph, platform="cpu"):
+def lower_bound(graph, sizes):
   """Device bytes any schedule must hold at once: all graph inputs, or one
   node's operands and results."""
-  inputs = sum(value_bytes(v) for v in graph.inputs if device_resident(v, platform))
+  inputs = sum(sizes.get(v.id, 0) for v in graph.inputs)
   if graph.mesh is not None:  # an intermediate's layout is XLA's: no per-device floor
     return inputs
-  return max(inputs, node_floor(graph.nodes, platform))
+  return max(inputs, node_floor(graph.nodes, sizes))
 
 
 def free_outputs(partitions):
@@ -283,11 +291,9 @@ def _key(value):
   return (tuple(value.aval.shape), str(value.aval.dtype))
 
 
-def partition_figures(graph, partitions, ranges, figures, platform):
+def partition_figures(graph, partitions, ranges, figures, sizes):
   """[PartitionMemory] and the planned peak, from each partition's figure
   ((bytes, source) by index) and the device values live across it."""
-  sizes = {v.id: value_bytes(v) for v in graph.values()
-           if device_resident(v, platform)}
   rows, peak = [], 0
   for part in partitions:
     taken = {v.id for v in part.inputs}
@@ -314,10 +320,11 @@ def plan_memory(graph, partitions, allow_donation=True, platform="cpu", pack_bel
   # buffer of another layout is not usable: state only
   intermediates = ([] if graph.mesh is not None else
                    decide_intermediate_donations(graph, partitions, ranges, free))
-  figures = {p.index: (estimate(p, platform), "session estimate") for p in partitions}
-  rows, peak = partition_figures(graph, partitions, ranges, figures, platform)
+  sizes = device_sizes(graph, platform)
+  figures = {p.index: (estimate(p, sizes), "session estimate") for p in partitions}
+  rows, peak = partition_figures(graph, partitions, ranges, figures, sizes)
   return MemoryPlan(
-      live_ranges=ranges, peak_bytes=peak, lower_bound_bytes=lower_bound(graph, platform),
+      live_ranges=ranges, peak_bytes=peak, lower_bound_bytes=lower_bound(graph, sizes),
       donated_bytes=sum(value_bytes(d.state) for d in donations + intermediates
                         if d.donated),
       donations=donations, intermediate_donations=intermediates, partitions=rows,
@@ -327,18 +334,18 @@ def plan_memory(graph, partitions, allow_donation=True, platform="cpu", pack_bel
 def refine(plan, graph, partitions, analyses, platform="cpu"):
   """The plan with each executable's own figure where XLA reports one:
   `analyses` maps partition index -> compiled.memory_analysis() (or None)."""
-  figures = {}
+  figures, sizes = {}, device_sizes(graph, platform)
   for part in partitions:
     stats = analyses.get(part.index)
     if stats is None:
-      figures[part.index] = (estimate(part, platform), "session estimate")
+      figures[part.index] = (estimate(part, sizes), "session estimate")
     else:
       xla = (stats.argument_size_in_bytes + stats.output_size_in_bytes
              + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
       if graph.mesh is not None:  # per device, as XLA reports it; the node floor
         figures[part.index] = (xla, "xla memory_analysis, per device")  # is global
         continue
-      floor = node_floor(part.nodes, platform)
+      floor = node_floor(part.nodes, sizes)
       # XLA:CPU reports no temporaries for some programs whose nodes plainly
       # need them (a chain of matmuls): never plan below one node's operands
       # and results.
@@ -346,5 +353,5 @@ def refine(plan, graph, partitions, analyses, platform="cpu"):
                              (floor, f"xla memory_analysis ({xla} B) raised to its "
                                      "largest node's operands and results"))
   plan.partitions, plan.peak_bytes = partition_figures(graph, partitions, plan.live_ranges,
-                                                       figures, platform)
+                                                       figures, sizes)
   return plan

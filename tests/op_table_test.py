@@ -18,7 +18,8 @@ from tests.exact import assert_same_bits
 
 RNG = np.random.default_rng(1414)
 
-MIXING_FUSED_OPS = ("dp_partial", "allreduce_bucket")  # made after the batch analysis
+MIXING_FUSED_OPS = ("dp_partial", "allreduce_bucket", "dp_reduce_scatter")  # made after the
+# batch analysis
 
 
 def _x(*shape):

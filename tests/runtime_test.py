@@ -152,8 +152,9 @@ class MemoryPlanTest(absltest.TestCase):
     self.assertEqual(ranges[sin.outputs[0].id], (0, 0))
     self.assertEqual(ranges[mul.outputs[0].id], (0, 1))
     # argument + output + both intermediates (exp reads sin as it writes; 1 KiB each)
-    self.assertEqual(memory.estimate(parts[0], "cpu"), 4096)
-    self.assertEqual(memory.lower_bound(graph), 2048)
+    sizes = memory.device_sizes(graph, "cpu")
+    self.assertEqual(memory.estimate(parts[0], sizes), 4096)
+    self.assertEqual(memory.lower_bound(graph, sizes), 2048)
 
   def test_donation_reasons(self):
     def step(params, counter, x):

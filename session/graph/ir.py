@@ -399,11 +399,15 @@ def _every_node_has_a_place(graph):
   return None
 
 
+_FACTS = []  # op_properties.facts, bound on first use (the op table imports the IR)
+
+
 def _transfer(op):
-  """A transfer op's direction ("d2h"/"h2d") from the op table, else None
-  (imported here: the op table reads the IR)."""
-  from jaxsession.graph.op_properties import facts  # pylint: disable=import-outside-toplevel
-  return facts(op).transfer
+  """A transfer op's direction ("d2h"/"h2d") from the op table, else None."""
+  if not _FACTS:
+    from jaxsession.graph.op_properties import facts  # pylint: disable=import-outside-toplevel
+    _FACTS.append(facts)
+  return _FACTS[0](op).transfer
 
 
 def _home(value):
@@ -416,13 +420,16 @@ def _home(value):
 
 
 def _transfers_at_every_edge(graph):
+  homes = {}  # value -> _home(value): each value is read by several nodes
   for node in graph.nodes:
+    kind = _transfer(node.op)  # a transfer reads from the side it copies from
+    want = node.place if kind is None else "device" if kind == "d2h" else "host"
     for value in node.inputs:
       if isinstance(value, Literal):
         continue
-      home = _home(value)
-      kind = _transfer(node.op)  # a transfer reads from the side it copies from
-      want = node.place if kind is None else "device" if kind == "d2h" else "host"
+      home = homes.get(value, homes)
+      if home is homes:
+        home = homes[value] = _home(value)
       if home is not None and home != want:
         return (f"{_node_text(node)} on the {node.place} reads {value}, which lives on the "
                 f"{home}, without a transfer")
