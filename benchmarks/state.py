@@ -24,6 +24,8 @@ import jaxsession as js  # noqa: E402
 
 flags.DEFINE_integer("state_repeats", 9, "interleaved repeats; medians are reported")
 flags.DEFINE_integer("state_calls", 300, "steps per repeat")
+flags.DEFINE_integer("pack_below", 1 << 14, "pack_state_below_bytes of the session rows "
+                     "(the option is off by default: docs/numerics.md)")
 flags.DEFINE_list("leaf_bytes", ["256", "4096", "16384", "65536", "262144"],
                   "leaf sizes of the packing sweep")
 FLAGS = flags.FLAGS
@@ -152,18 +154,20 @@ def main(argv):
                                       ("flax transformer + AdamW, batch 1", transformer, 0.6,
                                        n)):
     step, state, args = make()
-    run, packed, buffers, leaves = session_runner(step, state, args)
+    run, packed, buffers, leaves = session_runner(step, state, args,
+                                                  pack_state_below_bytes=FLAGS.pack_below)
     rows.append(ratio_row(f"{name}, Session / jax.jit + donation", jit_runner(step, state, args),
                           run, n_calls, r, target))
     leaf_rows.append((name, leaves, packed, buffers))
   step, state, args = mlp()
-  on, packed, buffers, leaves = session_runner(step, state, args)
+  on, packed, buffers, leaves = session_runner(step, state, args,
+                                               pack_state_below_bytes=FLAGS.pack_below)
   off, *_ = session_runner(step, state, args, pack_state_below_bytes=0)
   rows.append(ratio_row("compute-bound MLP + Adam, packing on / off", off, on, max(n // 10, 20),
                         r, 1.02))
   leaf_rows.append(("compute-bound MLP + Adam", leaves, packed, buffers))
-  common.print_table("packed small state: µs per step, medians; ratio: median of per-repeat "
-                     "ratios", rows, ["case", "jax.jit (or: off)", "Session (or: on)",
+  common.print_table(f"packed small state (pack_state_below_bytes={FLAGS.pack_below}): µs per "
+                     "step, medians; ratio: median of per-repeat ratios", rows, ["case", "jax.jit (or: off)", "Session (or: on)",
                                       "ratio", "target", "met"])
   common.print_table("state leaves and the buffers the session passes", leaf_rows,
                      ["case", "state leaves", "packed", "buffers passed"])
