@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jaxsession as js
-from exact import assert_same_bits, normal, ulps_apart, with_specials
+from exact import assert_same_bits, normal, ulps_apart, wide, with_specials
 from subproc import run_json
 
 RNG = np.random.default_rng(2026)
@@ -285,27 +285,36 @@ class MultiplyAddTest(absltest.TestCase):
   """With multiply-adds, XLA CPU's FMA contraction follows fusion, which
   packing moves: the docs' exception, measured here."""
 
-  def test_adam_step_close_to_jit(self):
+  def test_adam_steps_close_to_jit(self):
     import optax  # pylint: disable=import-outside-toplevel
-    params = {"w": normal(RNG, 6, 8), "b": normal(RNG, 8), "s": normal(RNG, 8)}
-    tx = optax.adam(1e-2)
+    rng = np.random.default_rng(4)
+    params = {"w1": normal(rng, 6, 8), "b1": normal(rng, 8), "w2": normal(rng, 8, 3),
+              "b2": normal(rng, 3)}
+    tx = optax.adam(1e-3)
 
-    def train(p, o, x):
-      loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) * p["s"]))(p)
+    def train(p, o, x, y):
+      def loss_fn(p):
+        h = jnp.tanh(x @ p["w1"] + p["b1"])
+        return optax.l2_loss(h @ p["w2"] + p["b2"], y).mean()
+      loss, g = jax.value_and_grad(loss_fn)(p)
       u, o = tx.update(g, o, p)
-      return optax.apply_updates(p, u), o, loss
-    x = normal(RNG, 12, 6)
+      return optax.apply_updates(p, u), o, loss, optax.tree_utils.tree_norm(o[0].mu)
+    xs = [wide(rng, 12, 6) for _ in range(3)]
+    ys = [normal(rng, 12, 3) for _ in range(3)]
     sess = js.Session(PACK)
-    gid = sess.compile(train, params, tx.init(params), x, state_argnums=(0, 1))
+    gid = sess.compile(train, params, tx.init(params), xs[0], ys[0], state_argnums=(0, 1))
     self.assertTrue(any(p for _, p, _ in sess.report(gid).memory.packing))
-    sess.run(gid, x)
-    want = jax.jit(train)(params, tx.init(params), x)[:2]
+    want = (params, tx.init(params))
+    for x, y in zip(xs, ys):
+      sess.run(gid, x, y)
+      want = jax.jit(train)(*want, x, y)[:2]
     for got, ref in zip(jax.tree.leaves(sess.get_state(gid)), jax.tree.leaves(want)):
       if jnp.issubdtype(got.dtype, jnp.floating):
-        # one step: each FMA XLA contracts differently rounds once less or more
-        # (<= 1 ulp of the product); 16 ulps bounds what the chain of Adam's
-        # update and its rsqrt make of it (measured: <= 2)
-        self.assertLessEqual(ulps_apart(got, ref), 16)
+        # each FMA XLA contracts otherwise rounds once less or more (<= 1 ulp
+        # of its product); three Adam steps on inputs spanning e^-12..e^12
+        # amplify it through m / sqrt(v): at most 42 ulp over 10 seeds of this
+        # program (16 of the 120 float leaves of those runs differed), so 256 bounds it
+        self.assertLessEqual(ulps_apart(got, ref), 256)
       else:
         np.testing.assert_array_equal(got, ref)
 
