@@ -9,12 +9,11 @@ A program (runtime/build.py's Program, its `run`) is fn(*state, *args) ->
     (codegen.py) over registers, values freed at their last use;
   * run(steps=N) (loop_sink.py): the single executable's steps scanned in
     one executable, or a plan run N times on private copies of the leaves.
-The commit writes the slots only after the whole program succeeded, so a
-failed call leaves the state as it was; a Ctrl-C in between waits for the
-commit (runtime/interrupts.py).
+The state goes in and comes back in its layout's form
+(runtime/state_layout.py). The commit writes the slots only after the whole
+program succeeded, so a failed call leaves the state as it was; a Ctrl-C in
+between waits for the commit (runtime/interrupts.py).
 """
-import operator
-
 import jax
 import numpy as np
 from jax import tree_util
@@ -25,8 +24,9 @@ from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes
 from jaxsession.runtime import callbacks, codegen, debug_flags, interrupts, sharding
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, fast_call, memory_analysis,
-                                      recovery, shape_struct)
+                                      recovery)
 from jaxsession.runtime.state import private_copy, slots_lock
+from jaxsession.runtime.state_layout import kept_layouts
 
 _pending = interrupts.pending
 def _private(state):
@@ -36,252 +36,6 @@ def _private(state):
   a computation, which the flags would check: a nan already in the state is
   the run's to report)."""
   return jax.tree.map(private_copy, state)
-
-class StateLayout:
-  """How state leaves travel to a plan (several partitions) or the eager
-  path: leaf by leaf. `gather()` is the state a program takes - every
-  state leaf, in state order - and `commit(new)` writes back what it
-  returned: the new values of the updated leaves, in updated_idx order. A
-  packed slot (runtime/packing.py) is read through its view and written
-  through its pack, its leaves never donated. `state_layout` picks
-  StorageLayout for one executable."""
-  whole = False
-
-  def __init__(self, graph, plan, leaf_slots, one_executable):
-    states = graph.inputs_of_kind("state")
-    donated = plan.donated_ids()
-    self.leaf_slots = leaf_slots
-    self.num_state = len(states)
-    # outputs[:num_outputs] hold new state values (0 for a graph that only reads)
-    self.num_outputs = len(graph.state_updates())
-    self.donated_idx = [i for i, s in enumerate(states) if s.id in donated
-                        and leaf_slots[i][0].packing is None]
-    self.updated_idx = [i for i, (s, new) in enumerate(graph.state_updates())
-                        if new is not s]
-    self.state_avals = [s.aval for s in states]
-    self.state_shardings = [s.sharding for s in states]  # None without a mesh
-    self._updated_refs = [leaf_slots[i] for i in self.updated_idx]
-    self.slots = list(dict.fromkeys(slot for slot, _ in leaf_slots))
-    self.one_executable = one_executable
-
-  def gather(self):
-    return tuple([slot.leaves[j] for slot, j in self.leaf_slots])
-
-  def commit(self, new):
-    if not self._updated_refs:
-      return
-    changed = {}
-    for (slot, j), value in zip(self._updated_refs, new):
-      changed.setdefault(slot, list(slot.leaves))[j] = value
-    for slot, leaves in changed.items():
-      slot.leaves = leaves
-
-  def structs(self):
-    """The state arguments an executable taking gather()'s form is compiled
-    for (a leaf each)."""
-    return [shape_struct(self.state_avals[i], self.state_shardings[i])
-            for i in range(self.num_state)]
-
-  def donate_argnums(self):
-    return tuple(self.donated_idx)
-
-  def leaves_of(self, state):
-    """gather()'s form -> the flat state leaves, in state order."""
-    return list(state)
-
-  def returned(self, new, state):  # pylint: disable=unused-argument
-    """The flat new values of the updated leaves (and the state they were
-    made from, in gather()'s form) -> commit()'s form."""
-    return tuple(new)
-
-  def merged(self, state, new):
-    """gather()'s form after returned() value `new` replaced its part."""
-    full = list(state)
-    for i, x in zip(self.updated_idx, new):
-      full[i] = x
-    return tuple(full)
-
-  def returned_shardings(self):
-    """Per commit()'s entry: the layout its slot keeps (None without a mesh)."""
-    return [self.state_shardings[i] for i in self.updated_idx]
-
-  def updated_names(self, names):
-    """What each of commit()'s entries is, from the state leaves' `names`."""
-    return [names[i] or f"state {i}" for i in self.updated_idx]
-
-  def key(self):
-    """What of the layout shapes an executable (the compile cache's key)."""
-    return (self.whole, tuple(self.donated_idx), tuple(self.updated_idx), self.num_outputs)
-
-
-class StorageLayout(StateLayout):
-  """One executable takes its slots' storage as it is: a unit each - a
-  leaf, or a packed slot's flat buffer of small leaves, sliced inside the
-  executable and written back as one concatenation. A unit is updated when
-  any of its leaves is, and donated when any of its updated leaves is."""
-
-  def __init__(self, graph, plan, leaf_slots, one_executable):
-    super().__init__(graph, plan, leaf_slots, one_executable)
-    index = {(id(slot), j): i for i, (slot, j) in enumerate(leaf_slots)}
-    donated = {i for i, s in enumerate(graph.inputs_of_kind("state"))
-               if s.id in plan.donated_ids()}
-    updated = set(self.updated_idx)
-    self.units = []  # (slot, k, the state indices it holds)
-    for slot in self.slots:
-      packing = slot.packing
-      for k in range(len(slot.storage)):
-        members = packing.unit_leaves(k) if packing is not None else [k]
-        self.units.append((slot, k, [index[(id(slot), j)] for j in members]))
-    self.unit_updated = [u for u, (_, _, m) in enumerate(self.units) if updated & set(m)]
-    self.unit_donated = [u for u in self.unit_updated if donated & set(self.units[u][2])]
-    self._refs = [(self.units[u][0], self.units[u][1]) for u in self.unit_updated]
-    self._index = index
-    self.packed = any(slot.packing is not None for slot in self.slots)
-
-  def gather(self):
-    return tuple([slot.storage[k] for slot, k, _ in self.units])
-
-  def commit(self, new):
-    if not self._refs:
-      return
-    changed = {}
-    for (slot, k), value in zip(self._refs, new):
-      changed.setdefault(slot, list(slot.storage))[k] = value
-    for slot, storage in changed.items():
-      slot.storage = tuple(storage)
-
-  def _unit_struct(self, u):
-    slot, k, members = self.units[u]
-    i = members[0]
-    if slot.packing is None:
-      return shape_struct(self.state_avals[i], self.state_shardings[i])
-    return slot.packing.unit_struct(k, self.state_avals[i], self.state_shardings[i])
-
-  def structs(self):
-    return [self._unit_struct(u) for u in range(len(self.units))]
-
-  def donate_argnums(self):
-    return tuple(self.unit_donated)
-
-  def _flat_leaves(self, units):
-    """The flat state leaves (state order) from the units (gather order)."""
-    if not self.packed:
-      return list(units)
-    out, at = [None] * self.num_state, 0
-    for slot in self.slots:
-      n = len(slot.storage)
-      mine = units[at:at + n]
-      at += n
-      leaves = mine if slot.packing is None else slot.packing.leaves(mine)
-      for j, x in enumerate(leaves):
-        out[self._index[(id(slot), j)]] = x
-    return out
-
-  def _flat_returned(self, new, units):
-    """The updated units (unit_updated order) from the new values of the
-    updated leaves and the units they were made from."""
-    if not self.packed:
-      return tuple(new)
-    full = self._flat_leaves(units)
-    for i, x in zip(self.updated_idx, new):
-      full[i] = x
-    out = []
-    for u in self.unit_updated:
-      slot, k, members = self.units[u]
-      packing = slot.packing
-      if packing is None or k < len(packing.plain):
-        out.append(full[members[0]])
-      else:
-        out.append(packing.buffer(k - len(packing.plain),
-                                  dict(zip(packing.unit_leaves(k), (full[i] for i in members)))))
-    return tuple(out)
-
-  def leaves_of(self, state):
-    return self._flat_leaves(list(state))
-
-  def returned(self, new, state):
-    return self._flat_returned(new, list(state))
-
-  def merged(self, state, new):
-    full = list(state)
-    for u, x in zip(self.unit_updated, new):
-      full[u] = x
-    return tuple(full)
-
-  def returned_shardings(self):
-    out = []
-    for u in self.unit_updated:
-      slot, k, members = self.units[u]
-      leaf = self.state_shardings[members[0]]
-      out.append(leaf if slot.packing is None else slot.packing.unit_sharding(k, leaf))
-    return out
-
-  def updated_names(self, names):
-    out = []
-    for u in self.unit_updated:
-      slot, k, members = self.units[u]
-      if len(members) == 1 and (slot.packing is None or k < len(slot.packing.plain)):
-        out.append(names[members[0]] or f"state {members[0]}")
-      else:
-        out.append(f"{slot.name} packed buffer (storage unit {k}, {len(members)} leaves)")
-    return out
-
-  def key(self):
-    return (self.whole, tuple(self.unit_donated), tuple(self.unit_updated),
-            tuple(self.updated_idx), self.num_outputs,
-            tuple(None if s.packing is None else s.packing.key() for s in self.slots))
-
-
-class WholeSlots(StorageLayout):
-  """The one specialisation: one executable donates and updates every
-  storage unit (the training step). The slots' storage tuples go in as
-  they are, one donated argument, and come back replaced whole: no unit is
-  picked out or put back one by one."""
-  whole = True
-
-  def gather(self):
-    return (tuple(map(_STORAGE, self.slots)),)
-
-  def commit(self, new):
-    for slot, storage in zip(self.slots, new):
-      slot.storage = storage
-
-  def structs(self):
-    it = iter(super().structs())
-    return [tuple(tuple(next(it) for _ in slot.storage) for slot in self.slots)]
-
-  def donate_argnums(self):
-    return (0,)
-
-  def leaves_of(self, state):
-    return self._flat_leaves([x for units in state[0] for x in units])
-
-  def returned(self, new, state):
-    it = iter(self._flat_returned(new, [x for units in state[0] for x in units]))
-    return tuple(tuple(next(it) for _ in slot.storage) for slot in self.slots)
-
-  def merged(self, state, new):  # pylint: disable=unused-argument
-    return (new,)
-
-  def returned_shardings(self):
-    it = iter(super().returned_shardings())
-    return tuple(tuple(next(it) for _ in slot.storage) for slot in self.slots)
-
-
-_STORAGE = operator.attrgetter("storage")
-
-
-def state_layout(graph, plan, leaf_slots, one_executable):
-  """The StateLayout of a graph: for one executable a StorageLayout - WholeSlots
-  where it donates and updates every storage unit - else leaf by leaf."""
-  if not one_executable:
-    return StateLayout(graph, plan, leaf_slots, one_executable)
-  layout = StorageLayout(graph, plan, leaf_slots, one_executable)
-  everything = list(range(len(layout.units)))
-  if everything and layout.unit_donated == everything == layout.unit_updated:
-    return WholeSlots(graph, plan, leaf_slots, one_executable)
-  return layout
-
 
 def arg_structs(spec, leading=None):
   """ShapeDtypeStruct pytrees for the run arguments (optionally with a leading
@@ -315,16 +69,6 @@ def graph_body(graph, layout, rest_tree, recorder):
     new = [outs[i] for i in layout.updated_idx]
     return new, tree_util.tree_unflatten(rest_tree, outs[k:])
   return step
-
-
-def kept_layouts(layout):
-  """The out_shardings of an executable returning (layout.returned(...),
-  outputs): under a mesh the new state keeps its slot's layout, so it is
-  donated in place; XLA chooses the outputs'. None without a mesh."""
-  keep = layout.returned_shardings()
-  if all(s is None for s in tree_util.tree_leaves(keep, is_leaf=lambda x: x is None)):
-    return None
-  return (keep if isinstance(keep, tuple) else tuple(keep), None)
 
 
 def per_arg(leading, n):

@@ -19,7 +19,8 @@ from jaxsession.errors import InputError
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn
 from jaxsession.runtime.executor import (arg_structs, executable_program, graph_body,
-                                         kept_layouts, leaf_steps, per_arg)
+                                         leaf_steps, per_arg)
+from jaxsession.runtime.state_layout import kept_layouts
 from jaxsession.runtime.state import owned_copy
 
 

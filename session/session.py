@@ -24,6 +24,7 @@ from jaxsession.run_op import OpRunner
 from jaxsession.runtime import (build, compile_cache, executor, interrupts, loop_sink, memory,
                                 static_leaves)
 from jaxsession.runtime.packing import SlotLeaf
+from jaxsession.runtime.state_layout import state_layout
 from jaxsession.runtime.profiler import Profiler
 from jaxsession.weak_outputs import WeakOutputs
 from jaxsession.graph_entry import Entry
@@ -271,7 +272,7 @@ class Session:
     interrupts.install()  # again per compile: wraps a handler the user set since
     parts = graph.partitions
     one = len(parts) <= 1 and all(p.place == "device" for p in parts)
-    layout = executor.state_layout(graph, graph.memory, leaf_slots, one)
+    layout = state_layout(graph, graph.memory, leaf_slots, one)
     if one:
       program = executor.single_program(graph, spec, rest_tree, layout, cache, key, hooks)
       sunk = lambda steps, leading: loop_sink.sunk_program(  # noqa: E731

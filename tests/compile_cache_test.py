@@ -26,7 +26,7 @@ from jaxsession.errors import HostOpError
 from jaxsession.graph.importer import import_jaxpr
 from jaxsession.inputs import ArgSpec
 from jaxsession.optimizer_passes.base import PassContext
-from jaxsession.runtime import build, compile_cache, executor
+from jaxsession.runtime import build, compile_cache, executor, state_layout
 from jaxsession.runtime.compile_cache import (DoNotStore, ExecutableCache, RecordingCache,
                                               fingerprint, options_key)
 
@@ -337,7 +337,7 @@ class BuildWithCacheTest(absltest.TestCase):
     graph = optimised(fn, x)
     key = fingerprint(graph, [[jax.api_util.shaped_abstractify(x)]], (), "cpu")
     spec = ArgSpec("run(test)", [0], [x])
-    layout = executor.state_layout(graph, graph.memory, [], True)
+    layout = state_layout.state_layout(graph, graph.memory, [], True)
     rest_tree = tree_util.tree_structure(jax.eval_shape(fn, x))
     return executor.Runner(executor.single_program(graph, spec, rest_tree, layout,
                                                    cache=cache, key=key), layout)
@@ -371,7 +371,7 @@ class BuildWithCacheTest(absltest.TestCase):
       graph = optimised(f, X, options=options)
       key = fingerprint(graph, [[jax.api_util.shaped_abstractify(X)]], options_key(options),
                         "cpu")
-      layout = executor.state_layout(graph, graph.memory, [], True)
+      layout = state_layout.state_layout(graph, graph.memory, [], True)
       runners.append(executor.Runner(executor.single_program(
           graph, ArgSpec("run(t)", [0], [X]), tree_util.tree_structure(0), layout,
           cache=cache, key=key), layout))
@@ -401,7 +401,7 @@ class BuildWithCacheTest(absltest.TestCase):
     self.assertEqual([what for what, _, _ in cache.use.lookups],
                      [("partition", 0), ("partition", 2)] * 2)
     graph, program, spec = programs[1]
-    layout = executor.state_layout(graph, graph.memory, [], False)
+    layout = state_layout.state_layout(graph, graph.memory, [], False)
     program = executor.plan_program(graph, program, spec, tree_util.tree_structure(0), layout)
     runner = executor.Runner(program, layout)
     assert_same_bits(runner.call((X,)), jax.jit(g)(X))

@@ -250,6 +250,7 @@ class KernelGraph:
     Reads the graph only."""
     if structure:
       self._verify_structure(shapes)
+    from jaxsession.graph.invariants import STAGE_INVARIANTS  # pylint: disable=import-outside-toplevel
     checks = {}  # check -> the first stage that establishes it
     for stage in stages:
       for check in STAGE_INVARIANTS.get(stage, ()):
@@ -377,106 +378,6 @@ class KernelGraph:
 
   def __repr__(self):
     return f"KernelGraph({self.name!r}, {len(self.nodes)} nodes)"
-
-
-# -- stage invariants: each returns what is wrong, or None -----------------------
-def _node_text(node):
-  return f"node {node.id} '{node.op}'" + (f" at {node.source}" if node.source else "")
-
-
-def _every_node_has_a_kernel(graph):
-  node = next((n for n in graph.nodes if n.kernel is None), None)
-  return node and f"{_node_text(node)} has no kernel"
-
-
-def _every_node_has_a_place(graph):
-  for node in graph.nodes:
-    if node.place not in ("device", "host"):
-      return f"{_node_text(node)} has no place (place={node.place!r})"
-    if node.kernel is not None and (node.kernel.backend == "host") != (node.place == "host"):
-      return (f"{_node_text(node)} is placed on the {node.place} with kernel "
-              f"{node.kernel.name} ({node.kernel.backend})")
-  return None
-
-
-_FACTS = []  # op_properties.facts, bound on first use (the op table imports the IR)
-
-
-def _transfer(op):
-  """A transfer op's direction ("d2h"/"h2d") from the op table, else None."""
-  if not _FACTS:
-    from jaxsession.graph.op_properties import facts  # pylint: disable=import-outside-toplevel
-    _FACTS.append(facts)
-  return _FACTS[0](op).transfer
-
-
-def _home(value):
-  """Where a value lives: its producer's place (a transfer's result: the side
-  it copies to); graph inputs and state on the device; constants anywhere."""
-  if value.producer is None:
-    return None if value.kind == "const" else "device"
-  kind = _transfer(value.producer.op)
-  return value.producer.place if kind is None else "host" if kind == "d2h" else "device"
-
-
-def _transfers_at_every_edge(graph):
-  homes = {}  # value -> _home(value): each value is read by several nodes
-  for node in graph.nodes:
-    kind = _transfer(node.op)  # a transfer reads from the side it copies from
-    want = node.place if kind is None else "device" if kind == "d2h" else "host"
-    for value in node.inputs:
-      if isinstance(value, Literal):
-        continue
-      home = homes.get(value, homes)
-      if home is homes:
-        home = homes[value] = _home(value)
-      if home is not None and home != want:
-        return (f"{_node_text(node)} on the {node.place} reads {value}, which lives on the "
-                f"{home}, without a transfer")
-  for i, (_, new) in enumerate(graph.state_updates()):
-    if not isinstance(new, Literal) and _home(new) == "host":
-      return f"the new value {new} of state {i} lives on the host, without a transfer"
-  return None
-
-
-def _partitions_cover_the_nodes(graph):
-  if graph.partitions is None:
-    return "the graph has no partitions"
-  members = [n for p in graph.partitions for n in p.nodes]
-  if len(members) != len(graph.nodes) or any(a is not b for a, b in zip(members, graph.nodes)):
-    missing = next((n for n in graph.nodes if all(n is not m for m in members)), None)
-    return ("the partitions are not the node list in order"
-            + (f": {_node_text(missing)} is in none" if missing is not None else ""))
-  part = next((p for p in graph.partitions if any(n.place != p.place for n in p.nodes)), None)
-  return part and f"partition #{part.index} ({part.place}) holds a node of another place"
-
-
-def _every_node_has_a_stream(graph):
-  node = next((n for n in graph.nodes if n.stream is None), None)
-  if node is not None:
-    return f"{_node_text(node)} has no stream"
-  for part in graph.partitions or ():
-    node = next((n for n in part.nodes if n.stream != part.stream), None)
-    if node is not None:
-      return (f"{_node_text(node)} has stream {node.stream}, its partition "
-              f"#{part.index} {part.stream}")
-  return None
-
-
-def _a_memory_plan(graph):
-  return None if graph.memory is not None else "the graph has no memory plan"
-
-
-# what holds after each stage (and after every later pass, unless a later
-# stage's own passes remake that decision: place_nodes picks the kernels of
-# the nodes a HardwareOptimize rewrite makes)
-STAGE_INVARIANTS = {
-    "SelectKernel": (_every_node_has_a_kernel,),
-    "HardwareOptimize": (_every_node_has_a_kernel, _every_node_has_a_place,
-                         _transfers_at_every_edge, _partitions_cover_the_nodes),
-    "AssignStream": (_every_node_has_a_stream,),
-    "AllocateMemory": (_a_memory_plan,),
-}
 
 
 def _check(condition, message):
