@@ -132,7 +132,7 @@ def session_runner(step, state, args, **options):
   gid = sess.compile(step, *state, *args, state_argnums=tuple(range(len(state))))
   report = sess.report(gid)
   packed = sum(1 for _, p, _ in report.memory.packing if p)
-  buffers = sum(len(s.storage) for s in sess._graphs[gid].slots)  # pylint: disable=protected-access
+  buffers = sum(report.memory.state_buffers)
   return (lambda: sess.run(gid, *args)), packed, buffers, len(report.memory.packing)
 
 

@@ -93,6 +93,7 @@ class MemoryReport(tuple):
     report.partitions = list(plan.partitions)
     # per state leaf: (its name, packed, why) - runtime/packing.py
     report.packing = [(d.state.name or str(d.state), d.packed, d.reason) for d in plan.packing]
+    report.state_buffers = ()  # per state arg, the buffers its slot holds (set at Build)
     return report
 
   peak_bytes = property(lambda self: self[0])

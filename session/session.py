@@ -252,6 +252,8 @@ class Session:
         nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start,
         cache=cache.use, sharding=spmd.sharding_report(graph, slots, mesh_layout),
         collectives=spmd.collectives_of(graph, runner))
+    # per state arg: the buffers its slot passes (fewer than its leaves where packed)
+    report.memory.state_buffers = tuple(len(slot.storage) for slot in slots)
     with self._lock:  # a failed compile unpinned its slots; its id stays unused
       for k, j, weak in weak_state:  # set_state keeps these leaves' weak types
         slots[k].weak_sensitive[j] = weak

@@ -237,7 +237,7 @@ class AllReducePlanTest(absltest.TestCase):
     self.assertIn("reduce-scatter: node", zero["dump"])
     moved = zero["bytes"].get("all-reduce", 0) + zero["bytes"]["reduce-scatter"]
     self.assertLessEqual(moved, rep["bytes"]["all-reduce"] / 8 + 64)  # + the loss's
-    for run in (rep, zero):
+    for run in (rep, zero):  # RTOL: the plan's summation order (why: above RTOL)
       np.testing.assert_allclose(run["losses"], run["ref"], rtol=RTOL)
       self.assertLess(run["err"], RTOL)
       self.assertTrue(run["sunk_same"])

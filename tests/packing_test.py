@@ -90,8 +90,8 @@ class DecisionTest(absltest.TestCase):
     dump = sess.graph(gid).dump()
     self.assertIn("packed into float32 buffer", dump)
     self.assertIn("own buffer - read by", dump)
-    slot = sess._graphs[gid].slots[0]  # pylint: disable=protected-access
-    self.assertEqual(len(slot.storage), 6)  # w, big, flag, half + an f32 and an i32 buffer
+    # w, big, flag, half + an f32 and an i32 buffer
+    self.assertEqual(sess.report(gid).memory.state_buffers, (6,))
 
   def test_off_by_default_and_other_reasons(self):
     state = {"a": normal(RNG, 4), "b": normal(RNG, 4), "key": jax.random.key(1),
@@ -201,7 +201,7 @@ class ExactTest(absltest.TestCase):
       x = normal(RNG, 5, dtype=jnp.float64)
       sess = js.Session(PACK)
       gid = sess.compile(fn, state, x, state_argnums=0)
-      self.assertEqual(len(sess._graphs[gid].slots[0].storage), 2)  # pylint: disable=protected-access
+      self.assertEqual(sess.report(gid).memory.state_buffers, (2,))
       got = [sess.run(gid, x) for _ in range(2)]
       want_state, want = jit_steps(fn, state, [x, x])
       assert_same_bits(got, want, "x64 outputs")
@@ -338,7 +338,7 @@ class MeshTest(absltest.TestCase):
         sess = js.Session(js.SessionOptions(mesh=mesh, pack_state_below_bytes=1 << 16))
         specs = ({"b": P(), "c": P(), "w": P(None, "data")},)
         gid = sess.compile(step, state, x, state_argnums=0, state_specs=specs)
-        storage = len(sess._graphs[gid].slots[0].storage)
+        storage = sess.report(gid).memory.state_buffers[0]
         packing = {n.split("[")[-1].strip("']"): [p, why] for n, p, why in
                    sess.report(gid).memory.packing}
         outs = [np.asarray(sess.run(gid, x)).tolist() for _ in range(2)]
