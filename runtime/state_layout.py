@@ -47,8 +47,12 @@ class StateLayout:
     self._updated_refs = [leaf_slots[i] for i in self.updated_idx]
     self.slots = list(dict.fromkeys(slot for slot, _ in leaf_slots))
     self.one_executable = one_executable
+    # a slot is packed (or not) by its first graph's Build, before any layout reads it
+    self._unpacked = all(slot.packing is None for slot in self.slots)
 
   def gather(self):
+    if self._unpacked:  # the slots' storage is their leaves: no view to read
+      return tuple([slot.storage[j] for slot, j in self.leaf_slots])
     return tuple([slot.leaves[j] for slot, j in self.leaf_slots])
 
   def commit(self, new):
