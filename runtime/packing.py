@@ -105,7 +105,7 @@ def decide(graph, partitions, threshold, slot_leaves):
     if why[state.id] is None:
       key = (where.slot, str(state.aval.dtype), state.sharding)
       groups.setdefault(key, []).append((where.leaf, state))
-  packings, members = {}, {}
+  packings = {}
   for (slot, dtype, sharding), leaves in groups.items():
     if len(leaves) < 2:
       why[leaves[0][1].id] = f"the only small {dtype} leaf of its slot: nothing to pack it with"
