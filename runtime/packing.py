@@ -191,12 +191,8 @@ class Packing:
     """The leaves unit `unit` holds."""
     return [self.plain[unit]] if unit < len(self.plain) else self.groups[unit - len(self.plain)]
 
-  def unit_struct(self, unit, aval, sharding):
-    """The ShapeDtypeStruct an executable takes unit `unit` as (`aval`,
-    `sharding`: a plain leaf's)."""
-    if unit < len(self.plain):
-      return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding,
-                                  weak_type=getattr(aval, "weak_type", False))
+  def buffer_struct(self, unit):
+    """The ShapeDtypeStruct an executable takes packed unit `unit` as."""
     g = unit - len(self.plain)
     return jax.ShapeDtypeStruct((self.sizes[g],), self.dtypes[g], sharding=self.shardings[g])
 

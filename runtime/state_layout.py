@@ -140,10 +140,9 @@ class StorageLayout(StateLayout):
 
   def _unit_struct(self, u):
     slot, k, members = self.units[u]
-    i = members[0]
-    if slot.packing is None:
-      return shape_struct(self.state_avals[i], self.state_shardings[i])
-    return slot.packing.unit_struct(k, self.state_avals[i], self.state_shardings[i])
+    if _plain(slot, k):
+      return shape_struct(self.state_avals[members[0]], self.state_shardings[members[0]])
+    return slot.packing.buffer_struct(k)
 
   def structs(self):
     return [self._unit_struct(u) for u in range(len(self.units))]
@@ -177,7 +176,7 @@ class StorageLayout(StateLayout):
     for u in self.unit_updated:
       slot, k, members = self.units[u]
       packing = slot.packing
-      if packing is None or k < len(packing.plain):
+      if _plain(slot, k):
         out.append(full[members[0]])
       else:
         out.append(packing.buffer(k - len(packing.plain),
@@ -208,7 +207,7 @@ class StorageLayout(StateLayout):
     out = []
     for u in self.unit_updated:
       slot, k, members = self.units[u]
-      if len(members) == 1 and (slot.packing is None or k < len(slot.packing.plain)):
+      if _plain(slot, k):
         out.append(names[members[0]] or f"state {members[0]}")
       else:
         out.append(f"{slot.name} packed buffer (storage unit {k}, {len(members)} leaves)")
@@ -257,6 +256,11 @@ class WholeSlots(StorageLayout):
 
 
 _STORAGE = operator.attrgetter("storage")
+
+
+def _plain(slot, unit):
+  """Whether storage unit `unit` of `slot` is one leaf as it is (not a packed buffer)."""
+  return slot.packing is None or unit < len(slot.packing.plain)
 
 
 def state_layout(graph, plan, leaf_slots, one_executable):
