@@ -164,6 +164,14 @@ class Program:
   run_flat: Callable = None    # a plan's: fn(state leaves, user leaves) -> outputs
   bare: bool = False           # run returns the user outputs alone (no state)
 
+  def call(self, state, args):
+    """run(*state, *args), a refusal or failure recovered: for a caller other
+    than Runner.call, whose closure does the same inline."""
+    try:
+      return self.run(*state, *args)
+    except self.recoverable as exc:
+      return self.recover(exc, state, args)
+
 
 def host_op(node):
   """(fn, error) for one host node: fn runs its kernel on arrays and checks

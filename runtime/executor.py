@@ -109,10 +109,6 @@ def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=N
   program = Program([op], [], 0, 0, [], frozenset(), frozenset(), [],
                     {0: memory_analysis(exe)}, {0: exe}, call, RECOVERABLE,
                     recovery(call, conform, failure))
-  if leading is not None:  # every leaf carries the steps: checked up front
-    stepped, n = checked(call, conform, failure), len(layout.structs())
-    program.run = lambda *xs: stepped(xs[:n], conform(xs[n:]))
-    program.recoverable = ()
   return program
 
 

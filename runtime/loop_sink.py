@@ -187,7 +187,7 @@ def chunked_program(parts, layout, spec, rest_tree, steps, leading):
       for treedef in treedefs:
         chunk.append(tree_util.tree_unflatten(treedef, flat[k:k + treedef.num_leaves]))
         k += treedef.num_leaves
-      new, out = part.run(*state, *chunk)
+      new, out = part.call(tuple(state), chunk)
       outs.append(out)
       state = layout.merged(state, new)
     return new, tree_util.tree_unflatten(rest_tree, join([tree_util.tree_leaves(o)

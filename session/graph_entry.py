@@ -36,9 +36,7 @@ class Entry:
       self.call = self.spec.weak_guard(self.call)
     if self.weak_outputs is not None:  # only where the graph has scalar run args
       self.call = self.weak_outputs.guard(self.call)
-    if self.spec.local_pieces:  # many processes: assemble the global batch first
-      call, conform = self.call, self.spec.conform
-      self.call = lambda args: call(conform(args))
+    self.call = self._pieces(self.call)
     self.lock = slots_lock(self.slots)
     executables = self.runner.program.executables
     self.executables = [executables[k] for k in sorted(executables)]
@@ -61,6 +59,14 @@ class Entry:
     guarded_call = [call]
     return guarded
 
+  def _pieces(self, call, leading=None):
+    """`call`, where many processes each pass their own rows: the global
+    batch assembled first (ArgSpec.conform)."""
+    if not self.spec.local_pieces:
+      return call
+    conform = self.spec.conform
+    return lambda args: call(conform(args, leading=leading))
+
   def _wrap(self, runner, steps):
     return runner.call if self.hooks is None else self.hooks.run_call(runner.call, steps)
 
@@ -77,7 +83,7 @@ class Entry:
     if not self.chunks or len(sizes) == 1:
       runner = self.chunks[steps, leading] = self.make_sunk(steps, leading)
       self.report.loop_sink[steps] = kind
-      return self._wrap(runner, steps)
+      return self._pieces(self._wrap(runner, steps), leading)
     parts = []
     for size in sizes:
       part = loop_sink.with_steps(leading, size)
@@ -87,4 +93,4 @@ class Entry:
       parts.append((size, self.chunks[size, part].program))
     runner = self.make_sunk(steps, leading, parts)
     self.report.loop_sink[steps] = f"chunks of {' + '.join(map(str, sizes))} steps ({kind} each)"
-    return self._wrap(runner, steps)
+    return self._pieces(self._wrap(runner, steps), leading)
