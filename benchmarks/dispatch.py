@@ -1,9 +1,11 @@
 """Dispatch overhead of Session.run against plain jax.jit, measured in one run.
 
 Prints a table of per-call times and ratios (session / jit):
-  * a tiny stateless graph                 (target <= 1.3x jit)
-  * a tiny stateful step, jit with donation (target <= 1.3x jit)
-  * 100 steps sunk into one run vs 100 jit calls (target <= 0.05x)
+  * a tiny stateless graph                 (target <= 1.05x jit)
+  * a tiny stateful step, jit with donation (target <= 1.0x jit)
+  * 100 steps sunk into one run vs 100 jit calls (target <= 0.03x)
+(issue 17's targets; the session's single run is the same C++ executable
+call jax.jit makes, plus the session's Python: benchmarks/RESULTS.md)
 
     python benchmarks/dispatch.py [--repeats 7]
 """
@@ -39,8 +41,8 @@ def main(argv):
   jit_tiny = jax.jit(tiny)
   gid = sess.compile(tiny, x)
   t_jit, t_sess = common.compare_us([lambda: jit_tiny(x), lambda: sess.run(gid, x)], n, r)
-  rows.append(("tiny stateless graph", t_jit, t_sess, t_sess / t_jit, "<= 1.3",
-               ok(t_sess / t_jit, 1.3)))
+  rows.append(("tiny stateless graph", t_jit, t_sess, f"{t_sess / t_jit:.3f}", "<= 1.05",
+               ok(t_sess / t_jit, 1.05)))
 
   jit_step = jax.jit(tiny_step, donate_argnums=0)
   holder = [jax.random.normal(jax.random.key(1), (16,))]
@@ -50,8 +52,8 @@ def main(argv):
     return out
   sid = sess.compile(tiny_step, holder[0] + 0, x, state_argnums=0)
   t_jit, t_sess = common.compare_us([jit_call, lambda: sess.run(sid, x)], n, r)
-  rows.append(("tiny stateful step (jit donates)", t_jit, t_sess, t_sess / t_jit, "<= 1.3",
-               ok(t_sess / t_jit, 1.3)))
+  rows.append(("tiny stateful step (jit donates)", t_jit, t_sess, f"{t_sess / t_jit:.3f}",
+               "<= 1.0", ok(t_sess / t_jit, 1.0)))
 
   xs = jax.random.normal(jax.random.key(2), (100, 16))
   rows_x = [xs[i] for i in range(100)]
@@ -64,7 +66,7 @@ def main(argv):
   t_jit, t_sess = common.compare_us([jit_100, lambda: sess.run(sid, xs, steps=100)],
                                     max(n // 100, 20), r, warmup=3)
   rows.append(("100 steps: one sunk run vs 100 jit calls", t_jit, t_sess,
-               t_sess / t_jit, "<= 0.05", ok(t_sess / t_jit, 0.05)))
+               f"{t_sess / t_jit:.3f}", "<= 0.03", ok(t_sess / t_jit, 0.03)))
 
   print(f"machine: {common.machine()}")
   common.print_table(f"dispatch: µs per call, median of {r} interleaved repeats", rows,
