@@ -124,7 +124,8 @@ class Session:
       return self._bucketed_entry(dispatcher)
     if bucket_sizes_hint is not None:
       raise InputError("compile: bucket_sizes_hint is given without buckets=")
-    with gc_pause.paused():  # no cyclic GC while the graph is built (gc_pause.py)
+    # no cyclic GC while the graph is built (gc_pause.py)
+    with gc_pause.paused(), spmd.compile_context(self.options):
       return self._compile(fn, example_args, state_argnums, static_argnums, state_from,
                            updates_state, name, in_specs=in_specs, state_specs=state_specs,
                            state_map=state_map)
@@ -399,7 +400,8 @@ class Session:
         with self._lock:
           call = entry.sunk.get((steps, leading))
           if call is None:
-            call = entry.sunk[steps, leading] = entry.sunk_call(steps, leading)
+            with spmd.compile_context(self.options):
+              call = entry.sunk[steps, leading] = entry.sunk_call(steps, leading)
       return call(args)
     except Exception as exc:
       if entry.released:  # released by another thread while this call ran
@@ -409,7 +411,8 @@ class Session:
           and not isinstance(exc, SessionError)):
         # an executable refuses to run under jax.disable_jit() before it runs
         # anything: run op by op, as jax.jit does there
-        return entry.make_eager(steps, leading).call(args)
+        with spmd.compile_context(self.options):
+          return entry.make_eager(steps, leading).call(args)
       raise
 
   # -- state --------------------------------------------------------------

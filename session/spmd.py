@@ -8,6 +8,7 @@ the program is traced for. After import it writes the shardings on the
 graph's inputs (so `dump()` shows them) with the mesh and the per-compile
 XLA options; Build compiles every executable for them.
 """
+import contextlib
 import dataclasses
 from typing import Any, List, Optional
 
@@ -65,6 +66,32 @@ def check_compiler_options(opts, platform):
                      f"{platform} compiler: {str(exc).splitlines()[0]}") from None
 
 
+def auto_axes(mesh):
+  """`mesh` with every axis Auto: the session lays values out by specs and
+  lets GSPMD place the collectives (as jax.jit under an Auto mesh), which
+  a mesh of Explicit axes (jax.make_mesh's default) refuses for the traced
+  program's dot_generals (their sharding is in their types there). Same
+  devices and names; arrays laid out on the given mesh are moved onto it
+  as run arguments."""
+  if mesh is None or all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+
+
+def compile_context(options):
+  """The context a compile under `options.mesh` traces and builds in: a
+  context mesh of Explicit axes (`with jax.set_mesh(...)` around the
+  compile) as its Auto copy, as auto_axes makes the session's own mesh;
+  otherwise the caller's context as it is."""
+  current = jax.sharding.get_abstract_mesh()
+  if options.mesh is None or current.empty or all(
+      t == jax.sharding.AxisType.Auto for t in current.axis_types):
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(current.update_axis_types(
+      {name: jax.sharding.AxisType.Auto for name in current.axis_names}))
+
+
 def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, state_nums,
            state_flats, state_specs, source_slots):
   """(MeshLayout, dyn_args) for a compile under `options.mesh`; (None,
@@ -73,7 +100,7 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
   state keeps the source's layout. Many processes: `dyn_args` come back as
   the global arrays of each process's example piece."""
   where = f"compile({name})"
-  mesh = options.mesh
+  mesh = auto_axes(options.mesh)
   if mesh is None:
     return None, dyn_args
   arg_names = [f"run argument at position {i}" for i in dyn_nums]

@@ -145,6 +145,53 @@ for v in (xm, x2):
   placed.append([np.asarray(a).tobytes() == np.asarray(b).tobytes(), a.sharding == b.sharding])
 out["jit_placed"] = placed
 out["meshless_sharded_example"] = err(lambda: js.Session().compile(sin, xm))
+# a mesh of Explicit axes (jax.make_mesh's default) runs as its Auto copy:
+# the same bits as the session and jax.jit on an Auto mesh, with arguments
+# and set_state values laid out on the Explicit mesh, and inside
+# `with jax.set_mesh(...)` (a compile, a first sunk run, an eager run)
+from jax.sharding import AxisType
+emesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+def mom_step(w, m, x):
+  l, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+  m = 0.9 * m + g
+  return w - 0.1 * m, m, l
+we = rng.standard_normal((8, 16)).astype(np.float32)
+me = rng.standard_normal((8, 16)).astype(np.float32)
+me[0, :2] = [-0.0, np.inf]
+xe = [rng.standard_normal((32, 8)).astype(np.float32) for _ in range(3)]
+bits = {}
+for label, m_ in (("explicit", emesh), ("auto", mesh1)):
+  se = js.Session(js.SessionOptions(mesh=m_))
+  eid = se.compile(mom_step, we, me, xe[0], state_argnums=(0, 1), state_specs="zero")
+  ls = [se.run(eid, xe[0]), se.run(eid, jax.device_put(xe[1], NamedSharding(m_, P("data"))))]
+  ls.append(se.run(eid, np.stack([xe[2]]), steps=1))
+  bits[label] = [np.asarray(a).tobytes() for a in (*ls, *se.get_state(eid))]
+  if label == "explicit":
+    se.set_state(eid, jax.device_put(we, NamedSharding(emesh, P())),
+                 jax.device_put(me, NamedSharding(emesh, P(None, "data"))))
+    bits["after_set_state"] = np.asarray(se.run(eid, xe[0])).tobytes() == bits["explicit"][0]
+    sp, sm = se.get_state(eid)
+zp, zm = sp.sharding, sm.sharding
+ref = jax.jit(mom_step, in_shardings=(zp, zm, NamedSharding(mesh1, P("data"))),
+              out_shardings=(zp, zm, None))
+rw, rm_ = jax.device_put(we, zp), jax.device_put(me, zm)
+jl = []
+for xt in xe:
+  rw, rm_, l = ref(rw, rm_, xt)
+  jl.append(np.asarray(l).tobytes())
+bits["jit"] = jl + [np.asarray(rw).tobytes(), np.asarray(rm_).tobytes()]
+with jax.set_mesh(emesh):
+  se = js.Session(js.SessionOptions(mesh=emesh))
+  eid = se.compile(mom_step, we, me, xe[0], state_argnums=(0, 1), state_specs="zero")
+  under = [np.asarray(se.run(eid, xe[0])).tobytes()]
+  under.append(np.asarray(se.run(eid, np.stack(xe[1:]), steps=2)).tobytes())
+  with jax.disable_jit():
+    under.append(err(lambda: float(se.run(eid, xe[0]))))
+bits["under_set_mesh"] = [under[0] == bits["explicit"][0],
+                          under[1] == bits["explicit"][1] + bits["explicit"][2], under[2]]
+out["explicit_mesh"] = {k: v if k in ("after_set_state", "under_set_mesh") else
+                        [b == bits["auto"][i] for i, b in enumerate(v)]
+                        for k, v in bits.items()}
 print(json.dumps(out))
 """
 
@@ -195,6 +242,15 @@ class SpmdRegressionTest(SnippetTest):
     # than jit's out_shardings: ZeRO-1 SGD+momentum differed after 2 steps
     for specs, steps in self.out["zero_bits"].items():
       self.assertEqual(steps, [[True, True, True]] * 4, specs)
+
+  def test_an_explicit_mesh_runs_as_its_auto_copy(self):
+    # jax.make_mesh's Explicit axes refused every data-parallel matmul step
+    # at compile (KernelSelectError: the dot_generals' sharding is typed)
+    got = self.out["explicit_mesh"]
+    self.assertEqual(got["explicit"], [True] * 5)
+    self.assertEqual(got["jit"], [True] * 5)
+    self.assertTrue(got["after_set_state"])
+    self.assertEqual(got["under_set_mesh"], [True, True, None])
 
   def test_the_memory_plan_is_per_device(self):
     peak, donated, bound, text = self.out["memory"]["mesh"]
