@@ -55,8 +55,9 @@ def sized_leaves(elements):
   return step, (params,), (x,)
 
 
-def transformer():
-  """A 2-layer flax transformer (d=64, 4 heads, MLP 256) with AdamW at batch 1."""
+def transformer(optimizer="adamw"):
+  """A 2-layer flax transformer (d=64, 4 heads, MLP 256) with AdamW (or
+  `optimizer`, an optax name) at batch 1."""
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
 
@@ -77,7 +78,7 @@ def transformer():
         x = Block()(x)
       return nn.Dense(128)(nn.LayerNorm()(x))
 
-  model, tx = Model(), optax.adamw(1e-3)
+  model, tx = Model(), getattr(optax, optimizer)(1e-3)
   rng = np.random.default_rng(1)
   tokens = jnp.asarray(rng.integers(0, 128, (1, 16)), jnp.int32)
   params = model.init(jax.random.key(0), tokens)
@@ -171,6 +172,12 @@ def main(argv):
                                       "ratio", "target", "met"])
   common.print_table("state leaves and the buffers the session passes", leaf_rows,
                      ["case", "state leaves", "packed", "buffers passed"])
+  # What bounds the transformer row: its forward and backward alone, under
+  # jax.jit with SGD (an update of one multiply-add per leaf), against AdamW's
+  adamw, sgd = (jit_runner(*transformer(name)) for name in ("adamw", "sgd"))
+  common.print_table("the transformer's floor: jax.jit + donation, µs per step, medians",
+                     [ratio_row("flax transformer, SGD / AdamW", adamw, sgd, n, r)],
+                     ["case", "AdamW", "SGD", "ratio", "target", "met"])
 
   sweep = []
   for size in map(int, FLAGS.leaf_bytes):
