@@ -6,6 +6,7 @@ import numpy as np
 from jax import tree_util
 
 from jaxsession.graph import op_properties
+from jaxsession.jax_api import ARRAY
 from jaxsession.kernels.registry import register_kernel
 
 
@@ -103,7 +104,7 @@ def prepare_pure_callback(node):
 
   def run(*args):  # _callback_args and _call_on_cpu inlined: this is run's hot path
     for a in args:
-      if not isinstance(a, jax.Array):
+      if type(a) is not ARRAY and not isinstance(a, jax.Array):  # ARRAY: jax_api.py
         args = _callback_args(args)
         break
     if cpu_backend and config.jax_default_device is None:

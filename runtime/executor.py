@@ -21,6 +21,7 @@ from jax import tree_util
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import Literal
 from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes
+from jaxsession.jax_api import ARRAY
 from jaxsession.runtime import callbacks, codegen, debug_flags, interrupts, sharding
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, fast_call, memory_analysis,
@@ -182,6 +183,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
       conform_leaves(xs)  # refused before running: InputError naming it
     return exc
   checked_plan = checked(plan, conform_leaves, failure)
+  recover = recovery(plan, conform_leaves, failure)
 
   def output(n, out):
     if n in literal_outputs:
@@ -211,7 +213,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
     state, args = xs[:base], xs[base:]
     if all_bare and len(args) == len(bare):
       for arg in args:  # the usual call: array arguments, nothing to flatten
-        if not isinstance(arg, jax.Array):
+        if type(arg) is not ARRAY and not isinstance(arg, jax.Array):  # ARRAY: jax_api.py
           leaves = user_leaves(args)
           break
       else:
@@ -220,7 +222,10 @@ def plan_program(graph, program, spec, rest_tree, layout):
           leaves[reg - base] = spec.conform_leaf(i, j, leaves[reg - base])
     else:
       leaves = user_leaves(args)
-    outs = checked_plan((state,), (leaves,))
+    try:  # checked_plan, inlined: a frame less a run
+      outs = plan(state, leaves)
+    except RECOVERABLE as exc:
+      outs = recover(exc, (state,), (leaves,))
     if post is not None:
       outs = post(outs)
     new = tuple(map(outs.__getitem__, updated)) if updated else ()

@@ -10,4 +10,11 @@ try:
 except ImportError:  # an internal path: the public name, as it is at import
   from jax import jit as real_jit
 
-__all__ = ["real_jit"]
+try:  # the concrete type of a jax.Array: on a hot path, `type(x) is ARRAY or
+  # isinstance(x, jax.Array)` - the type test is ~0.2 µs cheaper than isinstance
+  from jax._src.array import ArrayImpl as ARRAY
+except ImportError:  # an internal path: the isinstance alone decides
+  ARRAY = None
+
+
+__all__ = ["real_jit", "ARRAY"]
