@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
+from jaxsession import tracing
 from jaxsession.errors import InputError
 from jaxsession.jax_api import real_jit
 
@@ -188,7 +189,7 @@ class Jitted:
               self._compile(statics, args, dyn_args, dyn_kw))
     if gid is _JAX:  # arguments committed to other devices or sharded over many:
       return self._under_trace()(*args, **kwargs)  # jax.jit runs where they are
-    return self.session.run(gid, dyn_args, dyn_kw)
+    return self.session.run(gid, *dyn_args, dyn_kw)
 
   def _under_trace(self):
     return self._traced
@@ -198,11 +199,15 @@ class Jitted:
     (static_pos, static_kw) = statics
     static_at = dict(static_pos)
 
-    def call(dyn_args, dyn_kw):
-      it = iter(dyn_args)
+    def call(*dyn):
+      it = iter(dyn[:-1])
       full = [static_at[i] if i in static_at else next(it) for i in range(n)]
-      return fn(*full, **dict(static_kw), **dyn_kw)
-    return self.session.compile(call, dyn_args, dyn_kw, updates_state=False, name=_name(fn))
+      return fn(*full, **dict(static_kw), **dyn[-1])
+    # a tracing error names fn and its parameters, as under jax.jit
+    names = tracing.param_names(fn, [i for i in range(n) if i not in static_at])
+    if names is not None:
+      tracing.signed(call, fn, names + ["kwargs"])
+    return self.session.compile(call, *dyn_args, dyn_kw, updates_state=False, name=_name(fn))
 
 
 try:  # the tuple jax.jit keys its own caches by (~0.2 µs a call here)

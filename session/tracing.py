@@ -2,6 +2,9 @@
 the checks of its new state, and the weak-type analysis (which scalars'
 weak types change the traced program). Nothing here runs user code beyond
 jax tracing."""
+import functools
+import inspect
+
 import jax
 import numpy as np
 from jax import tree_util
@@ -51,7 +54,47 @@ def stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates):
     rest = tuple(out[k:])
     return (tuple(static_leaves.hide(s) for s in out[:k]),
             None if not rest else rest[0] if len(rest) == 1 else rest)
-  return session_step
+  return _named_like(session_step, fn, dyn_nums)
+
+
+def _named_like(step, fn, dyn_nums):
+  """`step`, which jax's tracing errors name as they name fn under jax.jit:
+  fn's name and source line ("while tracing the function my_step at
+  train.py:12"), and each run argument by fn's parameter name ("the argument
+  x"); the state args are the tuple `state_args` ("state_args[0]")."""
+  names = param_names(fn, dyn_nums)
+  return step if names is None else signed(step, fn, ["state_args"] + names)
+
+
+def param_names(fn, positions):
+  """fn's names of its positional parameters at `positions` (`arg<i>` past
+  them), or None for a callable without a signature."""
+  try:
+    params = [p.name for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    return None
+  return [params[i] if i < len(params) else f"arg{i}" for i in positions]
+
+
+def signed(step, fn, names):
+  """`step` with positional parameters `names` (made unique) and fn's name
+  and source, as jax's tracing errors read them (inspect.signature, and the
+  code inspect.unwrap reaches); returns step."""
+  unique = []
+  for name in names:
+    while name in unique:
+      name += "_"
+    unique.append(name)
+  step.__signature__ = inspect.Signature(
+      [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in unique])
+  inner = fn
+  while isinstance(inner, functools.partial):  # as jax's source info unwraps fn
+    inner = inner.func
+  step.__wrapped__ = inner
+  step.__name__ = getattr(inner, "__name__", step.__name__)
+  step.__qualname__ = getattr(inner, "__qualname__", step.__qualname__)
+  return step
 
 
 def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dyn_args):

@@ -114,6 +114,35 @@ class BadInputTest(absltest.TestCase):
     # the failed compiles registered nothing: the next graph gets the next id
     self.assertEqual(self.sess.compile(jnp.sin, self.batch["x"]), self.gid + 1)
 
+  def test_tracing_errors_name_the_users_function_and_arguments(self):
+    # they named the session's wrapper ("session_step at tracing.py",
+    # "the argument dyn[1]") where jax.jit names fn and its parameter
+    def branchy(w, batch, scale):
+      if batch["x"].sum() > 0:  # a Python branch on a traced value
+        return w * scale, w.sum()
+      return w, w.sum()
+    line = branchy.__code__.co_firstlineno
+    w = jnp.asarray(np.random.default_rng(3).standard_normal(4), jnp.float32)
+    with self.assertRaises(jax.errors.TracerBoolConversionError) as want:
+      jax.jit(branchy, static_argnums=2)(w, self.batch, 2.0)
+    self.assertIn(f"branchy at {__file__}:{line}", str(want.exception))
+    for how in (lambda: self.sess.compile(branchy, w, self.batch, 2.0, state_argnums=0,
+                                          static_argnums=2),
+                lambda: js.jit(branchy, static_argnums=2)(w, self.batch, 2.0)):
+      with self.assertRaises(jax.errors.TracerBoolConversionError) as got:
+        how()
+      message = str(got.exception)
+      self.assertIn(f"the function branchy at {__file__}:{line}", message)
+      self.assertIn("the argument batch['x']", message)
+      self.assertNotIn("session_step", message)
+
+    def on_state(w, x):
+      return (w * 2 if w[0] > 0 else w), x.sum()
+    with self.assertRaises(jax.errors.TracerBoolConversionError) as got:
+      self.sess.compile(on_state, w, self.batch["x"], state_argnums=0)
+    self.assertIn("the argument state_args[0]", str(got.exception))
+    self.assert_state_unchanged()
+
   def test_unavailable_platform(self):
     with self.assertRaisesRegex(js.InputError, r"platform='no_such_platform'"):
       js.Session(js.SessionOptions(platform="no_such_platform"))
