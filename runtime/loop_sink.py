@@ -16,7 +16,7 @@ import jax
 from jax import lax, tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.runtime import callbacks
+from jaxsession.runtime import callbacks, sharding
 from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn
 from jaxsession.runtime.executor import (arg_structs, executable_program, graph_body,
                                          leaf_steps, per_arg)
@@ -64,39 +64,50 @@ MAX_COMPILED_STEPS = 256  # split/stack executables up to this many steps
 class _Columns:
   """Joins per-step (or per-chunk) outputs leaf by leaf with `combine`
   (jnp.stack: the steps' outputs; jnp.concatenate: the chunks' stacked
-  ones): one executable compiled on first use (~2 µs a step on CPU, measured
-  here), or `combine` per output where one executable cannot take them
-  (`eager`: beyond MAX_COMPILED_STEPS; under a mesh with host outputs)."""
+  ones): one executable, compiled before the first join (`prepare`, from
+  the rows' types: a chunked run's, before any chunk consumes the state) or
+  on first use (~2 µs a step on CPU, measured here), or `combine` per output
+  where one executable cannot take them (`eager`: beyond MAX_COMPILED_STEPS;
+  under a mesh with host outputs)."""
 
   def __init__(self, combine, eager=False):
     self.combine = combine
     self.eager = eager
     self.exe = None
 
-  def __call__(self, rows):
+  def prepare(self, rows):
+    """Compiles the join of `rows` (per row, its leaves: arrays or
+    ShapeDtypeStructs) unless it is compiled or eager."""
     columns = list(zip(*rows))
     flat = [x for column in columns for x in column]
-    if not flat:
-      return []
-    if self.exe is None and not self.eager and len({isinstance(
-        getattr(x, "sharding", None), jax.sharding.NamedSharding) for x in flat}) > 1:
+    if self.exe is not None or self.eager or not flat:
+      return
+    if len({isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+            for x in flat}) > 1:
       self.eager = True  # under a mesh with host outputs: one executable cannot take both
+      return
+    structs = [jax.ShapeDtypeStruct(  # under a mesh, as the plan laid them out
+        jax.numpy.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False),
+        sharding=x.sharding if isinstance(getattr(x, "sharding", None),
+                                          jax.sharding.NamedSharding) else None)
+        for x in flat]
+    sizes = [len(column) for column in columns]
+    combine = self.combine
+
+    def joined(*xs):
+      it = iter(xs)
+      return [combine([next(it) for _ in range(k)]) for k in sizes]
+    with sharding.auto_context():  # a run inside `with jax.set_mesh(...)` of Explicit axes
+      self.exe = compile_fn(joined, structs)
+
+  def __call__(self, rows):
+    columns = list(zip(*rows))
+    if not columns:
+      return []
+    self.prepare(rows)
     if self.eager:
       return [self.combine(column) for column in columns]
-    if self.exe is None:
-      structs = [jax.ShapeDtypeStruct(  # under a mesh, as the plan laid them out
-          jax.numpy.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False),
-          sharding=x.sharding if isinstance(getattr(x, "sharding", None),
-                                            jax.sharding.NamedSharding) else None)
-          for x in flat]
-      sizes = [len(column) for column in columns]
-      combine = self.combine
-
-      def joined(*xs):
-        it = iter(xs)
-        return [combine([next(it) for _ in range(k)]) for k in sizes]
-      self.exe = compile_fn(joined, structs)
-    return self.exe(*flat)
+    return self.exe(*[x for column in columns for x in column])
 
 
 def stepped_program(program, layout, spec, rest_tree, steps, leading=None):
@@ -173,6 +184,11 @@ def chunked_program(parts, layout, spec, rest_tree, steps, leading):
     return [[lax.slice_in_dim(x, start, start + size) for x in xs] for start, size in bounds]
   split = compile_fn(split_all, structs) if structs else (lambda: [[] for _ in parts])
   join = _Columns(jax.numpy.concatenate)
+  # compiled now, not after the first chunk consumed the state: a join that
+  # failed to compile lost it (found by the break-it review)
+  if all(len(part.executables) == 1 and part.ops and part.ops[0].fn is part.run
+         for _, part in parts):
+    join.prepare([tree_util.tree_leaves(part.executables[0].out_info[1]) for _, part in parts])
   treedefs = spec.treedefs
 
   def run(*xs):

@@ -21,6 +21,8 @@ Many processes (`jax.distributed`): a run argument is each process's local
 piece of the global batch, and `global_array` assembles the global array
 (`jax.make_array_from_process_local_data`); state is global.
 """
+import contextlib
+
 import jax
 import numpy as np
 from jax import tree_util
@@ -31,6 +33,31 @@ from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
 
 ZERO = "zero"
+
+
+def auto_axes(mesh):
+  """`mesh` with every axis Auto: the session lays values out by specs and
+  lets GSPMD place the collectives (as jax.jit under an Auto mesh), which
+  a mesh of Explicit axes (jax.make_mesh's default) refuses for the traced
+  program's dot_generals (their sharding is in their types there). Same
+  devices and names; arrays laid out on the given mesh are moved onto it
+  as run arguments."""
+  if mesh is None or all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+
+
+def auto_context():
+  """The context the session traces and compiles its own programs in: a
+  context mesh of Explicit axes (`with jax.set_mesh(...)` around a compile
+  or a run) as its Auto copy, as auto_axes makes the session's mesh;
+  otherwise the caller's context as it is."""
+  current = jax.sharding.get_abstract_mesh()
+  if current.empty or all(t == jax.sharding.AxisType.Auto for t in current.axis_types):
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(current.update_axis_types(
+      {name: jax.sharding.AxisType.Auto for name in current.axis_names}))
 
 
 def _is_spec(x):

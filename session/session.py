@@ -173,6 +173,8 @@ class Session:
     mesh_layout, dyn_args = spmd.layout(  # bad specs: InputError
         self.options, self.platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, state_nums,
         state_flats, state_specs, shared)
+    if mesh_layout is not None:  # the types alone, where an example is on an Explicit mesh
+      state_args, dyn_args = spmd.traced_types(state_args), spmd.traced_types(dyn_args)
     wrapped = tracing.stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates)
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
                                                                   *dyn_args)

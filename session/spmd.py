@@ -66,30 +66,25 @@ def check_compiler_options(opts, platform):
                      f"{platform} compiler: {str(exc).splitlines()[0]}") from None
 
 
-def auto_axes(mesh):
-  """`mesh` with every axis Auto: the session lays values out by specs and
-  lets GSPMD place the collectives (as jax.jit under an Auto mesh), which
-  a mesh of Explicit axes (jax.make_mesh's default) refuses for the traced
-  program's dot_generals (their sharding is in their types there). Same
-  devices and names; arrays laid out on the given mesh are moved onto it
-  as run arguments."""
-  if mesh is None or all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
-    return mesh
-  return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                           axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-
-
 def compile_context(options):
-  """The context a compile under `options.mesh` traces and builds in: a
-  context mesh of Explicit axes (`with jax.set_mesh(...)` around the
-  compile) as its Auto copy, as auto_axes makes the session's own mesh;
-  otherwise the caller's context as it is."""
-  current = jax.sharding.get_abstract_mesh()
-  if options.mesh is None or current.empty or all(
-      t == jax.sharding.AxisType.Auto for t in current.axis_types):
-    return contextlib.nullcontext()
-  return jax.sharding.use_abstract_mesh(current.update_axis_types(
-      {name: jax.sharding.AxisType.Auto for name in current.axis_names}))
+  """The context a compile or a run's first build under `options.mesh` runs
+  in (sharding.auto_context); the caller's as it is without a mesh."""
+  return contextlib.nullcontext() if options.mesh is None else sharding.auto_context()
+
+
+def traced_types(args):
+  """`args` as the trace takes them under a session mesh: a jax.Array laid
+  out on a mesh of Explicit axes (an example made inside `jax.set_mesh`, or
+  put there) as its type alone, without that mesh - the session's mesh and
+  specs lay it out (sharding.auto_axes)."""
+  def plain(x):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+      if mesh is not None and not mesh.empty and any(
+          t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
+    return x
+  return [tree_util.tree_map(plain, a) for a in args]
 
 
 def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, state_nums,
@@ -100,7 +95,7 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
   state keeps the source's layout. Many processes: `dyn_args` come back as
   the global arrays of each process's example piece."""
   where = f"compile({name})"
-  mesh = auto_axes(options.mesh)
+  mesh = sharding.auto_axes(options.mesh)
   if mesh is None:
     return None, dyn_args
   arg_names = [f"run argument at position {i}" for i in dyn_nums]

@@ -148,7 +148,7 @@ out["meshless_sharded_example"] = err(lambda: js.Session().compile(sin, xm))
 # a mesh of Explicit axes (jax.make_mesh's default) runs as its Auto copy:
 # the same bits as the session and jax.jit on an Auto mesh, with arguments
 # and set_state values laid out on the Explicit mesh, and inside
-# `with jax.set_mesh(...)` (a compile, a first sunk run, an eager run)
+# `with jax.set_mesh(...)` (a compile, sunk and chunked runs, an eager run)
 from jax.sharding import AxisType
 emesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
 def mom_step(w, m, x):
@@ -180,15 +180,27 @@ for xt in xe:
   rw, rm_, l = ref(rw, rm_, xt)
   jl.append(np.asarray(l).tobytes())
 bits["jit"] = jl + [np.asarray(rw).tobytes(), np.asarray(rm_).tobytes()]
+# inside the context: examples made there (typed by the Explicit mesh), a
+# first sunk run, then another steps value (chunks of 2 + 1, whose join was
+# compiled after the first chunk had consumed the state: the state was lost)
+xs3 = np.stack([xe[0], xe[1], xe[2]])
+auto = js.Session(js.SessionOptions(mesh=mesh1))
+aid = auto.compile(mom_step, we, me, xe[0], state_argnums=(0, 1), state_specs="zero")
+auto.run(aid, xe[0]); auto.run(aid, np.stack(xe[1:]), steps=2)
+chunked_want = np.asarray(auto.run(aid, xs3, steps=3)).tobytes()
+state_want = [np.asarray(a).tobytes() for a in auto.get_state(aid)]
 with jax.set_mesh(emesh):
   se = js.Session(js.SessionOptions(mesh=emesh))
-  eid = se.compile(mom_step, we, me, xe[0], state_argnums=(0, 1), state_specs="zero")
+  eid = se.compile(mom_step, jnp.asarray(we), jnp.asarray(me), jnp.asarray(xe[0]),
+                   state_argnums=(0, 1), state_specs="zero")
   under = [np.asarray(se.run(eid, xe[0])).tobytes()]
   under.append(np.asarray(se.run(eid, np.stack(xe[1:]), steps=2)).tobytes())
+  under.append(np.asarray(se.run(eid, xs3, steps=3)).tobytes() == chunked_want)
+  under.append([np.asarray(a).tobytes() for a in se.get_state(eid)] == state_want)
   with jax.disable_jit():
     under.append(err(lambda: float(se.run(eid, xe[0]))))
 bits["under_set_mesh"] = [under[0] == bits["explicit"][0],
-                          under[1] == bits["explicit"][1] + bits["explicit"][2], under[2]]
+                          under[1] == bits["explicit"][1] + bits["explicit"][2], *under[2:]]
 out["explicit_mesh"] = {k: v if k in ("after_set_state", "under_set_mesh") else
                         [b == bits["auto"][i] for i, b in enumerate(v)]
                         for k, v in bits.items()}
@@ -250,7 +262,7 @@ class SpmdRegressionTest(SnippetTest):
     self.assertEqual(got["explicit"], [True] * 5)
     self.assertEqual(got["jit"], [True] * 5)
     self.assertTrue(got["after_set_state"])
-    self.assertEqual(got["under_set_mesh"], [True, True, None])
+    self.assertEqual(got["under_set_mesh"], [True, True, True, True, None])
 
   def test_the_memory_plan_is_per_device(self):
     peak, donated, bound, text = self.out["memory"]["mesh"]
