@@ -59,6 +59,13 @@ class Entry:
     guarded_call = [call]
     return guarded
 
+  def _sunk_guards(self, call, leading):
+    """A sunk call's guards: the weak-type one on its unstacked arguments
+    (in_axes None: passed as a single run takes them), then _pieces."""
+    if isinstance(leading, tuple) and self.spec.weak_sensitive:
+      call = self.spec.weak_guard(call, only={i for i, s in enumerate(leading) if s is None})
+    return self._pieces(call, leading)
+
   def _pieces(self, call, leading=None):
     """`call`, where many processes each pass their own rows: the global
     batch assembled first (ArgSpec.conform)."""
@@ -83,7 +90,7 @@ class Entry:
     if not self.chunks or len(sizes) == 1:
       runner = self.chunks[steps, leading] = self.make_sunk(steps, leading)
       self.report.loop_sink[steps] = kind
-      return self._pieces(self._wrap(runner, steps), leading)
+      return self._sunk_guards(self._wrap(runner, steps), leading)
     parts = []
     for size in sizes:
       part = loop_sink.with_steps(leading, size)
@@ -93,4 +100,4 @@ class Entry:
       parts.append((size, self.chunks[size, part].program))
     runner = self.make_sunk(steps, leading, parts)
     self.report.loop_sink[steps] = f"chunks of {' + '.join(map(str, sizes))} steps ({kind} each)"
-    return self._pieces(self._wrap(runner, steps), leading)
+    return self._sunk_guards(self._wrap(runner, steps), leading)

@@ -211,11 +211,17 @@ class ArgSpec:
     return (f"{self.where}: argument {i} (position {self.positions[i]} of the function) "
             f"at path {self.paths[i][j] or '(root)'}")
 
-  def weak_guard(self, call):
+  def weak_guard(self, call, only=None):
     """`call`, refusing a scalar whose weak type differs from the compiled one
-    where that changes the program (jax.jit would compile another one)."""
+    where that changes the program (jax.jit would compile another one);
+    `only`: the argument indices to check (a sunk run's unstacked ones)."""
+    sensitive = [(i, j, weak) for i, j, weak in self.weak_sensitive
+                 if only is None or i in only]
+    if not sensitive:
+      return call
+
     def guarded(args):
-      for i, j, weak in self.weak_sensitive:
+      for i, j, weak in sensitive:
         if i < len(args):
           leaves = tree_util.tree_leaves(args[i])
           if j < len(leaves) and is_weak(leaves[j]) != weak:

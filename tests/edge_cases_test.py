@@ -201,6 +201,26 @@ class WeakTypesTest(absltest.TestCase):
     np.testing.assert_array_equal(sess.run(f32, jnp.ones(2), jnp.float32(0.25)),
                                   jax.jit(fn)(jnp.ones(2), jnp.float32(0.25)))
 
+  def test_unstacked_scalar_of_a_sunk_run(self):
+    # in_axes None passes the scalar as a single run does: it was accepted
+    # strong where the program was traced weak (int8 state * weak int stays
+    # int8; jax.jit would promote a strong int32), found by the break-it review
+    step = lambda s, k: (s * k, s.astype(jnp.int32).sum())
+    s0 = jnp.asarray(np.random.default_rng(7).integers(-9, 9, 3), jnp.int8)
+    sess = js.Session()
+    gid = sess.compile(step, s0, 3, state_argnums=0)
+    for steps in (2, 3):  # the first steps value, then chunks of 2 + 1
+      with self.assertRaisesRegex(js.InputError, "strongly typed.*Pass a Python scalar"):
+        sess.run(gid, jnp.int32(3), steps=steps, in_axes=(None,))
+      np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
+    got = sess.run(gid, 3, steps=3, in_axes=(None,))
+    ref, want = s0, []
+    for _ in range(3):
+      ref, out = jax.jit(step)(ref, 3)
+      want.append(out)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(sess.get_state(gid)[0], ref)
+
   def test_numpy_scalars_many_scalars_arrays_and_set_state(self):
     fn = lambda x, s: x * s
     x = jnp.linspace(-3, 3, 11).astype(jnp.bfloat16)
