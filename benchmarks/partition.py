@@ -7,7 +7,7 @@ Prints one table of per-step times and ratios (session / baseline):
        * jax.jit of the whole function, the callback inside it
          (target <= 0.2x on the tiny one),
        * the hand-written split: two jax.jit functions with the numpy function
-         called between them from Python (target <= 1.25x),
+         called between them from Python (target <= 1.15x on the tiny one, issue 17; 1.25x at 256x256),
        * op-by-op eager, `with jax.disable_jit()` (target <= 0.1x);
   2. a host op that does not read the device result next to a chain of
      matmuls of similar duration, in one step: the normal Session.run
@@ -104,7 +104,7 @@ def case_round_trip(rows, notes, label, x, w, calls, repeats, tiny):
   # every contender, so the jit and eager targets are shown for f32[4] only.
   for name, t_base, s_base, bound in (
       ("jax.jit, pure_callback inside", t_jit, samples[1], 0.2 if tiny else None),
-      ("two jax.jit, numpy between by hand", t_split, samples[2], 1.25),
+      ("two jax.jit, numpy between by hand", t_split, samples[2], 1.15 if tiny else 1.25),
       ("op-by-op eager (disable_jit)", t_eager, samples[3], 0.1 if tiny else None)):
     ratio = common.paired_ratio(samples[0], s_base)
     rows.append((f"1. {label} device->host->device vs {name}", t_sess, t_base,
