@@ -7,7 +7,8 @@ Prints one table of per-step times and ratios (session / baseline):
        * jax.jit of the whole function, the callback inside it
          (target <= 0.2x on the tiny one),
        * the hand-written split: two jax.jit functions with the numpy function
-         called between them from Python (target <= 1.15x on the tiny one, issue 17; 1.25x at 256x256),
+         called between them from Python (target <= 1.15x on the tiny one,
+         issue 17's; 1.25x at 256x256),
        * op-by-op eager, `with jax.disable_jit()` (target <= 0.1x);
   2. a host op that does not read the device result next to a chain of
      matmuls of similar duration, in one step: the normal Session.run
