@@ -24,7 +24,6 @@ import threading
 import weakref
 
 import jax
-import numpy as np
 from jax import tree_util
 
 from jaxsession import tracing
