@@ -19,6 +19,7 @@ long as the wrapper; they are released with it.
 """
 import functools
 import inspect
+import keyword
 import numbers
 import threading
 import weakref
@@ -188,25 +189,54 @@ class Jitted:
               self._compile(statics, args, dyn_args, dyn_kw))
     if gid is _JAX:  # arguments committed to other devices or sharded over many:
       return self._under_trace()(*args, **kwargs)  # jax.jit runs where they are
-    return self.session.run(gid, *dyn_args, dyn_kw)
+    if dyn_kw:  # keyword args first, in key order (call_order)
+      return self.session.run(gid, *[dyn_kw[k] for k in sorted(dyn_kw)], *dyn_args)
+    return self.session.run(gid, *dyn_args)
 
   def _under_trace(self):
     return self._traced
 
   def _compile(self, statics, args, dyn_args, dyn_kw):
+    """The session graph of one signature. Its function takes the dynamic
+    keyword args (in key order), then the dynamic positional ones, one
+    session argument each, under a signature of fn's names: a tracing error
+    names them as under jax.jit ("the argument x", "args[1]", "b")."""
     fn, n = self._fn, len(args)
     (static_pos, static_kw) = statics
     static_at = dict(static_pos)
+    keys = sorted(dyn_kw)
+    k = len(keys)
 
     def call(*dyn):
-      it = iter(dyn[:-1])
+      it = iter(dyn[k:])
       full = [static_at[i] if i in static_at else next(it) for i in range(n)]
-      return fn(*full, **dict(static_kw), **dyn[-1])
-    # a tracing error names fn and its parameters, as under jax.jit
-    names = tracing.param_names(fn, [i for i in range(n) if i not in static_at])
-    if names is not None:
-      tracing.signed(call, fn, names + ["kwargs"])
-    return self.session.compile(call, *dyn_args, dyn_kw, updates_state=False, name=_name(fn))
+      return fn(*full, **dict(static_kw), **dict(zip(keys, dyn[:k])))
+    params = tracing.arg_parameters(fn, [i for i in range(n) if i not in static_at])
+    tracing.signed(call, fn, _keyword_parameters(fn, keys, {p.name for p in params}) + params)
+    return self.session.compile(call, *[dyn_kw[key] for key in keys], *dyn_args,
+                                updates_state=False, name=_name(fn))
+
+
+def _keyword_parameters(fn, keys, taken):
+  """A positional-only inspect.Parameter per keyword argument: its own name
+  where fn names it, else (fn's **kwargs) `<kwargs>_<key>`; none repeats
+  `taken` or another."""
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    params = ()
+  own = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  var = next((p.name for p in params if p.kind == p.VAR_KEYWORD), "kwargs")
+  out, taken = [], set(taken)
+  for i, key in enumerate(keys):
+    name = key if key in own else f"{var}_{key}"
+    if not name.isidentifier() or keyword.iskeyword(name):
+      name = f"{var}_{i}"
+    while name in taken:
+      name = "_" + name
+    taken.add(name)
+    out.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY))
+  return out
 
 
 try:  # the tuple jax.jit keys its own caches by (~0.2 µs a call here)

@@ -61,33 +61,46 @@ def _named_like(step, fn, dyn_nums):
   """`step`, which jax's tracing errors name as they name fn under jax.jit:
   fn's name and source line ("while tracing the function my_step at
   train.py:12"), and each run argument by fn's parameter name ("the argument
-  x"); the state args are the tuple `state_args` ("state_args[0]")."""
-  names = param_names(fn, dyn_nums)
-  return step if names is None else signed(step, fn, ["state_args"] + names)
+  x", "args[1]" past them under `*args`); the state args are one tuple,
+  `state_args` ("state_args[0]") unless fn has a parameter of that name."""
+  params = arg_parameters(fn, dyn_nums)
+  taken = {p.name for p in params}
+  state = "state_args"
+  while state in taken:
+    state = "_" + state
+  return signed(step, fn, [inspect.Parameter(state, inspect.Parameter.POSITIONAL_ONLY)]
+                + params)
 
 
-def param_names(fn, positions):
-  """fn's names of its positional parameters at `positions` (`arg<i>` past
-  them), or None for a callable without a signature."""
+def arg_parameters(fn, positions):
+  """inspect.Parameters naming fn's positional arguments at `positions`
+  (increasing): its own parameter names, and past them its `*args` (one
+  VAR_POSITIONAL parameter, which jax names `args[i]`), or `args` where fn
+  has no signature (a builtin)."""
   try:
-    params = [p.name for p in inspect.signature(fn).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    params = list(inspect.signature(fn).parameters.values())
+    var = None
   except (TypeError, ValueError):
-    return None
-  return [params[i] if i < len(params) else f"arg{i}" for i in positions]
+    params, var = [], "args"
+  named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  var = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), var)
+  out = []
+  for i in positions:
+    if i < len(named):
+      out.append(inspect.Parameter(named[i], inspect.Parameter.POSITIONAL_ONLY))
+    elif var is not None:  # the rest are fn's *args
+      out.append(inspect.Parameter(var, inspect.Parameter.VAR_POSITIONAL))
+      break
+    else:  # more than fn takes: the trace raises jax's own error
+      out.append(inspect.Parameter(f"arg{i}", inspect.Parameter.POSITIONAL_ONLY))
+  return out
 
 
-def signed(step, fn, names):
-  """`step` with positional parameters `names` (made unique) and fn's name
-  and source, as jax's tracing errors read them (inspect.signature, and the
-  code inspect.unwrap reaches); returns step."""
-  unique = []
-  for name in names:
-    while name in unique:
-      name += "_"
-    unique.append(name)
-  step.__signature__ = inspect.Signature(
-      [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in unique])
+def signed(step, fn, params):
+  """`step` with the signature `params` (inspect.Parameters, unique names)
+  and fn's name and source, as jax's tracing errors read them
+  (inspect.signature, and the code inspect.unwrap reaches); returns step."""
+  step.__signature__ = inspect.Signature(params)
   inner = fn
   while isinstance(inner, functools.partial):  # as jax's source info unwraps fn
     inner = inner.func

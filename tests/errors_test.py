@@ -136,6 +136,21 @@ class BadInputTest(absltest.TestCase):
       self.assertIn("the argument batch['x']", message)
       self.assertNotIn("session_step", message)
 
+    # keyword arguments by their names, `*args` past the named ones as
+    # args[i], a builtin's as jax.jit names them
+    def by_keyword(a, *args, b):
+      return a * 2 if b > 0 else a
+    def var_positional(a, *args):
+      return a if args[1] > 0 else -a
+    for fn, args, kwargs, name in (
+        (by_keyword, (w,), {"b": 1.0}, "the argument b."),
+        (var_positional, (w, 1.0, 2.0), {}, "the argument args[1]."),
+        (max, (1.0, 2.0), {}, "the arguments args[0] and args[1].")):
+      for jit in (jax.jit, js.jit):
+        with self.assertRaises(jax.errors.ConcretizationTypeError) as got:
+          jit(fn)(*args, **kwargs)
+        self.assertIn(name, str(got.exception), jit)
+
     def on_state(w, x):
       return (w * 2 if w[0] > 0 else w), x.sum()
     with self.assertRaises(jax.errors.TracerBoolConversionError) as got:
