@@ -15,7 +15,8 @@ arguments), it traces `fn` inline as jax.jit does - it *is* jax.jit there -
 and under `jax.disable_jit()` it calls `fn` op by op, as jax.jit does. What
 jax.jit offers beyond calling (`lower`, `trace`, `eval_shape`, ...) is an
 AttributeError naming jax.jit. A graph compiled for one signature lives as
-long as the wrapper; they are released with it.
+long as the wrapper; they are released with it. Given any other jax.jit
+option (donate_argnums, shardings, inline, ...) `jit` returns jax.jit itself.
 """
 import functools
 import inspect
@@ -24,6 +25,7 @@ import numbers
 import threading
 import weakref
 
+from absl import logging
 import jax
 from jax import tree_util
 
@@ -274,11 +276,25 @@ def _release(session, graphs):
   graphs.clear()
 
 
-def jit(fn=None, static_argnums=(), static_argnames=(), session=None):
+def jit(fn=None, static_argnums=(), static_argnames=(), session=None, **jax_options):
   """A drop-in for `jax.jit(fn, static_argnums, static_argnames)` that
   compiles per argument signature in `session` (default: one Session per
   process) and runs there; see the module docstring. `jit(static_argnums=..)`
-  without fn returns a decorator."""
+  without fn returns a decorator. With any other option of jax.jit's
+  (`donate_argnums`, shardings, `inline`, ...: what libraries pass when
+  `jax.jit = jaxsession.jit` routes a whole program) it is jax.jit itself,
+  given those options; jax.jit refuses the ones it does not know."""
+  if jax_options:
+    if session is not None:
+      raise InputError(f"jaxsession.jit: session= with jax.jit's options "
+                       f"{sorted(jax_options)}, which only jax.jit takes (it runs outside "
+                       "any session)")
+    logging.log_first_n(logging.INFO, "jaxsession.jit: options %s are jax.jit's; "
+                        "such functions run as jax.jit", 1, sorted(jax_options))
+    return real_jit(fn, static_argnums=static_argnums, static_argnames=static_argnames,
+                    **jax_options) if fn is not None else functools.partial(
+                        jit, static_argnums=static_argnums, static_argnames=static_argnames,
+                        **jax_options)
   if fn is None:
     return lambda f: Jitted(f, static_argnums, static_argnames, session)
   return Jitted(fn, static_argnums, static_argnames, session)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
+from tests.subproc import run_json
 
 
 def same(test, got, want):
@@ -241,6 +242,52 @@ class JitTest(absltest.TestCase):
     finally:
       jax.jit = real
     same(self, got, want)
+
+  def test_jax_jit_options_make_it_jax_jit(self):
+    # optax's import calls jax.jit(..., inline=True) and equinox passes
+    # donate_argnums: with jax.jit = jaxsession.jit both raised TypeError
+    # (found by the break-it review)
+    x = jnp.asarray(self.rng.standard_normal(8), jnp.float32)
+    step = lambda s, v: (s * 0.5 + v, jnp.sum(v))  # noqa: E731
+    donated = js.jit(step, donate_argnums=0)
+    s0 = x + 1
+    got = donated(s0, x)
+    self.assertTrue(s0.is_deleted())  # jax.jit's donation, as asked
+    same(self, got, jax.jit(step)(x + 1, x))
+    same(self, js.jit(inline=True)(step)(x, x), jax.jit(step)(x, x))
+    with self.assertRaises(TypeError):  # an option jax.jit does not know: its own error
+      js.jit(step, donate_argnum=0)
+    with self.assertRaisesRegex(js.InputError, "session= with jax.jit's options"):
+      js.jit(step, session=js.Session(), donate_argnums=0)
+
+  def test_libraries_imported_with_jax_jit_rebound(self):
+    out = run_json("""
+      import json, jax
+      import jaxsession as js
+      jax.jit = js.jit  # before optax is imported: its modules call jax.jit at import
+      import optax
+      import jax.numpy as jnp, numpy as np
+      tx = optax.adam(1e-2)
+      p = {"w": jnp.asarray(np.random.default_rng(4).standard_normal((3, 2)), jnp.float32)}
+      def step(p, o):
+        g = jax.tree.map(lambda w: 2 * w, p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+      o = tx.init(p)
+      routed = jax.jit(step)
+      from jaxsession.jax_api import real_jit
+      a, b = routed(p, o), real_jit(step)(p, o)
+      import equinox as eqx  # filter_jit passes donate_argnums to jax.jit
+      v = jnp.asarray([1.5, -0.0, 3.0], jnp.float32)
+      e = np.asarray(eqx.filter_jit(lambda t: {"y": t * 2})(v)["y"]).tobytes()
+      print(json.dumps({"routed": type(routed).__name__, "same": [
+          np.asarray(u).tobytes() == np.asarray(w).tobytes()
+          for u, w in zip(jax.tree.leaves(a), jax.tree.leaves(b))],
+          "equinox": e == np.asarray(real_jit(lambda t: t * 2)(v)).tobytes()}))
+    """, devices=1)
+    self.assertEqual(out["routed"], "Jitted")
+    self.assertTrue(out["same"] and all(out["same"]), out)
+    self.assertTrue(out["equinox"])
 
 
 if __name__ == "__main__":
