@@ -178,6 +178,7 @@ class Session:
     wrapped = tracing.stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates)
     closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
                                                                   *dyn_args)
+    tracing.check_no_leaked_tracers(name, closed)
     if updates:
       tracing.check_new_state(name, state_nums, state_args, out_shape[0], wrapped, closed, dyn_args)
     weak_dyn, weak_state = tracing.weak_sensitive(wrapped, closed, state_args, dyn_args)

@@ -110,6 +110,20 @@ def signed(step, fn, params):
   return step
 
 
+def check_no_leaked_tracers(name, closed):
+  """UnexpectedTracerError, as jax.jit raises it, where fn's traced program
+  holds a tracer of another transformation as a constant (a value that
+  escaped an earlier jit or grad through a side effect): make_jaxpr keeps
+  it, and a pass that reads the constant would fail on it later."""
+  for const in closed.consts:
+    if isinstance(const, jax.core.Tracer):
+      raise jax.errors.UnexpectedTracerError(
+          f"compile({name}): fn uses a tracer ({type(const).__name__} of "
+          f"{getattr(const, 'aval', '?')}) that escaped the transformation that made "
+          "it (a side effect: a list append or a global) - JAX transformations "
+          "require functions to return their outputs")
+
+
 def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dyn_args):
   # one program whose weak types cannot matter is not traced again per leaf
   # (a trace per retyped leaf: 190 s for 1000 weak leaves, found by the

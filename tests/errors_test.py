@@ -158,6 +158,20 @@ class BadInputTest(absltest.TestCase):
     self.assertIn("the argument state_args[0]", str(got.exception))
     self.assert_state_unchanged()
 
+  def test_a_leaked_tracer_is_jax_jits_error(self):
+    # it was a PassError from simplify, reading the tracer kept as a constant
+    leak = []
+    jax.jit(lambda a: leak.append(a) or a)(jnp.ones(3))
+    uses = lambda a: a + leak[0]  # noqa: E731
+    with self.assertRaises(jax.errors.UnexpectedTracerError):
+      jax.jit(uses)(jnp.ones(3))
+    with self.assertRaisesRegex(jax.errors.UnexpectedTracerError, r"compile\(<lambda>\).*escaped"):
+      self.sess.compile(uses, jnp.ones(3))
+    with self.assertRaises(jax.errors.UnexpectedTracerError):
+      js.jit(uses)(jnp.ones(3))
+    self.assert_state_unchanged()
+    self.assertEqual(self.sess.compile(jnp.sin, self.batch["x"]), self.gid + 1)
+
   def test_unavailable_platform(self):
     with self.assertRaisesRegex(js.InputError, r"platform='no_such_platform'"):
       js.Session(js.SessionOptions(platform="no_such_platform"))
