@@ -42,6 +42,7 @@ def stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates):
       full[i] = x
     out = fn(*full)
     if not updates:
+      _check_returned(fn, out, 0)
       return (), out
     if not isinstance(out, (tuple, list)) or len(out) < k:
       got = (f"a {type(out).__name__} of {len(out)} items" if isinstance(out, (tuple, list))
@@ -51,10 +52,37 @@ def stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates):
           f"tuple whose first {k} item(s) are the new values of state_argnums "
           f"{list(state_nums)}; it returned {got}. If fn only reads its state (an "
           "eval step), pass updates_state=False.")
+    _check_returned(fn, tuple(out), k)
     rest = tuple(out[k:])
     return (tuple(static_leaves.hide(s) for s in out[:k]),
             None if not rest else rest[0] if len(rest) == 1 else rest)
   return _named_like(session_step, fn, dyn_nums)
+
+
+def _check_returned(fn, out, first):
+  """jax.jit's TypeError for an output that is no JAX type (a string, say),
+  naming its path in fn's own output; with `first` k, the outputs after
+  the k new state values only (a state's non-array leaves are static)."""
+  for path, leaf in tree_util.tree_flatten_with_path(out)[0]:
+    if first and path[0].idx < first:
+      continue
+    try:
+      jax.typeof(leaf)
+    except TypeError:
+      inner = inspect.unwrap(_innermost(fn))
+      code = getattr(inner, "__code__", None)
+      where = getattr(inner, "__name__", type(inner).__name__) + (
+          f" at {code.co_filename}:{code.co_firstlineno}" if code is not None else "")
+      raise TypeError(f"function {where} traced for jit returned a value of type "
+                      f"{type(leaf)} at output component {tree_util.keystr(path)}, which "
+                      "is not a valid JAX type") from None
+
+
+def _innermost(fn):
+  """fn without its functools.partial layers, as jax's source info reads it."""
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  return fn
 
 
 def _named_like(step, fn, dyn_nums):
@@ -101,9 +129,7 @@ def signed(step, fn, params):
   and fn's name and source, as jax's tracing errors read them
   (inspect.signature, and the code inspect.unwrap reaches); returns step."""
   step.__signature__ = inspect.Signature(params)
-  inner = fn
-  while isinstance(inner, functools.partial):  # as jax's source info unwraps fn
-    inner = inner.func
+  inner = _innermost(fn)
   step.__wrapped__ = inner
   step.__name__ = getattr(inner, "__name__", step.__name__)
   step.__qualname__ = getattr(inner, "__qualname__", step.__qualname__)

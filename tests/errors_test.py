@@ -158,6 +158,21 @@ class BadInputTest(absltest.TestCase):
     self.assertIn("the argument state_args[0]", str(got.exception))
     self.assert_state_unchanged()
 
+  def test_an_output_of_no_jax_type_is_named_by_its_path(self):
+    # the path was the session wrapper's ("[1]['q']" for fn's "['q']")
+    x = jnp.asarray(np.random.default_rng(5).standard_normal(3), jnp.float32)
+    bad = lambda a, b: {"p": a, "q": "hello"}  # noqa: E731
+    with self.assertRaises(TypeError) as want:
+      jax.jit(bad)(x, x)
+    for how in (lambda: js.jit(bad)(x, x), lambda: self.sess.compile(bad, x, x)):
+      with self.assertRaises(TypeError) as got:
+        how()
+      self.assertEqual(str(got.exception), str(want.exception))
+    stateful = lambda s, b: (s * 2, {"p": b, "q": "hello"})  # noqa: E731
+    with self.assertRaisesRegex(TypeError, r"output component \[1\]\['q'\]"):
+      self.sess.compile(stateful, x, x, state_argnums=0)
+    self.assert_state_unchanged()
+
   def test_a_leaked_tracer_is_jax_jits_error(self):
     # it was a PassError from simplify, reading the tracer kept as a constant
     leak = []
