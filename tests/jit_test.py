@@ -6,6 +6,7 @@ from absl.testing import absltest
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxsession as js
 from tests.subproc import run_json
@@ -260,6 +261,7 @@ class JitTest(absltest.TestCase):
     with self.assertRaisesRegex(js.InputError, "session= with jax.jit's options"):
       js.jit(step, session=js.Session(), donate_argnums=0)
 
+  @pytest.mark.slow  # a subprocess
   def test_libraries_imported_with_jax_jit_rebound(self):
     out = run_json("""
       import json, jax
