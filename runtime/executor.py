@@ -88,7 +88,7 @@ def leaf_steps(spec, leading):
 def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=None):
   """The Program of one executable that takes (*state, *args) in the
   layout's form - a single-partition graph, or its loop-sunk steps
-  (`leading`: the steps, conformed up front) - with its one Op. Its run is
+  (`leading`: the steps; a refused call conformed with them) - with its one Op. Its run is
   the executable's own call: Runner.call recovers a refusal or failure
   (`recover`), so a run pays no Python frame of the program's."""
   call = fast_call(exe)
