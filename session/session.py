@@ -446,20 +446,20 @@ class Session:
 
   def replace_state(self, graph_id, index, value, donate=False):
     """Replaces one state arg (`index`: its position in state_argnums) with
-    set_state's checks and binding; the other state args are untouched."""
+    set_state's checks and binding; the other state args are untouched.
+    `index` may be a tuple of positions, `value` then a sequence of as many
+    values: all are checked before any changes, and bound together (one copy
+    dispatch, one lock: a KV cache, token and position reset per request)."""
     entry = self._entry(graph_id)
     where = f"replace_state(graph {graph_id} '{entry.name}')"
-    if isinstance(index, bool) or not isinstance(index, numbers.Integral) or \
-        not 0 <= index < len(entry.slots):
-      raise InputError(f"{where}: index {index!r} is not a state arg: the graph has "
-                       f"{len(entry.slots)} (indices 0..{len(entry.slots) - 1}, positions in "
-                       "state_argnums)")
-    slot = entry.slots[int(index)]
-    (leaves,) = state_values.new_leaves(where, [(f"{where}: state arg {index}", slot, value)],
-                                        donate)
+    indices, values = _replaced(where, index, value, len(entry.slots))
+    slots = [entry.slots[k] for k in indices]
+    new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, v) for k, slot, v
+                                          in zip(indices, slots, values)], donate)
     def write():
-      slot.leaves = leaves
-    holding(slots_lock([slot]), write)
+      for slot, leaves in zip(slots, new):
+        slot.leaves = leaves
+    holding(slots_lock(slots), write)
 
   # -- checkpoints ----------------------------------------------------------
   def save(self, graph_id, directory, step):
@@ -542,3 +542,28 @@ class Session:
                               f"session's compile, or was released (known ids: "
                               f"{sorted(self._graphs)})") from None
 
+
+def _replaced(where, index, value, count):
+  """replace_state's (indices, values): one state arg, or a tuple of distinct
+  positions and a sequence of as many values (InputError naming what is
+  wrong, before anything is checked or bound)."""
+  def position(k):
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= k < count:
+      raise InputError(f"{where}: index {k!r} is not a state arg: the graph has {count} "
+                       f"(indices 0..{count - 1}, positions in state_argnums)")
+    return int(k)
+  if not isinstance(index, (tuple, list)):
+    return [position(index)], [value]
+  indices = [position(k) for k in index]
+  if not indices:
+    raise InputError(f"{where}: index is an empty {type(index).__name__}: name at least one "
+                     "state arg")
+  if len(set(indices)) != len(indices):
+    raise InputError(f"{where}: index {tuple(indices)} names a state arg twice")
+  if not isinstance(value, (tuple, list)) or len(value) != len(indices):
+    got = (f"a {type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list))
+           else f"a {type(value).__name__}")
+    raise InputError(f"{where}: index {tuple(indices)} names {len(indices)} state args: "
+                     f"value must be a tuple or list of {len(indices)} values, one each, "
+                     f"got {got}")
+  return indices, list(value)

@@ -85,6 +85,81 @@ class ReplaceStateTest(absltest.TestCase):
     self.assertEqual(_state_bytes(sess, gid), before)
 
 
+class ReplaceSeveralTest(absltest.TestCase):
+  """replace_state(gid, (i, j, ...), (a, b, ...)): several state args checked
+  together, then bound together."""
+
+  def setUp(self):
+    super().setUp()
+    rng = np.random.default_rng(29)
+    self.params = {n: rng.standard_normal(s).astype(np.float32)
+                   for n, s in (("emb", (11, 8)), ("wk", (8, 8)), ("wv", (8, 8)),
+                                ("wq", (8, 8)))}
+    self.rng = rng
+
+  def _compile(self):
+    def step(params, cache, pos, token):
+      params, cache, token = _decode_step(params, cache, pos, token)
+      return params, cache, pos + 1, token, token
+    sess = js.Session()
+    cache = {"k": np.zeros((6, 8), np.float32), "v": np.zeros((6, 8), np.float32)}
+    gid = sess.compile(step, self.params, cache, np.int32(0), np.int32(3),
+                       state_argnums=(0, 1, 2, 3))
+    return sess, gid
+
+  def _fresh(self):
+    fresh = {"k": self.rng.standard_normal((6, 8)).astype(np.float32),
+             "v": self.rng.standard_normal((6, 8)).astype(np.float32)}
+    fresh["k"][1, :3] = [-0.0, np.nan, np.inf]
+    return fresh
+
+  def test_a_reset_of_three_args_equals_three_resets_and_jit(self):
+    one, one_gid = self._compile()
+    three, three_gid = self._compile()
+    step = jax.jit(_decode_step)
+    for request in range(3):
+      cache = jax.tree.map(jnp.asarray, self._fresh())
+      token = jnp.int32(request + 2)
+      params_before = _state_bytes(one, one_gid)[:4]
+      one.replace_state(one_gid, (1, 2, 3), [cache, jnp.int32(0), token])
+      self.assertEqual(_state_bytes(one, one_gid)[:4], params_before)  # untouched
+      for k, v in ((1, cache), (2, jnp.int32(0)), (3, token)):
+        three.replace_state(three_gid, k, v)
+      self.assertEqual(_state_bytes(one, one_gid), _state_bytes(three, three_gid))
+      got = one.run(one_gid, steps=6)
+      np.testing.assert_array_equal(got, three.run(three_gid, steps=6))
+      p, c, want = self.params, cache, []
+      for pos in range(6):
+        p, c, token = step(p, c, np.int32(pos), token)
+        want.append(token)
+      np.testing.assert_array_equal(got, np.stack(want))
+      self.assertEqual(_state_bytes(one, one_gid)[4:6],
+                       [np.asarray(x).tobytes() for x in jax.tree.leaves(c)])
+      # the caller's arrays are copied, never donated by the runs
+      self.assertFalse(any(x.is_deleted() for x in jax.tree.leaves(cache)))
+      self.assertFalse(token.is_deleted())
+
+  def test_one_bad_value_binds_none_of_them(self):
+    sess, gid = self._compile()
+    sess.run(gid, steps=2)
+    before = _state_bytes(sess, gid)
+    good = self._fresh()
+    bad = [(((1, 2), (good, np.int32(0), np.int32(1))), r"names 2 state args: value must be "
+            r"a tuple or list of 2 values, one each, got a tuple of 3"),
+           (((1, 2), good), "got a dict"),
+           (((1, 1), (good, good)), r"index \(1, 1\) names a state arg twice"),
+           (((), ()), "index is an empty tuple"),
+           (((1, 4), (good, np.int32(0))), "index 4 is not a state arg"),
+           (((1, True), (good, np.int32(0))), "index True"),
+           (((1, 2, 3), (good, np.int32(0), np.float32(1))),
+            r"state arg 3 .*float32|state arg 3 .*f32"),
+           (((2, 1), (np.int32(0), {"k": good["k"]})), "state arg 1: pytree structure")]
+    for args, message in bad:
+      with self.assertRaisesRegex(InputError, message):
+        sess.replace_state(gid, *args)
+      self.assertEqual(_state_bytes(sess, gid), before)
+
+
 class DonateTest(absltest.TestCase):
 
   def test_set_state_takes_the_callers_arrays_over(self):
