@@ -1,6 +1,7 @@
 """The checks of compile's position arguments and of graph ids: which
 example positions `state_argnums` / `static_argnums` name, which slots of
-another graph `state_map` binds, and what counts as a graph id."""
+another graph `state_map` binds, which state args `replace_state` names,
+and what counts as a graph id."""
 import numbers
 
 from jaxsession.errors import InputError, UnknownGraphError
@@ -61,3 +62,28 @@ def _graph_id(graph_id):
     raise UnknownGraphError(f"graph id {graph_id!r} ({type(graph_id).__name__}) is not "
                             "an int returned by this session's compile")
   return int(graph_id)
+
+def _replaced(where, index, value, count):
+  """replace_state's (indices, values): one state arg, or a tuple of distinct
+  positions and a sequence of as many values (InputError naming what is
+  wrong, before anything is checked or bound)."""
+  def position(k):
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= k < count:
+      raise InputError(f"{where}: index {k!r} is not a state arg: the graph has {count} "
+                       f"(indices 0..{count - 1}, positions in state_argnums)")
+    return int(k)
+  if not isinstance(index, (tuple, list)):
+    return [position(index)], [value]
+  indices = [position(k) for k in index]
+  if not indices:
+    raise InputError(f"{where}: index is an empty {type(index).__name__}: name at least one "
+                     "state arg")
+  if len(set(indices)) != len(indices):
+    raise InputError(f"{where}: index {tuple(indices)} names a state arg twice")
+  if not isinstance(value, (tuple, list)) or len(value) != len(indices):
+    got = (f"a {type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list))
+           else f"a {type(value).__name__}")
+    raise InputError(f"{where}: index {tuple(indices)} names {len(indices)} state args: "
+                     f"value must be a tuple or list of {len(indices)} values, one each, "
+                     f"got {got}")
+  return indices, list(value)

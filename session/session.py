@@ -13,7 +13,7 @@ from jax.extend import core as jcore
 from jaxsession import (bucketed, checkpoints, gc_pause, inputs, own_device, pipeline, spmd,
                         state_values, tracing)
 from jaxsession.graph import importer
-from jaxsession.argnums import _argnums, _graph_id, _shared_slots
+from jaxsession.argnums import _argnums, _graph_id, _replaced, _shared_slots
 from jaxsession.errors import InputError, SessionError, UnknownGraphError
 from jaxsession.inputs import ArgSpec, check_leaf
 from jaxsession.dump import GraphDumper
@@ -448,8 +448,9 @@ class Session:
     """Replaces one state arg (`index`: its position in state_argnums) with
     set_state's checks and binding; the other state args are untouched.
     `index` may be a tuple of positions, `value` then a sequence of as many
-    values: all are checked before any changes, and bound together (one copy
-    dispatch, one lock: a KV cache, token and position reset per request)."""
+    values: all are checked before any changes, then bound under one lock,
+    the arrays already on the session's device copied by one dispatch (a KV
+    cache, token and position reset per request)."""
     entry = self._entry(graph_id)
     where = f"replace_state(graph {graph_id} '{entry.name}')"
     indices, values = _replaced(where, index, value, len(entry.slots))
@@ -542,28 +543,3 @@ class Session:
                               f"session's compile, or was released (known ids: "
                               f"{sorted(self._graphs)})") from None
 
-
-def _replaced(where, index, value, count):
-  """replace_state's (indices, values): one state arg, or a tuple of distinct
-  positions and a sequence of as many values (InputError naming what is
-  wrong, before anything is checked or bound)."""
-  def position(k):
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= k < count:
-      raise InputError(f"{where}: index {k!r} is not a state arg: the graph has {count} "
-                       f"(indices 0..{count - 1}, positions in state_argnums)")
-    return int(k)
-  if not isinstance(index, (tuple, list)):
-    return [position(index)], [value]
-  indices = [position(k) for k in index]
-  if not indices:
-    raise InputError(f"{where}: index is an empty {type(index).__name__}: name at least one "
-                     "state arg")
-  if len(set(indices)) != len(indices):
-    raise InputError(f"{where}: index {tuple(indices)} names a state arg twice")
-  if not isinstance(value, (tuple, list)) or len(value) != len(indices):
-    got = (f"a {type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list))
-           else f"a {type(value).__name__}")
-    raise InputError(f"{where}: index {tuple(indices)} names {len(indices)} state args: "
-                     f"value must be a tuple or list of {len(indices)} values, one each, "
-                     f"got {got}")
-  return indices, list(value)
