@@ -1,7 +1,6 @@
 """Session: compile a JAX function through the stage pipeline, then run it
 step after step with its state resident on the device."""
 import itertools
-import numbers
 import os
 import threading
 import time
