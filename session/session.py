@@ -438,10 +438,7 @@ class Session:
                        f"got {len(values)}")
     new = state_values.new_leaves(where, [(f"{where}: value {k}", slot, value) for k, (slot, value)
                                           in enumerate(zip(entry.slots, values))], donate)
-    def write():
-      for slot, leaves in zip(entry.slots, new):
-        slot.leaves = leaves
-    holding(entry.lock, write)
+    state_values.bind(entry.lock, entry.slots, new)
 
   def replace_state(self, graph_id, index, value, donate=False):
     """Replaces one state arg (`index`: its position in state_argnums) with
@@ -456,10 +453,7 @@ class Session:
     slots = [entry.slots[k] for k in indices]
     new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, v) for k, slot, v
                                           in zip(indices, slots, values)], donate)
-    def write():
-      for slot, leaves in zip(slots, new):
-        slot.leaves = leaves
-    holding(slots_lock(slots), write)
+    state_values.bind(slots_lock(slots), slots, new)
 
   # -- checkpoints ----------------------------------------------------------
   def save(self, graph_id, directory, step):
@@ -486,10 +480,7 @@ class Session:
     step, values = self._checkpoints.restore(entry, where, directory, step)
     new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, value) for k, (slot, value)
                                           in enumerate(zip(entry.slots, values))], donate=True)
-    def write():
-      for slot, leaves in zip(entry.slots, new):
-        slot.leaves = leaves
-    holding(entry.lock, write)
+    state_values.bind(entry.lock, entry.slots, new)
     return step
 
   def release(self, graph_id):

@@ -15,7 +15,7 @@ from jaxsession.errors import InputError
 from jaxsession.inputs import check_leaf
 from jaxsession.jax_api import real_jit
 from jaxsession.runtime import debug_flags, static_leaves
-from jaxsession.runtime.state import check_structure, owned_copies, session_device
+from jaxsession.runtime.state import check_structure, holding, owned_copies, session_device
 
 # moves an array's buffer into a new array without a copy: XLA aliases the
 # donated parameter to the output, and jax deletes the argument
@@ -63,7 +63,7 @@ def new_leaves(where, items, donate=False):
   """`items`: (place, slot, value) triples. Every value checked against its
   slot first, then bound: a tuple of session-owned leaves per item - copies,
   or with `donate` the caller's buffers where they fit (an array passed
-  twice is taken once; the copies are made before anything is taken)."""
+  twice is taken once), taken only by `bind`, after every copy is made."""
   if not isinstance(donate, bool):
     raise InputError(f"{where}: donate must be True or False, got {donate!r}")
   flats = [check_values(place, slot, value) for place, slot, value in items]
@@ -80,10 +80,21 @@ def new_leaves(where, items, donate=False):
   copies = owned_copies([x for _, _, x, _ in copied], [s for _, _, _, s in copied])
   for (row, j, _, _), copy in zip(copied, copies):
     row[j] = copy
-  if taken:
-    bound = [[_take_over(x.array) if isinstance(x, _Taken) else x for x in row]
-             for row in bound]
-  return [tuple(row) for row in bound]
+  return bound
+
+
+def bind(lock, slots, rows):
+  """Writes `rows` (new_leaves's, one per slot) into `slots` under `lock`
+  (their slots_lock). The caller's donated arrays are taken over there,
+  inside the critical section, all before any slot changes: a Ctrl-C lands
+  after the takes and the write or before both, never between (where the
+  caller's arrays would be deleted and the slots still hold the old state)."""
+  def write():
+    leaves = [tuple(_take_over(x.array) if isinstance(x, _Taken) else x for x in row)
+              for row in rows]
+    for slot, row in zip(slots, leaves):
+      slot.leaves = row
+  holding(lock, write)
 
 
 class _Taken:
