@@ -254,6 +254,37 @@ print(json.dumps({"got": got}))
 
 pytestmark = pytest.mark.slow  # subprocesses under signals (docs/testing.md)
 
+DONATE_CHILD = r"""
+import json, os, random, signal, sys, threading, time
+import jax, jax.numpy as jnp, numpy as np
+import jaxsession as js
+def step(w, cache, pos, x):
+  return w, jax.tree.map(lambda c: c + x, cache), pos + 1, pos
+fresh = lambda v: {f"k{i}": jnp.full((64, 64), v, jnp.float32) for i in range(40)}
+sess = js.Session()
+gid = sess.compile(step, jnp.ones(4), fresh(0.0), jnp.int32(0), jnp.float32(0),
+                   state_argnums=(0, 1, 2))
+rng, interrupted, bad = random.Random(0), 0, []
+for t in range(int(sys.argv[1])):
+  cache, pos = fresh(float(t + 1)), jnp.int32(t + 1)
+  jax.block_until_ready(cache)
+  before = sess.get_state(gid)
+  threading.Timer(rng.uniform(0, 0.004), os.kill, (os.getpid(), signal.SIGINT)).start()
+  try:
+    sess.replace_state(gid, (1, 2), (cache, pos), donate=True) if t % 2 else \
+        sess.set_state(gid, before[0], cache, pos, donate=True)
+    time.sleep(0.05)  # a late signal lands here, not in the checks below
+  except KeyboardInterrupt:
+    interrupted += 1
+  after = sess.get_state(gid)
+  kept = float(after[1]["k0"][0, 0]) == float(before[1]["k0"][0, 0])
+  if kept and any(a.is_deleted() for a in cache.values()):
+    bad.append(f"trial {t}: the state is the old one, yet donated arrays were deleted")
+  if not kept and (float(after[1]["k39"][0, 0]) != t + 1 or int(after[2]) != t + 1):
+    bad.append(f"trial {t}: the state is neither before nor after")
+print(json.dumps({"interrupted": interrupted, "bad": bad}))
+"""
+
 
 class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s here
   """Six graph kinds; in each the state is donated to the executable (else
@@ -301,6 +332,12 @@ class InterruptTest(absltest.TestCase):  # slow: six subprocesses, ~30-130 s her
     out = run_json(LOCKS_CHILD, args=("300",), timeout=300)
     self.assertEqual(out["bad"], [])
     self.assertGreater(out["interrupted"], 100)  # most trials were interrupted mid-loop
+
+  def test_a_donating_set_state_or_replace_state_loses_no_array(self):
+    # the caller's donated arrays are deleted only together with the write
+    out = run_json(DONATE_CHILD, args=("120",), timeout=300)
+    self.assertEqual(out["bad"], [])
+    self.assertGreater(out["interrupted"], 30)
 
 
 if __name__ == "__main__":
