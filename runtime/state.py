@@ -52,8 +52,9 @@ def owned_copy(x, layout=None):
   invalidate the caller's (an array on another device is moved, which copies).
   Under a mesh, `layout` is the leaf's NamedSharding: the copy is laid out
   so, whatever the layout of `x` (host, one device, another sharding)."""
-  if isinstance(x, (int, float, complex)) and not isinstance(x, bool):
+  if isinstance(x, (int, float, complex)) and not isinstance(x, (bool, np.generic)):
     # a Python scalar is weakly typed, as jax.jit sees it; np.asarray drops that
+    # (np.float64 subclasses float but is strong, as inputs.is_weak says)
     return with_weak_type(owned_copy(np.asarray(x, jax.dtypes.canonicalize_dtype(
         np.result_type(x))), layout), True)
   if layout is not None:

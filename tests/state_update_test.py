@@ -334,5 +334,19 @@ class StateMapTest(absltest.TestCase):
     np.testing.assert_array_equal(new_a, a - x)
 
 
+class NumpyScalarStateTest(absltest.TestCase):
+  def test_a_numpy_scalar_is_bound_strong_as_jax_jit_sees_it(self):
+    # np.float64 subclasses float; jax.jit treats it as strong, so must the slot
+    sess = js.Session()
+    gid = sess.compile(lambda s, x: (s * x, s), jnp.float32(2.5), jnp.bfloat16(1.5),
+                       state_argnums=(0,))
+    sess.replace_state(gid, 0, np.float64(-0.0))
+    got = sess.get_state(gid)[0]
+    self.assertFalse(got.weak_type)
+    want = jax.jit(lambda s: s)(np.float64(-0.0))
+    self.assertEqual(got.dtype, want.dtype)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
 if __name__ == "__main__":
   absltest.main()
