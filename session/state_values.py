@@ -61,9 +61,9 @@ def _fits(x, slot, j):
 
 def new_leaves(where, items, donate=False):
   """`items`: (place, slot, value) triples. Every value checked against its
-  slot first, then bound: a tuple of session-owned leaves per item - copies,
-  or with `donate` the caller's buffers where they fit (an array passed
-  twice is taken once), taken only by `bind`, after every copy is made."""
+  slot first; then, per item, the row of leaves `bind` writes: copies, or
+  with `donate` the caller's buffers where they fit (an array passed twice
+  is taken once), marked to be taken over by `bind`, after every copy."""
   if not isinstance(donate, bool):
     raise InputError(f"{where}: donate must be True or False, got {donate!r}")
   flats = [check_values(place, slot, value) for place, slot, value in items]
