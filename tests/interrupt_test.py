@@ -264,24 +264,30 @@ fresh = lambda v: {f"k{i}": jnp.full((64, 64), v, jnp.float32) for i in range(40
 sess = js.Session()
 gid = sess.compile(step, jnp.ones(4), fresh(0.0), jnp.int32(0), jnp.float32(0),
                    state_argnums=(0, 1, 2))
+sess.replace_state(gid, (1, 2), (fresh(0.0), jnp.int32(0)), donate=True)  # warm
+deferring = signal.getsignal(signal.SIGINT)
 rng, interrupted, bad = random.Random(0), 0, []
 for t in range(int(sys.argv[1])):
   cache, pos = fresh(float(t + 1)), jnp.int32(t + 1)
   jax.block_until_ready(cache)
   before = sess.get_state(gid)
-  threading.Timer(rng.uniform(0, 0.004), os.kill, (os.getpid(), signal.SIGINT)).start()
+  timer = threading.Timer(rng.uniform(0, 0.004), os.kill, (os.getpid(), signal.SIGINT))
   try:
-    sess.replace_state(gid, (1, 2), (cache, pos), donate=True) if t % 2 else \
-        sess.set_state(gid, before[0], cache, pos, donate=True)
+    timer.start()  # inside the try: the signal may land before start() returns
+    sess.set_state(gid, before[0], cache, pos, donate=True) if t % 4 == 3 else \
+        sess.replace_state(gid, (1, 2), (cache, pos), donate=True)
     time.sleep(0.05)  # a late signal lands here, not in the checks below
   except KeyboardInterrupt:
     interrupted += 1
+  timer.join()
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # no stray signal in the checks
   after = sess.get_state(gid)
   kept = float(after[1]["k0"][0, 0]) == float(before[1]["k0"][0, 0])
   if kept and any(a.is_deleted() for a in cache.values()):
     bad.append(f"trial {t}: the state is the old one, yet donated arrays were deleted")
   if not kept and (float(after[1]["k39"][0, 0]) != t + 1 or int(after[2]) != t + 1):
     bad.append(f"trial {t}: the state is neither before nor after")
+  signal.signal(signal.SIGINT, deferring)
 print(json.dumps({"interrupted": interrupted, "bad": bad}))
 """
 
