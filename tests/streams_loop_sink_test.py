@@ -345,6 +345,39 @@ class StepsValuesTest(absltest.TestCase):
     self.assertEqual(sorted(k for k, _ in sess._entry(gid).chunks), [1, 2, 4, 32, 64, 100])
     self.assertIn("chunks of 32 + 4 + 1 steps", sess.report(gid).loop_sink[37])
 
+  def test_a_chunked_run_gives_the_bits_of_its_chunks_scans_in_sequence(self):
+    # what docs/numerics.md promises for a chunked run: jax.jit(lax.scan) over
+    # 8 steps, then over 1, bit for bit (a single scan over 9 steps may differ
+    # in the last bits: XLA compiles a 1-step loop otherwise)
+    rng = np.random.default_rng(24)
+    T = 8
+    def step(params, cache, pos, count, x):
+      h = jnp.tanh(x @ params["w"] + params["b"])
+      cache = {"k": cache["k"].at[pos % T].set(h), "v": cache["v"].at[pos % T].set(h * 2.0)}
+      out = (cache["k"] * h).sum(-1).sum() + cache["v"].sum() * 0.5 + jnp.max(cache["k"])
+      return params, cache, pos + 1, count + jnp.int32(7), out
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    params = {"w": f32(16, 32), "b": f32(32)}
+    params["b"][:2] = [-0.0, 3e38]
+    cache = {"k": f32(T, 32), "v": f32(T, 32)}
+    pos, count, xs = np.int32(5), np.int32(2**31 - 40), f32(9, 16)
+    @jax.jit
+    def scan(params, cache, pos, count, xs):
+      def body(c, x):
+        *s, o = step(*c, x)
+        return tuple(s), o
+      return jax.lax.scan(body, (params, cache, pos, count), xs)
+    s8, o8 = scan(params, cache, pos, count, xs[:8])
+    s9, o1 = scan(*s8, xs[8:])
+    sess = js.Session()
+    gid = sess.compile(step, params, cache, pos, count, xs[0], state_argnums=(0, 1, 2, 3))
+    sess.run(gid, xs[:8], steps=8)
+    sess.set_state(gid, params, cache, pos, count)
+    got = sess.run(gid, xs, steps=9)
+    self.assertIn("chunks of 8 + 1 steps", sess.report(gid).loop_sink[9])
+    assert_same_bits(got, np.concatenate([o8, o1]), "outputs of steps=9")
+    assert_same_bits(sess.get_state(gid), s9, "state after steps=9")
+
   def test_a_failing_chunk_leaves_the_state_as_it_was(self):
     rng = np.random.default_rng(23)
     w = rng.standard_normal(8).astype(np.float32)
