@@ -177,7 +177,11 @@ class Checkpointer:
                        f"{type(directory).__name__}")
     self.wait()
     path, manager = self._manager(where, directory, create=False)
-    manager.reload()
+    try:
+      manager.reload()
+    except Exception as exc:  # pylint: disable=broad-except
+      _raise_interrupt(exc)
+      raise
     steps = [k for k in manager.all_steps() if _complete(os.path.join(path, str(k)))]
     if step is None:
       if not steps:
@@ -190,6 +194,7 @@ class Checkpointer:
     try:
       meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as exc:  # pylint: disable=broad-except
+      _raise_interrupt(exc)
       raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "
                        f"{type(exc).__name__}: {exc}") from None
     _check_meta(where, f"{path}/{step}", meta, entry)
@@ -199,6 +204,7 @@ class Checkpointer:
       read = manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(targets)))["state"]["slots"]
     except Exception as exc:  # pylint: disable=broad-except
+      _raise_interrupt(exc)
       raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "
                        f"{type(exc).__name__}: {exc}") from None
     _check_digests(where, f"{path}/{step}", meta, entry, read)
@@ -210,6 +216,19 @@ class Checkpointer:
                 with_weak_type(x, weak[j]) for j, x in enumerate(row)]
       values.append(tree_util.tree_unflatten(slot.treedef, leaves))
     return step, values
+
+
+def _raise_interrupt(exc):
+  """A Ctrl-C that landed inside orbax comes back wrapped (a TensorStore
+  read error, a RuntimeError of a lock it left) with the KeyboardInterrupt in
+  its cause chain: raise that, not a claim that an intact checkpoint cannot
+  be read. The state is untouched either way (nothing is bound yet)."""
+  seen, cur = set(), exc
+  while cur is not None and id(cur) not in seen:
+    if isinstance(cur, KeyboardInterrupt):
+      raise KeyboardInterrupt from exc
+    seen.add(id(cur))
+    cur = cur.__cause__ or cur.__context__
 
 
 # A step is complete once this file is in it, written after orbax finished
