@@ -188,20 +188,26 @@ def _batch_norm(p, x, mean, inv, *rest):
   return _add(beta, y, p["beta_first"]), rest
 
 
-def _relu(y):
-  return lax.max(y, jnp.zeros_like(y))  # the pattern took max(y, +0.0) only
+def _relu(y, params):
+  """max(y, +0.0), the only relu the pattern takes; jax.nn.relu's as the
+  nested jit it is (params["relu_call"]: that call's primitive and params)."""
+  call = params.get("relu_call")
+  if call is not None:  # bound as kernels/xla.py binds a primitive node
+    prim, call_params = call
+    return prim.bind(y, **prim.get_bind_params(call_params))[0]
+  return lax.max(y, jnp.zeros_like(y))
 
 
 @fused_kernel("BatchNormRelu", "xla:batch_norm_relu", elementwise=True)
 def batch_norm_relu(node, x, *operands):
   y, _ = _batch_norm(node.params, x, *operands)
-  return [_relu(y)]
+  return [_relu(y, node.params)]
 
 
 @fused_kernel("BatchNormAddRelu", "xla:batch_norm_add_relu", elementwise=True)
 def batch_norm_add_relu(node, x, *operands):
   y, (residual,) = _batch_norm(node.params, x, *operands)
-  return [_relu(_add(residual, y, node.params["residual_first"]))]
+  return [_relu(_add(residual, y, node.params["residual_first"]), node.params)]
 
 
 @fused_kernel("Adam", "xla:adam", elementwise=True)

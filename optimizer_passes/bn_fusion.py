@@ -9,13 +9,18 @@ arithmetic, with the operand order of both adds as written (XLA on CPU
 contracts a*b + c into a fused multiply-add), and is bit-identical to the
 unfused graph. Forms: by hand, and flax.linen.BatchNorm(use_running_average=True)
 (which folds gamma into the inverse std first). The ReLU is max(y, +0.0) only:
-max(y, -0.0) returns -0.0 for y = -0.0.
+max(y, -0.0) returns -0.0 for y = -0.0. jax.nn.relu is a nested jit the
+importer keeps as a call (XLA fuses across a call boundary otherwise than
+without it); the fused kernel makes the same call, with the same params.
 
 Runs after SelectKernel, before place_nodes, which picks the kernels of the
 nodes it makes.
 """
+from jax.extend import core as jcore
+import numpy as np
+
 from jaxsession.optimizer_passes.fusion import _is_float, first
-from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule
+from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule, same_number
 
 x = Pat.var("x")
 
@@ -41,8 +46,25 @@ BN_FORMS = {
 }
 
 
+def _relu_call(value):
+  """Whether `value` is made by a kept nested jit whose body is max(x, +0.0)
+  alone (jax.nn.relu, a called computation for XLA under jax.jit)."""
+  body = value.producer.params["jaxpr"].jaxpr
+  if len(body.eqns) != 1 or len(body.invars) != 1 or body.constvars:
+    return False
+  (eqn,) = body.eqns
+  if eqn.primitive.name != "max" or eqn.invars[0] is not body.invars[0]:
+    return False
+  zero = eqn.invars[1]
+  return (isinstance(zero, jcore.Literal) and np.ndim(zero.val) == 0
+          and same_number(zero.val, 0) and body.outvars == eqn.outvars)
+
+
 def _relu(p):
-  return Pat("max", p, Pat.lit(0))
+  """max(p, +0.0), written out or as jax.nn.relu's nested jit (captured as
+  `relu_call`: the kernel calls it as jax.jit would)."""
+  return Pat.either(Pat("max", p, Pat.lit(0)),
+                    Pat(("jit", "pjit"), p, name="relu_call", where=_relu_call))
 
 
 def _channel_axis(x, operands):
@@ -62,7 +84,8 @@ def _channel_axis(x, operands):
 
 
 def _make(form, with_residual):
-  def fuse(r, x, mean, inv, beta, bn, gamma=None, residual=None, with_res=None):
+  def fuse(r, x, mean, inv, beta, bn, gamma=None, residual=None, with_res=None,
+           relu_call=None):
     operands = [mean, inv] + ([gamma] if gamma is not None else []) + [beta]
     out = r.root.outputs[0]
     if not _is_float(x) or out.aval.shape != x.aval.shape:
@@ -80,6 +103,8 @@ def _make(form, with_residual):
     params = {"form": form, "channel_axis": axis, "beta_first": first(bn, beta)}
     if with_residual:
       params["residual_first"] = first(with_res, residual)
+    if relu_call is not None:
+      params["relu_call"] = (relu_call.producer.prim, relu_call.producer.params)
     return r.fused(op, inputs, params, out.aval,
                    f"fused inference BatchNorm ({form}){' + Add' if with_residual else ''}"
                    f" + ReLU over channel axis {axis}")

@@ -103,8 +103,9 @@ def call(eqn):
   importer inlines it: a shorter body skips the leading operands)."""
   body = INLINE_RULES[eqn.op](eqn.params)
   jaxpr = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
+  called = eqn.op + (f" {eqn.params['name']}" if eqn.params.get("name") else "")
   return analyze_jaxpr(body, eqn.facts[len(eqn.facts) - len(jaxpr.invars):], eqn.batch,
-                       f"in its body ({eqn.op})")
+                       f"in its body ({called})")
 
 
 # -- uniform rules: axes along which a row-free output is constant ----------------------

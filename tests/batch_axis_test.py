@@ -344,8 +344,11 @@ REFUSED = {  # name: (f, args, op named, words of the reason)
                              (BN_VARS, X), "reduce_sum", "sums over the batch axis 0"),
     "x_transpose_x": (lambda x: x.T @ x, (X,), "dot_general", "contracts over the batch axis"),
     "outer_over_rows": (lambda x: x @ x.T, (X,), "dot_general", "every row of one operand"),
-    "cumsum": (lambda x: jnp.cumsum(x, 0), (X,), "cumsum", "along the batch axis 0"),
-    "sort": (lambda x: jnp.sort(x, 0), (X,), "sort", "sorts along the batch axis 0"),
+    # jnp.cumsum and jnp.sort are nested jits, kept as calls: the call is named
+    "cumsum": (lambda x: jnp.cumsum(x, 0), (X,), "jit",
+               "in its body (jit cumsum): 'cumsum' accumulates (cumsum) along the batch axis 0"),
+    "sort": (lambda x: jnp.sort(x, 0), (X,), "jit",
+             "in its body (jit sort): 'sort' sorts along the batch axis 0"),
     "reshape_b_times_t": (lambda x: jnp.tanh(x.reshape(-1, F)), (XT,), "reshape",
                           "merges or splits the batch axis 0"),
     "concatenate": (lambda x: jnp.concatenate([x, x * 2]), (X,), "concatenate",

@@ -26,20 +26,26 @@ def _ops(graph):
 
 class ImportTest(absltest.TestCase):
 
-  def test_inlines_jit_custom_jvp_custom_vjp_and_remat(self):
+  def test_inlines_custom_jvp_custom_vjp_and_remat_and_keeps_nested_jit_calls(self):
     @jax.custom_vjp
     def f(x):
       return jnp.sin(x)
     f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g,))
+    inlined_jit = jax.jit(jnp.exp, inline=True)
 
     def prog(x):
-      return jax.jit(jnp.tanh)(x) + jax.nn.relu(x) + f(x) + jax.checkpoint(jnp.cos)(x)
+      return (jax.jit(jnp.tanh)(x) + jax.nn.relu(x) + f(x) + jax.checkpoint(jnp.cos)(x)
+              + inlined_jit(x))
     graph = _import(prog, _x(3))
     ops = _ops(graph)
-    for gone in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "remat2", "checkpoint"):
+    for gone in ("pjit", "custom_jvp_call", "custom_vjp_call", "remat2", "checkpoint"):
       self.assertNotIn(gone, ops)
-    for kept in ("tanh", "max", "sin", "cos"):
+    for kept in ("sin", "cos", "exp"):  # jax.jit(..., inline=True) is inlined, as jax lowers it
       self.assertIn(kept, ops)
+    # a nested jit stays the call jax.jit lowers it as (XLA fuses across a call
+    # boundary otherwise than without one): jnp.tanh's and jax.nn.relu's
+    calls = sorted(n.params["name"] for n in graph.nodes if n.op == "jit")
+    self.assertEqual(calls, ["relu", "tanh"])
     graph.verify()
 
   def test_control_flow_stays_single_nodes(self):

@@ -9,6 +9,7 @@ NaN, +-inf, values past 2**24 (past 2**53 with x64) and weak-typed scalars.
   5. folding computes what XLA's constant folder computes
   6. only fold_constants on: an optax Adam step stays bit-identical
   7. two rng_uniform draws stay two draws
+  8. a nested jit (jax.nn.relu, silu) stays the call jax.jit lowers it as
 """
 from absl.testing import absltest
 import pytest
@@ -354,6 +355,51 @@ class RandomDrawsTest(absltest.TestCase):
     self.assertEqual(_ops(sess, gid).count("rng_uniform"), 2)
     a, b = sess.run(gid, jnp.zeros(64))
     self.assertFalse(np.array_equal(np.asarray(a), np.asarray(b)))
+
+
+class NestedJitStaysACallTest(absltest.TestCase):
+  """Found by a break-it round: inlined, jax.nn.relu before a width-1 dense
+  layer let XLA fuse the dot into a loop fusion that jax.jit's program (the
+  relu a called computation) does not have: 1 ulp off from the first step."""
+
+  def _head(self, act):
+    return lambda w, b, w2, x: jax.vmap(lambda r: w2 @ r)(jax.vmap(lambda r: act(w @ r + b))(x))
+
+  def test_activations_before_a_width_one_head(self):
+    acts = {"relu": jax.nn.relu, "silu": jax.nn.silu,
+            "jit(maximum)": jax.jit(lambda v: jnp.maximum(v, 0.0))}
+    for name, act in acts.items():
+      for seed in range(3):
+        rng = np.random.default_rng(seed)
+        args = (normal(rng, 32, 5), normal(rng, 32), normal(rng, 1, 32),
+                with_specials(normal(rng, 16, 5), ("neg_zero", "big")))
+        with self.subTest(act=name, seed=seed):
+          fn = self._head(act)
+          _check(self, fn, *args, sessions=[js.Session(), unfused_session()])
+          assert_same_bits(js.jit(fn)(*args), jax.jit(fn)(*args), "js.jit vs jax.jit")
+
+  def test_training_a_relu_regression_head_with_adam(self):
+    def loss(p, x, y):  # per example, as eqx.nn.MLP(out_size=1) under vmap
+      h = jax.vmap(lambda r: jax.nn.relu(p["w1"] @ r + p["b1"]))(x)
+      return jnp.mean((jax.vmap(lambda r: p["w2"] @ r + p["b2"])(h) - y) ** 2)
+    opt = optax.adam(1e-2)
+
+    def step(p, st, x, y):
+      value, grads = jax.value_and_grad(loss)(p, x, y)
+      updates, st = opt.update(grads, st, p)
+      return optax.apply_updates(p, updates), st, value
+    params = {"w1": normal(RNG, 32, 6), "b1": normal(RNG, 32), "w2": normal(RNG, 1, 32),
+              "b2": normal(RNG, 1)}
+    state = opt.init(params)
+    xs, ys = [normal(RNG, 16, 6) for _ in range(5)], [normal(RNG, 16, 1) for _ in range(5)]
+    sess = js.Session()
+    gid = sess.compile(step, params, state, xs[0], ys[0], state_argnums=(0, 1))
+    p, st = params, state
+    for x, y in zip(xs, ys):
+      got = sess.run(gid, x, y)
+      p, st, want = jax.jit(step)(p, st, x, y)
+      assert_same_bits(got, want, "loss")
+    assert_same_bits(sess.get_state(gid), (p, st), "state after 5 steps")
 
 
 if __name__ == "__main__":

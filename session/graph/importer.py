@@ -83,22 +83,23 @@ def _read(env, atom):
   return env[atom]
 
 
-# A nested jit is a called computation for XLA: an operand is a parameter
-# inside it, never a constant its simplifier and folder see, and the body is
-# compiled as jax.jit lowers it. A nested jit given a literal or a constant
-# (jax.random.gamma(key, 2.0), `jitted(x, closed_over_array)`) stays one
-# node, the call itself, so that XLA sees what it sees under jax.jit:
-# inlined, even behind an optimization_barrier, the samplers drew other bits
-# for some keys and in chains (tests/fuzz_test.py). A body with callbacks or
-# effects is still inlined: its host work is placed between executables.
+# A nested jit is a called computation for XLA, and XLA fuses across a call
+# boundary otherwise than without one: inlined, jax.nn.relu before a width-1
+# dense layer let XLA fuse the dot into a loop fusion jax.jit's program does
+# not have (1 ulp off), and a literal operand became a constant its
+# simplifier and folder see (jax.random.gamma(key, 2.0) drew other bits).
+# So a nested jit stays one node, the call itself, lowered as jax.jit lowers
+# it - unless jax inlines it too (`inline=True` and no constant operand: the
+# session's passes then see its body), or its body has callbacks or effects
+# (inlined, so that its host work is placed between executables).
 KEPT_CALLS = ("jit", "pjit")
 
 
 def _kept_call(eqn, inputs, memo):
   if eqn.primitive.name not in KEPT_CALLS:
     return False
-  if not any(_constant(v, memo) for v in inputs):
-    return False
+  if eqn.params.get("inline", False) and not any(_constant(v, memo) for v in inputs):
+    return False  # jax.jit inlines it too (optax's tree utilities)
   props = op_properties.jaxpr_props(eqn.params["jaxpr"].jaxpr)
   return not (props.user_code or props.effects)
 

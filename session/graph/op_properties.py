@@ -224,8 +224,8 @@ OP_TABLE = {
     "rng_uniform": OpFacts(props=OpProps(deterministic=False)),  # each call differs
     # what XLA must not see through (lax.optimization_barrier): never folded
     "optimization_barrier": OpFacts(props=OpProps(opaque=True)),
-    # a nested jit the importer keeps as a call (given a literal or a
-    # constant): XLA compiles it as a called computation, never folds into it
+    # a nested jit the importer keeps as a call (session/graph/importer.py):
+    # XLA compiles it as a called computation, and nothing folds into it
     **_facts("jit", "pjit", props=OpProps(opaque=True)),
     "scan": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
     "cond": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
