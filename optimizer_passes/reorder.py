@@ -49,8 +49,8 @@ class ScheduleDecision:
 
   def __str__(self):
     return (f"{self.kept} order kept: {self.reason} (partitions {self.partitions_original}"
-            f" -> {self.partitions_reordered}, planned peak {self.peak_original} B -> "
-            f"{self.peak_reordered} B)")
+            f" -> {self.partitions_reordered}, live bytes by node order, before "
+            f"donation and reuse, {self.peak_original} B -> {self.peak_reordered} B)")
 
 
 def count_partitions(nodes):

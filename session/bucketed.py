@@ -29,7 +29,7 @@ from jaxsession import inputs, tracing
 from jaxsession.errors import InputError, UnknownGraphError
 from jaxsession.graph import importer
 from jaxsession.graph.ir import Literal, aval_str
-from jaxsession.runtime import buckets as policy_lib
+from jaxsession.runtime import buckets as policy_lib, static_leaves
 from jaxsession.runtime.state import with_weak_type
 
 
@@ -102,7 +102,8 @@ class BucketedGraph:
     """fn traced and imported as compile imports it, the bucketed arguments at
     `size` rows: (the KernelGraph, the run arguments' examples)."""
     examples = self.examples(size)
-    state_args = [examples[i] for i in self.state_nums]
+    # the state's non-array leaves in its treedef, as compile traces it
+    state_args = [static_leaves.hide(examples[i]) for i in self.state_nums]
     dyn_args = [examples[i] for i in self.dyn_nums]
     wrapped = tracing.stateful_fn(self.fn, self.name, examples, self.state_nums,
                                   self.dyn_nums, self.updates)
@@ -269,6 +270,9 @@ class BucketedGraph:
   def describe(self):
     compiled = sorted(self.sizes)
     return f"{self.policy.describe()}; {len(compiled)} compiled sizes {compiled}"
+
+  def __repr__(self):  # report.buckets, printed alone
+    return f"<shape buckets of graph '{self.name}': {self.describe()}>"
 
 
 def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_buckets, hint,

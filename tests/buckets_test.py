@@ -116,6 +116,26 @@ class BucketedRunTest(absltest.TestCase):
     self.assertEqual(int(state[1]), 5)
     np.testing.assert_array_equal(state[0]["w1"], params["w1"])
 
+  def test_state_with_non_array_leaves(self):
+    """A function and a str in the state (an equinox model's activation) stay
+    static under buckets too: found by a break-it round as a raw TypeError of
+    the padding analysis' trace."""
+    state = {"scale": jnp.asarray(RNG.standard_normal(F), jnp.float32), "act": jnp.tanh,
+             "tag": "abc"}
+    fn = lambda s, x: s["act"](x * s["scale"]) + jnp.sin(x)  # noqa: E731
+    sess = js.Session()
+    gid = sess.compile(fn, state, _rows(4), state_argnums=0, updates_state=False,
+                       buckets={1: [4, 8]})
+    ref = jax.jit(lambda scale, x: fn({**state, "scale": scale}, x))  # the rest static
+    for n in (1, 3, 4, 5, 8, 11):
+      x = _rows(n)
+      np.testing.assert_array_equal(sess.run(gid, x), ref(state["scale"], x), err_msg=f"n={n}")
+    (got,) = sess.get_state(gid)
+    self.assertIs(got["act"], jnp.tanh)
+    self.assertEqual(got["tag"], "abc")
+    self.assertEqual(sorted(sess.report(gid).buckets.sizes), [4, 8, 11])
+    self.assertIn("3 compiled sizes [4, 8, 11]", repr(sess.report(gid).buckets))
+
   def test_sizes_above_the_largest_bucket_compile_exactly(self):
     sess = js.Session()
     params = _params()
