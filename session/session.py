@@ -175,8 +175,12 @@ class Session:
     if mesh_layout is not None:  # the types alone, where an example is on an Explicit mesh
       state_args, dyn_args = spmd.traced_types(state_args), spmd.traced_types(dyn_args)
     wrapped = tracing.stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates)
-    closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
-                                                                  *dyn_args)
+    try:
+      closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state_args),
+                                                                    *dyn_args)
+    except Exception as exc:  # fn's own error, as jax.jit raises it; a note where it helps
+      tracing.note_traced_numbers(exc, name, state_nums, state_args)
+      raise
     tracing.check_no_leaked_tracers(name, closed)
     if updates:
       tracing.check_new_state(name, state_nums, state_args, out_shape[0], wrapped, closed, dyn_args)

@@ -16,6 +16,27 @@ from jaxsession.runtime import static_leaves
 from jaxsession.runtime.state import tree_difference
 
 
+def note_traced_numbers(exc, name, state_nums, state_args):
+  """Adds a note to `exc` (raised by fn while compile traced it) where a
+  state arg holds Python numbers: traced as jax.jit traces them, they are
+  arrays inside fn, which user code that tells arrays from other leaves
+  (equinox's `eqx.filter(model, eqx.is_array)` of a model with Dropout's
+  `p`) does not expect. The error itself stays what fn raised."""
+  found = []
+  for i, arg in zip(state_nums, state_args):
+    pairs = tree_util.tree_flatten_with_path(arg)[0]
+    paths = [tree_util.keystr(path) or "(root)" for path, leaf in pairs
+             if type(leaf) in (int, float, complex)]
+    if paths:
+      found.append(f"state arg {i} at {', '.join(paths[:5])}"
+                   + (f" (+{len(paths) - 5} more)" if len(paths) > 5 else ""))
+  if found and hasattr(exc, "add_note"):
+    exc.add_note(f"compile({name}): Python numbers in the state are traced, as jax.jit "
+                 f"traces them (arrays inside the function): {'; '.join(found)}. To keep "
+                 "them static, close over them or pass only the arrays as state "
+                 "(eqx.partition(model, eqx.is_array)).")
+
+
 def closed_jaxpr_fn(closed):
   run = jcore.jaxpr_as_fun(closed)
 

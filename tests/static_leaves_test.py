@@ -183,5 +183,46 @@ class PythonScalarStateTest(absltest.TestCase):
       sess.set_state(gid, {"scale": 1.0, "f": "another"})
 
 
+  def test_a_dropout_model_as_state_fails_as_under_jax_jit_with_a_note(self):
+    """eqx.nn.Dropout's `p` is a float field, traced: the usual recipe's
+    eqx.filter(model, eqx.is_array) then keeps it, and optax raises - as under
+    jax.jit. The error names the leaf; the arrays alone as state (the rest
+    closed over) train bit for bit equal to eqx.filter_jit (found by a
+    break-it round as a bare optax TypeError)."""
+    keys = jax.random.split(jax.random.key(7), 2)
+    model = (eqx.nn.Linear(4, 3, key=keys[0]), eqx.nn.Dropout(0.25))
+    opt = optax.adam(1e-2)
+
+    def step(model, opt_state, key, x):
+      key, sub = jax.random.split(key)
+      def loss(m):
+        lin, drop = m
+        out = jax.vmap(lambda r, k: drop(lin(r), key=k))(x, jax.random.split(sub, x.shape[0]))
+        return jnp.mean(out ** 2)
+      value, grads = eqx.filter_value_and_grad(loss)(model)
+      updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+      return eqx.apply_updates(model, updates), opt_state, key, value
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    x = np.random.default_rng(8).standard_normal((8, 4)).astype(np.float32)
+    key = jax.random.key(1)
+    sess = js.Session()
+    with self.assertRaises(TypeError) as caught:
+      sess.compile(step, model, opt_state, key, x, state_argnums=(0, 1, 2))
+    self.assertIn("state arg 0 at [1].p", "\n".join(getattr(caught.exception, "__notes__", [])))
+
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def split_step(params, opt_state, key, x):
+      model, opt_state, key, value = step(eqx.combine(params, static), opt_state, key, x)
+      return eqx.filter(model, eqx.is_array), opt_state, key, value
+    gid = sess.compile(split_step, params, opt_state, key, x, state_argnums=(0, 1, 2))
+    ref, m, o, k = eqx.filter_jit(step), model, opt_state, key
+    for _ in range(3):
+      m, o, k, want = ref(m, o, k, x)
+      np.testing.assert_array_equal(sess.run(gid, x), want)
+    for a, b in zip(_arrays(sess.get_state(gid)[:2]), _arrays((m, o))):
+      np.testing.assert_array_equal(a, b)
+
+
 if __name__ == "__main__":
   absltest.main()
