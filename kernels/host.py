@@ -4,6 +4,7 @@ import functools
 import jax
 import numpy as np
 from jax import tree_util
+from jax.extend import core as jcore
 
 from jaxsession.graph import op_properties
 from jaxsession.jax_api import ARRAY
@@ -195,3 +196,53 @@ SMALL_ELEMENTS = 1024
 for _op in op_properties.ops_with(host=True):
   register_kernel(_op, backend="host", name=f"host:{_op}",
                   accepts=_small_integer)(_wrapping(op_properties.facts(_op).numpy))
+
+
+# A nested jit the importer keeps as a call (jnp.where is one) runs on the
+# host where its body does: every equation one of the kernels above takes,
+# on small integer/bool values, computed by the same numpy implementations.
+def _small_aval(aval):
+  kind = np.dtype(aval.dtype).kind if hasattr(aval, "dtype") else "?"
+  return kind in "iub" and int(np.prod(aval.shape, dtype=np.int64)) <= SMALL_ELEMENTS
+
+
+def _host_body(jaxpr):
+  """Why `jaxpr` cannot run on these kernels, or None."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("jit", "pjit"):
+      why = _host_body(eqn.params["jaxpr"].jaxpr)
+    elif not op_properties.facts(name).host or eqn.effects:
+      why = f"its body's '{name}' has no host kernel"
+    elif not all(_small_aval(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+      why = f"its body's '{name}' is not on small integer/bool values"
+    else:
+      why = None
+    if why:
+      return why
+  return None
+
+
+def _call_accepts(node):
+  return _small_integer(node) or _host_body(node.params["jaxpr"].jaxpr)
+
+
+def _run_body(closed, args):
+  env = dict(zip(closed.jaxpr.constvars, closed.consts))
+  env.update(zip(closed.jaxpr.invars, args))
+  read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+  for eqn in closed.jaxpr.eqns:
+    ins = [np.asarray(read(v)) for v in eqn.invars]
+    if eqn.primitive.name in ("jit", "pjit"):
+      outs = _run_body(eqn.params["jaxpr"], ins)
+    else:
+      with np.errstate(over="ignore"):
+        out = op_properties.facts(eqn.primitive.name).numpy(*ins, **eqn.params)
+      outs = [np.asarray(out, dtype=eqn.outvars[0].aval.dtype)]
+    env.update(zip(eqn.outvars, outs))
+  return [np.asarray(read(v)) for v in closed.jaxpr.outvars]
+
+
+@register_kernel("jit", backend="host", name="host:call", accepts=_call_accepts)
+def call_on_host(node, *args):
+  return _run_body(node.params["jaxpr"], args)

@@ -64,7 +64,7 @@ class InsertTransfers(Pass):
         first = readers[0]
         op = op_properties.transfer_op("d2h" if home == "device" else "h2d")
         note = (f"{op[9:]} of {value}: read on the {other} by node(s) "
-                + ", ".join(f"{n.id} '{n.op}'" for n in readers))
+                + ", ".join(f"{n.id} '{n.label}'" for n in readers))
         node = _transfer(graph, op, value, other, first, note, ctx.platform)
         moved = node.outputs[0]
         for reader in readers:

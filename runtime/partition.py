@@ -59,11 +59,11 @@ def reason_for(part, previous):
               part.nodes[0])
   where = f" at {node.source}" if node.source else ""
   if previous is None:
-    return f"first partition, opened by node {node.id} '{node.op}'{where}"
+    return f"first partition, opened by node {node.id} '{node.label}'{where}"
   why = next((note for note in node.notes if note.startswith("placed on host")),
              "every node runs on the device unless a placement rule moves it")
   return (f"placement changes {previous.place} -> {part.place} at node {node.id} "
-          f"'{node.op}'{where}: {why}")
+          f"'{node.label}'{where}: {why}")
 
 
 def compute_boundaries(graph, partitions):

@@ -113,7 +113,8 @@ class BucketedGraph:
           wrapped, closed, state_args, dyn_args)[0] if i not in self.run_index]
     kinds, labels = tracing.input_labels(self.state_nums, state_args, self.dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=self.name, input_kinds=kinds,
-                                  input_names=labels)
+                                  input_names=labels,
+                                  host_callbacks=self.options.host_callbacks)
     graph.updates_state = self.updates
     return graph, dyn_args
 

@@ -199,7 +199,8 @@ class Session:
           tracing.stateful_fn(fn, name, typed, state_nums, dyn_nums, updates),
           state_args, dyn_args, spec, out_shape[1])
     kinds, labels = tracing.input_labels(state_nums, state_args, dyn_nums, dyn_args)
-    graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels)
+    graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels,
+                                  host_callbacks=self.options.host_callbacks)
     graph.updates_state = updates
     spmd.mark_graph(graph, mesh_layout, self.options, self.platform)
     nodes_imported = len(graph.nodes)

@@ -215,6 +215,29 @@ class HostKernelRulesTest(absltest.TestCase):
     x = jnp.asarray(np.random.default_rng(6).standard_normal((4, 3, 2)), jnp.float32)
     np.testing.assert_array_equal(js.jit(f)(x), jax.jit(f)(x))
 
+  def test_kept_nested_jits_run_on_the_host_where_their_body_does(self):
+    """jnp.where and jnp.clip are nested jits the importer keeps as calls: on
+    small host integers they stay on the host (one host partition, no round
+    trip to the device), through the same numpy kernels, equal to jax.jit."""
+    def bump(v):
+      return np.asarray(v * 3 + 1, v.dtype)
+
+    def fn(a, b):
+      spec = jax.ShapeDtypeStruct(a.shape, a.dtype)
+      c, d = jax.pure_callback(bump, spec, a), jax.pure_callback(bump, spec, b)
+      e = jnp.where(c > d, c, d) + jnp.clip(c, -5, 9) * 2
+      return jax.pure_callback(bump, spec, e)
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(_values(rng, (16,), "int32") // 8)
+    b = jnp.asarray(_values(rng, (16,), "int32") // 8)
+    sess = js.Session()
+    gid = sess.compile(fn, a, b)
+    self.assertEqual([p.place for p in sess.report(gid).partitions], ["host"])
+    calls = [n for n in sess.graph(gid).nodes if n.op == "jit"]
+    self.assertNotEmpty(calls)
+    self.assertEqual({n.kernel.name for n in calls}, {"host:call"})
+    np.testing.assert_array_equal(sess.run(gid, a, b), jax.jit(fn)(a, b))
+
   def test_rules_x64(self):
     with jax.enable_x64(True):
       self.check(INTS64, seed=1)

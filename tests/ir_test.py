@@ -47,6 +47,12 @@ class ImportTest(absltest.TestCase):
     calls = sorted(n.params["name"] for n in graph.nodes if n.op == "jit")
     self.assertEqual(calls, ["relu", "tanh"])
     graph.verify()
+    text = graph.dump()  # a kept call by its name and what its body does
+    self.assertIn("= jit[name=relu body={1 eqns: max}]", text)
+    self.assertIn("= jit[name=tanh body={1 eqns: tanh}]", text)
+    self.assertIn('label="jit relu', graph.to_dot())
+    relu = next(n for n in graph.nodes if n.label == "jit relu")
+    self.assertIn("ir_test.py", relu.source)  # jax.nn.relu's custom_jvp call's line
 
   def test_control_flow_stays_single_nodes(self):
     def prog(x):

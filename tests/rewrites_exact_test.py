@@ -378,6 +378,44 @@ class NestedJitStaysACallTest(absltest.TestCase):
           _check(self, fn, *args, sessions=[js.Session(), unfused_session()])
           assert_same_bits(js.jit(fn)(*args), jax.jit(fn)(*args), "js.jit vs jax.jit")
 
+  def test_calls_jax_keeps_that_hold_callbacks_shardings_or_dead_code(self):
+    """A second break-it round: jit(inline=True) with shardings is a call jax
+    keeps; a body with a debug callback, a dead pure_callback, or a live one
+    under host_callbacks=False has nothing for the host - all stay calls."""
+    dev = jax.devices()[0]
+    seen = []
+
+    def with_debug(v):
+      jax.debug.callback(lambda a: seen.append(float(a)), v[0])
+      return jnp.maximum(v, 0.0)
+
+    def with_dead(v):
+      jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
+                        vmap_method="broadcast_all")
+      return jnp.maximum(v, 0.0)
+
+    def with_live(v):
+      echo = jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
+                               vmap_method="broadcast_all")
+      return jnp.maximum(v + 0.0 * echo, 0.0)
+    cases = {
+        "inline_sharded": (jax.jit(lambda v: jnp.maximum(v, 0.0), inline=True,
+                                   in_shardings=jax.sharding.SingleDeviceSharding(dev)), None),
+        "debug_callback": (jax.jit(with_debug), None),
+        "dead_pure_callback": (jax.jit(with_dead), None),
+        "live_callback_kept_in": (jax.jit(with_live), js.SessionOptions(host_callbacks=False)),
+    }
+    for name, (act, options) in cases.items():
+      for seed in range(3):
+        rng = np.random.default_rng(seed)
+        args = (with_specials(normal(rng, 16, 2), ("neg_zero", "big")), normal(rng, 8, 2),
+                normal(rng, 8), normal(rng, 1, 8), normal(rng, 1))
+        fn = lambda x, w1, b1, w2, b2, act=act: jax.vmap(lambda r: w2 @ act(w1 @ r + b1) + b2)(x)  # noqa: E731
+        with self.subTest(case=name, seed=seed):
+          sess, gid = _check(self, fn, *args, sessions=[js.Session(options)])
+          self.assertIn("jit", _ops(sess, gid))
+    self.assertNotEmpty(seen)  # the debug callback ran
+
   def test_training_a_relu_regression_head_with_adam(self):
     def loss(p, x, y):  # per example, as eqx.nn.MLP(out_size=1) under vmap
       h = jax.vmap(lambda r: jax.nn.relu(p["w1"] @ r + p["b1"]))(x)

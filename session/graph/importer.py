@@ -1,16 +1,15 @@
 """Import a ClosedJaxpr into a KernelGraph.
 
-Call primitives whose body is an ordinary function (`jit`, `closed_call`,
+Call primitives whose body is an ordinary function (`closed_call`,
 `custom_jvp_call`, `custom_vjp_call`, `remat`) are inlined: the session executes
 the program and never differentiates it again, so their custom derivative rules
-and rematerialisation hints have nothing left to say. Control flow (`scan`,
+and rematerialisation hints have nothing left to say. A nested `jit` stays a
+call, as jax.jit lowers it (see KEPT_CALLS below). Control flow (`scan`,
 `while`, `cond`) stays as single nodes that carry their sub-jaxprs. Consts of
 the jaxpr (at any depth) become `const` inputs; literals stay literals.
 """
-import jax
 from jax.extend import core as jcore
 
-from jaxsession.graph import op_properties
 from jaxsession.graph.ir import KernelGraph, Literal
 
 
@@ -51,11 +50,14 @@ def source_of(eqn):
   return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line} ({frame.function_name})"
 
 
-def import_jaxpr(closed_jaxpr, name="graph", input_kinds=None, input_names=None):
+def import_jaxpr(closed_jaxpr, name="graph", input_kinds=None, input_names=None,
+                 host_callbacks=True):
   """Builds a KernelGraph from `closed_jaxpr`.
 
   input_kinds/input_names: per jaxpr invar, its kind ("input" or "state") and a
   readable name (argument index and pytree path) for dumps and errors.
+  host_callbacks: SessionOptions.host_callbacks (a nested jit whose body
+  holds a pure_callback is inlined only then).
   """
   jaxpr = closed_jaxpr.jaxpr
   graph = KernelGraph(name)
@@ -66,7 +68,7 @@ def import_jaxpr(closed_jaxpr, name="graph", input_kinds=None, input_names=None)
   for var, kind, label in zip(jaxpr.invars, kinds, names):
     env[var] = graph.add_input(var.aval, kind=kind, name=label)
   _bind_consts(graph, env, jaxpr.constvars, closed_jaxpr.consts)
-  _import_eqns(graph, env, jaxpr.eqns, {})
+  _import_eqns(graph, env, jaxpr.eqns, _Import(host_callbacks))
   graph.outputs = [_read(env, v) for v in jaxpr.outvars]
   return graph
 
@@ -88,64 +90,76 @@ def _read(env, atom):
 # dense layer let XLA fuse the dot into a loop fusion jax.jit's program does
 # not have (1 ulp off), and a literal operand became a constant its
 # simplifier and folder see (jax.random.gamma(key, 2.0) drew other bits).
-# So a nested jit stays one node, the call itself, lowered as jax.jit lowers
-# it - unless jax inlines it too (`inline=True` and no constant operand: the
-# session's passes then see its body), or its body has callbacks or effects
-# (inlined, so that its host work is placed between executables).
+# So every nested jit still in the jaxpr stays one node, the call itself,
+# lowered as jax.jit lowers it (`jit(..., inline=True)` without shardings is
+# already inlined by jax's tracing; one that is still a call, jax keeps).
+# The one exception: a body holding a pure_callback the placement may move
+# between executables (`host_callbacks`) is inlined, so that the callback
+# can leave the executable; where it stays in (inside control flow) the
+# arithmetic around it is no longer jax.jit's call (docs/numerics.md).
 KEPT_CALLS = ("jit", "pjit")
 
 
-def _kept_call(eqn, inputs, memo):
-  if eqn.primitive.name not in KEPT_CALLS:
-    return False
-  if eqn.params.get("inline", False) and not any(_constant(v, memo) for v in inputs):
-    return False  # jax.jit inlines it too (optax's tree utilities)
-  props = op_properties.jaxpr_props(eqn.params["jaxpr"].jaxpr)
-  return not (props.user_code or props.effects)
+def _host_work(jaxpr, seen):
+  """Whether `jaxpr` holds a live pure_callback (one its outputs or effects
+  need) at its top level or in a body the importer would inline (`seen`:
+  jaxpr id -> answer, the import's memo)."""
+  known = seen.get(id(jaxpr))
+  if known is not None:
+    return known
+  seen[id(jaxpr)] = False  # a body never contains itself
+  needed = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+  found = False
+  for eqn in reversed(jaxpr.eqns):
+    if not (eqn.effects or any(v in needed for v in eqn.outvars)):
+      continue  # dead: DCE drops it, and the call stays jax.jit's
+    needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+    inner = INLINE_RULES.get(eqn.primitive.name)
+    if eqn.primitive.name == "pure_callback":
+      found = True
+    elif inner is not None:
+      body = inner(eqn.params)
+      found = _host_work(body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body, seen)
+    if found:
+      break
+  seen[id(jaxpr)] = found
+  return found
 
 
-def _constant(value, memo):
-  """Whether `value` is known at compile time: a literal, a constant, or
-  made from those alone by deterministic nodes (`jnp.full(8, 1.5)`).
-  `memo` (value id -> bool) is the whole import's: a value's producer never
-  changes, so each value is decided once, and the walk is a loop, not a
-  recursion (a chain of 11k equations with a nested jit per layer)."""
-  stack = [value]
-  while stack:
-    v = stack[-1]
-    if isinstance(v, Literal) or v.id in memo:
-      stack.pop()
-      continue
-    node = v.producer
-    if node is None or not (node.props.foldable or node.props.opaque):
-      memo[v.id] = node is None and v.kind == "const"
-      stack.pop()
-      continue
-    pending = [u for u in node.inputs if not isinstance(u, Literal) and u.id not in memo]
-    if pending:
-      stack.extend(pending)
-      continue
-    memo[v.id] = all(isinstance(u, Literal) or memo[u.id] for u in node.inputs)
-    stack.pop()
-  return isinstance(value, Literal) or memo[value.id]
+class _Import:
+  """What one import threads through its recursion: whether pure_callbacks
+  may go to the host, and the memo of bodies with host work. (An inlined
+  body's equations without a user frame of their own take their call's
+  source line: a kept jit inside jax.nn.relu's custom_jvp has none.)"""
+  __slots__ = ("host_callbacks", "seen")
+
+  def __init__(self, host_callbacks):
+    self.host_callbacks = host_callbacks
+    self.seen = {}
+
+  def inlines(self, eqn):
+    if eqn.primitive.name not in KEPT_CALLS:
+      return True
+    return self.host_callbacks and _host_work(eqn.params["jaxpr"].jaxpr, self.seen)
 
 
-def _import_eqns(graph, env, eqns, memo):
+def _import_eqns(graph, env, eqns, how, outer_source=None):
   for eqn in eqns:
     inputs = [_read(env, v) for v in eqn.invars]
     inner = INLINE_RULES.get(eqn.primitive.name)
-    if inner is not None and not _kept_call(eqn, inputs, memo):
-      outs = _inline(graph, inner(eqn.params), inputs, memo)
+    source = source_of(eqn) or outer_source
+    if inner is not None and how.inlines(eqn):
+      outs = _inline(graph, inner(eqn.params), inputs, how, source)
       for var, value in zip(eqn.outvars, outs):
         env[var] = value
       continue
     node = graph.add_node(eqn.primitive.name, eqn.primitive, eqn.params, inputs,
-                          [v.aval for v in eqn.outvars], eqn.effects, source_of(eqn))
+                          [v.aval for v in eqn.outvars], eqn.effects, source)
     for var, value in zip(eqn.outvars, node.outputs):
       env[var] = value  # DropVars are harmless keys: nobody reads them
 
 
-def _inline(graph, body, inputs, memo):
+def _inline(graph, body, inputs, how, source):
   """Imports `body` (Jaxpr or ClosedJaxpr) with its invars bound to `inputs`."""
   if isinstance(body, jcore.ClosedJaxpr):
     jaxpr, consts = body.jaxpr, body.consts
@@ -157,5 +171,5 @@ def _inline(graph, body, inputs, memo):
   # custom_jvp/vjp with num_consts, where the consts lead the operands.
   for var, value in zip(jaxpr.invars, inputs[len(inputs) - len(jaxpr.invars):]):
     env[var] = value
-  _import_eqns(graph, env, jaxpr.eqns, memo)
+  _import_eqns(graph, env, jaxpr.eqns, how, source)
   return [_read(env, v) for v in jaxpr.outvars]

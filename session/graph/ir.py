@@ -106,6 +106,13 @@ class Node:
     """Forgets the cached props (after a pass changed the node's params)."""
     self._props = None
 
+  @property
+  def label(self):
+    """The op as dumps and reasons name it: a kept nested jit by its name
+    too (`jit relu`), since its op alone says nothing."""
+    name = self.params.get("name") if self.op in ("jit", "pjit") else None
+    return f"{self.op} {name}" if name else self.op
+
   def __repr__(self):
     return f"Node({self.id}, {self.op})"
 
@@ -125,6 +132,15 @@ def _param_str(value):
     return getattr(value, "__name__", type(value).__name__)
   text = str(value)
   return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _call_str(node):
+  """A kept nested jit's params as a dump shows them: its name and what its
+  body does (the shardings and flags jax leaves unspecified say nothing)."""
+  body = node.params["jaxpr"].jaxpr
+  ops = list(dict.fromkeys(e.primitive.name for e in body.eqns))
+  shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
+  return f"name={node.params.get('name')} body={{{len(body.eqns)} eqns: {shown}}}"
 
 
 class KernelGraph:
@@ -321,8 +337,9 @@ class KernelGraph:
                    + (f"  # {value.name}" if value.name else ""))
     for node in self.nodes:
       outs = ", ".join(f"{o}: {aval_str(o.aval)}{_sharded(o)}" for o in node.outputs)
-      params = " ".join(f"{k}={_param_str(v)}" for k, v in node.params.items()
-                        if v is not None)
+      params = (_call_str(node) if node.op in ("jit", "pjit") else
+                " ".join(f"{k}={_param_str(v)}" for k, v in node.params.items()
+                         if v is not None))
       decided = []
       if node.kernel is not None:
         decided.append(f"kernel={node.kernel.name}")
@@ -360,7 +377,7 @@ class KernelGraph:
       lines.append(f'  v{value.id} [shape=ellipse,label="{value.kind} {value}\\n'
                    f'{aval_str(value.aval)}"];')
     for node in self.nodes:
-      label = node.op + (f"\\n{node.kernel.name}" if node.kernel else "")
+      label = node.label + (f"\\n{node.kernel.name}" if node.kernel else "")
       color = colors.get(node.place, "white")
       lines.append(f'  n{node.id} [shape=box,style=filled,fillcolor={color},'
                    f'label="{label}"];')
