@@ -308,6 +308,8 @@ class RewritePass(Pass):
   def _try_rules(self, graph, node, graph_outputs, dead, order):
     """Fires the first rule that matches at `node`, placing its new nodes in
     `order` (the nodes before `node`, rewritten so far); whether one fired."""
+    if len(node.outputs) != 1:  # a pattern's root is one value (a jit may return none)
+      return False
     for rule, operand_ops in self.index.get(node.op, ()):
       if operand_ops is not None and not _may_match(node, operand_ops):
         continue  # an operand's producer is no op the pattern can take there

@@ -238,6 +238,18 @@ class HostKernelRulesTest(absltest.TestCase):
     self.assertEqual({n.kernel.name for n in calls}, {"host:call"})
     np.testing.assert_array_equal(sess.run(gid, a, b), jax.jit(fn)(a, b))
 
+  def test_select_n_clamps_a_selector_out_of_range_as_xla_does(self):
+    echo = lambda x: jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(x.shape, x.dtype), x)  # noqa: E731
+    fn = lambda w, a, b, c: echo(lax.select_n(echo(w), echo(a), echo(b), echo(c)))  # noqa: E731
+    a = np.arange(4, dtype=np.int8)
+    sess = js.Session()
+    gid = sess.compile(fn, np.zeros(4, np.int32), a, a + 10, a + 20)
+    self.assertEqual([p.place for p in sess.report(gid).partitions], ["host"])
+    for which in ([-1, 0, 1, 2], [0, 1, -2, 9], [3, 2, 1, 0]):
+      which = np.asarray(which, np.int32)
+      np.testing.assert_array_equal(sess.run(gid, which, a, a + 10, a + 20),
+                                    jax.jit(fn)(which, a, a + 10, a + 20))
+
   def test_rules_x64(self):
     with jax.enable_x64(True):
       self.check(INTS64, seed=1)

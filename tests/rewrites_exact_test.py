@@ -416,6 +416,36 @@ class NestedJitStaysACallTest(absltest.TestCase):
           self.assertIn("jit", _ops(sess, gid))
     self.assertNotEmpty(seen)  # the debug callback ran
 
+  def test_a_call_returning_nothing_and_one_whose_output_is_dead(self):
+    """A third break-it round: a jit returning nothing (a debug callback in
+    it) crashed the BatchNorm+ReLU pattern's root; a pure_callback that only
+    a kept call's unused output reads ran every run (jax.jit prunes it)."""
+    printed, called = [], []
+
+    @jax.jit
+    def log(y):
+      jax.debug.callback(lambda v: printed.append(float(v)), y[0])
+      return ()
+
+    @jax.jit
+    def two(y, a):
+      return y * 2.0, a + 1.0
+
+    def fn(a):
+      log(a)
+      y = jax.pure_callback(lambda v: called.append(1) or np.asarray(v),
+                            jax.ShapeDtypeStruct(a.shape, a.dtype), a)
+      return two(y, a)[1] * 3.0
+    a = with_specials(normal(RNG, 8), ("neg_zero", "nan"))
+    for options in (None, js.SessionOptions(host_callbacks=False)):
+      with self.subTest(options=options):
+        printed.clear()
+        sess, gid = _check(self, fn, a, sessions=[js.Session(options)])
+        jax.block_until_ready(sess.run(gid, a))
+        jax.effects_barrier()
+        self.assertEqual(len(printed), 3)  # jax.jit's call in _check, then two runs
+        self.assertEqual(called, [])
+
   def test_training_a_relu_regression_head_with_adam(self):
     def loss(p, x, y):  # per example, as eqx.nn.MLP(out_size=1) under vmap
       h = jax.vmap(lambda r: jax.nn.relu(p["w1"] @ r + p["b1"]))(x)

@@ -181,7 +181,8 @@ def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
 def _select_n(which, *cases, **_):
   """lax.select_n: cases[which], elementwise (a scalar `which` picks a whole
   case); any number of cases (np.choose takes at most 64)."""
-  which = np.asarray(which).astype(np.intp)
+  # XLA clamps a selector out of range to the first or last case
+  which = np.clip(np.asarray(which).astype(np.intp), 0, len(cases) - 1)
   stacked = np.stack(cases)
   if which.ndim == 0:
     return stacked[which]
@@ -225,8 +226,10 @@ OP_TABLE = {
     # what XLA must not see through (lax.optimization_barrier): never folded
     "optimization_barrier": OpFacts(props=OpProps(opaque=True)),
     # a nested jit the importer keeps as a call (session/graph/importer.py):
-    # XLA compiles it as a called computation, and nothing folds into it
-    **_facts("jit", "pjit", props=OpProps(opaque=True)),
+    # XLA compiles it as a called computation, and nothing folds into it;
+    # its dead outputs go by jax's own rule (a pure_callback only they read
+    # runs no more than under jax.jit)
+    **_facts("jit", "pjit", props=OpProps(opaque=True), dce=_jax_dce),
     "scan": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
     "cond": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
     "while": OpFacts(props=_CONTROL_FLOW, dce=_while_dce),
