@@ -168,12 +168,17 @@ def host_to_device_put(node, x):
 # Shape and index arithmetic on host values stays on the host: numpy computes
 # integer and bool ops exactly as XLA does (two's complement wrap-around).
 
-def _wrapping(numpy_fn):
+def _numpy_op(op, params, args, dtype):
+  """The op table's numpy implementation of `op` on `args`, as `dtype`."""
+  with np.errstate(over="ignore"):
+    out = op_properties.facts(op).numpy(*[np.asarray(a) for a in args], **params)
+  return np.asarray(out, dtype=dtype)
+
+
+def _wrapping(op):
   """The op table's numpy implementation of an op as its host kernel."""
   def kernel(node, *args):
-    with np.errstate(over="ignore"):
-      out = numpy_fn(*[np.asarray(a) for a in args], **node.params)
-    return [np.asarray(out, dtype=node.outputs[0].aval.dtype)]
+    return [_numpy_op(op, node.params, args, node.outputs[0].aval.dtype)]
   return kernel
 
 
@@ -195,7 +200,7 @@ SMALL_ELEMENTS = 1024
 # constant folding uses too) as a host kernel on small integer/bool values.
 for _op in op_properties.ops_with(host=True):
   register_kernel(_op, backend="host", name=f"host:{_op}",
-                  accepts=_small_integer)(_wrapping(op_properties.facts(_op).numpy))
+                  accepts=_small_integer)(_wrapping(_op))
 
 
 # A nested jit the importer keeps as a call (jnp.where is one) runs on the
@@ -232,13 +237,11 @@ def _run_body(closed, args):
   env.update(zip(closed.jaxpr.invars, args))
   read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
   for eqn in closed.jaxpr.eqns:
-    ins = [np.asarray(read(v)) for v in eqn.invars]
+    ins = [read(v) for v in eqn.invars]
     if eqn.primitive.name in ("jit", "pjit"):
       outs = _run_body(eqn.params["jaxpr"], ins)
     else:
-      with np.errstate(over="ignore"):
-        out = op_properties.facts(eqn.primitive.name).numpy(*ins, **eqn.params)
-      outs = [np.asarray(out, dtype=eqn.outvars[0].aval.dtype)]
+      outs = [_numpy_op(eqn.primitive.name, eqn.params, ins, eqn.outvars[0].aval.dtype)]
     env.update(zip(eqn.outvars, outs))
   return [np.asarray(read(v)) for v in closed.jaxpr.outvars]
 
