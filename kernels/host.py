@@ -185,12 +185,19 @@ def _wrapping(op):
 def _small_integer(node):
   """Host integer kernels take integer/bool values of at most 1024 elements."""
   for value in list(node.inputs) + list(node.outputs):
-    aval = value.aval
-    kind = np.dtype(aval.dtype).kind if hasattr(aval, "dtype") else "?"
-    if kind not in "iub":
-      return f"{value} is {aval.dtype}, not an integer or bool"
-    if int(np.prod(aval.shape, dtype=np.int64)) > SMALL_ELEMENTS:
-      return f"{value} has more than {SMALL_ELEMENTS} elements"
+    why = _small_aval(value.aval)
+    if why:
+      return f"{value} {why}"
+  return None
+
+
+def _small_aval(aval):
+  """Why `aval` is not an integer/bool of at most SMALL_ELEMENTS, or None."""
+  kind = np.dtype(aval.dtype).kind if hasattr(aval, "dtype") else "?"
+  if kind not in "iub":
+    return f"is {getattr(aval, 'dtype', aval)}, not an integer or bool"
+  if int(np.prod(aval.shape, dtype=np.int64)) > SMALL_ELEMENTS:
+    return f"has more than {SMALL_ELEMENTS} elements"
   return None
 
 
@@ -206,20 +213,15 @@ for _op in op_properties.ops_with(host=True):
 # A nested jit the importer keeps as a call (jnp.where is one) runs on the
 # host where its body does: every equation one of the kernels above takes,
 # on small integer/bool values, computed by the same numpy implementations.
-def _small_aval(aval):
-  kind = np.dtype(aval.dtype).kind if hasattr(aval, "dtype") else "?"
-  return kind in "iub" and int(np.prod(aval.shape, dtype=np.int64)) <= SMALL_ELEMENTS
-
-
 def _host_body(jaxpr):
   """Why `jaxpr` cannot run on these kernels, or None."""
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in ("jit", "pjit"):
+    if name in op_properties.CALLS:
       why = _host_body(eqn.params["jaxpr"].jaxpr)
     elif not op_properties.facts(name).host or eqn.effects:
       why = f"its body's '{name}' has no host kernel"
-    elif not all(_small_aval(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+    elif any(_small_aval(v.aval) for v in (*eqn.invars, *eqn.outvars)):
       why = f"its body's '{name}' is not on small integer/bool values"
     else:
       why = None
@@ -238,7 +240,7 @@ def _run_body(closed, args):
   read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
   for eqn in closed.jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
-    if eqn.primitive.name in ("jit", "pjit"):
+    if eqn.primitive.name in op_properties.CALLS:
       outs = _run_body(eqn.params["jaxpr"], ins)
     else:
       outs = [_numpy_op(eqn.primitive.name, eqn.params, ins, eqn.outvars[0].aval.dtype)]

@@ -19,6 +19,7 @@ nodes it makes.
 from jax.extend import core as jcore
 import numpy as np
 
+from jaxsession.graph import op_properties
 from jaxsession.optimizer_passes.fusion import _is_float, first
 from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule, same_number
 
@@ -64,7 +65,7 @@ def _relu(p):
   """max(p, +0.0), written out or as jax.nn.relu's nested jit (captured as
   `relu_call`: the kernel calls it as jax.jit would)."""
   return Pat.either(Pat("max", p, Pat.lit(0)),
-                    Pat(("jit", "pjit"), p, name="relu_call", where=_relu_call))
+                    Pat(op_properties.CALLS, p, name="relu_call", where=_relu_call))
 
 
 def _channel_axis(x, operands):

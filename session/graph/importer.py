@@ -10,6 +10,7 @@ the jaxpr (at any depth) become `const` inputs; literals stay literals.
 """
 from jax.extend import core as jcore
 
+from jaxsession.graph import op_properties
 from jaxsession.graph.ir import KernelGraph, Literal
 
 
@@ -97,7 +98,7 @@ def _read(env, atom):
 # between executables (`host_callbacks`) is inlined, so that the callback
 # can leave the executable; where it stays in (inside control flow) the
 # arithmetic around it is no longer jax.jit's call (docs/numerics.md).
-KEPT_CALLS = ("jit", "pjit")
+KEPT_CALLS = op_properties.CALLS
 
 
 def _host_work(jaxpr, seen):

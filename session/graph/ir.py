@@ -13,7 +13,7 @@ import weakref
 import numpy as np
 import jax
 
-from jaxsession.graph.op_properties import node_props
+from jaxsession.graph.op_properties import CALLS, node_props
 
 INPUT_KINDS = ("input", "state", "const")
 
@@ -110,7 +110,7 @@ class Node:
   def label(self):
     """The op as dumps and reasons name it: a kept nested jit by its name
     too (`jit relu`), since its op alone says nothing."""
-    name = self.params.get("name") if self.op in ("jit", "pjit") else None
+    name = self.params.get("name") if self.op in CALLS else None
     return f"{self.op} {name}" if name else self.op
 
   def __repr__(self):
@@ -337,7 +337,7 @@ class KernelGraph:
                    + (f"  # {value.name}" if value.name else ""))
     for node in self.nodes:
       outs = ", ".join(f"{o}: {aval_str(o.aval)}{_sharded(o)}" for o in node.outputs)
-      params = (_call_str(node) if node.op in ("jit", "pjit") else
+      params = (_call_str(node) if node.op in CALLS else
                 " ".join(f"{k}={_param_str(v)}" for k, v in node.params.items()
                          if v is not None))
       decided = []

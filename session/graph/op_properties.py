@@ -193,6 +193,10 @@ def _reshape(x, new_sizes, dimensions=None, **_):
   return np.reshape(x if dimensions is None else np.transpose(x, dimensions), new_sizes)
 
 
+# the primitives of a nested jit: the importer keeps them as calls
+CALLS = ("jit", "pjit")
+
+
 def _facts(*names, **facts):
   return {name: OpFacts(**facts) for name in names}
 
@@ -229,7 +233,7 @@ OP_TABLE = {
     # XLA compiles it as a called computation, and nothing folds into it;
     # its dead outputs go by jax's own rule (a pure_callback only they read
     # runs no more than under jax.jit)
-    **_facts("jit", "pjit", props=OpProps(opaque=True), dce=_jax_dce),
+    **_facts(*CALLS, props=OpProps(opaque=True), dce=_jax_dce),
     "scan": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
     "cond": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
     "while": OpFacts(props=_CONTROL_FLOW, dce=_while_dce),
