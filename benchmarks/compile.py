@@ -370,7 +370,7 @@ def main(argv):
         "value of these programs is float32 or bool, so no weak type can change the "
         "program (tracing.weak_type_is_moot); a mixed-precision program is traced again "
         "once per numeric run arg), the import, "
-        "KernelGraph.verify() after every changed pass (verify_graphs=True, the default), "
+        "KernelGraph.verify() after every changed pass (verify_graphs=True, the default; the structure again only where a pass rewired the graph), "
         "the fingerprint and the rest. '1 trace (alone)' and 'import (alone)' are "
         "jax.make_jaxpr and import_jaxpr timed by themselves on the same program. The "
         "Session compiles the optimised graph (CSE, DCE, simplification, fusions: see the "

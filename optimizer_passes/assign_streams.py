@@ -12,6 +12,7 @@ from jaxsession.runtime import streams
 class AssignStreams(Pass):
   name = "assign_streams"
   required = True  # every node needs a queue
+  annotates = True
 
   def run(self, graph, ctx):
     return PassResult(streams.assign_streams(graph, graph.partitions, ctx.platform))

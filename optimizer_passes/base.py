@@ -65,6 +65,12 @@ class Pass(abc.ABC):
   before them."""
   name = "pass"
   required = False
+  # True: the pass writes decisions on the nodes (kernel, place, stream) and
+  # edits the structure only as a side case (a cast inserted, the nodes put in
+  # launch order). After it, the structure is verified again only when the
+  # node list or a node's inputs or outputs changed (`_edges`): the stage
+  # invariants check its decisions.
+  annotates = False
 
   @abc.abstractmethod
   def run(self, graph, ctx) -> PassResult:
@@ -172,6 +178,7 @@ class GraphOptimizer:
 def run_one(pass_, graph, ctx, stage, holds=()):
   """Runs one pass with timing, verification and instruments around it."""
   before = len(graph.nodes)
+  edges = _edges(graph) if pass_.annotates and ctx.verify else None
   start = time.perf_counter()
   try:
     result = pass_.run(graph, ctx)
@@ -183,7 +190,8 @@ def run_one(pass_, graph, ctx, stage, holds=()):
   seconds = time.perf_counter() - start
   if result.changed and ctx.verify:
     try:
-      graph.verify(stages=holds, skip=stage)
+      graph.verify(stages=holds, skip=stage,
+                   structure=edges is None or _edges(graph) != edges)
     except ValueError as exc:
       raise _pass_error(f"pass {pass_.name} left an invalid graph: {exc}",
                         stage, ctx) from exc
@@ -193,6 +201,13 @@ def run_one(pass_, graph, ctx, stage, holds=()):
   for instrument in ctx.instruments:
     instrument(stage, pass_.name, graph, record)
   return result.changed
+
+
+def _edges(graph):
+  """The graph's structure as object identities: every node in order with its
+  input and output values (a cast inserted, an input rewired or the nodes
+  reordered make another list; nodes and values compare by identity)."""
+  return [(node, *node.inputs, None, *node.outputs) for node in graph.nodes]
 
 
 def _pass_error(message, stage, ctx):

@@ -88,6 +88,7 @@ def small_integer_nodes(graph, host):
 class PlaceNodes(Pass):
   name = "place_nodes"
   required = True  # every node needs a place; host_callbacks=False keeps callbacks in
+  annotates = True
 
   def run(self, graph, ctx):
     choose_kernels(graph, [n for n in graph.nodes if n.kernel is None], ctx)

@@ -68,6 +68,7 @@ def _narrow_to_int32(graph, node, ctx, error):
 class SelectKernels(Pass):
   name = "select_kernels"
   required = True  # every node needs a kernel
+  annotates = True
 
   def run(self, graph, ctx):
     return PassResult(choose_kernels(graph, list(graph.nodes), ctx))

@@ -88,6 +88,16 @@ def fingerprint(graph, spec_avals, options_key=(), platform="cpu", extra=()):
   memo = {}  # id(jaxpr) -> text: a body several nodes carry is written once
   avals = {}  # id(aval) -> (aval, text): avals are shared objects; text is slow
   kernels = {}  # id(kernel) -> (kernel, text)
+  params_memo = {}  # the params' (name, id(value)) -> (values, text): nodes share objects
+
+  def params_text(params):
+    # 1400 jnp.where calls share one jaxpr, sharding tuple, mesh...: their
+    # params are written once (the values are kept, so their ids stay theirs)
+    key = tuple([(k, id(v)) for k, v in params.items()])
+    hit = params_memo.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], params.values())):
+      hit = params_memo[key] = (tuple(params.values()), canonical(dict(params), memo))
+    return hit[1]
 
   def define(value):
     numbers[value.id] = len(numbers)
@@ -124,7 +134,7 @@ def fingerprint(graph, spec_avals, options_key=(), platform="cpu", extra=()):
     position[id(node)] = i
     writer.put(
         "node", node.op, "prim" if node.prim is not None else "fused",
-        canonical(dict(node.params), memo), "in", ",".join(ref(v) for v in node.inputs),
+        params_text(node.params), "in", ",".join(ref(v) for v in node.inputs),
         "out", ",".join(define(v) for v in node.outputs),
         "effects", ",".join(sorted(map(str, node.effects or ()))),
         "kernel", kernel_text(node.kernel), "place", str(node.place), "stream", str(node.stream))

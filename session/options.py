@@ -17,7 +17,9 @@ class SessionOptions:
     id in 4 digits, the name sanitized and cut to 64 characters; `-2`, `-3`
     appended where a folder of that name exists). A dump that cannot be
     written is logged and the compile goes on.
-  verify_graphs: run `KernelGraph.verify()` after every pass that changed the graph.
+  verify_graphs: run `KernelGraph.verify()` after every pass that changed the graph
+    (after a pass that only writes decisions on the nodes, the structure again only
+    where its nodes or edges changed).
   platform: the platform kernels are selected for (default: jax's default backend).
   donate_state: let executables update state buffers in place.
   host_callbacks: run `pure_callback`s between executables rather than as

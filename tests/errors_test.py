@@ -1,4 +1,6 @@
 """Every row of DESIGN.md's error table, and the state unchanged after each."""
+from unittest import mock
+
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ from jaxsession.graph.ir import KernelGraph
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes.base import (FunctionPass, PassContext, PassManager,
                                               run_to_fixed_point)
+from jaxsession.optimizer_passes.select_kernels import SelectKernels
 
 
 def _faulty(x):
@@ -309,6 +312,49 @@ class PassErrorTest(absltest.TestCase):
     with self.assertRaisesRegex(js.PassError, r"pass break_users left an invalid graph.*"
                                 r"passes before it: Optimize/harmless"):
       manager.run(self._graph(), PassContext())
+
+  def test_an_annotating_pass_that_rewires_is_verified(self):
+    # select_kernels, place_nodes and assign_streams annotate: their structure
+    # is verified again only where their nodes or edges changed - a rewiring counts
+    def break_users(graph, ctx):
+      graph.nodes[1].inputs[0] = graph.nodes[1].outputs[0]  # reads itself
+      return True
+    rewiring = FunctionPass("annotates_and_rewires", break_users)
+    rewiring.annotates = True
+    with self.assertRaisesRegex(js.PassError, r"pass annotates_and_rewires left an invalid"):
+      PassManager("Optimize", [rewiring]).run(self._graph(), PassContext())
+
+  def test_an_annotating_pass_skips_the_structure_check_only(self):
+    calls = []
+    real = KernelGraph._verify_structure
+
+    def counting(graph, shapes=True):
+      calls.append(shapes)
+      return real(graph, shapes)
+
+    def place(graph, ctx):
+      for node in graph.nodes:
+        node.place = "device"
+      return True
+    annotating, rewriting = FunctionPass("places", place), FunctionPass("places_too", place)
+    annotating.annotates = True
+    with mock.patch.object(KernelGraph, "_verify_structure", counting):
+      PassManager("Optimize", [annotating]).run(self._graph(), PassContext())
+      self.assertEqual(calls, [])
+      PassManager("Optimize", [rewriting]).run(self._graph(), PassContext())
+      self.assertEqual(calls, [True])
+    # its decisions are still checked: the stage invariants run after it
+    def unset_kernels(graph, ctx):
+      for node in graph.nodes:
+        node.kernel = None
+      return True
+    unsetting = FunctionPass("unsets_kernels", unset_kernels)
+    unsetting.annotates = True
+    graph = self._graph()
+    PassManager("SelectKernel", [SelectKernels()]).run(graph, PassContext())
+    with self.assertRaisesRegex(js.PassError, r"unsets_kernels left an invalid graph.*kernel"):
+      PassManager("AssignStream", [unsetting], holds=("SelectKernel",)).run(
+          graph, PassContext())
 
   def test_fixed_point_limit_raises(self):
     manager = PassManager("Optimize", [FunctionPass("always_changes", lambda g, c: True)])

@@ -8,6 +8,7 @@ decided so far.
 """
 import itertools
 import math
+import operator
 import weakref
 
 import numpy as np
@@ -410,19 +411,14 @@ def _shape_inputs(node):
   the node again only when one of them is another object (a pass that
   rewired, retyped or re-parametrised it); the node holds them, so no id is
   reused meanwhile."""
-  return (node.prim, tuple(node.params.items()),
-          tuple(getattr(v, "aval", None) for v in node.inputs),
-          tuple(o.aval for o in node.outputs))
+  params = node.params
+  return (len(params), len(node.inputs), node.prim, *params, *params.values(),
+          *[getattr(v, "aval", None) for v in node.inputs], *[o.aval for o in node.outputs])
 
 
 def _same(a, b):
-  """Whether two _shape_inputs tuples hold the same objects."""
-  if a[0] is not b[0] or len(a[1]) != len(b[1]) or len(a[2]) != len(b[2]) or \
-      len(a[3]) != len(b[3]):
-    return False
-  return (all(k1 == k2 and v1 is v2 for (k1, v1), (k2, v2) in zip(a[1], b[1]))
-          and all(x is y for x, y in zip(a[2], b[2]))
-          and all(x is y for x, y in zip(a[3], b[3])))
+  """Whether two _shape_inputs tuples hold the same objects (compared in C)."""
+  return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _check_avals(node):
