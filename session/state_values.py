@@ -3,7 +3,8 @@
 `set_state`, `replace_state` (and a checkpoint's restore) all go through
 `new_leaves`: every value is checked against its slot (structure, each leaf's
 shape, dtype and - where it changes the program - weak type) before any slot
-changes, then bound as session-owned buffers: a copy by default, or with
+changes, then bound as session-owned buffers, each in its leaf's weak type as the
+program has it (`_weak`): a copy by default, or with
 `donate=True` the caller's own buffer where it is already laid out as the
 slot's leaf (the caller's array is then deleted, as `jax.jit` deletes a
 donated argument). Binding happens only once every value has passed.
@@ -15,7 +16,8 @@ from jaxsession.errors import InputError
 from jaxsession.inputs import check_leaf
 from jaxsession.jax_api import real_jit
 from jaxsession.runtime import debug_flags, static_leaves
-from jaxsession.runtime.state import check_structure, holding, owned_copies, session_device
+from jaxsession.runtime.state import (check_structure, holding, owned_copies, session_device,
+                                      with_weak_type)
 
 # moves an array's buffer into a new array without a copy: XLA aliases the
 # donated parameter to the output, and jax deletes the argument
@@ -75,12 +77,20 @@ def new_leaves(where, items, donate=False):
         taken.add(_buffers(x))  # taken below, once every copy is made
         row[j] = _Taken(x)
       else:
-        copied.append((row, j, x, None if slot.shardings is None else slot.shardings[j]))
+        copied.append((row, j, x, None if slot.shardings is None else slot.shardings[j],
+                       _weak(slot, j)))
     bound.append(row)
-  copies = owned_copies([x for _, _, x, _ in copied], [s for _, _, _, s in copied])
-  for (row, j, _, _), copy in zip(copied, copies):
-    row[j] = copy
+  copies = owned_copies([x for _, _, x, _, _ in copied], [s for _, _, _, s, _ in copied])
+  for (row, j, _, _, weak), copy in zip(copied, copies):
+    row[j] = with_weak_type(copy, weak)
   return bound
+
+
+def _weak(slot, j):
+  """The weak type slot's leaf j has in the program: a bound value takes it
+  (a Python scalar bound to a float32 leaf is a strong float32, as the
+  executables and every later run's state are)."""
+  return bool(getattr(slot.avals[j], "weak_type", False))
 
 
 def bind(lock, slots, rows):
@@ -90,8 +100,9 @@ def bind(lock, slots, rows):
   after the takes and the write or before both, never between (where the
   caller's arrays would be deleted and the slots still hold the old state)."""
   def write():
-    leaves = [tuple(_take_over(x.array) if isinstance(x, _Taken) else x for x in row)
-              for row in rows]
+    leaves = [tuple(with_weak_type(_take_over(x.array), _weak(slot, j))
+                    if isinstance(x, _Taken) else x for j, x in enumerate(row))
+              for slot, row in zip(slots, rows)]
     for slot, row in zip(slots, leaves):
       slot.leaves = row
   holding(lock, write)

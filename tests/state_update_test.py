@@ -347,6 +347,36 @@ class NumpyScalarStateTest(absltest.TestCase):
     self.assertEqual(got.dtype, want.dtype)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
+  def test_a_bound_value_takes_the_slots_weak_type(self):
+    # the slot's weak type is the program's: a Python scalar bound to a strong
+    # float32 leaf is strong (as every later run's state is), a strong value
+    # bound to a weak leaf weak - by set_state, replace_state, and donated
+    def step(s, w, x):
+      return s * x + w, w - x, s + w
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal(), jnp.float32)
+    for donate in (False, True):
+      sess = js.Session()
+      gid = sess.compile(step, jnp.float32(2.5), 1.5, x, state_argnums=(0, 1))
+      strong, weak = sess.get_state(gid)
+      self.assertEqual((strong.weak_type, weak.weak_type), (False, True))
+      sess.set_state(gid, -0.0, jnp.asarray(rng.standard_normal(), jnp.float32),
+                     donate=donate)
+      got = sess.get_state(gid)
+      self.assertEqual([g.weak_type for g in got], [False, True])
+      self.assertEqual([g.dtype for g in got], [np.float32, np.float32])
+      self.assertTrue(np.signbit(got[0]))
+      w0 = np.asarray(got[1])
+      sess.replace_state(gid, 0, 3.0)
+      self.assertFalse(sess.get_state(gid)[0].weak_type)
+      out = sess.run(gid, x)
+      want = jax.jit(step)(jnp.float32(3.0), w0, x)  # the state as the slots hold it
+      np.testing.assert_array_equal(out, want[2])
+      np.testing.assert_array_equal(sess.get_state(gid)[0], want[0])
+      # after a run, the state is the program's outputs, typed as jax.jit's
+      self.assertEqual([g.weak_type for g in sess.get_state(gid)],
+                       [want[0].weak_type, want[1].weak_type])
+
 
 if __name__ == "__main__":
   absltest.main()
