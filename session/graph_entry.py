@@ -30,6 +30,12 @@ class Entry:
 
   def __post_init__(self):
     self.call = self._wrap(self.runner, None)  # run's hot path: one attribute, one call
+    program = self.runner.program
+    # run's fast path (benchmarks/dispatch.py's tiny stateless row): where the
+    # call is a stateless program's own run with nothing around it, run calls
+    # it and recovers a refusal itself - Runner.call's frame less a call
+    self.direct = program.run if self.call is self.runner.call and program.bare and \
+        self.bucketed is None and not self.spec.local_pieces else None
     if any(slot.unset for slot in self.slots):  # compiled from ShapeDtypeStructs
       self.call = self._until_set(self.call)
     if self.spec.weak_sensitive:  # only where a weak type changes the program
@@ -37,6 +43,8 @@ class Entry:
     if self.weak_outputs is not None:  # only where the graph has scalar run args
       self.call = self.weak_outputs.guard(self.call)
     self.call = self._pieces(self.call)
+    if self.call is not self.runner.call:  # guarded: no fast path around the guards
+      self.direct = None
     self.lock = slots_lock(self.slots)
     executables = self.runner.program.executables
     self.executables = [executables[k] for k in sorted(executables)]

@@ -355,7 +355,7 @@ class Session:
     first = self._entry(dispatcher.first)
     entry = Entry(dispatcher.name, first.graph, first.report, first.runner, first.spec,
                    first.slots, first.make_sunk, first.hooks, bucketed=dispatcher)
-    entry.call = dispatcher.run
+    entry.call, entry.direct = dispatcher.run, None
     first.report.buckets = dispatcher
     with self._lock:
       gid = next(self._ids)
@@ -387,7 +387,14 @@ class Session:
     leading = None
     try:
       if steps is None and in_axes is None:
-        return entry.call(args)
+        direct = entry.direct  # Entry.__post_init__: a stateless program's own run
+        if direct is None:
+          return entry.call(args)
+        program = entry.runner.program
+        try:
+          return direct(*args)
+        except program.recoverable as exc:
+          return program.recover(exc, (), args)
       if in_axes is None and type(steps) is int:  # a steps value run before: its call was
         call = entry.sunk.get((steps, steps))  # built after the checks below passed
         if call is not None:

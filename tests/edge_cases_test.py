@@ -453,6 +453,42 @@ class DisableJitTest(absltest.TestCase):
     np.testing.assert_array_equal(sess.run(sid, x), jax.jit(step)(wn, x)[1])  # compiled again
 
 
+class StatelessRunTest(absltest.TestCase):
+  """A stateless one-executable graph: Session.run calls its executable
+  itself (Entry.direct, dispatch.py's fast path) and recovers a refusal as
+  Runner.call does - conformed and run, an InputError naming the argument,
+  op by op under jax.disable_jit()."""
+
+  def test_the_direct_call_equals_jit_and_recovers(self):
+    def f(x, y):
+      return jnp.where(x > y, x * y, x - y), jnp.sum(x)
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal(6).astype(np.float32)
+    x[:3] = [-0.0, np.nan, np.inf]
+    y = jnp.asarray(rng.standard_normal(6), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(f, jnp.asarray(x), y)
+    self.assertIsNotNone(sess._graphs[gid].direct)  # pylint: disable=protected-access
+    for got, want in ((sess.run(gid, jnp.asarray(x), y), jax.jit(f)(jnp.asarray(x), y)),
+                      (sess.run(gid, x, y), jax.jit(f)(x, y)),   # numpy: conformed
+                      (sess.run(gid, x, np.asarray(y)), jax.jit(f)(x, np.asarray(y)))):
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    with self.assertRaisesRegex(js.InputError, r"argument 1 .*expected f32\[6\], got f32\[5\]"):
+      sess.run(gid, x, jnp.ones(5))
+    dead = jnp.asarray(x)
+    dead.delete()
+    with self.assertRaisesRegex(js.InputError, r"argument 0 .*deleted"):
+      sess.run(gid, dead, y)
+    with jax.disable_jit():
+      got, want = sess.run(gid, x, y), jax.jit(f)(x, y)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
+    sess.release(gid)
+    with self.assertRaises(js.UnknownGraphError):
+      sess.run(gid, x, y)
+
+
 class DebugNansTest(absltest.TestCase):
   """jax_debug_nans on (before compile, as jax.jit reads it at trace time):
   a nan is a FloatingPointError naming the graph and the node, and the
