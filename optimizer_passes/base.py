@@ -10,7 +10,7 @@ session/pipeline.py.
 import abc
 import dataclasses
 import time
-from typing import Any, Callable, List, Optional
+from typing import Callable, List, Optional
 
 from jaxsession.errors import PassError, SessionError
 from jaxsession.options import SessionOptions
