@@ -158,6 +158,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
   keep = [(i, layout.state_shardings[i]) for i in layout.updated_idx
           if layout.state_shardings[i] is not None]
   base, user_checked = program.num_state, program.user_checked
+  bare_run = not layout.slots  # Program.bare: run returns the user outputs alone
   updated, k, single_output = layout.updated_idx, layout.num_outputs, rest_tree == leaf
 
   def user_leaves(args):
@@ -228,9 +229,12 @@ def plan_program(graph, program, spec, rest_tree, layout):
       outs = recover(exc, (state,), (leaves,))
     if post is not None:
       outs = post(outs)
-    new = tuple(map(outs.__getitem__, updated)) if updated else ()
-    return new, outs[-1] if single_output else tree_util.tree_unflatten(rest_tree, outs[k:])
+    out = outs[-1] if single_output else tree_util.tree_unflatten(rest_tree, outs[k:])
+    if bare_run:  # no state: the user outputs alone, as a bare executable returns them
+      return out
+    return tuple(map(outs.__getitem__, updated)) if updated else (), out
   program.run, program.run_flat = run, run_flat
+  program.bare = bare_run
   return program
 
 

@@ -454,8 +454,8 @@ class DisableJitTest(absltest.TestCase):
 
 
 class StatelessRunTest(absltest.TestCase):
-  """A stateless one-executable graph: Session.run calls its executable
-  itself (Entry.direct, dispatch.py's fast path) and recovers a refusal as
+  """A stateless graph (one executable or a plan): Session.run calls its
+  program's run itself (Entry.direct, dispatch.py's fast path) and recovers a refusal as
   Runner.call does - conformed and run, an InputError naming the argument,
   op by op under jax.disable_jit()."""
 
@@ -487,6 +487,30 @@ class StatelessRunTest(absltest.TestCase):
     sess.release(gid)
     with self.assertRaises(js.UnknownGraphError):
       sess.run(gid, x, y)
+
+  def test_a_stateless_plan_is_called_directly_too(self):
+    def host(a):
+      if np.any(np.asarray(a) > 100):
+        raise RuntimeError("host refuses")
+      return np.cos(np.asarray(a)).astype(np.float32)
+
+    def f(x, w):
+      y = jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x * w)
+      return y * w, x - w
+    rng = np.random.default_rng(32)
+    x = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(f, x, w)
+    self.assertGreater(len(sess.report(gid).partitions), 1)
+    self.assertIsNotNone(sess._graphs[gid].direct)  # pylint: disable=protected-access
+    for args in ((x, w), (np.asarray(x), w)):
+      for g, want in zip(sess.run(gid, *args), jax.jit(f)(*args)):
+        np.testing.assert_array_equal(g, want)
+    with self.assertRaisesRegex(js.InputError, r"argument 1 .*expected f32\[4\]"):
+      sess.run(gid, x, jnp.ones(3))
+    with self.assertRaisesRegex(js.HostOpError, r"host refuses"):
+      sess.run(gid, x + 1000, w * 0 + 1)
 
 
 class DebugNansTest(absltest.TestCase):
