@@ -97,7 +97,13 @@ def recovery(call, conform, failure=None):
   call is made (Runner.call, which then needs no frame of its own)."""
   def recover(exc, lead, args):
     if isinstance(exc, ARG_MISMATCH):
-      return call(*lead, *conform(args))
+      args = conform(args)
+      try:  # the retry fails as the first call would have: through `failure`
+        return call(*lead, *args)
+      except RECOVERABLE as again:
+        if failure is None or isinstance(again, ARG_MISMATCH):
+          raise
+        raise failure(again, lead, args) from again
     if failure is None:
       raise exc
     raise failure(exc, lead, args)

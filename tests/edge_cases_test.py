@@ -18,6 +18,7 @@ from jax import lax
 import numpy as np
 
 import jaxsession as js
+from subproc import run_json
 
 
 def run_python(code, **env):
@@ -511,6 +512,55 @@ class StatelessRunTest(absltest.TestCase):
       sess.run(gid, x, jnp.ones(3))
     with self.assertRaisesRegex(js.HostOpError, r"host refuses"):
       sess.run(gid, x + 1000, w * 0 + 1)
+
+
+class RetriedRunFailureTest(absltest.TestCase):
+  """An argument the executable refuses (on another device) is conformed and
+  the call retried; a failure of the retry is named as the first call's
+  would be: HostOpError for a raising callback, FloatingPointError for a nan
+  under jax_debug_nans (not jax's raw errors), and the state unchanged."""
+
+  def test_a_failed_retry_is_named_and_loses_nothing(self):
+    got = run_json("""
+        import json
+        import jax, jax.numpy as jnp, numpy as np
+        import jaxsession as js
+
+        def bad(v):
+          if np.any(np.asarray(v) > 10):
+            raise ValueError("host says no")
+          return np.asarray(v)
+
+        def step(w, x):
+          y = jax.pure_callback(bad, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+          return w + jnp.log(y), jnp.sum(w)
+        out = {}
+        w0 = jnp.asarray(np.random.default_rng(5).uniform(1, 2, 4), jnp.float32)
+        x0 = jnp.asarray([1.5, 2.5, 3.5, 4.5], jnp.float32)
+        on1 = lambda a: jax.device_put(a, jax.devices()[1])
+        sess = js.Session(js.SessionOptions(host_callbacks=False))
+        gid = sess.compile(step, w0, x0, state_argnums=0)
+        for label, x in (("dev0", x0 * 10), ("dev1", on1(x0 * 10))):
+          try:
+            sess.run(gid, x)
+          except Exception as e:
+            out[label] = type(e).__name__
+        out["state_kept"] = bool(np.array_equal(sess.get_state(gid)[0], w0))
+        jax.config.update("jax_debug_nans", True)
+        sess2 = js.Session()
+        gid2 = sess2.compile(lambda x: jnp.log(x) * 2, x0)
+        for label, x in (("nan_dev0", -x0), ("nan_dev1", on1(-x0))):
+          try:
+            sess2.run(gid2, x)
+          except Exception as e:
+            out[label] = [type(e).__name__, isinstance(e, FloatingPointError)]
+        print(json.dumps(out))
+        """, devices=2)
+    self.assertEqual(got["dev0"], "HostOpError")
+    self.assertEqual(got["dev1"], "HostOpError")
+    self.assertTrue(got["state_kept"])
+    self.assertEqual(got["nan_dev0"], ["FloatingPointError", True])
+    self.assertEqual(got["nan_dev1"], ["FloatingPointError", True])
 
 
 class DebugNansTest(absltest.TestCase):
