@@ -126,7 +126,11 @@ def _buffers(x):
 
 
 def _take_over(x):
-  if debug_flags.MAYBE[0]:  # a nan the caller's array holds is not the take's to report
-    with jax.debug_nans(False), jax.debug_infs(False):
+  """x's buffer as a new array, x deleted. Under jax.disable_jit() a jitted
+  call does not donate (the caller's array would stay on the state's
+  buffer, and a later run's donation deleted it): jit is on for the take."""
+  if debug_flags.MAYBE[0] or jax.config.jax_disable_jit:
+    # a nan the caller's array holds is not the take's to report
+    with jax.debug_nans(False), jax.debug_infs(False), jax.disable_jit(False):
       return _take(x)
   return _take(x)

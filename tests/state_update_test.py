@@ -189,6 +189,25 @@ class DonateTest(absltest.TestCase):
     self.assertEqual(_state_bytes(sess, gid),
                      [np.asarray(v).tobytes() for v in jax.tree.leaves(ref[:2])])
 
+  def test_donated_under_disable_jit_is_taken_over_too(self):
+    # under jax.disable_jit() a jitted call does not donate: the caller's array
+    # stayed alive on the state's buffer until a later run's donation deleted it
+    rng = np.random.default_rng(4)
+    def train(p, x):
+      return p - x, jnp.sum(p * x)
+    x = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(train, jnp.ones(3), x, state_argnums=0)
+    with jax.disable_jit():
+      a = jnp.asarray(rng.standard_normal(3), jnp.float32)
+      keep = np.array(a)
+      pointer = a.unsafe_buffer_pointer()
+      sess.set_state(gid, a, donate=True)
+    self.assertTrue(a.is_deleted())
+    self.assertEqual(sess._entry(gid).slots[0].leaves[0].unsafe_buffer_pointer(), pointer)
+    np.testing.assert_array_equal(sess.run(gid, x), jax.jit(train)(keep, x)[1])
+    np.testing.assert_array_equal(sess.get_state(gid)[0], keep - x)
+
   def test_what_does_not_fit_is_copied_and_the_same_array_taken_once(self):
     sess = js.Session()
     gid = sess.compile(lambda a, b, x: (a + x, b - x, a * b), np.ones(3, np.float32),
