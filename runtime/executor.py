@@ -26,7 +26,7 @@ from jaxsession.runtime import callbacks, codegen, debug_flags, interrupts, shar
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, fast_call, memory_analysis,
                                       recovery)
-from jaxsession.runtime.state import private_copy, slots_lock
+from jaxsession.runtime.state import private_copy, slots_lock, with_weak_type
 from jaxsession.runtime.state_layout import kept_layouts
 
 _pending = interrupts.pending
@@ -153,7 +153,8 @@ def plan_program(graph, program, spec, rest_tree, layout):
   bare = [treedef == leaf for treedef in treedefs]
   all_bare = all(bare)
   flat_index = [(i, j) for i, avals in enumerate(spec.avals) for j in range(len(avals))]
-  literal_outputs = {i for i, v in enumerate(graph.outputs) if isinstance(v, Literal)}
+  literal_outputs = {i: bool(getattr(v.aval, "weak_type", False))  # output -> its weak type
+                     for i, v in enumerate(graph.outputs) if isinstance(v, Literal)}
   plain_outputs = not (program.copy_at or program.host_outputs or literal_outputs)
   keep = [(i, layout.state_shardings[i]) for i in layout.updated_idx
           if layout.state_shardings[i] is not None]
@@ -188,7 +189,8 @@ def plan_program(graph, program, spec, rest_tree, layout):
 
   def output(n, out):
     if n in literal_outputs:
-      return jax.numpy.asarray(out)  # a fresh array per run, as jax.jit returns
+      # a fresh array per run, typed as jax.jit returns it (2.0: weak f32)
+      return with_weak_type(jax.numpy.asarray(out), literal_outputs[n])
     if n in program.host_outputs:  # made on the host: stays there, a copy of the
       # callback's buffer, which the callback may reuse (jax.jit copies too);
       # device_put may read its source after it returns: give it a private copy

@@ -514,6 +514,26 @@ class StatelessRunTest(absltest.TestCase):
       sess.run(gid, x + 1000, w * 0 + 1)
 
 
+class PlanLiteralOutputTest(absltest.TestCase):
+
+  def test_a_plans_literal_outputs_are_typed_as_jits(self):
+    # a literal output of a multi-partition plan was made strong (np.asarray
+    # then jnp.asarray); jax.jit returns 2.0 as a weak f32
+    def f(x):
+      h = jax.pure_callback(lambda a: np.sin(np.asarray(a)).astype(np.float32),
+                            jax.ShapeDtypeStruct(x.shape, x.dtype), x * 2)
+      return h * x, 2.0, 3, jnp.float32(-0.0), True
+    x = jnp.asarray(np.random.default_rng(8).standard_normal(4), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(f, x)
+    self.assertGreater(len(sess.report(gid).partitions), 1)
+    got, want = sess.run(gid, x), jax.jit(f)(x)
+    for g, w in zip(got, want):
+      self.assertEqual((g.dtype, g.weak_type), (w.dtype, w.weak_type))
+      np.testing.assert_array_equal(g, w)
+      np.testing.assert_array_equal(np.signbit(g), np.signbit(w))
+
+
 class RetriedRunFailureTest(absltest.TestCase):
   """An argument the executable refuses (on another device) is conformed and
   the call retried; a failure of the retry is named as the first call's
