@@ -21,8 +21,22 @@ Each register is deleted after its last reader (graph outputs excepted), and
 prefetched values start their copy to the host right after the executable
 that makes them. The op functions are the Program's as built - a profiled
 graph's are already wrapped in their timing (profiler.GraphHooks.timed) - so
-there is one plan per Program and no variant of it.
+there is one plan per Program and no variant of it. Under jax.disable_jit()
+a plan raises OpByOp before its first op (Session.run then runs the graph
+op by op).
 """
+import jax
+
+
+class OpByOp(Exception):
+  """A plan does not start under jax.disable_jit(): its executables refuse to
+  run there, the first refusing after the ones before it ran (and their host
+  ops, the user's callbacks, which then ran again op by op). Session.run
+  catches it and runs the graph op by op, as jax.jit runs its function there."""
+
+  def __init__(self):
+    super().__init__("jax.disable_jit() is on: the plan's executables do not run "
+                     "there; the graph runs op by op")
 
 
 def _names(regs):
@@ -37,7 +51,10 @@ def generate(program):
     if value is not None:
       namespace[f"r{r}"] = value  # constants and literals: globals of the function
       fixed.add(r)
-  lines = ["def plan(state, user):"]
+  lines = ["def plan(state, user):",
+           "  if config.jax_disable_jit:  # before any op runs: nothing runs twice",
+           "    raise OpByOp()"]
+  namespace["config"], namespace["OpByOp"] = jax.config, OpByOp
   state = list(range(program.num_state))
   user = list(range(program.num_state, program.num_state + program.num_user))
   if state:

@@ -454,6 +454,44 @@ class DisableJitTest(absltest.TestCase):
     np.testing.assert_array_equal(sess.run(sid, x), jax.jit(step)(wn, x)[1])  # compiled again
 
 
+class DisableJitCallbackCountTest(absltest.TestCase):
+
+  def test_a_plans_callback_runs_once_per_step(self):
+    # a plan that starts with a host op, started under disable_jit, ran the
+    # callback, then its executable refused: the retry and the op-by-op run
+    # called the callback again (3 calls a run, jax.jit: 1)
+    calls = []
+
+    def host(a):
+      calls.append(1)
+      return (np.asarray(a) * 2).astype(np.float32)
+
+    def step(w, x):
+      h = jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return w + h, jnp.sum(h * w)
+    rng = np.random.default_rng(41)
+    w = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    xs = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+    sess = js.Session()
+    sid = sess.compile(step, w, xs[0], state_argnums=0)
+    pid = sess.compile(lambda x: step(x, x)[1], xs[0])
+    self.assertGreater(len(sess.report(sid).partitions), 1)
+    with jax.disable_jit():
+      calls.clear()
+      want_w, want = jax.jit(step)(w, xs[0])
+      self.assertEqual(len(calls), 1)
+      calls.clear()
+      np.testing.assert_array_equal(sess.run(sid, xs[0]), want)
+      np.testing.assert_array_equal(sess.get_state(sid)[0], want_w)
+      self.assertEqual(len(calls), 1)
+      calls.clear()
+      sess.run(sid, xs, steps=3)
+      self.assertEqual(len(calls), 3)
+      calls.clear()
+      np.testing.assert_array_equal(sess.run(pid, xs[1]), jax.jit(lambda x: step(x, x)[1])(xs[1]))
+      self.assertEqual(len(calls), 2)  # the session's run, then jax.jit's
+
+
 class StatelessRunTest(absltest.TestCase):
   """A stateless graph (one executable or a plan): Session.run calls its
   program's run itself (Entry.direct, dispatch.py's fast path) and recovers a refusal as
