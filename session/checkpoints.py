@@ -367,7 +367,13 @@ def _check_meta(where, name, meta, entry):
       raise InputError(f"{where}: state arg {k} of {name} has another structure than "
                        f"slot {slot.name}: missing {missing or 'nothing'}, extra "
                        f"{extra or 'nothing'}")
-    for path, saved_type, aval in zip(paths, got["types"], slot.avals):
-      if saved_type != aval_str(aval):
+    for j, (path, saved_type, aval) in enumerate(zip(paths, got["types"], slot.avals)):
+      want = aval_str(aval)
+      if slot.weak_sensitive.get(j) is None:  # the weak type does not change the
+        # program: the value is bound in the slot's, as set_state binds it
+        fits = saved_type.rstrip("~") == want.rstrip("~")
+      else:
+        fits = saved_type == want
+      if not fits:
         raise InputError(f"{where}: state arg {k} of {name} at path {path or '(root)'}: "
-                         f"the checkpoint holds {saved_type}, the slot {aval_str(aval)}")
+                         f"the checkpoint holds {saved_type}, the slot {want}")

@@ -108,6 +108,37 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(got.dtype, jnp.bfloat16)
     np.testing.assert_array_equal(got, jax.jit(f)(want_s, x)[1])
 
+  def test_a_weak_type_that_does_not_change_the_program_restores_across(self):
+    # a checkpoint of a weak f32 slot restores into a graph whose slot is a
+    # strong f32 (and back) where the weak type changes nothing (all f32), as
+    # set_state binds the same value; where it changes the program (bf16), not
+    f = lambda s, x: (s * 2.0 + 1.0, s - x)
+    x = jnp.asarray(np.random.default_rng(10).standard_normal(3), jnp.float32)
+    for saved, other in ((3.0, jnp.float32(3.0)), (jnp.float32(3.0), 3.0)):
+      directory = tempfile.mkdtemp(dir=self.dir)
+      sess = js.Session()
+      gid = sess.compile(f, saved, x, state_argnums=0)
+      sess.replace_state(gid, 0, -0.0)
+      sess.save(gid, directory, 1)
+      sess.wait_until_saved()
+      second = js.Session()
+      gid2 = second.compile(f, other, x, state_argnums=0)
+      self.assertEqual(second.restore(gid2, directory), 1)
+      restored = second.get_state(gid2)[0]
+      self.assertEqual(restored.weak_type, jnp.asarray(other).weak_type)
+      self.assertTrue(np.signbit(restored))
+      np.testing.assert_array_equal(second.run(gid2, x), jax.jit(f)(restored, x)[1])
+    xb = x.astype(jnp.bfloat16)
+    strong = js.Session()
+    gid3 = strong.compile(f, jnp.float32(3.0), xb, state_argnums=0)
+    with self.assertRaisesRegex(js.InputError, r"the checkpoint holds f32\[\]~, the slot f32\[\]"):
+      directory = tempfile.mkdtemp(dir=self.dir)
+      weak = js.Session()
+      gidw = weak.compile(f, 3.0, xb, state_argnums=0)
+      weak.save(gidw, directory, 1)
+      weak.wait_until_saved()
+      strong.restore(gid3, directory)
+
   def test_a_step_whose_write_failed_can_be_saved_again(self):
     from jaxsession import checkpoints  # pylint: disable=import-outside-toplevel
     sess = js.Session()
