@@ -390,11 +390,10 @@ class Session:
         direct = entry.direct  # Entry.__post_init__: a stateless program's own run
         if direct is None:
           return entry.call(args)
-        program = entry.runner.program
         try:
           return direct(*args)
-        except program.recoverable as exc:
-          return program.recover(exc, (), args)
+        except entry.runner.program.recoverable as exc:  # read only when raised
+          return entry.runner.program.recover(exc, (), args)
       if in_axes is None and type(steps) is int:  # a steps value run before: its call was
         call = entry.sunk.get((steps, steps))  # built after the checks below passed
         if call is not None:
