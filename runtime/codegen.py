@@ -27,6 +27,9 @@ op by op).
 """
 import jax
 
+from jaxsession.jax_api import ARRAY
+from jaxsession.runtime.build import RECOVERABLE
+
 
 class OpByOp(Exception):
   """A plan does not start under jax.disable_jit(): its executables refuse to
@@ -43,41 +46,72 @@ def _names(regs):
   return ", ".join(f"r{r}" for r in regs) + ("," if len(regs) == 1 else "")
 
 
-def generate(program):
-  """fn(state leaves, user leaves) -> output registers, as Python."""
-  namespace = {}
+def generate(program, direct=None):
+  """fn(state leaves, user leaves) -> output registers, as Python.
+
+  With `direct` = (slow, recover), for a stateless program of array
+  arguments with one output: fn(*user) -> that output - the run itself
+  (executor.plan_program's, a frame and the argument lists less a call,
+  measured by benchmarks/partition.py). Arguments that are not all jax.Arrays
+  of the concrete type, and runs under jax.disable_jit(), go to `slow(*user)`
+  (the generic run, before any op); what the ops raise goes to
+  `recover(exc, user)`, as the generic run recovers it."""
+  namespace = {"config": jax.config, "OpByOp": OpByOp}
   fixed = set()
   for r, value in enumerate(program.template):
     if value is not None:
       namespace[f"r{r}"] = value  # constants and literals: globals of the function
       fixed.add(r)
-  lines = ["def plan(state, user):",
-           "  if config.jax_disable_jit:  # before any op runs: nothing runs twice",
-           "    raise OpByOp()"]
-  namespace["config"], namespace["OpByOp"] = jax.config, OpByOp
   state = list(range(program.num_state))
   user = list(range(program.num_state, program.num_state + program.num_user))
-  if state:
-    lines.append(f"  {_names(state)} = state")
-  if user:
-    lines.append(f"  {_names(user)} = user")
-  keep = set(program.outputs)
-  for k, op in enumerate(program.ops):
-    namespace[f"f{k}"] = op.fn
-    call = f"{_names(op.outs) if op.outs else '_'} = f{k}({', '.join(f'r{r}' for r in op.ins)})"
-    if op.error is not None:  # a host op: whatever it raises names the node
-      namespace[f"e{k}"] = op.error
-      lines += ["  try:", f"    {call}", "  except Exception as exc:",
-                f"    raise e{k}(exc) from exc"]
-    else:
-      lines.append(f"  {call}")
-    lines.extend(f"  r{r}.copy_to_host_async()" for r in op.prefetch)
-    dead = [r for r in op.frees if r not in keep and r not in fixed]
-    if dead:
-      lines.append(f"  del {', '.join(f'r{r}' for r in dead)}")
-  lines.append(f"  return [{', '.join(f'r{r}' for r in program.outputs)}]")
+  if direct is None:
+    lines = ["def plan(state, user):",
+             "  if config.jax_disable_jit:  # before any op runs: nothing runs twice",
+             "    raise OpByOp()"]
+    if state:
+      lines.append(f"  {_names(state)} = state")
+    if user:
+      lines.append(f"  {_names(user)} = user")
+    lines += _ops(program, namespace, fixed, "  ")
+    lines.append(f"  return [{', '.join(f'r{r}' for r in program.outputs)}]")
+  else:
+    assert not state and len(program.outputs) == 1, "direct: stateless, one output"
+    namespace["slow"], namespace["recover"] = direct
+    namespace["RECOVERABLE"], namespace["ARRAY"] = RECOVERABLE, ARRAY
+    arrays = " and ".join(f"type(r{r}) is ARRAY" for r in user) or "True"
+    lines = ["def plan(*user):",
+             f"  if len(user) == {len(user)}:"]
+    if user:
+      lines.append(f"    {_names(user)} = user")
+    lines += [f"    if {arrays} and not config.jax_disable_jit:",
+              "      try:"]
+    lines += _ops(program, namespace, fixed, "        ")
+    lines += ["      except RECOVERABLE as exc:",
+              "        return recover(exc, user)",
+              f"      return r{program.outputs[0]}",
+              "  return slow(*user)"]
   source = "\n".join(lines) + "\n"
   exec(compile(source, "<jaxsession plan>", "exec"), namespace)  # pylint: disable=exec-used
   plan = namespace["plan"]
   plan.source = source
   return plan
+
+
+def _ops(program, namespace, fixed, indent):
+  """The plan's statements, one op after another at `indent`: each op's call
+  (a host op's error named), its early host copies, its dead registers."""
+  lines, keep = [], set(program.outputs)
+  for k, op in enumerate(program.ops):
+    namespace[f"f{k}"] = op.fn
+    call = f"{_names(op.outs) if op.outs else '_'} = f{k}({', '.join(f'r{r}' for r in op.ins)})"
+    if op.error is not None:  # a host op: whatever it raises names the node
+      namespace[f"e{k}"] = op.error
+      lines += [f"{indent}try:", f"{indent}  {call}", f"{indent}except Exception as exc:",
+                f"{indent}  raise e{k}(exc) from exc"]
+    else:
+      lines.append(f"{indent}{call}")
+    lines.extend(f"{indent}r{r}.copy_to_host_async()" for r in op.prefetch)
+    dead = [r for r in op.frees if r not in keep and r not in fixed]
+    if dead:
+      lines.append(f"{indent}del {', '.join(f'r{r}' for r in dead)}")
+  return lines

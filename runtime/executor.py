@@ -237,6 +237,10 @@ def plan_program(graph, program, spec, rest_tree, layout):
     return tuple(map(outs.__getitem__, updated)) if updated else (), out
   program.run, program.run_flat = run, run_flat
   program.bare = bare_run
+  if bare_run and all_bare and not user_checked and post is None and single_output and \
+      ARRAY is not None:  # the usual stateless plan: the run generated with it (codegen)
+    program.run = codegen.generate(program, direct=(
+        run, lambda exc, user: recover(exc, ((),), (list(user),))[-1]))
   return program
 
 

@@ -550,6 +550,24 @@ class StatelessRunTest(absltest.TestCase):
       sess.run(gid, x, jnp.ones(3))
     with self.assertRaisesRegex(js.HostOpError, r"host refuses"):
       sess.run(gid, x + 1000, w * 0 + 1)
+    with self.assertRaisesRegex(js.InputError, r"expected 2 positional argument"):
+      sess.run(gid, x)
+    dead = x + 0
+    dead.delete()
+    with self.assertRaisesRegex(js.InputError, r"argument 0 .*deleted"):
+      sess.run(gid, dead, w)
+    with jax.disable_jit():
+      for g, want in zip(sess.run(gid, x, w), jax.jit(f)(x, w)):
+        np.testing.assert_array_equal(g, want)
+    # the plan's generated run (codegen's direct form), one output
+    one = sess.compile(lambda x, w: f(x, w)[0], x, w)
+    self.assertIn("def plan(*user)", sess._graphs[one].direct.source)  # pylint: disable=protected-access
+    for args in ((x, w), (np.asarray(x), np.asarray(w)), (x, np.asarray(w))):
+      np.testing.assert_array_equal(sess.run(one, *args), jax.jit(lambda x, w: f(x, w)[0])(*args))
+    with self.assertRaisesRegex(js.HostOpError, r"host refuses"):
+      sess.run(one, x + 1000, w * 0 + 1)
+    with self.assertRaisesRegex(js.InputError, r"argument 1 .*expected f32\[4\]"):
+      sess.run(one, x, jnp.ones(3))
 
 
 class PlanLiteralOutputTest(absltest.TestCase):
