@@ -176,6 +176,36 @@ def _program(cases):
   return fn
 
 
+class CallbackResultTest(absltest.TestCase):
+  """A host pure_callback's result is taken as jax.jit takes it (the one
+  array in, one out form: kernels/host.py's run_one) - converted where jax
+  converts it, an error naming the node where jax.jit raises."""
+
+  def test_results_are_taken_as_jax_jit_takes_them(self):
+    x = jnp.asarray(np.random.default_rng(12).standard_normal(4), jnp.float32)
+    x = x.at[0].set(-0.0).at[1].set(np.nan)
+    taken = {"f64": lambda a: np.asarray(a, np.float64) * 2,
+             "list": lambda a: [np.asarray(a) * 2],
+             "jax_array": lambda a: jnp.asarray(a) * 2,
+             "masked": lambda a: np.ma.masked_array(np.asarray(a) * 2)}
+    refused = {"shape": lambda a: np.zeros(3, np.float32),
+               "two": lambda a: (np.asarray(a), np.asarray(a)),
+               "none": lambda a: None,
+               "int": lambda a: np.nan_to_num(np.asarray(a)).astype(np.int32)}
+    for name, cb in {**taken, **refused}.items():
+      f = lambda x, cb=cb: jax.pure_callback(  # noqa: E731
+          cb, jax.ShapeDtypeStruct(x.shape, x.dtype), x * 1.5) + 1
+      sess = js.Session()
+      gid = sess.compile(f, x)
+      if name in taken:
+        np.testing.assert_array_equal(sess.run(gid, x), jax.jit(f)(x), err_msg=name)
+      else:
+        with self.assertRaises(jax.errors.JaxRuntimeError, msg=name):
+          jax.block_until_ready(jax.jit(f)(x))
+        with self.assertRaisesRegex(js.HostOpError, r"pure_callback.*TypeError", msg=name):
+          sess.run(gid, x)
+
+
 class HostKernelRulesTest(absltest.TestCase):
   """Every op's cases in one graph (one compile), its results checked op by op."""
 
