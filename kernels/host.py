@@ -1,5 +1,6 @@
 """Host kernels: code that runs between executables, not inside them."""
 import functools
+import sys
 
 import jax
 import numpy as np
@@ -120,9 +121,11 @@ def prepare_pure_callback(node):
       # Already what jax.jit would make of it (a numpy array of the declared,
       # hence canonical, dtype and shape): nothing to convert or check.
       if type(out) is np.ndarray and out.dtype == dtype0 and out.shape == shape0:
-        return [out]
-      return [canonical_result(out, avals[0], 0)]
-    return [canonical_result(r, a, i) for i, (r, a) in enumerate(zip(results, avals))]
+        return [_private(out, 4)]  # held by `results` and `out`
+      return [_private(canonical_result(out, avals[0], 0), 2)]
+    # indexed, not zipped: zip keeps its last tuple, one reference more
+    return [_private(canonical_result(results[i], avals[i], i), 3)  # held by `results`
+            for i in range(count)]
   if len(node.inputs) != 1 or count != 1:
     return run
 
@@ -131,12 +134,25 @@ def prepare_pure_callback(node):
       return run(a)
     out = callback(a)
     if type(out) is np.ndarray and out.dtype == dtype0 and out.shape == shape0:
-      return [out]
+      return [_private(out, 3)]  # held by `out`
     results = tree_util.tree_leaves(out)
     if len(results) != 1:
       raise TypeError(f"callback returned {len(results)} results, declared 1")
-    return [canonical_result(results[0], avals[0], 0)]
+    return [_private(canonical_result(results[0], avals[0], 0), 2)]
   return run_one
+
+
+def _private(x, ours):
+  """`x`, a callback's result, where only the session holds it, else a copy:
+  the callback may write into or return again the buffer it returned (a
+  buffer it keeps and refills), and an executable on the CPU reads a numpy
+  argument in place, after the run returns - jax.jit copies each result.
+  `ours`: what sys.getrefcount counts when nothing else holds x (its
+  argument here, this parameter, and the caller's references); an array that
+  does not own its memory (a view) is copied too."""
+  if type(x) is np.ndarray and x.flags.owndata and sys.getrefcount(x) <= ours:
+    return x
+  return np.array(x, copy=True)
 
 
 run_pure_callback.prepare = prepare_pure_callback  # checks its results itself

@@ -206,6 +206,37 @@ class CallbackResultTest(absltest.TestCase):
           sess.run(gid, x)
 
 
+  def test_a_callback_that_reuses_its_buffer(self):
+    # a callback that refills and returns one buffer: the session handed that
+    # buffer on as it was, so two calls in one run read one value (z - w was
+    # 0) and a write after run changed the result; jax.jit copies each result
+    buf = np.zeros((2, 4), np.float32)
+
+    def refill(a):
+      np.copyto(buf, np.asarray(a) * 2)
+      return buf
+
+    def pair(a):  # two results, one of them the kept buffer, one a view of it
+      np.copyto(buf, np.asarray(a))
+      return buf, buf[::-1]
+
+    def f(x):
+      z = jax.pure_callback(refill, jax.ShapeDtypeStruct(x.shape, x.dtype), jnp.sin(x))
+      w = jax.pure_callback(refill, jax.ShapeDtypeStruct(x.shape, x.dtype), jnp.cos(x))
+      p, q = jax.pure_callback(pair, (jax.ShapeDtypeStruct(x.shape, x.dtype),) * 2, x * 3)
+      return z - w, p * q + z
+    x = jnp.asarray(np.random.default_rng(13).standard_normal((2, 4)), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(f, x)
+    self.assertGreater(len(sess.report(gid).partitions), 1)
+    for _ in range(3):
+      got = sess.run(gid, x)
+      buf[:] = np.nan  # the callback's buffer, written after run returned
+      want = jax.jit(f)(x)
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 class HostKernelRulesTest(absltest.TestCase):
   """Every op's cases in one graph (one compile), its results checked op by op."""
 
