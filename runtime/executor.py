@@ -24,7 +24,7 @@ from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes
 from jaxsession.jax_api import ARRAY
 from jaxsession.runtime import callbacks, codegen, debug_flags, interrupts, sharding
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
-                                      compile_recorded, fast_call, memory_analysis,
+                                      compile_recorded, fast_call, host_op, memory_analysis,
                                       recovery)
 from jaxsession.runtime.state import private_copy, slots_lock, with_weak_type
 from jaxsession.runtime.state_layout import kept_layouts
@@ -331,13 +331,25 @@ def eager_program(graph, spec, rest_tree, layout, steps=None, leading=None):
   in_ids = [v.id for v in graph.inputs if v.kind != "const"]
   k, n = layout.num_outputs, len(layout.structs())
 
+  # a host node runs as the plan runs it (build.host_op: its results checked,
+  # whatever it raises a HostOpError naming the node); the others eagerly
+  hosts = {id(node): host_op(node) for node in graph.nodes if node.place == "host"}
+
   def one_step(leaves, user):
     env = dict(consts)
     env.update(zip(in_ids, [*leaves, *user]))
     read = lambda v: v.value if isinstance(v, Literal) else env[v.id]  # noqa: E731
     for node in graph.nodes:
-      env.update(zip([o.id for o in node.outputs],
-                     kernel_fn(node)(node, *[read(v) for v in node.inputs])))
+      args = [read(v) for v in node.inputs]
+      host = hosts.get(id(node))
+      if host is None:
+        outs = kernel_fn(node)(node, *args)
+      else:
+        try:
+          outs = host[0](*args)
+        except Exception as exc:
+          raise host[1](exc) from exc
+      env.update(zip([o.id for o in node.outputs], outs))
     return [read(v) for v in graph.outputs]
 
   def run(*xs):

@@ -464,6 +464,8 @@ class DisableJitCallbackCountTest(absltest.TestCase):
 
     def host(a):
       calls.append(1)
+      if np.isnan(np.asarray(a)).any():
+        raise ValueError("no nan here")
       return (np.asarray(a) * 2).astype(np.float32)
 
     def step(w, x):
@@ -490,6 +492,12 @@ class DisableJitCallbackCountTest(absltest.TestCase):
       calls.clear()
       np.testing.assert_array_equal(sess.run(pid, xs[1]), jax.jit(lambda x: step(x, x)[1])(xs[1]))
       self.assertEqual(len(calls), 2)  # the session's run, then jax.jit's
+      # a callback that raises there is a HostOpError naming the node, as
+      # outside disable_jit (it was the raw exception), and the state stays
+      before = np.asarray(sess.get_state(sid)[0])
+      with self.assertRaisesRegex(js.HostOpError, r"pure_callback.*ValueError"):
+        sess.run(sid, xs[0].at[0].set(np.nan))
+      np.testing.assert_array_equal(sess.get_state(sid)[0], before)
 
 
 class StatelessRunTest(absltest.TestCase):
