@@ -325,12 +325,12 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
                   and v.producer.place == "host" and not is_transfer(v.producer.op, "h2d")}
   # The first op, an executable, checks the user leaves it reads before it
   # runs or consumes anything (a refusal reruns the plan on conformed
-  # leaves: executor.plan_program); every other leaf an op reads, or that is
-  # returned as it is, is conformed before the run (host ops would take it
-  # as it comes, and a later executable would refuse it after work was done).
+  # leaves: executor.plan_program); every other leaf is conformed before the
+  # run (host ops would take it as it comes, a later executable would refuse
+  # it after work was done, and a leaf nothing reads would pass unchecked,
+  # where one executable's own check refuses it).
   first = set(ops[0].ins) if ops and partitions[0].place == "device" else set()
-  read = {r for op in ops for r in op.ins} | set(outputs)
-  checked = sorted(r for r in user_leaf if r in read and r not in first)
+  checked = sorted(r for r in user_leaf if r not in first)
   if hooks is not None:
     for k, op in enumerate(ops):
       op.fn = hooks.timed(op.fn, op.partition,

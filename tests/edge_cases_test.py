@@ -578,6 +578,26 @@ class StatelessRunTest(absltest.TestCase):
       sess.run(one, x, jnp.ones(3))
 
 
+class PlanUnreadArgumentTest(absltest.TestCase):
+
+  def test_an_argument_nothing_reads_is_checked_as_in_one_executable(self):
+    # a plan checked only the leaves an op reads: f32[7], i32[4] or a string
+    # for an unread f32[4] argument ran, where one executable refuses them
+    def f(x, unused, w):
+      h = jax.pure_callback(lambda a: np.tanh(np.asarray(a)).astype(np.float32),
+                            jax.ShapeDtypeStruct(x.shape, x.dtype), x * w)
+      return h + w
+    rng = np.random.default_rng(14)
+    x, u, w = (jnp.asarray(rng.standard_normal(4), jnp.float32) for _ in range(3))
+    sess = js.Session()
+    gid = sess.compile(f, x, u, w)
+    self.assertGreater(len(sess.report(gid).partitions), 1)
+    np.testing.assert_array_equal(sess.run(gid, x, u * 2, w), jax.jit(f)(x, u * 2, w))
+    for bad in (jnp.ones(7), jnp.ones(4, jnp.int32), "abc"):
+      with self.assertRaisesRegex(js.InputError, r"argument 1 \(position 1"):
+        sess.run(gid, x, bad, w)
+
+
 class PlanLiteralOutputTest(absltest.TestCase):
 
   def test_a_plans_literal_outputs_are_typed_as_jits(self):
