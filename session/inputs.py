@@ -290,8 +290,14 @@ class ArgSpec:
       if isinstance(x, jax.Array) and x.sharding != target:
         return jax.device_put(x, target)
       return x
-    if isinstance(x, jax.Array) and x.committed:
+    if isinstance(x, jax.Array):
       device = session_device()
-      if x.devices() != {device}:  # the executables run on the session's device
+      if x.committed and x.devices() != {device}:  # the executables run on the session's device
         return jax.device_put(x, device)
+      kind = getattr(x.sharding, "memory_kind", None)
+      if kind is not None and kind != device.default_memory().kind:
+        # in host memory (pinned_host, unpinned_host): the executables were
+        # compiled for the device's default memory (jax.jit would compile
+        # another program for it): moved there
+        return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
     return x

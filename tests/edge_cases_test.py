@@ -598,6 +598,26 @@ class PlanUnreadArgumentTest(absltest.TestCase):
         sess.run(gid, x, bad, w)
 
 
+class HostMemoryArgumentTest(absltest.TestCase):
+
+  def test_an_argument_in_host_memory_is_moved_to_the_device(self):
+    # an argument with memory_kind pinned_host / unpinned_host was a raw
+    # ValueError from the executable's check (the retry refused it again)
+    def plan(x):
+      y = jax.pure_callback(lambda a: np.asarray(a) + np.float32(1),
+                            jax.ShapeDtypeStruct(x.shape, x.dtype), jnp.sin(x))
+      return jnp.cos(y) * 2
+    single = lambda x: jnp.cos(jnp.sin(x)) * 2  # noqa: E731
+    x = jnp.asarray(np.random.default_rng(15).standard_normal(4), jnp.float32)
+    sess = js.Session()
+    for f in (plan, single):
+      gid = sess.compile(f, x)
+      for kind in ("pinned_host", "unpinned_host"):
+        xm = jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0],
+                                                                 memory_kind=kind))
+        np.testing.assert_array_equal(sess.run(gid, xm), jax.jit(f)(xm))
+
+
 class PlanLiteralOutputTest(absltest.TestCase):
 
   def test_a_plans_literal_outputs_are_typed_as_jits(self):
