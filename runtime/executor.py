@@ -25,7 +25,7 @@ from jaxsession.jax_api import ARRAY
 from jaxsession.runtime import callbacks, codegen, debug_flags, interrupts, sharding
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, fast_call, host_op, memory_analysis,
-                                      recovery)
+                                      recovery, waited)
 from jaxsession.runtime.state import private_copy, slots_lock, with_weak_type
 from jaxsession.runtime.state_layout import kept_layouts
 
@@ -93,6 +93,8 @@ def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=N
   (`recover`), so a run pays no Python frame of the program's."""
   call = fast_call(exe)
   partition = graph.partitions[0] if graph.partitions else None
+  if partition is not None and partition.may_fail and layout.slots:
+    call = waited(call)  # a callback's failure before the state is committed
   if hooks is not None:  # all the steps of a sunk run: one partition event
     call = hooks.timed(call, 0, first=True, last=True, device=True)
   def conform(args):

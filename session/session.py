@@ -417,7 +417,9 @@ class Session:
               call = entry.sunk[steps, leading] = entry.sunk_call(steps, leading)
       return call(args)
     except Exception as exc:
-      if entry.released:  # released by another thread while this call ran
+      if entry.released and not isinstance(exc, SessionError):
+        # released by another thread while this call ran (its own error, a
+        # HostOpError of its callback, is the run's to report as it is)
         raise UnknownGraphError(f"graph id {graph_id!r} was released while this run "
                                 "was starting") from None
       if (jax.config.jax_disable_jit and entry.make_eager is not None

@@ -598,6 +598,71 @@ class PlanUnreadArgumentTest(absltest.TestCase):
         sess.run(gid, x, bad, w)
 
 
+class DeferredCallbackFailureTest(absltest.TestCase):
+  """A callback inside an executable whose input is still being computed
+  runs after the call returned: its failure showed only when the outputs
+  were read, after a stateful run had committed them as the state (10 of 10
+  runs here). A stateful graph's partitions with callbacks are waited for."""
+
+  def test_the_failure_is_a_host_op_error_and_the_state_stays(self):
+    def bad(v):
+      if np.any(np.asarray(v) > 10):
+        raise ValueError("host says no")
+      return np.asarray(v)
+
+    def inside(w, x):  # the callback in the one executable
+      y = jax.pure_callback(bad, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return w + jnp.log(y), jnp.sum(w)
+
+    def in_a_plan(w, x):  # in a cond, on the device, beside a host partition
+      y = lax.cond(x[0] > 0,
+                   lambda v: jax.pure_callback(bad, jax.ShapeDtypeStruct(v.shape, v.dtype), v),
+                   lambda v: v, x)
+      z = jax.pure_callback(lambda a: np.asarray(a) * np.float32(2),
+                            jax.ShapeDtypeStruct(x.shape, x.dtype), y)
+      return w + jnp.log(z), jnp.sum(w)
+
+    @jax.jit
+    def slow(a):  # tens of ms of work: its result is not ready when run is called
+      for _ in range(8):
+        a = jnp.tanh(a @ a)
+      return a[0, :4] * 0 + 100.0
+    rng = np.random.default_rng(16)
+    big = jnp.asarray(rng.standard_normal((512, 512)) / 30, jnp.float32)
+    slow(big).block_until_ready()
+    w0 = jnp.asarray(rng.uniform(1, 2, 4), jnp.float32)
+    x0 = jnp.asarray(rng.uniform(1, 2, 4), jnp.float32)
+    for fn, options in ((inside, js.SessionOptions(host_callbacks=False)),
+                        (in_a_plan, js.SessionOptions())):
+      sess = js.Session(options)
+      gid = sess.compile(fn, w0, x0, state_argnums=0)
+      for _ in range(3):
+        with self.assertRaisesRegex(js.HostOpError, r"host says no"):
+          sess.run(gid, slow(big))
+        np.testing.assert_array_equal(sess.get_state(gid)[0], w0)
+      want_w, want = jax.jit(fn)(w0, x0)
+      np.testing.assert_array_equal(sess.run(gid, x0), want)
+      np.testing.assert_array_equal(sess.get_state(gid)[0], want_w)
+
+
+class ReleasedDuringRunTest(absltest.TestCase):
+
+  def test_the_runs_own_error_is_reported(self):
+    # a callback that fails while its graph is released: the run's error (a
+    # HostOpError naming the callback) was hidden behind UnknownGraphError
+    sess, box = js.Session(), {}
+
+    def cb(a):
+      sess.release(box["gid"])
+      raise ValueError("after release")
+    f = lambda x: jax.pure_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), x * 2) + 1  # noqa: E731
+    box["gid"] = sess.compile(f, jnp.ones(4))
+    with self.assertRaisesRegex(js.HostOpError, r"after release"):
+      sess.run(box["gid"], jnp.ones(4))
+    with self.assertRaises(js.UnknownGraphError):
+      sess.run(box["gid"], jnp.ones(4))
+
+
 class HostMemoryArgumentTest(absltest.TestCase):
 
   def test_an_argument_in_host_memory_is_moved_to_the_device(self):
