@@ -21,9 +21,12 @@ Each register is deleted after its last reader (graph outputs excepted), and
 prefetched values start their copy to the host right after the executable
 that makes them. The op functions are the Program's as built - a profiled
 graph's are already wrapped in their timing (profiler.GraphHooks.timed) - so
-there is one plan per Program and no variant of it. Under jax.disable_jit()
-a plan raises OpByOp before its first op (Session.run then runs the graph
-op by op).
+a profiled plan needs no variant of its own. The one other form is the
+direct one (`generate(..., direct=...)`): a stateless plan of array
+arguments with one output, written with its run's argument check and
+recovery around the same statements (`_ops`). Under jax.disable_jit() a
+plan raises OpByOp before its first op (Session.run then runs the graph op
+by op).
 """
 import jax
 
