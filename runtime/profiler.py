@@ -189,24 +189,31 @@ class GraphHooks:
       if annotation is not None:
         annotation.__exit__(None, None, None)
 
-    def timed_op(*args):
+    def timed_op(*args):  # wait and close inlined where they do nothing: ~0.2 µs a partition
       if first:
         state[0] = now()
         if trace_active():
           state[1] = jax.profiler.TraceAnnotation(hooks.annotation(k))
           state[1].__enter__()
       try:
-        start = now()
-        outs = fn(*args)
-        if device or move is not None:
+        if move is None:
+          outs = fn(*args)
+          if device:
+            if first_out[0] is _ITSELF:
+              outs.block_until_ready()
+            else:
+              wait(outs, first_out)
+        else:
+          start = now()
+          outs = fn(*args)
           wait(outs, first_out)
-        if move is not None:
           moves.append((hooks.graph_id, move, start, now()))
       except BaseException:
         close()
         raise
       if last:
-        close()
+        if state[1] is not None:
+          close()
         end = now()
         if sample is None:
           parts.append((hooks.graph_id, k, state[0], end, live, 0))
