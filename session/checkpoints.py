@@ -134,6 +134,7 @@ class Checkpointer:
     meta = _meta(entry)
     for row, saved in zip(leaves, meta["slots"]):  # orbax reads arrays back strong
       saved["weak"] = [bool(getattr(x, "weak_type", False)) for x in row]
+      saved["empty"] = [j for j, x in enumerate(row) if not x.size]  # not written: made again
 
     def write():
       ocp = _ocp()
@@ -142,8 +143,9 @@ class Checkpointer:
           manager.reload()
         for row, saved in zip(leaves, meta["slots"]):  # read back, each must match
           saved["crc32"] = [_digest(x) for x in row]
-        manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"slots": leaves}), meta=ocp.args.JsonSave(meta)))
+        manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
+            state=ocp.args.StandardSave({"slots": [  # its shape and type are in the meta
+                [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta)))
         manager.wait_until_finished()
         _mark_complete(os.path.join(path, str(step)))
       except BaseException as exc:  # pylint: disable=broad-except
@@ -198,15 +200,17 @@ class Checkpointer:
       raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "
                        f"{type(exc).__name__}: {exc}") from None
     _check_meta(where, f"{path}/{step}", meta, entry)
-    targets = {"slots": [[_target(slot, j) for j in range(len(slot.avals))]
-                         for slot in entry.slots]}
+    targets = [[_target(slot, j) for j in range(len(slot.avals))] for slot in entry.slots]
+    empty = [set(saved.get("empty", ())) for saved in meta["slots"]]
     try:
-      read = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(targets)))["state"]["slots"]
+      read = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore({
+          "slots": [[t for j, t in enumerate(row) if j not in none]
+                    for row, none in zip(targets, empty)]})))["state"]["slots"]
     except Exception as exc:  # pylint: disable=broad-except
       _raise_interrupt(exc)
       raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "
                        f"{type(exc).__name__}: {exc}") from None
+    read = [_with_empty(row, got, none) for row, got, none in zip(targets, read, empty)]
     _check_digests(where, f"{path}/{step}", meta, entry, read)
     values = []
     for k, (slot, row) in enumerate(zip(entry.slots, read)):
@@ -327,6 +331,14 @@ def _target(slot, j):
   sharding = slot.shardings[j] if slot.shardings is not None else \
       jax.sharding.SingleDeviceSharding(session_device())
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _with_empty(targets, read, empty):
+  """A slot's row of leaves: those read, and its zero-size leaves (`empty`:
+  their indices; orbax writes no empty array) made again as their targets."""
+  read = iter(read)
+  return [jax.device_put(np.zeros(t.shape, t.dtype), t.sharding) if j in empty else next(read)
+          for j, t in enumerate(targets)]
 
 
 def _digest(x):

@@ -73,6 +73,31 @@ class CheckpointTest(absltest.TestCase):
       other.run(gid2, xs[t])
     self.assertEqual(state_bytes(other, gid2), state_bytes(sess, gid))  # key, bf16, int too
 
+  def test_zero_size_leaves_round_trip(self):
+    # orbax writes no empty array: the checkpoint keeps their shape and type
+    # and restore makes them again (a slot of only empty leaves too)
+    def step(s, e, x):
+      return {"w": s["w"] * 0.5 + x, "pad": s["pad"] * 2, "keys": s["keys"]}, e, s["w"].sum()
+    w = np.random.default_rng(4).standard_normal(3).astype(np.float32)
+    s = {"w": w, "pad": np.zeros((0, 4), np.float32), "keys": jax.random.split(
+        jax.random.key(1), 0)}
+    e = np.zeros((2, 0), np.int32)
+    sess = js.Session()
+    gid = sess.compile(step, s, e, w, state_argnums=(0, 1))
+    sess.run(gid, w)
+    saved = state_bytes(sess, gid)
+    sess.save(gid, self.dir, 1)
+    sess.wait_until_saved()
+    sess.run(gid, w)
+    self.assertEqual(sess.restore(gid, self.dir), 1)
+    self.assertEqual(state_bytes(sess, gid), saved)
+    got = jax.tree.leaves(sess.get_state(gid))
+    self.assertEqual([x.shape for x in got], [(0,), (0, 4), (3,), (2, 0)])
+    self.assertTrue(jnp.issubdtype(got[0].dtype, jax.dtypes.prng_key))
+    jitted = jax.jit(step)
+    want = jitted(*jitted(s, e, w)[:2], w)[2]
+    np.testing.assert_array_equal(sess.run(gid, w), want)
+
   def test_keep_the_newest_and_restore_a_given_step(self):
     sess = js.Session(js.SessionOptions(checkpoint_keep=2))
     gid = sess.compile(lambda w, x: (w + x, jnp.sum(w)), np.float32([1.0, -0.0]),
