@@ -23,6 +23,13 @@ from jaxsession.runtime import debug_flags, interrupts, sharding, static_leaves
 _SERIAL = itertools.count()
 
 
+try:  # the concrete array type: `type(x) is ARRAY_IMPL` is a pointer compare, where
+  # isinstance(x, jax.Array) walks an ABC (~0.1 µs a leaf, per set_state leaf)
+  from jax._src.array import ArrayImpl as ARRAY_IMPL  # pylint: disable=import-outside-toplevel
+except ImportError:  # an internal name: the isinstance checks alone decide
+  ARRAY_IMPL = None
+
+
 def session_device():
   """The device the session's executables run on (jax's default device)."""
   return jax.config.jax_default_device or jax.local_devices()[0]
@@ -35,7 +42,10 @@ def with_weak_type(x, weak):
   the session retypes an array: bound state (a Python scalar's copy, a
   restored checkpoint), sliced bucket outputs, outputs whose weak type
   jax.jit's would have."""
-  if not isinstance(x, jax.Array) or bool(getattr(x, "weak_type", False)) == weak:
+  if type(x) is ARRAY_IMPL:
+    if x.weak_type == weak:
+      return x
+  elif not isinstance(x, jax.Array) or bool(getattr(x, "weak_type", False)) == weak:
     return x
   try:
     from jax._src.array import ArrayImpl  # pylint: disable=import-outside-toplevel
@@ -82,11 +92,14 @@ def owned_copies(xs, layouts=None):
   one dispatch for all of them (4 leaves of a KV cache: 28 us, against 240
   us copied one by one; benchmarks/workflows.py's decode), the others one by
   one. Weak types and PRNG keys are kept."""
+  if debug_flags.MAYBE[0] and debug_flags.on():
+    return [owned_copy(x, None if layouts is None else layouts[i]) for i, x in enumerate(xs)]
+  here = {session_device()}
+  together = [i for i, x in enumerate(xs) if (layouts is None or layouts[i] is None)
+              and (type(x) is ARRAY_IMPL or isinstance(x, jax.Array)) and x.devices() == here]
+  if len(together) == len(xs):  # the usual case: one dispatch, nothing else
+    return _COPY_ALL(list(xs))
   out = list(xs)
-  device = session_device()
-  together = [] if debug_flags.MAYBE[0] and debug_flags.on() else [
-      i for i, x in enumerate(xs) if (layouts is None or layouts[i] is None)
-      and isinstance(x, jax.Array) and x.devices() == {device}]
   if together:
     for i, copy in zip(together, _COPY_ALL([xs[i] for i in together])):
       out[i] = copy

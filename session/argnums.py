@@ -68,6 +68,8 @@ def _replaced(where, index, value, count):
   positions and a sequence of as many values (InputError naming what is
   wrong, before anything is checked or bound)."""
   def position(k):
+    if type(k) is int and 0 <= k < count:  # the usual index: no ABC check
+      return k
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= k < count:
       raise InputError(f"{where}: index {k!r} is not a state arg: the graph has {count} "
                        f"(indices 0..{count - 1}, positions in state_argnums)")

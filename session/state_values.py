@@ -16,8 +16,8 @@ from jaxsession.errors import InputError
 from jaxsession.inputs import check_leaf
 from jaxsession.jax_api import real_jit
 from jaxsession.runtime import debug_flags, static_leaves
-from jaxsession.runtime.state import (check_structure, holding, owned_copies, session_device,
-                                      with_weak_type)
+from jaxsession.runtime.state import (ARRAY_IMPL, check_structure, holding, owned_copies,
+                                      session_device, with_weak_type)
 
 # moves an array's buffer into a new array without a copy: XLA aliases the
 # donated parameter to the output, and jax deletes the argument
@@ -29,10 +29,12 @@ def check_values(place, slot, value):
   `place` and the path)."""
   if slot.statics:  # its non-array leaves are part of the structure
     value = static_leaves.hide(value)
-  check_structure(slot, value, place)
-  leaves = tree_util.tree_leaves(value)
+  leaves, treedef = tree_util.tree_flatten(value)  # one flatten: leaves and structure
+  if treedef != slot.treedef:
+    check_structure(slot, value, place)  # raises, naming the field that differs
+  sensitive = slot.weak_sensitive
   for j, (leaf, aval) in enumerate(zip(leaves, slot.avals)):
-    weak = slot.weak_sensitive.get(j)
+    weak = sensitive.get(j) if sensitive else None
     if not _exact(leaf, aval, weak):  # the one leaf check, and its message, for the rest
       path = tree_util.keystr(tree_util.tree_flatten_with_path(value)[0][j][0])
       check_leaf(f"{place} at path {path or '(root)'}", leaf, aval, weak=weak)
@@ -43,7 +45,7 @@ def _exact(x, aval, weak):
   """Whether `x` is a live concrete jax.Array of `aval`'s dtype and shape
   (and weak type, where `weak` says it matters): what check_leaf accepts,
   decided without building its messages (a KV cache reset per request)."""
-  return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+  return ((type(x) is ARRAY_IMPL or isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
           and x.dtype == aval.dtype and x.shape == aval.shape
           and (weak is None or x.weak_type == weak) and not x.is_deleted())
 
