@@ -113,6 +113,32 @@ def recovery(call, conform, failure=None):
 RECOVERABLE = (*ARG_MISMATCH, RuntimeError, SPECIAL_VALUE)
 
 
+def transfer_refused(exc):
+  """Whether an executable's call refused an implicit host-to-device
+  transfer of an argument (jax.transfer_guard), before it ran anything."""
+  return isinstance(exc, jax.errors.JaxRuntimeError) and \
+      "Disallowed host-to-device transfer" in str(exc)
+
+
+def moved_on_refusal(fn, positions, shardings):
+  """retry(exc, *args) for an executable `fn` whose arguments at `positions`
+  are host partitions' results: where a transfer guard refused their
+  implicit transfer, they are moved explicitly (the placement's transfer,
+  which jax.jit makes inside its executable, past the guard) and `fn` runs
+  again; the user's own arguments still pass the guard as they come. Any
+  other error is raised as it is. Written in the plan's `except` clause, so
+  a run the guard lets through pays nothing (runtime/codegen.py)."""
+  def retry(exc, *args):
+    if not transfer_refused(exc):
+      raise exc
+    args = list(args)
+    with jax.transfer_guard_host_to_device("allow"):
+      for i in positions:
+        args[i] = jax.device_put(args[i], None if shardings is None else shardings[i])
+    return fn(*args)
+  return retry
+
+
 def checked(call, conform, failure=None):
   """fn(lead, args) -> call(*lead, *args), recovering (see `recovery`)."""
   recover = recovery(call, conform, failure)
@@ -147,6 +173,8 @@ class Op:
   partition: int = 0
   error: Callable = None           # host ops: exc -> the HostOpError to raise
   transfer: int = None             # a transfer node's id, where the op runs one
+  host_ins: Tuple[int, ...] = ()   # device ops: the positions of ins a host op made
+  in_shardings: tuple = ()         # device ops: the layout each of ins is taken in
 
 
 @dataclasses.dataclass
@@ -270,6 +298,8 @@ def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=N
     try:
       return call(*arrays)
     except jax.errors.JaxRuntimeError as exc:
+      if transfer_refused(exc):  # nothing ran: the plan moves its inputs (moved_on_refusal)
+        raise
       raise callbacks.callback_failure(part.nodes, part.index, exc, recorder)
   return run_device, exe
 
@@ -319,9 +349,12 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
         layouts.update((v.id, s) for v, s in zip(part.outputs, exe.output_shardings))
       analyses[part.index] = memory_analysis(exe)
       executables[part.index] = exe
-      ins = tuple(reg_of(v) for v in device_inputs(part))
-      ops.append(Op(fn, ins, tuple(reg_of(v) for v in part.outputs),
-                    prefetch=tuple(reg_of(v) for v in part.prefetch), partition=part.index))
+      inputs = device_inputs(part)
+      ops.append(Op(fn, tuple(reg_of(v) for v in inputs), tuple(reg_of(v) for v in part.outputs),
+                    prefetch=tuple(reg_of(v) for v in part.prefetch), partition=part.index,
+                    host_ins=tuple(i for i, v in enumerate(inputs) if v.producer is not None
+                                   and v.producer.place == "host"),
+                    in_shardings=_input_shardings(exe)))
       continue
     for node in part.nodes:
       if is_transfer(node.op, "d2h") and platform == "cpu":
@@ -389,6 +422,15 @@ def _set_frees(ops, outputs):
   frees = liveness.analyze(((op.ins, op.outs) for op in ops), keep=outputs).frees()
   for op, free in zip(ops, frees):
     op.frees = tuple(free)
+
+
+def _input_shardings(exe):
+  """The layout each argument of `exe` is taken in; None where this jax
+  cannot say (a moved host value then goes to the default device)."""
+  try:
+    return tuple(exe.input_shardings[0])
+  except Exception:  # pylint: disable=broad-except
+    return None
 
 
 def memory_analysis(exe):

@@ -31,7 +31,7 @@ by op).
 import jax
 
 from jaxsession.jax_api import ARRAY
-from jaxsession.runtime.build import RECOVERABLE
+from jaxsession.runtime.build import RECOVERABLE, moved_on_refusal
 
 
 class OpByOp(Exception):
@@ -111,6 +111,11 @@ def _ops(program, namespace, fixed, indent):
       namespace[f"e{k}"] = op.error
       lines += [f"{indent}try:", f"{indent}  {call}", f"{indent}except Exception as exc:",
                 f"{indent}  raise e{k}(exc) from exc"]
+    elif op.host_ins:  # host results in: a transfer guard's refusal moves them
+      namespace[f"g{k}"] = moved_on_refusal(op.fn, op.host_ins, op.in_shardings)
+      retry = call.replace(f"f{k}(", f"g{k}(exc, ", 1)
+      lines += [f"{indent}try:", f"{indent}  {call}", f"{indent}except RuntimeError as exc:",
+                f"{indent}  {retry}"]
     else:
       lines.append(f"{indent}{call}")
     lines.extend(f"{indent}r{r}.copy_to_host_async()" for r in op.prefetch)

@@ -417,3 +417,63 @@ class DeletedArgumentTest(absltest.TestCase):
 if __name__ == "__main__":
   absltest.main()
 
+
+
+class TransferGuardTest(absltest.TestCase):
+  """Under jax.transfer_guard, a host partition's results reach the next
+  executable as jax.jit's callback results reach the rest of its program:
+  the placement's own transfer passes the guard; the user's arguments do not."""
+
+  def setUp(self):
+    super().setUp()
+    self.rng = np.random.default_rng(zlib.crc32(self.id().encode()))
+    self.sess = js.Session()
+
+  def test_host_results_pass_every_guard_bit_for_bit(self):
+    def f(x, y):
+      return jnp.sin(host(cos_minus, jnp.tanh(x) * 2.0, y)) - x
+    x, y = _x(self.rng), _x(self.rng)
+    gid = self.sess.compile(f, x, y)
+    self.assertEqual(places(self.sess, gid), ["device", "host", "device"])
+    for guard in ("disallow", "log", "allow"):
+      x, y = _x(self.rng), _x(self.rng)
+      with jax.transfer_guard(guard):
+        got, want = self.sess.run(gid, x, y), jax.jit(f)(x, y)
+      assert_same_bits(got, want, f"under transfer_guard({guard!r})")
+
+  def test_stateful_plan_under_the_guard_and_a_failing_callback(self):
+    fail = []
+
+    def flaky(a):
+      if fail:
+        raise ValueError("callback failed on purpose")
+      return np.cos(a)
+
+    def step(s, x):
+      a = jnp.sin(s) + x
+      return s - jnp.tanh(host(flaky, a)) * 0.5, a
+    s0 = _x(self.rng)
+    gid = self.sess.compile(step, s0, _x(self.rng), state_argnums=0)
+    state = s0
+    xs = [_x(self.rng) for _ in range(4)]  # made outside the guard, as a user's inputs
+    for x in xs[:3]:
+      with jax.transfer_guard("disallow"):
+        got = self.sess.run(gid, x)
+        state, want = jax.jit(step)(state, x)
+      assert_same_bits(got, want, "output under the guard")
+    assert_same_bits(self.sess.get_state(gid), (state,), "state under the guard")
+    fail.append(1)
+    with jax.transfer_guard("disallow"), self.assertRaises(errors.HostOpError):
+      self.sess.run(gid, xs[3])
+    assert_same_bits(self.sess.get_state(gid), (state,), "state after the failed run")
+
+  def test_a_numpy_argument_is_refused_as_jax_jit_refuses_it(self):
+    def f(x, y):
+      return jnp.sin(host(cos_minus, x, y)) + y
+    x, y = _x(self.rng), _x(self.rng)
+    gid = self.sess.compile(f, x, y)
+    with jax.transfer_guard("disallow"):
+      with self.assertRaisesRegex(Exception, "Disallowed host-to-device transfer"):
+        jax.jit(f)(x, np.asarray(y))
+      with self.assertRaisesRegex(Exception, "Disallowed host-to-device transfer"):
+        self.sess.run(gid, x, np.asarray(y))
