@@ -134,7 +134,7 @@ def stepped_program(program, layout, spec, rest_tree, steps, leading=None):
     # so the slots' buffers survive a failure at any step.
     state = list(state)
     for i in layout.donated_idx:
-      state[i] = owned_copy(state[i], layout.state_shardings[i])
+      state[i] = owned_copy(state[i], layout.state_shardings[i], layout.leaf_slots[i][0].device)
     outs = []
     for t in range(steps):
       flat = run_flat(state, [column[t] for column in columns])

@@ -31,7 +31,9 @@ except ImportError:  # an internal name: the isinstance checks alone decide
 
 
 def session_device():
-  """The device the session's executables run on (jax's default device)."""
+  """The device a graph compiled now runs on (jax's default device now:
+  a thread-local setting, so a graph and its state slots keep the one they
+  were compiled under - StateSlot.device, ArgSpec.device)."""
   return jax.config.jax_default_device or jax.local_devices()[0]
 
 
@@ -56,25 +58,26 @@ def with_weak_type(x, weak):
     return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)  # pylint: disable=protected-access
 
 
-def owned_copy(x, layout=None):
-  """A device array the session owns, on the session's device: never the
-  caller's buffer, since the session donates its state buffers and must not
-  invalidate the caller's (an array on another device is moved, which copies).
-  Under a mesh, `layout` is the leaf's NamedSharding: the copy is laid out
-  so, whatever the layout of `x` (host, one device, another sharding)."""
+def owned_copy(x, layout=None, device=None):
+  """A device array the session owns, on `device` (a slot's; default: the
+  device a graph compiled now runs on): never the caller's buffer, since the
+  session donates its state buffers and must not invalidate the caller's (an
+  array on another device is moved, which copies). Under a mesh, `layout` is
+  the leaf's NamedSharding: the copy is laid out so, whatever the layout of
+  `x` (host, one device, another sharding)."""
   if isinstance(x, (int, float, complex)) and not isinstance(x, (bool, np.generic)):
     # a Python scalar is weakly typed, as jax.jit sees it; np.asarray drops that
     # (np.float64 subclasses float but is strong, as inputs.is_weak says)
     return with_weak_type(owned_copy(np.asarray(x, jax.dtypes.canonicalize_dtype(
-        np.result_type(x))), layout), True)
+        np.result_type(x))), layout, device), True)
   if layout is not None:
     return sharding.put_global(x, layout)
-  device = session_device()
+  device = device or session_device()
   if isinstance(x, jax.Array):
     if x.devices() == {device}:
       if debug_flags.MAYBE[0] and debug_flags.on():
         return private_copy(x)  # a jitted copy would raise on the nan it holds
-      return jax.numpy.array(x, copy=True)
+      return _copy_on(device, [x])[0]
     return jax.device_put(x, device)
   return jax.device_put(np.asarray(x), device)
 
@@ -86,27 +89,40 @@ def _copy_all(xs):
 _COPY_ALL = real_jit(_copy_all)
 
 
-def owned_copies(xs, layouts=None):
-  """owned_copy of each of `xs` (`layouts`: a NamedSharding or None each):
-  the arrays already on the session's device are copied by one jitted call,
+def _copy_on(device, xs):
+  """_COPY_ALL(xs) for arrays on `device`: a jitted call puts the copies of
+  uncommitted arrays on jax's default device now (thread-local, maybe
+  another one: `jax.default_device(d)` around a set_state), so it runs
+  under `device` where that differs."""
+  if device == session_device():
+    return _COPY_ALL(xs)
+  with jax.default_device(device):
+    return _COPY_ALL(xs)
+
+
+def owned_copies(xs, layouts=None, device=None):
+  """owned_copy of each of `xs` on `device` (`layouts`: a NamedSharding or None each):
+  the arrays already on `device` are copied by one jitted call,
   one dispatch for all of them (4 leaves of a KV cache: 28 us, against 240
   us copied one by one; benchmarks/workflows.py's decode), the others one by
   one. Weak types and PRNG keys are kept."""
   if debug_flags.MAYBE[0] and debug_flags.on():
-    return [owned_copy(x, None if layouts is None else layouts[i]) for i, x in enumerate(xs)]
-  here = {session_device()}
+    return [owned_copy(x, None if layouts is None else layouts[i], device)
+            for i, x in enumerate(xs)]
+  device = device or session_device()
+  here = {device}
   together = [i for i, x in enumerate(xs) if (layouts is None or layouts[i] is None)
               and (type(x) is ARRAY_IMPL or isinstance(x, jax.Array)) and x.devices() == here]
   if len(together) == len(xs):  # the usual case: one dispatch, nothing else
-    return _COPY_ALL(list(xs))
+    return _copy_on(device, list(xs))
   out = list(xs)
   if together:
-    for i, copy in zip(together, _COPY_ALL([xs[i] for i in together])):
+    for i, copy in zip(together, _copy_on(device, [xs[i] for i in together])):
       out[i] = copy
   skip = set(together)
   for i, x in enumerate(xs):
     if i not in skip:
-      out[i] = owned_copy(x, None if layouts is None else layouts[i])
+      out[i] = owned_copy(x, None if layouts is None else layouts[i], device)
   return out
 
 
@@ -132,6 +148,10 @@ class StateSlot:
     self.serial = next(_SERIAL)
     self.owners = 0              # graphs bound to this slot (release frees at 0)
     self.shardings = None        # under a mesh: a NamedSharding per leaf
+    # without one, the device its leaves live on: its graph's, the default
+    # device when it was compiled (bound values go there whatever the
+    # default device is when they are bound)
+    self.device = session_device()
     self.weak_sensitive = {}     # leaf index -> weak type a graph was compiled for,
                                  # where the weak type changes that graph's program
     # the non-array leaves kept static, in the treedef (runtime/static_leaves.py)

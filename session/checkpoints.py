@@ -36,7 +36,7 @@ from jax import tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
-from jaxsession.runtime.state import holding, private_copy, session_device, with_weak_type
+from jaxsession.runtime.state import holding, private_copy, with_weak_type
 
 FORMAT = "jaxsession-checkpoint-1"
 
@@ -329,7 +329,7 @@ def _target(slot, j):
   else:
     shape, dtype = aval.shape, aval.dtype
   sharding = slot.shardings[j] if slot.shardings is not None else \
-      jax.sharding.SingleDeviceSharding(session_device())
+      jax.sharding.SingleDeviceSharding(slot.device)
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 

@@ -188,7 +188,8 @@ class ArgSpec:
   mesh: a NamedSharding per leaf, per argument, else None), `local_pieces`
   (many processes: run gets each process's piece of the batch) and
   `weak_sensitive` ([(argument, leaf, compiled weak type)] where a weak type
-  changes the program). The examples may be arrays or jax.ShapeDtypeStructs.
+  changes the program), `device` (the device its executables run on, jax's
+  default one at compile). The examples may be arrays or jax.ShapeDtypeStructs.
   """
 
   def __init__(self, where, positions, example_args, shardings=None, local_pieces=False,
@@ -199,7 +200,8 @@ class ArgSpec:
         treedefs=tuple(f.treedef for f in flats), paths=tuple(f.paths for f in flats),
         avals=tuple(f.avals for f in flats),
         shardings=None if shardings is None else tuple(tuple(row) for row in shardings),
-        local_pieces=bool(local_pieces), weak_sensitive=tuple(weak_sensitive))
+        local_pieces=bool(local_pieces), weak_sensitive=tuple(weak_sensitive),
+        device=session_device())  # the graph's: the default device at its compile
     for name, value in values.items():
       object.__setattr__(self, name, value)
 
@@ -257,7 +259,7 @@ class ArgSpec:
   def conform_leaf(self, i, j, x, leading=None):
     """Leaf `j` of argument `i`, conformed as `conform` does: a Python
     scalar converted where exact, an array moved to the compiled layout or
-    the session's device; InputError if it does not fit."""
+    the graph's device; InputError if it does not fit."""
     want = self.avals[i][j]
     place = self.place(i, j)
     target, piece = None, ""
@@ -291,8 +293,8 @@ class ArgSpec:
         return jax.device_put(x, target)
       return x
     if isinstance(x, jax.Array):
-      device = session_device()
-      if x.committed and x.devices() != {device}:  # the executables run on the session's device
+      device = self.device
+      if x.committed and x.devices() != {device}:  # the executables run on the graph's device
         return jax.device_put(x, device)
       kind = getattr(x.sharding, "memory_kind", None)
       if kind is not None and kind != device.default_memory().kind:

@@ -437,7 +437,7 @@ class Session:
     entry = self._entry(graph_id)
     entry.check_set("get_state")
     return holding(entry.lock, lambda: tuple(static_leaves.show(tree_util.tree_unflatten(
-        s.treedef, owned_copies(s.leaves, s.shardings))) for s in entry.slots))
+        s.treedef, owned_copies(s.leaves, s.shardings, s.device))) for s in entry.slots))
 
   def set_state(self, graph_id, *values, donate=False):
     """Replaces the state args' values; checks every value before changing

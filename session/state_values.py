@@ -17,7 +17,7 @@ from jaxsession.inputs import check_leaf
 from jaxsession.jax_api import real_jit
 from jaxsession.runtime import debug_flags, static_leaves
 from jaxsession.runtime.state import (ARRAY_IMPL, check_structure, holding, owned_copies,
-                                      session_device, with_weak_type)
+                                      with_weak_type)
 
 # moves an array's buffer into a new array without a copy: XLA aliases the
 # donated parameter to the output, and jax deletes the argument
@@ -52,7 +52,7 @@ def _exact(x, aval, weak):
 
 def _fits(x, slot, j):
   """Whether `x` can become slot's leaf j as it is: a live jax.Array of the
-  leaf's exact type, on the session's device (under a mesh: in its sharding)."""
+  leaf's exact type, on the slot's device (under a mesh: in its sharding)."""
   if not isinstance(x, jax.Array) or x.is_deleted():
     return False
   aval = slot.avals[j]
@@ -60,7 +60,7 @@ def _fits(x, slot, j):
     return False
   if slot.shardings is not None:
     return x.sharding == slot.shardings[j]
-  return x.devices() == {session_device()}
+  return x.devices() == {slot.device}
 
 
 def new_leaves(where, items, donate=False):
@@ -71,7 +71,7 @@ def new_leaves(where, items, donate=False):
   if not isinstance(donate, bool):
     raise InputError(f"{where}: donate must be True or False, got {donate!r}")
   flats = [check_values(place, slot, value) for place, slot, value in items]
-  taken, bound, copied = set(), [], []  # copied: (row, j, leaf, layout)
+  taken, bound, copied = set(), [], []  # copied: (row, j, leaf, layout, weak, device)
   for (_, slot, _), flat in zip(items, flats):
     row = list(flat)
     for j, x in enumerate(flat):
@@ -80,11 +80,14 @@ def new_leaves(where, items, donate=False):
         row[j] = _Taken(x)
       else:
         copied.append((row, j, x, None if slot.shardings is None else slot.shardings[j],
-                       _weak(slot, j)))
+                       _weak(slot, j), slot.device))
     bound.append(row)
-  copies = owned_copies([x for _, _, x, _, _ in copied], [s for _, _, _, s, _ in copied])
-  for (row, j, _, _, weak), copy in zip(copied, copies):
-    row[j] = with_weak_type(copy, weak)
+  for device in dict.fromkeys(d for *_, d in copied):  # one: a graph's slots share its device
+    mine = [c for c in copied if c[5] is device]
+    copies = owned_copies([x for _, _, x, _, _, _ in mine], [s for _, _, _, s, _, _ in mine],
+                          device)
+    for (row, j, _, _, weak, _), copy in zip(mine, copies):
+      row[j] = with_weak_type(copy, weak)
   return bound
 
 

@@ -109,6 +109,49 @@ with jax.default_device(d1):
   out["free_run_op_d1"] = devs(free.run_op(jax.lax.sin, xs[0]))
 g_now = free.compile(lambda a: a * 2.0 + 1.0, xs[0])
 out["free_after"] = [devs(free.run(g_now, xs[0])), devs(free.run_op(jax.lax.sin, xs[0]))]
+
+# a graph's state stays on the device it was compiled for, whatever the
+# default device when it is bound, read, checkpointed or run
+def bump(a, k, x):
+  return a * 0.5 + x, k + 1, jnp.sum(a * x)
+keep = js.Session()
+a0 = rng.standard_normal(4).astype(np.float32)
+a0[:3] = [-0.0, np.nan, np.inf]
+kid = keep.compile(bump, a0, np.int32(7), xs[0][0], state_argnums=(0, 1))
+ref_bump = jax.jit(bump)
+values = [jnp.asarray(rng.standard_normal(4).astype(np.float32)),      # uncommitted, d0
+          rng.standard_normal(4).astype(np.float32),                    # numpy
+          jax.device_put(rng.standard_normal(4).astype(np.float32), d1)]  # committed to d1
+kept, ra, rk = [], None, None
+with tempfile.TemporaryDirectory() as folder:
+  for n, value in enumerate(values):
+    with jax.default_device(d1):
+      if n == 0:
+        keep.set_state(kid, value, np.int32(n))
+      elif n == 1:
+        keep.replace_state(kid, (0, 1), (value, jnp.int32(n)))
+      else:
+        keep.set_state(kid, value, jnp.int32(n), donate=True)
+      kept.append(devs(keep.get_state(kid)))
+      ra, rk = jnp.asarray(np.asarray(value)), jnp.int32(n)
+      x = xs[0][n]
+      got = keep.run(kid, x)
+    ra, rk, want = ref_bump(ra, rk, x)
+    kept.append(devs(keep.get_state(kid)))
+    got2 = keep.run(kid, xs[1][n])
+    ra, rk, want2 = ref_bump(ra, rk, xs[1][n])
+    out.setdefault("kept_equal", []).append(
+        bool(np.array_equal(got, want) and np.array_equal(got2, want2)))
+  keep.save(kid, folder, 3)
+  keep.wait_until_saved()
+  with jax.default_device(d1):
+    keep.restore(kid, folder)
+    kept.append(devs(keep.get_state(kid)))
+  sunk = keep.run(kid, xs[2][:2], steps=2)
+kept.append(devs(keep.get_state(kid)))
+out["kept_devices"], out["kept_sunk"] = kept, devs(sunk)
+out["kept_state_equal"] = all(np.array_equal(g, w) for g, w in zip(
+    keep.get_state(kid), ref_bump(*ref_bump(ra, rk, xs[2][0])[:2], xs[2][1])[:2]))
 out["errors"] = [err(lambda: js.SessionOptions(device="cpu:1")),
                  err(lambda: js.SessionOptions(device=d1, mesh=jax.make_mesh((2,), ("d",))))]
 print(json.dumps(out))
@@ -152,6 +195,13 @@ class OwnDeviceTest(absltest.TestCase):
   def test_a_session_without_the_option_keys_its_caches_by_the_device(self):
     self.assertEqual(self.out["free_run_op_d1"], [self.out["d1"]])
     self.assertEqual(self.out["free_after"], [[self.out["d0"]]] * 2)
+
+  def test_state_stays_on_its_graphs_device_under_another_default_device(self):
+    d0 = [self.out["d0"]]
+    self.assertEqual(self.out["kept_equal"], [True] * 3)
+    self.assertEqual(self.out["kept_devices"], [d0] * 8)
+    self.assertEqual(self.out["kept_sunk"], d0)
+    self.assertTrue(self.out["kept_state_equal"])
 
   def test_bad_options_are_input_errors(self):
     (kind1, text1), (kind2, text2) = self.out["errors"]
