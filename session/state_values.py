@@ -82,8 +82,9 @@ def new_leaves(where, items, donate=False):
         copied.append((row, j, x, None if slot.shardings is None else slot.shardings[j],
                        _weak(slot, j), slot.device))
     bound.append(row)
-  for device in dict.fromkeys(d for *_, d in copied):  # one: a graph's slots share its device
-    mine = [c for c in copied if c[5] is device]
+  devices = {c[5] for c in copied}  # one: a graph's slots share its device
+  for device in devices:
+    mine = copied if len(devices) == 1 else [c for c in copied if c[5] is device]
     copies = owned_copies([x for _, _, x, _, _, _ in mine], [s for _, _, _, s, _, _ in mine],
                           device)
     for (row, j, _, _, weak, _), copy in zip(mine, copies):
