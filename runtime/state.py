@@ -298,7 +298,10 @@ def tree_difference(expected, got, path=""):
 def _kind(x):
   if isinstance(x, static_leaves.Static):
     return f"the non-array {type(x.value).__name__} {_short(x.value)} (kept static)"
-  return f"a {type(x).__name__}"
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return f"an array leaf {x.dtype}{list(np.shape(x))}"
+  name = type(x).__name__
+  return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _metadata_difference(expected, got):

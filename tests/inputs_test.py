@@ -179,6 +179,13 @@ class CallSignatureTest(absltest.TestCase):
                         r"compiled for is weakly typed",
                         lambda: self.sess.set_state(gid, jnp.float32(-0.0)))
     assert_same_bits(self.sess.get_state(gid), before, "weakly typed state")
+    # where the dtype differs too, the dtype is named (the weak type shown by ~)
+    bump = self.sess.compile(lambda s, x: (s + 1, x), jnp.int8(-7), 0.5, state_argnums=0)
+    self.assert_refused(r"value 0 at path \(root\): expected i8\[\], got i32\[\]~",
+                        lambda: self.sess.set_state(bump, 3))
+    self.assert_refused(r"at \(root\): expected an array leaf int8\[\], got a list",
+                        lambda: self.sess.set_state(bump, [jnp.int8(1)]))
+    self.assertEqual(int(self.sess.get_state(bump)[0]), -7)
     self.assert_unchanged()
 
   def test_state_from_checks_every_leaf(self):
