@@ -19,6 +19,20 @@ from tests.partition_util import (
     across_five, assert_transfers, SHAPE, F32)
 
 
+def _flaky_step(fail, error):
+  """A stateful step whose host callback raises `error` while `fail` (a
+  list) is not empty."""
+  def flaky(a):
+    if fail:
+      raise error("callback failed on purpose")
+    return np.cos(a)
+
+  def step(s, x):
+    a = jnp.sin(s) + x
+    return s - jnp.tanh(host(flaky, a)) * 0.5, a
+  return step
+
+
 class HostOpPositionTest(absltest.TestCase):
   """Programs with 1, 2 and 5 host ops in various positions, bit for bit."""
 
@@ -248,15 +262,7 @@ class InductorBugClassTest(absltest.TestCase):
 
   def test_failed_host_op_leaves_the_state_as_it_was(self):
     fail = []
-
-    def flaky(a):
-      if fail:
-        raise RuntimeError("callback failed on purpose")
-      return np.cos(a)
-
-    def step(s, x):
-      a = jnp.sin(s) + x
-      return s - jnp.tanh(host(flaky, a)) * 0.5, a
+    step = _flaky_step(fail, RuntimeError)
     gid = check_stateful(self.sess, step, (_x(self.rng),), lambda: (_x(self.rng),),
                          steps=2, where="before the failure")
     before = self.sess.get_state(gid)
@@ -443,15 +449,7 @@ class TransferGuardTest(absltest.TestCase):
 
   def test_stateful_plan_under_the_guard_and_a_failing_callback(self):
     fail = []
-
-    def flaky(a):
-      if fail:
-        raise ValueError("callback failed on purpose")
-      return np.cos(a)
-
-    def step(s, x):
-      a = jnp.sin(s) + x
-      return s - jnp.tanh(host(flaky, a)) * 0.5, a
+    step = _flaky_step(fail, ValueError)
     s0 = _x(self.rng)
     gid = self.sess.compile(step, s0, _x(self.rng), state_argnums=0)
     state = s0
