@@ -30,7 +30,7 @@ from jaxsession.errors import InputError, UnknownGraphError
 from jaxsession.graph import importer
 from jaxsession.graph.ir import Literal, aval_str
 from jaxsession.runtime import buckets as policy_lib, static_leaves
-from jaxsession.runtime.state import with_weak_type
+from jaxsession.runtime.state import session_device, with_weak_type
 
 
 class BucketedGraph:
@@ -53,6 +53,9 @@ class BucketedGraph:
                           for i, p in zip(self.run_index, positions)}
     self.policy = policy
     self.options = session.options
+    # the device every bucket runs on: jax's default one at this compile (a
+    # bucket compiled later, inside another jax.default_device, still goes there)
+    self.device = session_device()
     self.sizes = {}                   # compiled size -> sub-graph id
     self.first = None                 # the first bucket's id: the graph's state
     self.spec = None                  # run's arguments, checked before a bucket runs
@@ -180,8 +183,9 @@ class BucketedGraph:
     kwargs = dict(self.kwargs)
     if self.first is not None:  # the first bucket's slots, already mapped
       kwargs["state_from"], kwargs["state_map"] = self.first, None
-    return self.session.compile(self.fn, *self.examples(size), name=f"{self.name}[batch {size}]",
-                                **kwargs)
+    with jax.default_device(self.device):
+      return self.session.compile(self.fn, *self.examples(size),
+                                  name=f"{self.name}[batch {size}]", **kwargs)
 
   def bind(self, gid):
     """The public id the Session gave this graph: it names the graph in run's

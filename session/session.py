@@ -413,7 +413,7 @@ class Session:
         with self._lock:
           call = entry.sunk.get((steps, leading))
           if call is None:
-            with spmd.compile_context(self.options):
+            with spmd.compile_context(self.options, entry.spec.device):
               call = entry.sunk[steps, leading] = entry.sunk_call(steps, leading)
       return call(args)
     except Exception as exc:
@@ -426,7 +426,7 @@ class Session:
           and not isinstance(exc, SessionError)):
         # an executable refuses to run under jax.disable_jit() before it runs
         # anything: run op by op, as jax.jit does there
-        with spmd.compile_context(self.options):
+        with spmd.compile_context(self.options, entry.spec.device):
           return entry.make_eager(steps, leading).call(args)
       raise
 

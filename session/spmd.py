@@ -66,10 +66,14 @@ def check_compiler_options(opts, platform):
                      f"{platform} compiler: {str(exc).splitlines()[0]}") from None
 
 
-def compile_context(options):
+def compile_context(options, device=None):
   """The context a compile or a run's first build under `options.mesh` runs
-  in (sharding.auto_context); the caller's as it is without a mesh."""
-  return contextlib.nullcontext() if options.mesh is None else sharding.auto_context()
+  in (sharding.auto_context); without a mesh, under `device` where given (a
+  run's later build: its graph's device, whatever the caller's default
+  device is now), else the caller's context as it is."""
+  if options.mesh is not None:
+    return sharding.auto_context()
+  return contextlib.nullcontext() if device is None else jax.default_device(device)
 
 
 def traced_types(args):

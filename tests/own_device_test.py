@@ -150,6 +150,26 @@ with tempfile.TemporaryDirectory() as folder:
   sunk = keep.run(kid, xs[2][:2], steps=2)
 kept.append(devs(keep.get_state(kid)))
 out["kept_devices"], out["kept_sunk"] = kept, devs(sunk)
+# what a graph builds at run time (sunk steps, a new steps value's chunks,
+# a new bucket) goes on the graph's device too
+with jax.default_device(d1):
+  lid = keep.compile(bump, a0, np.int32(7), xs[0][0], state_argnums=(0, 1))
+  bid = keep.compile(lambda w, x: x * w, a0, xs[0][:2], buckets={1: [2, 4, 8]},
+                     state_argnums=0, updates_state=False)
+late = [devs(keep.run(lid, xs[3][:2], steps=2)),
+        devs(keep.run(lid, jax.device_put(xs[3][:3], d1), steps=3)),
+        devs(keep.run(bid, xs[3][:3]))]
+with jax.default_device(d1):
+  late.append(devs(keep.run(bid, xs[4])))  # 5 rows: another bucket
+late.append(devs(keep.get_state(lid)))
+ra2, rk2 = a0, np.int32(7)
+for x in [*xs[3][:2], *xs[3][:3]]:
+  ra2, rk2, _ = ref_bump(ra2, rk2, x)
+out["late_devices"] = late
+bits = lambda a: (np.asarray(a).dtype, np.asarray(a).tobytes())  # nan == nan here
+out["late_state_equal"] = all(bits(g) == bits(w) for g, w in zip(keep.get_state(lid),
+                                                                  (ra2, rk2)))
+out["late_bucket_equal"] = bits(keep.run(bid, xs[4])) == bits(jax.jit(lambda w, x: x * w)(a0, xs[4]))
 out["kept_state_equal"] = all(np.array_equal(g, w) for g, w in zip(
     keep.get_state(kid), ref_bump(*ref_bump(ra, rk, xs[2][0])[:2], xs[2][1])[:2]))
 out["errors"] = [err(lambda: js.SessionOptions(device="cpu:1")),
@@ -202,6 +222,11 @@ class OwnDeviceTest(absltest.TestCase):
     self.assertEqual(self.out["kept_devices"], [d0] * 8)
     self.assertEqual(self.out["kept_sunk"], d0)
     self.assertTrue(self.out["kept_state_equal"])
+
+  def test_what_a_run_builds_goes_on_its_graphs_device(self):
+    self.assertEqual(self.out["late_devices"], [[self.out["d1"]]] * 5)
+    self.assertTrue(self.out["late_state_equal"])
+    self.assertTrue(self.out["late_bucket_equal"])
 
   def test_bad_options_are_input_errors(self):
     (kind1, text1), (kind2, text2) = self.out["errors"]
