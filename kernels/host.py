@@ -190,7 +190,14 @@ def host_to_device_put(node, x):
   device reader to carry it: an explicit jax.device_put."""
   # the default device, the session's; a copy even on CPU: the callback may
   # reuse the buffer it returned, and the state must not change with it
-  return [jax.device_put(np.array(x))]  # a private copy: device_put may read it later
+  private = np.array(x)  # device_put may read it after it returns
+  try:
+    return [jax.device_put(private)]
+  except jax.errors.JaxRuntimeError as exc:  # a transfer guard refusing explicit transfers
+    if "Disallowed" not in str(exc):          # too: the session's own move, as jax.jit's
+      raise                                   # inside its executable, passes it
+    with jax.transfer_guard_host_to_device("allow"):
+      return [jax.device_put(private)]
 
 
 # -- small integer computations -------------------------------------------------

@@ -114,10 +114,39 @@ RECOVERABLE = (*ARG_MISMATCH, RuntimeError, SPECIAL_VALUE)
 
 
 def transfer_refused(exc):
-  """Whether an executable's call refused an implicit host-to-device
-  transfer of an argument (jax.transfer_guard), before it ran anything."""
-  return isinstance(exc, jax.errors.JaxRuntimeError) and \
-      "Disallowed host-to-device transfer" in str(exc)
+  """Whether a transfer guard (jax.transfer_guard) refused a host-to-device
+  transfer: an executable's implicit one of an argument, before it ran
+  anything, or an explicit device_put."""
+  text = str(exc) if isinstance(exc, jax.errors.JaxRuntimeError) else ""
+  return "Disallowed" in text and "transfer" in text
+
+
+def placed(x, where=None):
+  """jax.device_put(x, where) of a value the plan moves itself (a host
+  partition's result returned, or made state and laid out as its slot: the
+  transfer jax.jit makes inside its executable, where no guard sees it),
+  past a transfer guard that refuses explicit transfers too."""
+  try:
+    return jax.device_put(x, where)
+  except jax.errors.JaxRuntimeError as exc:
+    if not transfer_refused(exc):
+      raise
+    with jax.transfer_guard("allow"):
+      return jax.device_put(x, where)
+
+
+def h2d_refused_before_run(leaves):
+  """Under a transfer guard that refuses implicit host-to-device transfers,
+  a host value among a plan's user leaves (numpy, a Python scalar) is
+  refused before any op runs, by the implicit transfer jax.jit makes of it
+  before its executable runs: the plan would hand it to a host op with no
+  transfer, or transfer it after a callback ran. One config read otherwise,
+  on the path of arguments that are not all jax.Arrays."""
+  guard = jax.config.jax_transfer_guard_host_to_device or jax.config.jax_transfer_guard
+  if guard in ("disallow", "disallow_explicit"):
+    for x in leaves:
+      if not isinstance(x, jax.Array):
+        jax.numpy.asarray(x)  # raises jax's own error, as jax.jit does
 
 
 def moved_on_refusal(fn, positions, shardings):

@@ -24,8 +24,8 @@ from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes
 from jaxsession.jax_api import ARRAY
 from jaxsession.runtime import callbacks, codegen, debug_flags, interrupts, sharding
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
-                                      compile_recorded, fast_call, host_op, memory_analysis,
-                                      recovery, waited)
+                                      compile_recorded, fast_call, h2d_refused_before_run,
+                                      host_op, memory_analysis, placed, recovery, waited)
 from jaxsession.runtime.state import private_copy, slots_lock, with_weak_type
 from jaxsession.runtime.state_layout import kept_layouts
 
@@ -175,6 +175,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
       leaves.extend(flat)
     for reg, i, j in user_checked:
       leaves[reg - base] = spec.conform_leaf(i, j, leaves[reg - base])
+    h2d_refused_before_run(leaves)
     return leaves
 
   def conform_leaves(xs):
@@ -196,7 +197,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
     if n in program.host_outputs:  # made on the host: stays there, a copy of the
       # callback's buffer, which the callback may reuse (jax.jit copies too);
       # device_put may read its source after it returns: give it a private copy
-      return jax.device_put(np.array(out), jax.local_devices(backend="cpu")[0])
+      return placed(np.array(out), jax.local_devices(backend="cpu")[0])
     return jax.numpy.array(out, copy=True) if n in program.copy_at else out
 
   def finish(outs):
@@ -204,7 +205,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
       outs = list(outs)
       for i, s in keep:
         if getattr(outs[i], "sharding", None) != s:
-          outs[i] = jax.device_put(outs[i], s)
+          outs[i] = placed(outs[i], s)
     if plain_outputs:
       return outs
     return [output(n, out) for n, out in enumerate(outs)]

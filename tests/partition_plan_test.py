@@ -465,13 +465,40 @@ class TransferGuardTest(absltest.TestCase):
       self.sess.run(gid, xs[3])
     assert_same_bits(self.sess.get_state(gid), (state,), "state after the failed run")
 
-  def test_a_numpy_argument_is_refused_as_jax_jit_refuses_it(self):
-    def f(x, y):
-      return jnp.sin(host(cos_minus, x, y)) + y
+  def test_host_arguments_are_refused_as_jax_jit_refuses_them(self):
+    # before any op runs: a callback that reads them never runs (jax.jit
+    # transfers every argument before its executable runs)
+    calls = []
+    programs = {"read by a callback alone": lambda x, y: jnp.sin(host(cos_minus, x, y, calls=calls)),
+                "by a callback and the device": lambda x, y: host(np.sin, x, calls=calls) + y,
+                "by the device first": lambda x, y: jnp.sin(host(cos_minus, x * y, y, calls=calls))}
     x, y = _x(self.rng), _x(self.rng)
-    gid = self.sess.compile(f, x, y)
-    with jax.transfer_guard("disallow"):
-      with self.assertRaisesRegex(Exception, "Disallowed host-to-device transfer"):
-        jax.jit(f)(x, np.asarray(y))
-      with self.assertRaisesRegex(Exception, "Disallowed host-to-device transfer"):
-        self.sess.run(gid, x, np.asarray(y))
+    for what, f in programs.items():
+      gid = self.sess.compile(f, x, y)
+      for bad in (np.asarray(y), np.float32(2.5)):
+        if bad.shape != y.shape:
+          gid_scalar = self.sess.compile(f, x, 2.5)
+        with jax.transfer_guard("disallow"):
+          with self.assertRaisesRegex(Exception, "Disallowed host-to-device transfer"):
+            jax.jit(f)(x, bad)
+          calls.clear()
+          with self.assertRaisesRegex(Exception, "Disallowed host-to-device transfer"):
+            self.sess.run(gid if bad.shape == y.shape else gid_scalar, x, bad)
+        self.assertEqual(calls, [], what)
+
+  def test_host_outputs_and_host_made_state_under_the_guard(self):
+    calls = []
+
+    def step(s, x):
+      new = host(sin_plus, s, x, calls=calls)  # new state made on the host
+      return new, host(cos_minus, new, x)        # and an output made there
+    s0, xs = _x(self.rng), [_x(self.rng) for _ in range(3)]
+    gid = self.sess.compile(step, s0, xs[0], state_argnums=0)
+    state = s0
+    for x in xs:
+      with jax.transfer_guard("disallow"):
+        got = self.sess.run(gid, x)
+        state, want = jax.jit(step)(state, x)
+      assert_same_bits(got, want, "host output under the guard")
+    assert_same_bits(self.sess.get_state(gid), (state,), "host-made state")
+    self.assertLen(calls, 6)  # once a run each, the session's and jax.jit's
