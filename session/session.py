@@ -314,6 +314,12 @@ class Session:
       where = (f"compile({name}): state arg {k} (position {state_nums[k]}) shared from "
                f"graph {state_from}")
       check_structure(slot, tree_util.tree_unflatten(flat.treedef, flat.leaves), where)
+      if self.options.mesh is None and slot.device != session_device():
+        raise InputError(f"{where}: its state slot {slot.name} lives on {slot.device}, and this "
+                         f"graph would run on {session_device()} (jax's default device now): "
+                         "sharing it would copy the state between devices every run; compile "
+                         "both under one jax.default_device, or give the session "
+                         "SessionOptions(device=...)")
       for path, x, aval in zip(flat.paths, flat.leaves, slot.avals):
         check_leaf(f"{where} at path {path or '(root)'}", x, aval, weak=aval.weak_type,
                    note=f" (the state slot {slot.name} holds the former)",

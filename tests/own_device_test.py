@@ -166,6 +166,9 @@ ra2, rk2 = a0, np.int32(7)
 for x in [*xs[3][:2], *xs[3][:3]]:
   ra2, rk2, _ = ref_bump(ra2, rk2, x)
 out["late_devices"] = late
+with jax.default_device(d0):  # sharing d1's slots from d0 would copy them every run
+  out["across"] = err(lambda: keep.compile(bump, a0, np.int32(7), xs[0][0], state_argnums=(0, 1),
+                                           state_from=lid))
 bits = lambda a: (np.asarray(a).dtype, np.asarray(a).tobytes())  # nan == nan here
 out["late_state_equal"] = all(bits(g) == bits(w) for g, w in zip(keep.get_state(lid),
                                                                   (ra2, rk2)))
@@ -227,6 +230,9 @@ class OwnDeviceTest(absltest.TestCase):
     self.assertEqual(self.out["late_devices"], [[self.out["d1"]]] * 5)
     self.assertTrue(self.out["late_state_equal"])
     self.assertTrue(self.out["late_bucket_equal"])
+    kind, text = self.out["across"]
+    self.assertEqual(kind, "InputError")
+    self.assertIn("lives on cpu:1, and this graph would run on cpu:0", text)
 
   def test_bad_options_are_input_errors(self):
     (kind1, text1), (kind2, text2) = self.out["errors"]
