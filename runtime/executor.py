@@ -158,8 +158,8 @@ def plan_program(graph, program, spec, rest_tree, layout):
   literal_outputs = {i: bool(getattr(v.aval, "weak_type", False))  # output -> its weak type
                      for i, v in enumerate(graph.outputs) if isinstance(v, Literal)}
   plain_outputs = not (program.copy_at or program.host_outputs or literal_outputs)
-  keep = [(i, layout.state_shardings[i]) for i in layout.updated_idx
-          if layout.state_shardings[i] is not None]
+  keep = [(i, s) for i in layout.updated_idx
+          if (s := _kept_layout(graph, layout, i)) is not None]
   base, user_checked = program.num_state, program.user_checked
   bare_run = not layout.slots  # Program.bare: run returns the user outputs alone
   updated, k, single_output = layout.updated_idx, layout.num_outputs, rest_tree == leaf
@@ -245,6 +245,19 @@ def plan_program(graph, program, spec, rest_tree, layout):
     program.run = codegen.generate(program, direct=(
         run, lambda exc, user: recover(exc, ((),), (list(user),))[-1]))
   return program
+
+
+def _kept_layout(graph, layout, i):
+  """The layout new state value i must have as it is committed, where the
+  plan's output may not have it: under a mesh, its slot's; without one, a
+  value made on the host (put on jax's default device at the call, maybe
+  another one) goes to its slot's device. None: as the plan returns it."""
+  if layout.state_shardings[i] is not None:
+    return layout.state_shardings[i]
+  new = graph.outputs[i]
+  if not isinstance(new, Literal) and new.producer is not None and new.producer.place == "host":
+    return jax.sharding.SingleDeviceSharding(layout.leaf_slots[i][0].device)
+  return None
 
 
 class Runner:

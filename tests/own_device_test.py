@@ -29,6 +29,7 @@ p["w"][0, :2] = [-0.0, 3e38]
 o = tx.init(p)
 xs = rng.standard_normal((6, 5, 4)).astype(np.float32)
 devs = lambda tree: sorted({str(d) for a in jax.tree.leaves(tree) for d in a.devices()})
+bits = lambda a: (np.asarray(a).dtype, np.asarray(a).tobytes())  # nan == nan here
 
 sess = js.Session(js.SessionOptions(device=d1))
 out["device"], out["d0"], out["d1"] = str(sess.device), str(d0), str(d1)
@@ -166,10 +167,27 @@ ra2, rk2 = a0, np.int32(7)
 for x in [*xs[3][:2], *xs[3][:3]]:
   ra2, rk2, _ = ref_bump(ra2, rk2, x)
 out["late_devices"] = late
+# new state a callback makes (a host partition) is put on the slot's device too
+def hstep(s, x):
+  new = jax.pure_callback(lambda v: (np.sin(v) * 0.5).astype(v.dtype),
+                          jax.ShapeDtypeStruct(s.shape, s.dtype), s * 2.0)
+  return new, jnp.sum(s * x)
+s7 = rng.standard_normal(7).astype(np.float32)
+hid2 = keep.compile(hstep, s7, s7, state_argnums=0)
+rs7, hgot = s7, []
+for n in range(3):
+  x7 = rng.standard_normal(7).astype(np.float32)
+  with jax.default_device(d1):
+    got = keep.run(hid2, x7)
+  rs7, want = jax.jit(hstep)(rs7, x7)
+  hgot.append(bits(got) == bits(want))
+out["host_state_places"] = [q.place for q in keep.report(hid2).partitions]
+out["host_state_equal"] = hgot + [bits(keep.get_state(hid2)[0]) == bits(rs7)]
+out["host_state_on_d1"] = [devs(a) for a in jax.live_arrays() if a.shape == (7,)
+                           and devs(a) == [str(d1)]]
 with jax.default_device(d0):  # sharing d1's slots from d0 would copy them every run
   out["across"] = err(lambda: keep.compile(bump, a0, np.int32(7), xs[0][0], state_argnums=(0, 1),
                                            state_from=lid))
-bits = lambda a: (np.asarray(a).dtype, np.asarray(a).tobytes())  # nan == nan here
 out["late_state_equal"] = all(bits(g) == bits(w) for g, w in zip(keep.get_state(lid),
                                                                   (ra2, rk2)))
 out["late_bucket_equal"] = bits(keep.run(bid, xs[4])) == bits(jax.jit(lambda w, x: x * w)(a0, xs[4]))
@@ -230,6 +248,9 @@ class OwnDeviceTest(absltest.TestCase):
     self.assertEqual(self.out["late_devices"], [[self.out["d1"]]] * 5)
     self.assertTrue(self.out["late_state_equal"])
     self.assertTrue(self.out["late_bucket_equal"])
+    self.assertEqual(self.out["host_state_places"], ["device", "host"])
+    self.assertEqual(self.out["host_state_equal"], [True] * 4)
+    self.assertEqual(self.out["host_state_on_d1"], [])
     kind, text = self.out["across"]
     self.assertEqual(kind, "InputError")
     self.assertIn("lives on cpu:1, and this graph would run on cpu:0", text)
