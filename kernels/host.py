@@ -8,7 +8,7 @@ from jax import tree_util
 from jax.extend import core as jcore
 
 from jaxsession.graph import op_properties
-from jaxsession.jax_api import ARRAY
+from jaxsession.jax_api import ARRAY, placed
 from jaxsession.kernels.registry import register_kernel
 
 
@@ -190,14 +190,8 @@ def host_to_device_put(node, x):
   device reader to carry it: an explicit jax.device_put."""
   # the default device, the session's; a copy even on CPU: the callback may
   # reuse the buffer it returned, and the state must not change with it
-  private = np.array(x)  # device_put may read it after it returns
-  try:
-    return [jax.device_put(private)]
-  except jax.errors.JaxRuntimeError as exc:  # a transfer guard refusing explicit transfers
-    if "Disallowed" not in str(exc):          # too: the session's own move, as jax.jit's
-      raise                                   # inside its executable, passes it
-    with jax.transfer_guard_host_to_device("allow"):
-      return [jax.device_put(private)]
+  # (past a transfer guard: the session's own move, as jax.jit's inside its executable)
+  return [placed(np.array(x))]  # a private copy: device_put may read it after it returns
 
 
 # -- small integer computations -------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Callable, List, Tuple
 import jax
 import numpy as np
 
-from jaxsession.jax_api import real_jit
+from jaxsession.jax_api import real_jit, transfer_refused
 from jaxsession.graph import liveness
 from jaxsession.errors import HostOpError
 from jaxsession.graph.ir import Literal, aval_str
@@ -111,28 +111,6 @@ def recovery(call, conform, failure=None):
 
 
 RECOVERABLE = (*ARG_MISMATCH, RuntimeError, SPECIAL_VALUE)
-
-
-def transfer_refused(exc):
-  """Whether a transfer guard (jax.transfer_guard) refused a host-to-device
-  transfer: an executable's implicit one of an argument, before it ran
-  anything, or an explicit device_put."""
-  text = str(exc) if isinstance(exc, jax.errors.JaxRuntimeError) else ""
-  return "Disallowed" in text and "transfer" in text
-
-
-def placed(x, where=None):
-  """jax.device_put(x, where) of a value the plan moves itself (a host
-  partition's result returned, or made state and laid out as its slot: the
-  transfer jax.jit makes inside its executable, where no guard sees it),
-  past a transfer guard that refuses explicit transfers too."""
-  try:
-    return jax.device_put(x, where)
-  except jax.errors.JaxRuntimeError as exc:
-    if not transfer_refused(exc):
-      raise
-    with jax.transfer_guard("allow"):
-      return jax.device_put(x, where)
 
 
 def h2d_refused_before_run(leaves):

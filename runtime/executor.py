@@ -21,11 +21,11 @@ from jax import tree_util
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import Literal
 from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes
-from jaxsession.jax_api import ARRAY
+from jaxsession.jax_api import ARRAY, placed
 from jaxsession.runtime import callbacks, codegen, debug_flags, interrupts, sharding
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, fast_call, h2d_refused_before_run,
-                                      host_op, memory_analysis, placed, recovery, waited)
+                                      host_op, memory_analysis, recovery, waited)
 from jaxsession.runtime.state import private_copy, slots_lock, with_weak_type
 from jaxsession.runtime.state_layout import kept_layouts
 

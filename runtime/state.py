@@ -17,17 +17,10 @@ import numpy as np
 from jax import tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.jax_api import real_jit
+from jaxsession.jax_api import ARRAY, real_jit
 from jaxsession.runtime import debug_flags, interrupts, sharding, static_leaves
 
 _SERIAL = itertools.count()
-
-
-try:  # the concrete array type: `type(x) is ARRAY_IMPL` is a pointer compare, where
-  # isinstance(x, jax.Array) walks an ABC (~0.1 µs a leaf, per set_state leaf)
-  from jax._src.array import ArrayImpl as ARRAY_IMPL  # pylint: disable=import-outside-toplevel
-except ImportError:  # an internal name: the isinstance checks alone decide
-  ARRAY_IMPL = None
 
 
 def session_device():
@@ -44,7 +37,7 @@ def with_weak_type(x, weak):
   the session retypes an array: bound state (a Python scalar's copy, a
   restored checkpoint), sliced bucket outputs, outputs whose weak type
   jax.jit's would have."""
-  if type(x) is ARRAY_IMPL:
+  if type(x) is ARRAY:
     if x.weak_type == weak:
       return x
   elif not isinstance(x, jax.Array) or bool(getattr(x, "weak_type", False)) == weak:
@@ -112,7 +105,7 @@ def owned_copies(xs, layouts=None, device=None):
   device = device or session_device()
   here = {device}
   together = [i for i, x in enumerate(xs) if (layouts is None or layouts[i] is None)
-              and (type(x) is ARRAY_IMPL or isinstance(x, jax.Array)) and x.devices() == here]
+              and (type(x) is ARRAY or isinstance(x, jax.Array)) and x.devices() == here]
   if len(together) == len(xs):  # the usual case: one dispatch, nothing else
     return _copy_on(device, list(xs))
   out = list(xs)

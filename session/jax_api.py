@@ -1,10 +1,14 @@
-"""jax.jit as jax defines it, whatever `jax.jit` is rebound to later.
+"""jax's own APIs as the session uses them: jax.jit as jax defines it,
+whatever `jax.jit` is rebound to later; the concrete array type; a transfer
+guard's refusal, and the session's own moves past it.
 
 A user may route their code through the session with `jax.jit = jaxsession.jit`
 (JAX's own test suite is run that way: benchmarks/jax_suite.py); the
 session's own compiles (Build, constant folding, layouts) must not route back
 into themselves, so they call this one.
 """
+import jax
+
 try:
   from jax._src.api import jit as real_jit  # the function `jax.jit` is bound to
 except ImportError:  # an internal path: the public name, as it is at import
@@ -17,4 +21,27 @@ except ImportError:  # an internal path: the isinstance alone decides
   ARRAY = None
 
 
-__all__ = ["real_jit", "ARRAY"]
+
+def transfer_refused(exc):
+  """Whether a transfer guard (jax.transfer_guard) refused a transfer: an
+  executable's implicit one of an argument, before it ran anything, or an
+  explicit device_put. jax says so in the error's text alone."""
+  text = str(exc) if isinstance(exc, jax.errors.JaxRuntimeError) else ""
+  return "Disallowed" in text and "transfer" in text
+
+
+def placed(x, where=None):
+  """jax.device_put(x, where) of a value the session moves itself (a host
+  partition's result returned, or made state and laid out as its slot: the
+  transfer jax.jit makes inside its executable, where no guard sees it),
+  past a transfer guard that refuses explicit transfers too."""
+  try:
+    return jax.device_put(x, where)
+  except jax.errors.JaxRuntimeError as exc:
+    if not transfer_refused(exc):
+      raise
+    with jax.transfer_guard("allow"):
+      return jax.device_put(x, where)
+
+
+__all__ = ["real_jit", "ARRAY", "transfer_refused", "placed"]

@@ -14,10 +14,9 @@ from jax import tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.inputs import check_leaf
-from jaxsession.jax_api import real_jit
+from jaxsession.jax_api import ARRAY, real_jit
 from jaxsession.runtime import debug_flags, static_leaves
-from jaxsession.runtime.state import (ARRAY_IMPL, check_structure, holding, owned_copies,
-                                      with_weak_type)
+from jaxsession.runtime.state import check_structure, holding, owned_copies, with_weak_type
 
 # moves an array's buffer into a new array without a copy: XLA aliases the
 # donated parameter to the output, and jax deletes the argument
@@ -45,7 +44,7 @@ def _exact(x, aval, weak):
   """Whether `x` is a live concrete jax.Array of `aval`'s dtype and shape
   (and weak type, where `weak` says it matters): what check_leaf accepts,
   decided without building its messages (a KV cache reset per request)."""
-  return ((type(x) is ARRAY_IMPL or isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+  return ((type(x) is ARRAY or isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
           and x.dtype == aval.dtype and x.shape == aval.shape
           and (weak is None or x.weak_type == weak) and not x.is_deleted())
 
