@@ -190,6 +190,10 @@ def plan_program(graph, program, spec, rest_tree, layout):
   checked_plan = checked(plan, conform_leaves, failure)
   recover = recovery(plan, conform_leaves, failure)
 
+  # a host-made output: a CPU array, on the graph's device where that is one
+  # (jax.jit's callback result is in its executable's output there)
+  host = spec.device if spec.device.platform == "cpu" else jax.local_devices(backend="cpu")[0]
+
   def output(n, out):
     if n in literal_outputs:
       # a fresh array per run, typed as jax.jit returns it (2.0: weak f32)
@@ -197,7 +201,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
     if n in program.host_outputs:  # made on the host: stays there, a copy of the
       # callback's buffer, which the callback may reuse (jax.jit copies too);
       # device_put may read its source after it returns: give it a private copy
-      return placed(np.array(out), jax.local_devices(backend="cpu")[0])
+      return placed(np.array(out), host)
     return jax.numpy.array(out, copy=True) if n in program.copy_at else out
 
   def finish(outs):

@@ -21,7 +21,7 @@ from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn
 from jaxsession.runtime.executor import (arg_structs, executable_program, graph_body,
                                          leaf_steps, per_arg)
 from jaxsession.runtime.state_layout import kept_layouts
-from jaxsession.runtime.state import owned_copy
+from jaxsession.runtime.state import owned_copy, session_device
 
 
 def sunk_program(graph, spec, rest_tree, layout, steps, hooks=None, leading=None):
@@ -74,6 +74,9 @@ class _Columns:
     self.combine = combine
     self.eager = eager
     self.exe = None
+    # built with its run (under its graph's device): compiled later, on first
+    # use, it still goes there, whatever jax's default device is then
+    self.device = session_device()
 
   def prepare(self, rows):
     """Compiles the join of `rows` (per row, its leaves: arrays or
@@ -97,7 +100,8 @@ class _Columns:
     def joined(*xs):
       it = iter(xs)
       return [combine([next(it) for _ in range(k)]) for k in sizes]
-    with sharding.auto_context():  # a run inside `with jax.set_mesh(...)` of Explicit axes
+    # auto_context: a run inside `with jax.set_mesh(...)` of Explicit axes
+    with sharding.auto_context(), jax.default_device(self.device):
       self.exe = compile_fn(joined, structs)
 
   def __call__(self, rows):

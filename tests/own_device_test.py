@@ -181,10 +181,25 @@ for n in range(3):
     got = keep.run(hid2, x7)
   rs7, want = jax.jit(hstep)(rs7, x7)
   hgot.append(bits(got) == bits(want))
-out["host_state_places"] = [q.place for q in keep.report(hid2).partitions]
-out["host_state_equal"] = hgot + [bits(keep.get_state(hid2)[0]) == bits(rs7)]
+xs7 = rng.standard_normal((3, 7)).astype(np.float32)
+with jax.default_device(d1):  # a plan run N times: its stacking built on first use
+  hsunk = keep.run(hid2, xs7, steps=3)
+wants = []
+for x7 in xs7:
+  rs7, want = jax.jit(hstep)(rs7, x7)
+  wants.append(want)
+hgot += [devs(hsunk) == [str(d0)], bits(hsunk) == bits(np.stack(wants))]
 out["host_state_on_d1"] = [devs(a) for a in jax.live_arrays() if a.shape == (7,)
                            and devs(a) == [str(d1)]]
+# a host-made output of a graph on d1 is a CPU array on d1, as jax.jit's
+def hout(s, x):
+  return s * 2.0, jax.pure_callback(lambda v: np.cos(v).astype(v.dtype),
+                                    jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+with jax.default_device(d1):
+  oid = keep.compile(hout, s7, s7, state_argnums=0)
+out["host_out_devices"] = [devs(keep.run(oid, xs7[0])), devs(keep.run(oid, xs7, steps=3))]
+out["host_state_places"] = [q.place for q in keep.report(hid2).partitions]
+out["host_state_equal"] = hgot + [bits(keep.get_state(hid2)[0]) == bits(rs7)]
 with jax.default_device(d0):  # sharing d1's slots from d0 would copy them every run
   out["across"] = err(lambda: keep.compile(bump, a0, np.int32(7), xs[0][0], state_argnums=(0, 1),
                                            state_from=lid))
@@ -249,7 +264,8 @@ class OwnDeviceTest(absltest.TestCase):
     self.assertTrue(self.out["late_state_equal"])
     self.assertTrue(self.out["late_bucket_equal"])
     self.assertEqual(self.out["host_state_places"], ["device", "host"])
-    self.assertEqual(self.out["host_state_equal"], [True] * 4)
+    self.assertEqual(self.out["host_state_equal"], [True] * 6)
+    self.assertEqual(self.out["host_out_devices"], [[self.out["d1"]]] * 2)
     self.assertEqual(self.out["host_state_on_d1"], [])
     kind, text = self.out["across"]
     self.assertEqual(kind, "InputError")
