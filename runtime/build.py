@@ -14,7 +14,7 @@ from typing import Callable, List, Tuple
 import jax
 import numpy as np
 
-from jaxsession.jax_api import real_jit, transfer_refused
+from jaxsession.jax_api import placed, real_jit, transfer_refused
 from jaxsession.graph import liveness
 from jaxsession.errors import HostOpError
 from jaxsession.graph.ir import Literal, aval_str
@@ -139,9 +139,8 @@ def moved_on_refusal(fn, positions, shardings):
     if not transfer_refused(exc):
       raise exc
     args = list(args)
-    with jax.transfer_guard_host_to_device("allow"):
-      for i in positions:
-        args[i] = jax.device_put(args[i], None if shardings is None else shardings[i])
+    for i in positions:
+      args[i] = placed(args[i], None if shardings is None else shardings[i])
     return fn(*args)
   return retry
 

@@ -70,7 +70,7 @@ def new_leaves(where, items, donate=False):
   if not isinstance(donate, bool):
     raise InputError(f"{where}: donate must be True or False, got {donate!r}")
   flats = [check_values(place, slot, value) for place, slot, value in items]
-  taken, bound, copied = set(), [], []  # copied: (row, j, leaf, layout, weak, device)
+  taken, bound, copied = set(), [], []  # copied: (row, j, leaf, layout, weak)
   for (_, slot, _), flat in zip(items, flats):
     row = list(flat)
     for j, x in enumerate(flat):
@@ -79,15 +79,13 @@ def new_leaves(where, items, donate=False):
         row[j] = _Taken(x)
       else:
         copied.append((row, j, x, None if slot.shardings is None else slot.shardings[j],
-                       _weak(slot, j), slot.device))
+                       _weak(slot, j)))
     bound.append(row)
-  devices = {c[5] for c in copied}  # one: a graph's slots share its device
-  for device in devices:
-    mine = copied if len(devices) == 1 else [c for c in copied if c[5] is device]
-    copies = owned_copies([x for _, _, x, _, _, _ in mine], [s for _, _, _, s, _, _ in mine],
-                          device)
-    for (row, j, _, _, weak, _), copy in zip(mine, copies):
-      row[j] = with_weak_type(copy, weak)
+  # one device: a graph's slots share it (state_from across devices is refused)
+  device = items[0][1].device if items else None
+  copies = owned_copies([x for _, _, x, _, _ in copied], [s for _, _, _, s, _ in copied], device)
+  for (row, j, _, _, weak), copy in zip(copied, copies):
+    row[j] = with_weak_type(copy, weak)
   return bound
 
 
