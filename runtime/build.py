@@ -67,14 +67,16 @@ def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
 
 def compile_recorded(fn, recorder, arg_structs, donate_argnums=(), cache=None, key=None,
                      compiler_options=None, out_shardings=None):
-  """(executable, recorder) for `fn`, whose callbacks leave their exceptions
-  in `recorder` (a callbacks.ErrorRecorder). A cached executable keeps
-  calling the callbacks it was compiled with, so the recorder is cached with
-  it: on a hit, this returns the recorder that executable writes to, which
-  the runner must read instead of its own."""
+  """(executable, recorder, notes) for `fn`, whose callbacks leave their
+  exceptions in `recorder` (a callbacks.ErrorRecorder). A cached executable
+  keeps calling the callbacks it was compiled with, so the recorder is cached
+  with it: on a hit, this returns the recorder that executable writes to,
+  which the runner must read instead of its own. `notes`: what `fn` wrote
+  on its `notes` while traced (runtime/horizontal.py's), cached alike."""
   def compile_now():
-    return compile_fn(fn, arg_structs, donate_argnums, compiler_options=compiler_options,
-                      out_shardings=out_shardings), recorder
+    exe = compile_fn(fn, arg_structs, donate_argnums, compiler_options=compiler_options,
+                     out_shardings=out_shardings)
+    return exe, recorder, tuple(getattr(fn, "notes", ()))
   if cache is None or key is None:
     return compile_now()
   key = (*key, "recorded") if isinstance(key, tuple) else (key, "recorded")
@@ -290,7 +292,7 @@ def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=N
   # outputs whose layout is fixed (new state under a mesh) keep it, so the
   # slot keeps its layout and is donated in place
   out_shardings = [fixed.get(v.id) for v in part.outputs] if fixed else None
-  exe, recorder = compile_recorded(lambda *xs: body(*xs), recorder,
+  exe, recorder, _ = compile_recorded(lambda *xs: body(*xs), recorder,
                                    [_arg_struct(v, layouts) for v in inputs], donate, cache,
                                    None if key is None else (key, "partition", part.index),
                                    compiler_options, out_shardings)

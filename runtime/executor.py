@@ -22,7 +22,7 @@ from jaxsession.errors import InputError
 from jaxsession.graph.ir import Literal
 from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes
 from jaxsession.jax_api import ARRAY, placed
-from jaxsession.runtime import callbacks, codegen, debug_flags, interrupts, sharding
+from jaxsession.runtime import callbacks, codegen, debug_flags, horizontal, interrupts, sharding
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, fast_call, h2d_refused_before_run,
                                       host_op, memory_analysis, recovery, waited)
@@ -134,10 +134,15 @@ def single_program(graph, spec, rest_tree, layout, cache=None, key=None, hooks=N
   def whole_step(*xs):
     new, out = step(layout.leaves_of(xs[:n]), xs[n:])
     return out if bare else (layout.returned(new, xs[:n]), out)
-  exe, recorder = compile_recorded(
-      whole_step, recorder, (*layout.structs(), *arg_structs(spec)),
-      layout.donate_argnums(), cache, key,
+  # packed buffers written back, fused horizontally - not under a mesh, where
+  # each leaf is laid out as its buffer before the concatenation
+  packed = [] if bare or any(s is not None for s in layout.state_shardings) else \
+      layout.packed_returns()
+  exe, recorder, notes = compile_recorded(
+      horizontal.Rewritten(whole_step, packed) if packed else whole_step, recorder,
+      (*layout.structs(), *arg_structs(spec)), layout.donate_argnums(), cache, key,
       graph.compiler_options, None if bare else kept_layouts(layout))
+  graph.memory.horizontal = list(notes)
   program = executable_program(exe, recorder, graph, layout, spec, hooks)
   program.bare = bare
   return program

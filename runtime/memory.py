@@ -59,6 +59,8 @@ class MemoryPlan:
   packing: List[packing_.PackDecision] = dataclasses.field(default_factory=list)  # per state
   packings: Dict[int, packing_.Packing] = dataclasses.field(default_factory=dict)  # fresh slot
                                                    # number -> how it is packed
+  horizontal: List[str] = dataclasses.field(default_factory=list)  # per packed buffer written
+                                                   # back: how (runtime/horizontal.py, at Build)
 
   def donated_ids(self):
     return {d.state.id for d in self.donations if d.donated}
@@ -80,6 +82,7 @@ class MemoryPlan:
     for d in self.packing:
       name = f" ({d.state.name})" if d.state.name else ""
       lines.append(f"{d.state}{name}: {'packed' if d.packed else 'own buffer'} - {d.reason}")
+    lines.extend(self.horizontal)
     return lines
 
 
@@ -94,6 +97,8 @@ class MemoryReport(tuple):
     # per state leaf: (its name, packed, why) - runtime/packing.py
     report.packing = [(d.state.name or str(d.state), d.packed, d.reason) for d in plan.packing]
     report.state_buffers = ()  # per state arg, the buffers its slot holds (set at Build)
+    # per packed buffer the step writes back: its update over the whole buffer, or why not
+    report.horizontal = list(plan.horizontal)
     return report
 
   peak_bytes = property(lambda self: self[0])

@@ -97,6 +97,11 @@ class StateLayout:
     """What each of commit()'s entries is, from the state leaves' `names`."""
     return [names[i] or f"state {i}" for i in self.updated_idx]
 
+  def packed_returns(self):
+    """(position in returned()'s flat form, name) of each packed buffer it
+    returns: none, leaf by leaf."""
+    return []
+
   def key(self):
     """What of the layout shapes an executable (the compile cache's key)."""
     return (self.whole, tuple(self.donated_idx), tuple(self.updated_idx), self.num_outputs)
@@ -210,7 +215,15 @@ class StorageLayout(StateLayout):
       if _plain(slot, k):
         out.append(names[members[0]] or f"state {members[0]}")
       else:
-        out.append(f"{slot.name} packed buffer (storage unit {k}, {len(members)} leaves)")
+        out.append(_buffer_name(slot, k, members))
+    return out
+
+  def packed_returns(self):  # what runtime/horizontal.py rewrites
+    out = []
+    for p, u in enumerate(self.unit_updated):
+      slot, k, members = self.units[u]
+      if not _plain(slot, k):
+        out.append((p, _buffer_name(slot, k, members)))
     return out
 
   def key(self):
@@ -256,6 +269,10 @@ class WholeSlots(StorageLayout):
 
 
 _STORAGE = operator.attrgetter("storage")
+
+
+def _buffer_name(slot, unit, members):
+  return f"{slot.name} packed buffer (storage unit {unit}, {len(members)} leaves)"
 
 
 def _plain(slot, unit):

@@ -1,0 +1,165 @@
+"""Horizontal fusion of packed write-backs (runtime/horizontal.py).
+
+Where every packed leaf's new value is the same elementwise op, the step
+runs it once over the whole buffer. It must keep jax.jit's bits wherever
+packing does (no multiply feeding an add: docs/numerics.md), for every kind
+of operand the rewrite lines up - the leaves' reads, a value every leaf
+reads, scalars alike or differing, runs of different ops, leaves swapped or
+read early - and say what it did in report.memory.horizontal.
+"""
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from exact import assert_same_bits, normal, with_specials
+
+RNG = np.random.default_rng(1717)
+PACK = js.SessionOptions(pack_state_below_bytes=1 << 14)
+SHAPES = [(16,), (3, 5), (), (7,), (2, 2, 2), (1,), (33,)]
+
+
+def leaves(rng, count, dtype=jnp.float32):
+  """`count` small leaves of varied shapes (a scalar and a (1,) among them),
+  the first with -0.0, NaN and inf, values over many magnitudes."""
+  out = {}
+  for i in range(count):
+    shape = SHAPES[i % len(SHAPES)]
+    x = rng.standard_normal(shape) * np.exp(rng.uniform(-8, 8, shape))
+    out[f"l{i:02d}"] = jnp.asarray(x, dtype)
+  out["l00"] = with_specials(out["l00"])
+  return out
+
+
+def run_both(fn, state, xs, options=PACK):
+  """(the session's outputs and final state, jax.jit's), one step per x."""
+  sess = js.Session(options)
+  gid = sess.compile(fn, state, xs[0], state_argnums=0)
+  got = [sess.run(gid, x) for x in xs]
+  want, ref = [], state
+  for x in xs:
+    ref, out = jax.jit(fn)(ref, x)
+    want.append(out)
+  return sess, gid, (got, sess.get_state(gid)[0]), (want, ref)
+
+
+def kernels(sess, gid):
+  """The loop kernels XLA runs in the graph's executable."""
+  return sess.executables(gid)[0].as_text().count("kind=kLoop")
+
+
+class MergedTest(absltest.TestCase):
+
+  def test_one_op_over_the_buffer_keeps_jits_bits(self):
+    funcs = {"tanh": jnp.tanh, "exp": lambda p: jnp.exp(p * 1e-3),
+             "log": lambda p: jnp.log(jnp.abs(p) + 1.0), "sqrt_div":
+             lambda p: p / (jnp.sqrt(jnp.abs(p)) + 1e-8), "sigmoid": jax.nn.sigmoid,
+             "erf": jax.scipy.special.erf, "pow": lambda p: jnp.abs(p) ** 0.3,
+             "max": lambda p: jnp.maximum(p, -1.0), "rsqrt": lambda p: jax.lax.rsqrt(
+                 jnp.abs(p) + 1.0)}
+    state = leaves(RNG, 42)
+    xs = [normal(RNG) for _ in range(3)]
+    for name, f in funcs.items():
+      with self.subTest(name):
+        fn = lambda s, x, f=f: (jax.tree.map(lambda p: f(p) - x, s), x)  # noqa: E731
+        sess, gid, got, want = run_both(fn, state, xs)
+        assert_same_bits(got, want, name)
+        notes = sess.report(gid).memory.horizontal
+        self.assertLen(notes, 1)
+        self.assertRegex(notes[0], r"packed buffer .*42 leaves\): \d+ elementwise ops over the "
+                         r"whole buffer in place of \d+ per-leaf ones$")
+        # one kernel for the buffer (XLA keeps the loop the output reads)
+        self.assertLessEqual(kernels(sess, gid), 3, name)
+
+  def test_every_kind_of_operand(self):
+    state = {**leaves(RNG, 12), **{f"v{i}": normal(RNG, 16) for i in range(4)},
+             "count": jnp.asarray(np.iinfo(np.int32).max - 1, jnp.int32),
+             "ids": jnp.asarray([np.iinfo(np.int32).min, -1, 7], jnp.int32),
+             "flag": jnp.asarray([True, False, True])}
+    shared = normal(RNG, 16)
+
+    def fn(s, lr):
+      new = {}
+      for i in range(12):  # runs of one op each, joined
+        k, p = f"l{i:02d}", s[f"l{i:02d}"]
+        new[k] = -(p - lr) if i < 6 else jnp.abs(p) * (i + 1.5)  # lr: one traced scalar;
+      for i in range(4):                                        # a literal per leaf
+        new[f"v{i}"] = s[f"v{i}"] - shared  # one value every such leaf reads: tiled
+      new["count"] = s["count"] + 1  # wraps past int32 max
+      new["ids"] = s["ids"] ^ 5
+      new["flag"] = ~s["flag"]
+      return new, new["l01"] * 2.0  # a reader of a merged value
+    xs = [jnp.float32(0.25), jnp.float32(-3.5), jnp.float32(np.inf)]
+    sess, gid, got, want = run_both(fn, state, xs)
+    assert_same_bits(got, want, "operands")
+    self.assertTrue(any("elementwise ops over the whole buffer" in line
+                        for line in sess.report(gid).memory.horizontal))
+    # a Python scalar (weakly typed) for lr: the same bits
+    _, _, got, want = run_both(fn, state, [0.5, -1.25])
+    assert_same_bits(got, want, "weak lr")
+
+  def test_swapped_and_returned_leaves(self):
+    state = {"a": normal(RNG, 8), "b": normal(RNG, 8), "c": normal(RNG, 3), "d": normal(RNG, 5)}
+    fn = lambda s, x: ({"a": s["b"], "b": s["a"], "c": s["c"] - x,  # noqa: E731
+                        "d": s["d"] - x}, (s["a"], s["c"] - x))
+    sess, gid, got, want = run_both(fn, state, [normal(RNG) for _ in range(3)])
+    assert_same_bits(got, want, "swapped")
+    self.assertLen(sess.report(gid).memory.horizontal, 1)
+
+  def test_x64_leaves(self):
+    with jax.enable_x64(True):
+      state = {**{k: v.astype(jnp.float64) for k, v in leaves(RNG, 9).items()},
+               "i": jnp.asarray([2**62, -2**63], jnp.int64), "j": jnp.asarray(2**40, jnp.int64)}
+      fn = lambda s, x: ({**jax.tree.map(lambda p: jnp.tanh(p) - x, {  # noqa: E731
+          k: v for k, v in s.items() if k.startswith("l")}), "i": s["i"] + 3,
+                          "j": s["j"] - 1}, x)
+      sess, gid, got, want = run_both(fn, state, [normal(RNG, dtype=jnp.float64)] * 2)
+      assert_same_bits(got, want, "x64")
+      self.assertTrue(any("float64" not in line and "whole buffer" in line
+                          for line in sess.report(gid).memory.horizontal))
+
+  def test_sunk_runs_state_calls_and_a_cached_executable(self):
+    state = leaves(RNG, 20)
+    xs = [normal(RNG) for _ in range(5)]
+    fn = lambda s, x: (jax.tree.map(lambda p: jnp.tanh(p) - x, s), x)  # noqa: E731
+    sess = js.Session(PACK)
+    gid = sess.compile(fn, state, xs[0], state_argnums=0)
+    sess.run(gid, xs[0])
+    sess.run(gid, jnp.stack(xs[1:4]), steps=3)
+    sess.run(gid, xs[4])
+    ref = state
+    for x in xs:
+      ref = jax.jit(fn)(ref, x)[0]
+    assert_same_bits(sess.get_state(gid)[0], ref, "single and sunk runs")
+    fresh = leaves(np.random.default_rng(3), 20)
+    sess.replace_state(gid, 0, fresh)
+    sess.run(gid, xs[0])
+    assert_same_bits(sess.get_state(gid)[0], jax.jit(fn)(fresh, xs[0])[0], "replaced")
+    again = sess.compile(fn, state, xs[0], state_argnums=0)  # the same program: cached
+    self.assertEqual(sess.report(again).memory.horizontal, sess.report(gid).memory.horizontal)
+    self.assertNotEmpty(sess.report(again).memory.horizontal)
+
+
+class NotMergedTest(absltest.TestCase):
+
+  def test_big_leaves_keep_their_own_kernels(self):
+    # 2048 elements a leaf: one kernel over them all would run on one thread
+    state = {f"l{i}": normal(RNG, 2048) for i in range(6)}
+    fn = lambda s, x: (jax.tree.map(lambda p: jnp.tanh(p) - x, s), x)  # noqa: E731
+    sess, gid, got, want = run_both(fn, state, [normal(RNG)] * 2)
+    assert_same_bits(got, want, "big leaves")
+    notes = sess.report(gid).memory.horizontal
+    self.assertLen(notes, 1)
+    self.assertIn("written back leaf by leaf", notes[0])
+
+  def test_packing_off_notes_nothing(self):
+    state = leaves(RNG, 5)
+    fn = lambda s, x: (jax.tree.map(lambda p: p - x, s), x)  # noqa: E731
+    sess, gid, got, want = run_both(fn, state, [normal(RNG)], js.SessionOptions())
+    assert_same_bits(got, want, "unpacked")
+    self.assertEqual(sess.report(gid).memory.horizontal, [])
+
+
+if __name__ == "__main__":
+  absltest.main()
