@@ -71,6 +71,7 @@ class MergedTest(absltest.TestCase):
                          r"whole buffer in place of \d+ per-leaf ones$")
         # one kernel for the buffer (XLA keeps the loop the output reads)
         self.assertLessEqual(kernels(sess, gid), 3, name)
+        self.assertIn(notes[0], sess.graph(gid).dump())
 
   def test_every_kind_of_operand(self):
     state = {**leaves(RNG, 12), **{f"v{i}": normal(RNG, 16) for i in range(4)},
