@@ -134,7 +134,10 @@ def session_runner(step, state, args, **options):
   report = sess.report(gid)
   packed = sum(1 for _, p, _ in report.memory.packing if p)
   buffers = sum(report.memory.state_buffers)
-  return (lambda: sess.run(gid, *args)), packed, buffers, len(report.memory.packing)
+  # packed buffers updated by whole-buffer ops (runtime/horizontal.py) / written back
+  merged = sum("whole buffer" in line for line in report.memory.horizontal)
+  return ((lambda: sess.run(gid, *args)), packed, buffers, len(report.memory.packing),
+          f"{merged} / {len(report.memory.horizontal)}")
 
 
 def ratio_row(name, a, b, calls, repeats, target=None, labels=("jax.jit + donation", "Session")):
@@ -155,23 +158,24 @@ def main(argv):
                                       ("flax transformer + AdamW, batch 1", transformer, 0.6,
                                        n)):
     step, state, args = make()
-    run, packed, buffers, leaves = session_runner(step, state, args,
-                                                  pack_state_below_bytes=FLAGS.pack_below)
+    run, packed, buffers, leaves, merged = session_runner(
+        step, state, args, pack_state_below_bytes=FLAGS.pack_below)
     rows.append(ratio_row(f"{name}, Session / jax.jit + donation", jit_runner(step, state, args),
                           run, n_calls, r, target))
-    leaf_rows.append((name, leaves, packed, buffers))
+    leaf_rows.append((name, leaves, packed, buffers, merged))
   step, state, args = mlp()
-  on, packed, buffers, leaves = session_runner(step, state, args,
-                                               pack_state_below_bytes=FLAGS.pack_below)
+  on, packed, buffers, leaves, merged = session_runner(step, state, args,
+                                                       pack_state_below_bytes=FLAGS.pack_below)
   off, *_ = session_runner(step, state, args, pack_state_below_bytes=0)
   rows.append(ratio_row("compute-bound MLP + Adam, packing on / off", off, on, max(n // 10, 20),
                         r, 1.02))
-  leaf_rows.append(("compute-bound MLP + Adam", leaves, packed, buffers))
+  leaf_rows.append(("compute-bound MLP + Adam", leaves, packed, buffers, merged))
   common.print_table(f"packed small state (pack_state_below_bytes={FLAGS.pack_below}): µs per "
                      "step, medians; ratio: median of per-repeat ratios", rows, ["case", "jax.jit (or: off)", "Session (or: on)",
                                       "ratio", "target", "met"])
   common.print_table("state leaves and the buffers the session passes", leaf_rows,
-                     ["case", "state leaves", "packed", "buffers passed"])
+                     ["case", "state leaves", "packed", "buffers passed",
+                      "buffers updated by whole-buffer ops / written back"])
   # What bounds the transformer row: its forward and backward alone, under
   # jax.jit with SGD (an update of one multiply-add per leaf), against AdamW's
   adamw, sgd = (jit_runner(*transformer(name)) for name in ("adamw", "sgd"))

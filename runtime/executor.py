@@ -102,7 +102,7 @@ def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=N
 
   def failure(exc, state, args):
     if isinstance(exc, SPECIAL_VALUE):
-      return special_value(spec.where, graph, layout.leaves_of(state),
+      return special_value(spec.where, graph, lambda: layout.leaves_of(state),
                            tree_util.tree_leaves(args), exc)
     if not isinstance(exc, jax.errors.JaxRuntimeError):
       conform(args)  # a deleted argument, refused before running: InputError naming it
@@ -188,7 +188,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
 
   def failure(exc, state, xs):
     if isinstance(exc, SPECIAL_VALUE):
-      return special_value(spec.where, graph, list(state[0]), xs[0], exc)
+      return special_value(spec.where, graph, lambda: list(state[0]), xs[0], exc)
     if not isinstance(exc, jax.errors.JaxRuntimeError):
       conform_leaves(xs)  # refused before running: InputError naming it
     return exc
@@ -410,10 +410,12 @@ def special_value(where, graph, state_leaves, user_leaves, exc):
   executable's outputs: the graph's nodes are replayed eagerly on the run's
   inputs, as jax.jit re-runs a function op by op, to name the first node
   that makes one. (jax.jit donates nothing under jax_debug_nans, so the
-  inputs are intact.)"""
+  inputs are intact.) `state_leaves()`: the run's state leaves - read
+  inside the replay, since a packed slot's are sliced out of buffers the
+  run may have donated."""
   what = exc.args[1] if len(exc.args) > 1 else "nan"
   try:
-    leaves = list(state_leaves) + list(user_leaves)
+    leaves = list(state_leaves()) + list(user_leaves)
     env = dict(graph_consts(graph))
     env.update(zip([v.id for v in graph.inputs if v.kind != "const"], leaves))
     for node in graph.nodes:

@@ -24,6 +24,7 @@ contracts into FMAs follows the fusions, as packing's already do
 nothing else reads. Each rewritten buffer gets a line in report.memory's
 `horizontal` and in dump()'s memory section.
 """
+import functools
 import math
 
 import jax
@@ -96,11 +97,15 @@ class _Plan:
   (nothing traced): a recipe per root, shared sub-recipes memoised by the
   values they pack, so a value every buffer needs is packed once."""
 
-  def __init__(self, jaxpr):
+  def __init__(self, jaxpr, consts):
     self.producer = {v: e for e in jaxpr.eqns for v in e.outvars
                      if not isinstance(v, jcore.DropVar)}
+    self.consts = dict(zip(jaxpr.constvars, consts))
+    self.constant = set(jaxpr.constvars)  # values of constants alone: XLA folds them
+    for eqn in jaxpr.eqns:
+      if not eqn.effects and all(_literal(a) or a in self.constant for a in eqn.invars):
+        self.constant.update(v for v in eqn.outvars if not isinstance(v, jcore.DropVar))
     self.memo = {}
-    self.merged = self.ops = self.copies = 0
 
   def flat(self, atom):
     """`atom`, or what it reshapes: a reshape keeps the flat order of the
@@ -127,19 +132,12 @@ class _Plan:
     if len(set(key)) == 1 and len({a.aval.shape for a in atoms}) == 1:
       return ("tile", atoms[0], len(atoms))
     spread = [self._broadcast_scalar(a) for a in atoms]
-    if all(s is not None for s in spread):
+    if all(s is not None for s in spread):  # values only: no op reads them as operands
       return ("spread", spread, [_size(a) for a in atoms])
-    runs, start = [], 0
     sigs = [self._signature(a) for a in atoms]
-    for j in range(1, len(atoms) + 1):
-      if j == len(atoms) or sigs[j] is None or sigs[j] != sigs[start]:
-        runs.append(atoms[start:j])
-        start = j
-    parts = [self._run(run) for run in runs]
+    parts = [self._run(atoms[i:j]) for i, j in _runs(sigs)]
     if all(p[0] == "copy" for p in parts):
-      self.copies += 1
       return ("copy", list(atoms))
-    self.copies += sum(p[0] == "copy" for p in parts)
     return parts[0] if len(parts) == 1 else ("join", parts)
 
   def _signature(self, atom):
@@ -153,6 +151,30 @@ class _Plan:
         or eqn.params.get("sharding") is not None):
       return None
     return eqn.invars[0]
+
+  def _scalar(self, atom, out_shape):
+    """What an operand `atom` of an op making `out_shape` is, where XLA sees
+    it as a scalar spread over the op - a literal, a constant whose elements
+    are all one value, a rank-0 value beside a bigger output, a broadcast of
+    one: ("scalar", the scalar atom) or ("constant", its numpy value) - else
+    None (an array). XLA simplifies around such scalars (drops x + 0, turns
+    pow(x, 2) into x * x and x / s into x * (1 / s)), so leaves merge only
+    where their scalars are the same."""
+    if _literal(atom):
+      return ("scalar", atom)
+    value = self.consts.get(atom)
+    if value is not None:
+      flat = np.asarray(value).reshape(-1)
+      if flat.size and (flat == flat[0]).all() and not jax.dtypes.issubdtype(
+          flat.dtype, jax.dtypes.extended):
+        return ("constant", flat[0])
+      return None
+    if atom.aval.shape == ():
+      return ("scalar", atom) if out_shape != () else None
+    inner = self.flat(atom)  # a (1,)-shaped reshape of a scalar, say
+    if inner.aval.shape != ():
+      inner = self._broadcast_scalar(inner)
+    return None if inner is None else self._scalar(inner, None)
 
   def _reads(self, atoms):
     """("var"/"slice", buffer, start, stop) where `atoms` are consecutive
@@ -174,29 +196,76 @@ class _Plan:
     return ("slice", source, start, at)
 
   def _run(self, run):
-    """An "op" recipe merging `run` (one signature), or ("copy", run)."""
+    """A recipe for `run` (one signature): its op merged over sub-runs whose
+    scalar operands are the same, joined; ("copy", run) where none merges."""
     eqns = [None if _literal(a) else self.producer.get(a) for a in run]
     if len(run) < 2 or eqns[0] is None or _mergeable(eqns[0]) is None:
       return ("copy", list(run))
+    scalars = [tuple(self._scalar(a, e.outvars[0].aval.shape) for a in e.invars) for e in eqns]
+    keys = [tuple(None if s is None else _scalar_key(s) for s in row) for row in scalars]
+    parts = [self._merge(run[i:j], eqns[i:j], scalars[i]) for i, j in _runs(keys)]
+    if all(p[0] == "copy" for p in parts):
+      return ("copy", list(run))
+    return parts[0] if len(parts) == 1 else ("join", parts)
+
+  def _merge(self, run, eqns, scalars):
+    """An "op" recipe: eqns' op once over the run (the same scalar operands
+    `scalars`), or ("copy", run)."""
     shapes = [e.outvars[0].aval.shape for e in eqns]
-    if sum(math.prod(s) for s in shapes) > MERGE_BELOW_ELEMENTS * len(run):
+    if len(run) < 2 or sum(math.prod(s) for s in shapes) > MERGE_BELOW_ELEMENTS * len(run):
       return ("copy", list(run))  # big leaves: their own kernels run side by side
     operands = []
-    for i in range(len(eqns[0].invars)):
+    for i, scalar in enumerate(scalars):
       column = [e.invars[i] for e in eqns]
       if len({str(a.aval.dtype) for a in column}) != 1:
         return ("copy", list(run))
-      if all(a.aval.shape == s for a, s in zip(column, shapes)):
-        operands.append(self.pack(column))  # scalar leaves' scalar operands land here
-      elif all(a.aval.shape == () for a in column):
-        keys = {_key(a) for a in column}
-        operands.append(("scalar", column[0]) if len(keys) == 1 else
-                        ("spread", column, [math.prod(s) for s in shapes]))
-      else:
+      if scalar is not None:
+        operands.append(scalar)
+      elif all(a.aval.shape == s and a not in self.constant for a, s in zip(column, shapes)):
+        operands.append(self.pack(column))
+      else:  # (a constant array: XLA rewrites an op on it, x / c as x * (1 / c), by its value)
         return ("copy", list(run))
-    self.merged += len(run) - 1
-    self.ops += 1
-    return ("op", eqns[0], operands, sum(math.prod(s) for s in shapes))
+    if () in shapes and any(o[0] in ("scalar", "constant", "tile") for o in operands):
+      # a scalar leaf's op takes its scalars as they are; over the buffer they
+      # would be spread, and XLA simplifies a spread operand otherwise
+      return ("copy", list(run))
+    return ("op", eqns[0], operands, len(run))
+
+
+def _scalar_key(scalar):
+  kind, value = scalar
+  if kind == "scalar":
+    return _key(value)
+  value = np.asarray(value)
+  return ("literal", str(value.dtype), (), value.tobytes(), False)
+
+
+def _runs(signatures):
+  """(start, stop) of the runs of equal signatures (None: a run of its own)."""
+  out, start = [], 0
+  for j in range(1, len(signatures) + 1):
+    if j == len(signatures) or signatures[j] is None or signatures[j] != signatures[start]:
+      out.append((start, j))
+      start = j
+  return out
+
+
+def _census(recipe, seen=None):
+  """(merged ops, the per-leaf ops they stand for, packs copied in) of a recipe."""
+  seen = set() if seen is None else seen
+  if id(recipe) in seen or not isinstance(recipe, tuple):
+    return 0, 0, 0
+  seen.add(id(recipe))
+  kind = recipe[0]
+  if kind == "copy":
+    return 0, 0, 1
+  if kind == "join":
+    parts = [_census(p, seen) for p in recipe[1]]
+  elif kind == "op":
+    parts = [(1, recipe[3], 0)] + [_census(o, seen) for o in recipe[2]]
+  else:
+    return 0, 0, 0
+  return tuple(map(sum, zip(*parts)))
 
 
 def _emit(recipe, read, values):
@@ -225,7 +294,8 @@ def _emit(recipe, read, values):
     out = lax.concatenate([_emit(part, read, values) for part in recipe[1]], 0)
   else:  # "op"
     eqn, operands = recipe[1], recipe[2]
-    args = [read(o[1]) if o[0] == "scalar" else _emit(o, read, values) for o in operands]
+    args = [read(o[1]) if o[0] == "scalar" else o[1] if o[0] == "constant" else
+            _emit(o, read, values) for o in operands]
     with _context(eqn):
       out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
   values[id(recipe)] = out
@@ -261,6 +331,7 @@ class Rewritten:
   `notes`: one line per buffer, filled when traced."""
 
   def __init__(self, fn, roots):
+    functools.update_wrapper(self, fn)  # its name names the executable
     self.fn = fn
     self.roots = dict(roots)
     self.notes = []
@@ -268,24 +339,23 @@ class Rewritten:
   def __call__(self, *args):
     closed, shape = jax.make_jaxpr(self.fn, return_shape=True)(*args)
     jaxpr = closed.jaxpr
-    plan, recipes, notes = _Plan(jaxpr), {}, []
+    plan, recipes, notes = _Plan(jaxpr, closed.consts), {}, []
     for position, name in self.roots.items():
       var = jaxpr.outvars[position]
       eqn = None if _literal(var) else plan.producer.get(var)
       if eqn is None or eqn.primitive.name != "concatenate" or len(var.aval.shape) != 1:
         continue
-      merged, ops, copies = plan.merged, plan.ops, plan.copies
       recipe = plan.pack(list(eqn.invars))
-      if recipe[0] == "copy" or plan.merged == merged:
+      ops, per_leaf, copies = _census(recipe)
+      if not ops:
         notes.append(f"{name}: written back leaf by leaf (no elementwise op common to "
                      f"a run of its leaves of at most {MERGE_BELOW_ELEMENTS} elements each "
-                     "on average)")
+                     "on average, with the same scalar operands)")
         continue
       recipes[id(eqn)] = recipe
-      notes.append(f"{name}: {plan.ops - ops} elementwise ops over the whole buffer in "
-                   f"place of {plan.ops - ops + plan.merged - merged} per-leaf ones"
-                   + (f", {plan.copies - copies} packs of leaf values copied in"
-                      if plan.copies > copies else ""))
+      notes.append(f"{name}: {ops} elementwise ops over the whole buffer in place of "
+                   f"{per_leaf} per-leaf ones"
+                   + (f", {copies} packs of leaf values copied in" if copies else ""))
     self.notes = notes
     outs = _evaluate(jaxpr, closed.consts, tree_util.tree_leaves(args), recipes)
     return tree_util.tree_unflatten(tree_util.tree_structure(shape), outs)

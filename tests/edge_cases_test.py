@@ -518,6 +518,29 @@ class DebugNansTest(absltest.TestCase):
         np.testing.assert_array_equal(sess.run(gid, good), jax.jit(fn)(w, good)[1])
         np.testing.assert_array_equal(sess.get_state(gid)[0], jax.jit(fn)(w, good)[0])
 
+  def test_packed_state_switched_on_after_compile(self):
+    """A packed slot (pack_state_below_bytes): its leaves are slices of the
+    buffers the failed run donated; the nan is still a FloatingPointError
+    (it was a raw 'Array has been deleted') and the state is kept."""
+    rng = np.random.default_rng(15)
+    w = {k: jnp.asarray(rng.uniform(1, 2, n), jnp.float32) for k, n in (("a", 3), ("b", 5))}
+    step = lambda s, x: (jax.tree.map(lambda v: jnp.log(v * x), s), x)  # noqa: E731
+    sess = js.Session(js.SessionOptions(pack_state_below_bytes=1 << 14))
+    gid = sess.compile(step, w, jnp.float32(2.0), state_argnums=0)
+    self.assertEqual(sess.report(gid).memory.state_buffers, (1,))
+    jax.config.update("jax_debug_nans", True)
+    try:
+      with self.assertRaisesRegex(FloatingPointError, r"produced nan.*state is unchanged"):
+        sess.run(gid, jnp.float32(-1.0))
+    finally:
+      jax.config.update("jax_debug_nans", False)
+    for got, want in zip(jax.tree.leaves(sess.get_state(gid)[0]), jax.tree.leaves(w)):
+      np.testing.assert_array_equal(got, want)
+    sess.run(gid, jnp.float32(2.0))
+    for got, want in zip(jax.tree.leaves(sess.get_state(gid)[0]),
+                         jax.tree.leaves(jax.jit(step)(w, jnp.float32(2.0))[0])):
+      np.testing.assert_array_equal(got, want)
+
   def test_a_nan_in_the_state_can_be_read_and_set_under_the_flag(self):
     """get_state and set_state copy without a computation: the flag checks
     what runs compute, not what the user reads or writes."""

@@ -20,12 +20,12 @@ PACK = js.SessionOptions(pack_state_below_bytes=1 << 14)
 SHAPES = [(16,), (3, 5), (), (7,), (2, 2, 2), (1,), (33,)]
 
 
-def leaves(rng, count, dtype=jnp.float32):
-  """`count` small leaves of varied shapes (a scalar and a (1,) among them),
-  the first with -0.0, NaN and inf, values over many magnitudes."""
+def leaves(rng, count, dtype=jnp.float32, shapes=SHAPES):
+  """`count` small leaves of varied shapes (by default a scalar and a (1,)
+  among them), the first with -0.0, NaN and inf, values over many magnitudes."""
   out = {}
   for i in range(count):
-    shape = SHAPES[i % len(SHAPES)]
+    shape = shapes[i % len(shapes)]
     x = rng.standard_normal(shape) * np.exp(rng.uniform(-8, 8, shape))
     out[f"l{i:02d}"] = jnp.asarray(x, dtype)
   out["l00"] = with_specials(out["l00"])
@@ -58,7 +58,9 @@ class MergedTest(absltest.TestCase):
              "erf": jax.scipy.special.erf, "pow": lambda p: jnp.abs(p) ** 0.3,
              "max": lambda p: jnp.maximum(p, -1.0), "rsqrt": lambda p: jax.lax.rsqrt(
                  jnp.abs(p) + 1.0)}
-    state = leaves(RNG, 42)
+    # no scalar leaf: over the buffer its scalar operand x would be spread
+    # (SimplifiedScalarsTest), so a scalar leaf keeps its own op
+    state = leaves(RNG, 36, shapes=[s for s in SHAPES if s])
     xs = [normal(RNG) for _ in range(3)]
     for name, f in funcs.items():
       with self.subTest(name):
@@ -67,7 +69,7 @@ class MergedTest(absltest.TestCase):
         assert_same_bits(got, want, name)
         notes = sess.report(gid).memory.horizontal
         self.assertLen(notes, 1)
-        self.assertRegex(notes[0], r"packed buffer .*42 leaves\): \d+ elementwise ops over the "
+        self.assertRegex(notes[0], r"packed buffer .*36 leaves\): \d+ elementwise ops over the "
                          r"whole buffer in place of \d+ per-leaf ones$")
         # one kernel for the buffer (XLA keeps the loop the output reads)
         self.assertLessEqual(kernels(sess, gid), 3, name)
@@ -84,9 +86,10 @@ class MergedTest(absltest.TestCase):
       new = {}
       for i in range(12):  # runs of one op each, joined
         k, p = f"l{i:02d}", s[f"l{i:02d}"]
-        new[k] = -(p - lr) if i < 6 else jnp.abs(p) * (i + 1.5)  # lr: one traced scalar;
-      for i in range(4):                                        # a literal per leaf
-        new[f"v{i}"] = s[f"v{i}"] - shared  # one value every such leaf reads: tiled
+        # lr: one traced scalar; a literal per pair of leaves (runs cut where it changes)
+        new[k] = -(p - lr) if i < 6 else jnp.abs(p) * (i // 2 + 1.5)
+      for i in range(4):  # one (traced) value every such leaf reads: tiled
+        new[f"v{i}"] = s[f"v{i}"] - shared * lr
       new["count"] = s["count"] + 1  # wraps past int32 max
       new["ids"] = s["ids"] ^ 5
       new["flag"] = ~s["flag"]
@@ -140,6 +143,46 @@ class MergedTest(absltest.TestCase):
     again = sess.compile(fn, state, xs[0], state_argnums=0)  # the same program: cached
     self.assertEqual(sess.report(again).memory.horizontal, sess.report(gid).memory.horizontal)
     self.assertNotEmpty(sess.report(again).memory.horizontal)
+
+
+class SimplifiedScalarsTest(absltest.TestCase):
+  """XLA rewrites an op by the scalar or constant it takes (drops x + 0,
+  turns pow(x, 2) into x * x, x / s into x * (1 / s), folds (x * a) * b):
+  leaves merge only where those operands are the same, so each leaf keeps
+  the rewrite jax.jit gives it (found by a break-it round)."""
+
+  def test_per_leaf_scalars_and_constants_keep_jits_bits(self):
+    rng = np.random.default_rng(8)
+    vec = lambda: with_specials(normal(rng, 16) * 1e-3)  # noqa: E731
+    const = normal(rng, 16)
+    cases = {
+        "add 0 / add 1": lambda s, lr: {"a": s["a"] + 0.0, "b": s["b"] + 1.0, "c": s["c"] + 1.0},
+        "pow 3 / pow 2": lambda s, lr: {"a": jnp.abs(s["a"]) ** 3.0, "b": jnp.abs(s["b"]) ** 2.0,
+                                        "c": jnp.abs(s["c"]) ** 2.0},
+        "mul chains": lambda s, lr: {"a": s["a"] * 3.0 * 0.1, "b": s["b"] * -1.0,
+                                     "c": s["c"] * 7.0 * 1e8},
+        "divide by each leaf's max": lambda s, lr: {k: v / jnp.max(jnp.abs(v))
+                                                    for k, v in s.items()},
+        "divide by a shared traced scalar": lambda s, lr: {k: v / lr for k, v in s.items()},
+        "divide by a constant array": lambda s, lr: {k: v / const for k, v in s.items()},
+        "rem by a literal": lambda s, lr: {k: jax.lax.rem(v, 0.7) for k, v in s.items()},
+    }
+    for name, update in cases.items():
+      with self.subTest(name):
+        state = {"a": vec(), "b": vec(), "c": vec()}
+        _, _, got, want = run_both(lambda s, lr, u=update: (u(s, lr), lr), state,
+                                   [jnp.float32(0.3), jnp.float32(-7.0)])
+        assert_same_bits(got, want, name)
+
+  def test_scalar_leaves(self):
+    state = {f"s{i}": jnp.float32(v) for i, v in enumerate([-0.0, 1e-40, 3.5, -2.25])}
+    for name, update in {"divide by 3": lambda p, lr: p / 3.0,
+                         "divide by lr": lambda p, lr: p / lr,
+                         "add 0": lambda p, lr: p + 0.0}.items():
+      with self.subTest(name):
+        fn = lambda s, lr, u=update: (jax.tree.map(lambda p: u(p, lr), s), lr)  # noqa: E731
+        _, _, got, want = run_both(fn, state, [jnp.float32(0.3)])
+        assert_same_bits(got, want, name)
 
 
 class NotMergedTest(absltest.TestCase):
