@@ -1,4 +1,5 @@
-"""Packed small state (runtime/packing.py) against plain jax.jit, one run.
+"""Packed small state (runtime/packing.py, its write-backs fused horizontally
+by runtime/horizontal.py) against plain jax.jit, one run.
 
 Prints µs per step and ratios (medians of per-repeat ratios):
   * a step over 200 tiny leaves, Session / jax.jit with donation  (target <= 0.3x)
