@@ -1,8 +1,8 @@
 """CSE: merges nodes that compute the same op with the same params on the same
 inputs, keeping the first. Only deterministic nodes are merged (op_properties):
 two `rng_uniform` draws or two callbacks are two values, not one. Constant
-subexpressions (computed from literals and consts alone) are left as they are
-for XLA, which folds them as it does under jax.jit.
+subexpressions (computed from literals and consts alone) and scalars are left
+as they are for XLA, which folds and merges them as it does under jax.jit.
 
 Run after DCE (fewer nodes to hash); DCE again afterwards is not needed since
 the merged node's outputs are redirected, not left dead.
@@ -36,6 +36,13 @@ class CommonSubexpressionElimination(Pass):
         # it changes the structure XLA's simplifier sees, and some of its
         # rewrites (x - x -> 0, x + 0 -> x) are not exact for -0.0 and NaN.
         constant.update(out.id for out in node.outputs)
+        continue
+      if all(out.aval.shape == () for out in node.outputs):
+        # A scalar each use computes again is left so, as under jax.jit: XLA
+        # divides by a broadcast scalar through its reciprocal where the
+        # scalar has one user, exactly where it has several (p / (lr * lr)
+        # per leaf: other bits once merged); merging saves XLA nothing, its
+        # own CSE runs after that rewrite.
         continue
       key = node_key(node)
       if key is None:

@@ -6,23 +6,30 @@ the leaves' new values. XLA:CPU fuses each leaf's update with its slice, but
 neither fuses the updates of different leaves with each other nor any of
 them into the concatenation: 200 packed leaves still run 200 small kernels
 and a copy each step. Here the step's jaxpr is rewritten before XLA sees it:
-where the leaves' new values are the same elementwise op (one primitive,
-the same params) of operands that line up leaf by leaf, the op runs once
-over the whole buffer - SLP vectorisation, across leaves instead of lanes.
-Walking down from a buffer's concatenation, the operands of a merged op are:
-  * consecutive slices of one flat buffer (the leaves' reads): that buffer,
-    or one slice of it;
-  * one value every leaf reads alike (a shared f32[16]): tiled;
-  * scalars (a literal, a learning rate): the scalar once, or each leaf's
-    broadcast over its elements where they differ;
-  * leaves that differ in op: cut into runs of one op, each merged, joined;
-  * anything else: copied in (one concatenation, as the write-back was).
-A merged op computes every element with the same primitive from the same
-operand values as the leaf's own op did; which multiply-adds XLA:CPU
-contracts into FMAs follows the fusions, as packing's already do
-(docs/numerics.md). The per-leaf ops stay in the program; XLA drops those
-nothing else reads. Each rewritten buffer gets a line in report.memory's
-`horizontal` and in dump()'s memory section.
+where consecutive leaves' new values are computed alike - the same
+elementwise ops, params and scalar operands, down to the leaves' reads (a
+`_structure`) - each op runs once over the run of leaves: SLP vectorisation,
+across leaves instead of lanes. A merged op reads
+  * the leaves' reads: consecutive slices of one flat buffer, that buffer
+    (or one slice of it);
+  * another merged op;
+  * a value every leaf reads alike: an input of the step tiled, or the
+    elementwise op that makes it, merged over the copies;
+  * scalars, the same for the whole run.
+Runs of other structures are written back as they were (their values
+concatenated) beside the merged ones. Nothing else is merged, because XLA
+rewrites an op by what it reads, and must rewrite the merged op as it
+rewrote each leaf's: (x + 0.1) + 0.7 into x + 0.8, pow(x, 2) into x * x,
+x / s into x * (1 / s) - which it decides by the scalar's value and even the
+kernel's size. So a merged op never reads values concatenated (hiding their
+ops), scalars that differ between leaves, constants, a scalar spread over a
+one-element leaf, or a divisor that is a spread scalar; every element is
+then computed by the same primitives from the same operand values as
+before. Which multiply-adds XLA:CPU contracts into FMAs still follows the
+fusions, as packing's already do (docs/numerics.md). Leaves of more than
+MERGE_BELOW_ELEMENTS elements on average keep their kernels. The per-leaf
+ops stay in the program; XLA drops those nothing else reads. Each buffer
+gets a line in report.memory's `horizontal` and in dump()'s memory section.
 """
 import functools
 import math
@@ -68,6 +75,8 @@ def _key(atom):
 def _keeps_order(eqn):
   """Whether `eqn` only reshapes its one operand (the same elements in the
   same flat order): a reshape, a squeeze, a broadcast that adds unit axes."""
+  if len(eqn.invars) != 1:  # (an iota has none)
+    return False
   name, x = eqn.primitive.name, eqn.invars[0]
   if _literal(x) or eqn.params.get("sharding") is not None:
     return False
@@ -106,6 +115,7 @@ class _Plan:
       if not eqn.effects and all(_literal(a) or a in self.constant for a in eqn.invars):
         self.constant.update(v for v in eqn.outvars if not isinstance(v, jcore.DropVar))
     self.memo = {}
+    self.structures = {}  # atom -> _structure's answer
 
   def flat(self, atom):
     """`atom`, or what it reshapes: a reshape keeps the flat order of the
@@ -130,15 +140,57 @@ class _Plan:
     if read is not None:
       return read
     if len(set(key)) == 1 and len({a.aval.shape for a in atoms}) == 1:
-      return ("tile", atoms[0], len(atoms))
+      return self._same(atoms)
     spread = [self._broadcast_scalar(a) for a in atoms]
     if all(s is not None for s in spread):  # values only: no op reads them as operands
       return ("spread", spread, [_size(a) for a in atoms])
-    sigs = [self._signature(a) for a in atoms]
-    parts = [self._run(atoms[i:j]) for i, j in _runs(sigs)]
+    structures = [self._structure(a) for a in atoms]
+    parts = [self._run(atoms[i:j]) for i, j in _runs(structures)]
     if all(p[0] == "copy" for p in parts):
       return ("copy", list(atoms))
     return parts[0] if len(parts) == 1 else ("join", parts)
+
+  def _structure(self, atom):
+    """What `atom`'s computation looks like down to the leaf's read: the ops,
+    their params and scalar operands, what they read. Leaves of one
+    structure merge at every level, so a run never needs cutting below its
+    top (where the pieces would be concatenated, hiding their ops from XLA).
+    None: nothing merges it."""
+    atom = self.flat(atom)
+    if _literal(atom):
+      return None
+    done = self.structures.get(atom, False)
+    if done is not False:
+      return done
+    self.structures[atom] = None  # (a cycle is impossible; a depth guard for the recursion)
+    eqn = self.producer.get(atom)
+    if eqn is None:
+      out = None if atom in self.constant else ("input", atom)
+    elif eqn.primitive.name == "slice" and len(eqn.invars[0].aval.shape) == 1:
+      out = ("read", eqn.invars[0])
+    elif _mergeable(eqn) is None:
+      out = None
+    else:
+      shape = eqn.outvars[0].aval.shape
+      operands = []
+      for a in eqn.invars:
+        scalar = self._scalar(a, shape)
+        operands.append(("scalar", _scalar_key(scalar)) if scalar is not None else
+                        self._structure(a))
+      out = (_mergeable(eqn), math.prod(shape) == 1, tuple(operands))
+    self.structures[atom] = out
+    return out
+
+  def _same(self, atoms):
+    """A recipe for one value that every leaf reads: an input of the step
+    tiled; a value an elementwise op makes, that op merged over the copies
+    (XLA then sees the op where each leaf's saw it); else copied in."""
+    atom = atoms[0]
+    if not _literal(atom) and atom not in self.producer and atom not in self.constant:
+      return ("tile", atom, len(atoms))
+    if self._signature(atom) is not None:
+      return self._run(atoms)
+    return ("copy", list(atoms))
 
   def _signature(self, atom):
     eqn = None if _literal(atom) else self.producer.get(atom)
@@ -196,17 +248,12 @@ class _Plan:
     return ("slice", source, start, at)
 
   def _run(self, run):
-    """A recipe for `run` (one signature): its op merged over sub-runs whose
-    scalar operands are the same, joined; ("copy", run) where none merges."""
+    """A recipe for `run` (one structure): its op merged, or ("copy", run)."""
     eqns = [None if _literal(a) else self.producer.get(a) for a in run]
     if len(run) < 2 or eqns[0] is None or _mergeable(eqns[0]) is None:
       return ("copy", list(run))
-    scalars = [tuple(self._scalar(a, e.outvars[0].aval.shape) for a in e.invars) for e in eqns]
-    keys = [tuple(None if s is None else _scalar_key(s) for s in row) for row in scalars]
-    parts = [self._merge(run[i:j], eqns[i:j], scalars[i]) for i, j in _runs(keys)]
-    if all(p[0] == "copy" for p in parts):
-      return ("copy", list(run))
-    return parts[0] if len(parts) == 1 else ("join", parts)
+    shape = eqns[0].outvars[0].aval.shape
+    return self._merge(run, eqns, [self._scalar(a, shape) for a in eqns[0].invars])
 
   def _merge(self, run, eqns, scalars):
     """An "op" recipe: eqns' op once over the run (the same scalar operands
@@ -214,22 +261,37 @@ class _Plan:
     shapes = [e.outvars[0].aval.shape for e in eqns]
     if len(run) < 2 or sum(math.prod(s) for s in shapes) > MERGE_BELOW_ELEMENTS * len(run):
       return ("copy", list(run))  # big leaves: their own kernels run side by side
+    divides = eqns[0].primitive.name in _DIVIDES
     operands = []
     for i, scalar in enumerate(scalars):
       column = [e.invars[i] for e in eqns]
       if len({str(a.aval.dtype) for a in column}) != 1:
         return ("copy", list(run))
       if scalar is not None:
+        if divides and i == 1:  # XLA:CPU divides by a spread scalar exactly or through
+          return ("copy", list(run))  # its reciprocal, by the size of the fusion
         operands.append(scalar)
-      elif all(a.aval.shape == s and a not in self.constant for a, s in zip(column, shapes)):
-        operands.append(self.pack(column))
-      else:  # (a constant array: XLA rewrites an op on it, x / c as x * (1 / c), by its value)
+        continue
+      if not all(a.aval.shape == s and a not in self.constant for a, s in zip(column, shapes)):
+        return ("copy", list(run))  # (a constant: XLA rewrites an op on it by its value)
+      recipe = self.pack(column)
+      # what the op reads must be what each leaf's op read: the leaves' reads, a
+      # merged op (XLA sees through it as through each leaf's), an input tiled -
+      # never values concatenated, behind which XLA would not see their ops
+      if recipe[0] not in ("var", "slice", "op", "tile") or (divides and i == 1 and
+                                                             recipe[0] == "tile"):
         return ("copy", list(run))
-    if () in shapes and any(o[0] in ("scalar", "constant", "tile") for o in operands):
-      # a scalar leaf's op takes its scalars as they are; over the buffer they
-      # would be spread, and XLA simplifies a spread operand otherwise
+      operands.append(recipe)
+    if any(math.prod(s) == 1 for s in shapes) and any(
+        o[0] in ("scalar", "constant", "tile") for o in operands):
+      # a one-element leaf's op takes its scalars as they are; over the buffer
+      # they would be spread, and XLA simplifies a spread operand otherwise
       return ("copy", list(run))
     return ("op", eqns[0], operands, len(run))
+
+
+# the ops that divide by their second operand
+_DIVIDES = ("div", "rem")
 
 
 def _scalar_key(scalar):
@@ -348,9 +410,10 @@ class Rewritten:
       recipe = plan.pack(list(eqn.invars))
       ops, per_leaf, copies = _census(recipe)
       if not ops:
-        notes.append(f"{name}: written back leaf by leaf (no elementwise op common to "
-                     f"a run of its leaves of at most {MERGE_BELOW_ELEMENTS} elements each "
-                     "on average, with the same scalar operands)")
+        notes.append(f"{name}: written back leaf by leaf (no run of its leaves of at most "
+                     f"{MERGE_BELOW_ELEMENTS} elements on average is computed alike by "
+                     "elementwise ops from their reads, the step's inputs and the same "
+                     "scalars alone; a gradient, say, comes from ops that are not merged)")
         continue
       recipes[id(eqn)] = recipe
       notes.append(f"{name}: {ops} elementwise ops over the whole buffer in place of "

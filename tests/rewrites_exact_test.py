@@ -470,5 +470,29 @@ class NestedJitStaysACallTest(absltest.TestCase):
     assert_same_bits(sess.get_state(gid), (p, st), "state after 5 steps")
 
 
+
+class ScalarsStayApartTest(absltest.TestCase):
+  """A scalar each leaf computes again (p / (lr * lr) in a tree.map) is not
+  merged by CSE: XLA divides by a broadcast scalar through its reciprocal
+  where the scalar has one user, exactly where it has several, so a merged
+  one gave other bits than jax.jit (found beside a packing review)."""
+
+  def test_divisions_by_a_scalar_each_leaf_computes(self):
+    rng = np.random.default_rng(21)
+    for name, f in {"p / (lr * lr)": lambda p, lr: p / (lr * lr),
+                    "p / sqrt(lr)": lambda p, lr: p / jnp.sqrt(lr),
+                    "p / (lr + 1)": lambda p, lr: p / (lr + 1.0)}.items():
+      with self.subTest(name):
+        state = {f"k{i}": normal(rng, 4, 8) for i in range(3)}
+        step = lambda s, lr, f=f: (jax.tree.map(lambda p: f(p, lr), s), lr)  # noqa: E731
+        sess = js.Session()
+        gid = sess.compile(step, state, jnp.float32(1.0), state_argnums=0)
+        want = state
+        for lr in rng.uniform(0.1, 3, 4).astype(np.float32):
+          sess.run(gid, jnp.float32(lr))
+          want = jax.jit(step)(want, jnp.float32(lr))[0]
+        assert_same_bits(sess.get_state(gid)[0], want, name)
+
+
 if __name__ == "__main__":
   absltest.main()
