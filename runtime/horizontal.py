@@ -50,8 +50,8 @@ except ImportError:  # an internal path: the rewritten ops lose their metadata
 # A run is merged where its leaves average at most this many elements. One
 # kernel over the run saves a kernel launch per leaf, but runs on one thread,
 # where XLA:CPU runs the leaves' kernels side by side: 50 f32 leaves of 512
-# elements each ran in 0.28-0.36x the time merged, of 1024 in 0.70x, of 2048
-# in 1.17x, of 4096 in 1.26x (2 cores; benchmarks/state.py's sweep).
+# elements each ran in 0.28-0.48x the time merged, of 1024 in 0.67-0.74x, of
+# 2048 in 0.80-1.17x, of 4096 in 1.12-1.26x (2 cores; benchmarks/RESULTS.md).
 MERGE_BELOW_ELEMENTS = 1024
 
 
