@@ -1,12 +1,14 @@
 """CSE: merges nodes that compute the same op with the same params on the same
 inputs, keeping the first. Only deterministic nodes are merged (op_properties):
 two `rng_uniform` draws or two callbacks are two values, not one. Constant
-subexpressions (computed from literals and consts alone) and scalars are left
-as they are for XLA, which folds and merges them as it does under jax.jit.
+subexpressions (computed from literals and consts alone) and what makes a
+divisor are left as they are for XLA, which folds and merges them as it does
+under jax.jit.
 
 Run after DCE (fewer nodes to hash); DCE again afterwards is not needed since
 the merged node's outputs are redirected, not left dead.
 """
+from jaxsession.graph import op_properties
 from jaxsession.graph.ir import Literal, param_key
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
@@ -21,6 +23,33 @@ def node_key(node):
   return (node.op, params, inputs)
 
 
+# ops a divisor's value passes through unchanged in kind: XLA's division
+# rewrites see through them to what made it
+_THROUGH = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type")
+
+
+def _divisor_cones(graph):
+  """Ids of the nodes that make a divisor (of div or rem), and of those
+  behind it through elementwise and reshaping ops. They are left unmerged,
+  as under jax.jit: XLA rewrites a division by what makes its divisor and
+  how many read it (a / sqrt(b) into a * rsqrt(b), a / broadcast(s) into
+  a * (1 / s), where that node has one reader), so a divisor each leaf
+  computes, merged into one with several readers, gave other bits."""
+  cone, stack = set(), []
+  for node in graph.nodes:
+    if node.op in ("div", "rem") and len(node.inputs) > 1:
+      stack.append(node.inputs[1])
+  while stack:
+    value = stack.pop()
+    node = getattr(value, "producer", None)
+    if node is None or node.id in cone:
+      continue
+    cone.add(node.id)
+    if op_properties.facts(node.op).elementwise or node.op in _THROUGH:
+      stack.extend(node.inputs)
+  return cone
+
+
 class CommonSubexpressionElimination(Pass):
   name = "cse"
 
@@ -28,21 +57,15 @@ class CommonSubexpressionElimination(Pass):
     seen = {}
     merged = []
     constant = {v.id for v in graph.inputs_of_kind("const")}
+    divisors = _divisor_cones(graph)
     for node in graph.nodes:
-      if not node.props.deterministic:
+      if not node.props.deterministic or node.id in divisors:
         continue
       if all(isinstance(v, Literal) or v.id in constant for v in node.inputs):
         # A constant subexpression is XLA's to fold, as under jax.jit: merging
         # it changes the structure XLA's simplifier sees, and some of its
         # rewrites (x - x -> 0, x + 0 -> x) are not exact for -0.0 and NaN.
         constant.update(out.id for out in node.outputs)
-        continue
-      if all(out.aval.shape == () for out in node.outputs):
-        # A scalar each use computes again is left so, as under jax.jit: XLA
-        # divides by a broadcast scalar through its reciprocal where the
-        # scalar has one user, exactly where it has several (p / (lr * lr)
-        # per leaf: other bits once merged); merging saves XLA nothing, its
-        # own CSE runs after that rewrite.
         continue
       key = node_key(node)
       if key is None:

@@ -114,6 +114,10 @@ class _Plan:
     for eqn in jaxpr.eqns:
       if not eqn.effects and all(_literal(a) or a in self.constant for a in eqn.invars):
         self.constant.update(v for v in eqn.outvars if not isinstance(v, jcore.DropVar))
+    self.users = {}  # var -> how many equations (or outputs) read it
+    for a in [a for e in jaxpr.eqns for a in e.invars] + list(jaxpr.outvars):
+      if not _literal(a):
+        self.users[a] = self.users.get(a, 0) + 1
     self.memo = {}
     self.structures = {}  # atom -> _structure's answer
 
@@ -182,19 +186,14 @@ class _Plan:
     return out
 
   def _same(self, atoms):
-    """A recipe for one value that every leaf reads: an input of the step
-    tiled; a value an elementwise op makes, that op merged over the copies
-    (XLA then sees the op where each leaf's saw it); else copied in."""
+    """A recipe for one value that every leaf reads: the value, computed once
+    as each leaf's op read it, tiled over the run; a constant copied in
+    (which the merged op refuses: XLA rewrites an op on a constant by its
+    value)."""
     atom = atoms[0]
-    if not _literal(atom) and atom not in self.producer and atom not in self.constant:
-      return ("tile", atom, len(atoms))
-    if self._signature(atom) is not None:
-      return self._run(atoms)
-    return ("copy", list(atoms))
-
-  def _signature(self, atom):
-    eqn = None if _literal(atom) else self.producer.get(atom)
-    return None if eqn is None else _mergeable(eqn)
+    if _literal(atom) or atom in self.constant:
+      return ("copy", list(atoms))
+    return ("tile", atom, len(atoms))
 
   def _broadcast_scalar(self, atom):
     """The scalar `atom` broadcasts, where it is a broadcast_in_dim of one."""
@@ -270,18 +269,28 @@ class _Plan:
       if scalar is not None:
         if divides and i == 1:  # XLA:CPU divides by a spread scalar exactly or through
           return ("copy", list(run))  # its reciprocal, by the size of the fusion
-        operands.append(scalar)
+        # spread over the run where each leaf's op took it spread (a select's
+        # case, a clamp's operand must have the op's shape)
+        operands.append((*scalar, sum(math.prod(s) for s in shapes)
+                         if column[0].aval.shape != () else None))
         continue
       if not all(a.aval.shape == s and a not in self.constant for a, s in zip(column, shapes)):
         return ("copy", list(run))  # (a constant: XLA rewrites an op on it by its value)
       recipe = self.pack(column)
       # what the op reads must be what each leaf's op read: the leaves' reads, a
-      # merged op (XLA sees through it as through each leaf's), an input tiled -
-      # never values concatenated, behind which XLA would not see their ops
+      # merged op (XLA sees through it as through each leaf's), a shared value
+      # tiled - never values concatenated, behind which XLA would not see their ops
       if recipe[0] not in ("var", "slice", "op", "tile") or (divides and i == 1 and
                                                              recipe[0] == "tile"):
         return ("copy", list(run))
+      if recipe[0] == "op" and not all(self._one_user(a) for a in column):
+        # XLA rewrites some ops by how many read them (a / sqrt(b) into
+        # a * rsqrt(b) where the sqrt has one reader): a leaf's value read
+        # elsewhere too would have one reader merged
+        return ("copy", list(run))
       operands.append(recipe)
+    if not any(o[0] in ("var", "slice", "op", "tile") for o in operands):
+      return ("copy", list(run))  # scalars alone: a scalar, not the run's elements
     if any(math.prod(s) == 1 for s in shapes) and any(
         o[0] in ("scalar", "constant", "tile") for o in operands):
       # a one-element leaf's op takes its scalars as they are; over the buffer
@@ -289,13 +298,25 @@ class _Plan:
       return ("copy", list(run))
     return ("op", eqns[0], operands, len(run))
 
+  def _one_user(self, atom):
+    """Whether `atom`, and each reshape between it and what it reshapes, is
+    read once in the step."""
+    while not _literal(atom):
+      if self.users.get(atom, 0) != 1:
+        return False
+      eqn = self.producer.get(atom)
+      if eqn is None or not _keeps_order(eqn):
+        return True
+      atom = eqn.invars[0]
+    return True
+
 
 # the ops that divide by their second operand
 _DIVIDES = ("div", "rem")
 
 
 def _scalar_key(scalar):
-  kind, value = scalar
+  kind, value = scalar[:2]
   if kind == "scalar":
     return _key(value)
   value = np.asarray(value)
@@ -356,12 +377,22 @@ def _emit(recipe, read, values):
     out = lax.concatenate([_emit(part, read, values) for part in recipe[1]], 0)
   else:  # "op"
     eqn, operands = recipe[1], recipe[2]
-    args = [read(o[1]) if o[0] == "scalar" else o[1] if o[0] == "constant" else
+    args = [_scalar_operand(o, read) if o[0] in ("scalar", "constant") else
             _emit(o, read, values) for o in operands]
     with _context(eqn):
       out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
   values[id(recipe)] = out
   return out
+
+
+def _scalar_operand(operand, read):
+  """A merged op's scalar operand: as it is, or spread over `length` elements."""
+  kind, value, length = operand
+  x = read(value) if kind == "scalar" else value
+  if length is None:
+    return x
+  dtype = value.aval.dtype if kind == "scalar" else np.asarray(value).dtype
+  return lax.broadcast_in_dim(jax.numpy.asarray(x, dtype), (length,), ())
 
 
 def _context(eqn):
@@ -435,6 +466,9 @@ def _evaluate(jaxpr, consts, args, recipes):
     if recipe is not None:
       out = _emit(recipe, read, values)
       aval = eqn.outvars[0].aval
+      if out.shape != aval.shape:  # a plan's fault: never written as the state
+        raise AssertionError(f"horizontal: {eqn.outvars[0]} planned as {out.shape}, "
+                             f"not {aval.shape}")
       if out.dtype != aval.dtype or getattr(jax.typeof(out), "weak_type", False) != \
           getattr(aval, "weak_type", False):
         out = lax.convert_element_type(out, aval.dtype)

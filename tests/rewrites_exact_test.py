@@ -471,17 +471,22 @@ class NestedJitStaysACallTest(absltest.TestCase):
 
 
 
-class ScalarsStayApartTest(absltest.TestCase):
-  """A scalar each leaf computes again (p / (lr * lr) in a tree.map) is not
-  merged by CSE: XLA divides by a broadcast scalar through its reciprocal
-  where the scalar has one user, exactly where it has several, so a merged
-  one gave other bits than jax.jit (found beside a packing review)."""
+class DivisorsStayApartTest(absltest.TestCase):
+  """What makes a divisor each leaf computes again (p / (lr * lr) in a
+  tree.map) is not merged by CSE: XLA rewrites a division by what makes the
+  divisor and how many read it (through the reciprocal of a broadcast scalar,
+  a * rsqrt(b) for a / sqrt(b), where it has one reader), so a merged one
+  gave other bits than jax.jit (found by two packing reviews)."""
 
-  def test_divisions_by_a_scalar_each_leaf_computes(self):
+  def test_divisions_by_a_value_each_leaf_computes(self):
     rng = np.random.default_rng(21)
+    v = jnp.asarray(rng.uniform(0.5, 2, 8), jnp.float32)
     for name, f in {"p / (lr * lr)": lambda p, lr: p / (lr * lr),
                     "p / sqrt(lr)": lambda p, lr: p / jnp.sqrt(lr),
-                    "p / (lr + 1)": lambda p, lr: p / (lr + 1.0)}.items():
+                    "p / (lr + 1)": lambda p, lr: p / (lr + 1.0),
+                    "p / (full_like(p, lr) * 3)": lambda p, lr: p / (jnp.full_like(p, lr) * 3.0),
+                    "p / sqrt(v * lr)": lambda p, lr: p / jnp.sqrt(v * lr),
+                    "p / rsqrt(v * lr)": lambda p, lr: p / jax.lax.rsqrt(v * lr)}.items():
       with self.subTest(name):
         state = {f"k{i}": normal(rng, 4, 8) for i in range(3)}
         step = lambda s, lr, f=f: (jax.tree.map(lambda p: f(p, lr), s), lr)  # noqa: E731
