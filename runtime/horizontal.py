@@ -13,20 +13,23 @@ across leaves instead of lanes. A merged op reads
   * the leaves' reads: consecutive slices of one flat buffer, that buffer
     (or one slice of it);
   * another merged op;
-  * a value every leaf reads alike: an input of the step tiled, or the
-    elementwise op that makes it, merged over the copies;
-  * scalars, the same for the whole run.
+  * a value every leaf reads alike, computed once and tiled;
+  * scalars, the same for the whole run (spread to its length where each
+    leaf's op took them spread).
 Runs of other structures are written back as they were (their values
 concatenated) beside the merged ones. Nothing else is merged, because XLA
 rewrites an op by what it reads, and must rewrite the merged op as it
 rewrote each leaf's: (x + 0.1) + 0.7 into x + 0.8, pow(x, 2) into x * x,
 x / s into x * (1 / s) - which it decides by the scalar's value and even the
 kernel's size. So a merged op never reads values concatenated (hiding their
-ops), scalars that differ between leaves, constants, a scalar spread over a
-one-element leaf, or a divisor that is a spread scalar; every element is
+ops), scalars that differ between leaves, scalars alone, constants, a scalar
+spread over a one-element leaf, a divisor that is a spread scalar, or a
+leaf's value read elsewhere too (XLA counts readers: a / sqrt(b) becomes
+a * rsqrt(b) where the sqrt has one); every element is
 then computed by the same primitives from the same operand values as
-before. Which multiply-adds XLA:CPU contracts into FMAs still follows the
-fusions, as packing's already do (docs/numerics.md). Leaves of more than
+before. Which multiply-adds XLA:CPU contracts into FMAs, and how its
+polynomial exp, log and tanh round, still follow the kernels, as packing's
+already do (docs/numerics.md). Leaves of more than
 MERGE_BELOW_ELEMENTS elements on average keep their kernels. The per-leaf
 ops stay in the program; XLA drops those nothing else reads. Each buffer
 gets a line in report.memory's `horizontal` and in dump()'s memory section.
