@@ -441,7 +441,12 @@ class Rewritten:
       eqn = None if _literal(var) else plan.producer.get(var)
       if eqn is None or eqn.primitive.name != "concatenate" or len(var.aval.shape) != 1:
         continue
-      recipe = plan.pack(list(eqn.invars))
+      try:
+        recipe = plan.pack(list(eqn.invars))
+      except RecursionError:  # a chain of ops deeper than Python recurses: as it was
+        notes.append(f"{name}: written back leaf by leaf (its leaves' chains of ops are too "
+                     "deep to plan)")
+        continue
       ops, per_leaf, copies = _census(recipe)
       if not ops:
         notes.append(f"{name}: written back leaf by leaf (no run of its leaves of at most "

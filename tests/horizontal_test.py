@@ -254,6 +254,19 @@ class NotMergedTest(absltest.TestCase):
     self.assertLen(notes, 1)
     self.assertIn("written back leaf by leaf", notes[0])
 
+  def test_a_chain_deeper_than_python_recurses(self):
+    state = {f"k{i}": normal(RNG, 8) for i in range(2)}
+
+    def step(s, x):
+      def chain(p):
+        for _ in range(400):
+          p = jnp.abs(p - x)
+        return p
+      return jax.tree.map(chain, s), x
+    sess, gid, got, want = run_both(step, state, [jnp.float32(0.001)])
+    assert_same_bits(got, want, "deep chain")
+    self.assertIn("too deep to plan", sess.report(gid).memory.horizontal[0])
+
   def test_packing_off_notes_nothing(self):
     state = leaves(RNG, 5)
     fn = lambda s, x: (jax.tree.map(lambda p: p - x, s), x)  # noqa: E731
