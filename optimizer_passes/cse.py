@@ -25,7 +25,7 @@ def node_key(node):
 
 # ops a divisor's value passes through unchanged in kind: XLA's division
 # rewrites see through them to what made it
-_THROUGH = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type")
+_THROUGH = ("broadcast_in_dim", "reshape", "squeeze")
 
 
 def _divisor_cones(graph):
@@ -37,7 +37,7 @@ def _divisor_cones(graph):
   computes, merged into one with several readers, gave other bits."""
   cone, stack = set(), []
   for node in graph.nodes:
-    if node.op in ("div", "rem") and len(node.inputs) > 1:
+    if node.op in op_properties.DIVIDES and len(node.inputs) > 1:
       stack.append(node.inputs[1])
   while stack:
     value = stack.pop()

@@ -263,7 +263,7 @@ class _Plan:
     shapes = [e.outvars[0].aval.shape for e in eqns]
     if len(run) < 2 or sum(math.prod(s) for s in shapes) > MERGE_BELOW_ELEMENTS * len(run):
       return ("copy", list(run))  # big leaves: their own kernels run side by side
-    divides = eqns[0].primitive.name in _DIVIDES
+    divides = eqns[0].primitive.name in op_properties.DIVIDES
     operands = []
     for i, scalar in enumerate(scalars):
       column = [e.invars[i] for e in eqns]
@@ -312,10 +312,6 @@ class _Plan:
         return True
       atom = eqn.invars[0]
     return True
-
-
-# the ops that divide by their second operand
-_DIVIDES = ("div", "rem")
 
 
 def _scalar_key(scalar):

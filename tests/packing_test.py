@@ -349,7 +349,8 @@ class MeshTest(absltest.TestCase):
         got = sess.get_state(gid)[0]
         same = all(np.array_equal(np.asarray(got[k]), np.asarray(s[k])) for k in s)
         print(json.dumps({"packing": packing, "same": same, "outs": outs == want,
-                          "storage": storage}))
+                          "storage": storage,
+                          "horizontal": sess.report(gid).memory.horizontal}))
         """, devices=2)
     self.assertTrue(out["same"])
     self.assertTrue(out["outs"])
@@ -357,6 +358,8 @@ class MeshTest(absltest.TestCase):
     self.assertIn("sharded", out["packing"]["w"][1])
     self.assertTrue(out["packing"]["b"][0] and out["packing"]["c"][0])
     self.assertEqual(out["storage"], 2)  # w, and one replicated f32 buffer
+    # leaves laid out as their buffer under a mesh: no whole-buffer ops
+    self.assertEqual(out["horizontal"], [])
 
 
 if __name__ == "__main__":

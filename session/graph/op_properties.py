@@ -196,6 +196,11 @@ def _reshape(x, new_sizes, dimensions=None, **_):
 # the primitives of a nested jit: the importer keeps them as calls
 CALLS = ("jit", "pjit")
 
+# the ops that divide by their second operand: XLA rewrites a division by
+# what makes its divisor and how many read it (optimizer_passes/cse.py and
+# runtime/horizontal.py leave such divisors as jax.jit has them)
+DIVIDES = ("div", "rem")
+
 
 def _facts(*names, **facts):
   return {name: OpFacts(**facts) for name in names}

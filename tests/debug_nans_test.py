@@ -1,0 +1,177 @@
+"""jax_debug_nans (and _infs) under a Session: a nan is a FloatingPointError
+naming the graph (and the node, where the replay finds it), and the state
+stays as it was - compiled with the flag or switched on later, one
+executable or a plan, packed state, set before or in another thread."""
+import subprocess
+import sys
+import textwrap
+
+from absl.testing import absltest
+import pytest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+
+
+class DebugNansTest(absltest.TestCase):
+  """jax_debug_nans on (before compile, as jax.jit reads it at trace time):
+  a nan is a FloatingPointError naming the graph and the node, and the
+  state stays as it was."""
+
+  def test_nan_names_the_node_and_keeps_the_state(self):
+    def step(w, x):
+      return w * 2.0 + jnp.log(x), jnp.sum(w)
+
+    def plan(w, x):  # the same, with a host partition before it
+      y = jax.pure_callback(lambda a: np.asarray(a) * np.float32(2),
+                            jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return w * 2.0 + jnp.log(y), jnp.sum(w)
+    rng = np.random.default_rng(11)
+    w = jnp.asarray(rng.uniform(1, 2, 5), jnp.float32)
+    good, bad = (jnp.asarray(rng.uniform(1, 2, 5), jnp.float32),
+                 -jnp.asarray(rng.uniform(1, 2, 5), jnp.float32))
+    jax.config.update("jax_debug_nans", True)
+    try:
+      for fn in (step, plan):
+        sess = js.Session()
+        gid = sess.compile(fn, w, good, state_argnums=0)
+        with self.assertRaisesRegex(
+            FloatingPointError, rf"graph {gid} '{fn.__name__}'.*node \d+ 'log'.*nan"):
+          sess.run(gid, bad)
+        np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+        np.testing.assert_array_equal(sess.run(gid, good), jax.jit(fn)(w, good)[1])
+        np.testing.assert_array_equal(sess.get_state(gid)[0], jax.jit(fn)(w, good)[0])
+    finally:
+      jax.config.update("jax_debug_nans", False)
+
+  def test_run_op_nan_is_a_floating_point_error(self):
+    with jax.debug_nans(True):
+      with self.assertRaisesRegex(FloatingPointError, r"run_op\(log\) produced nan"):
+        js.Session().run_op(jnp.log, jnp.float32(-1))
+
+  def test_switched_on_after_compile_keeps_the_state(self):
+    """Compiled without the flag, the executables donate the state; switched
+    on afterwards, a nan is still a FloatingPointError and nothing is lost."""
+    def step(w, x):
+      return w * 2.0 + jnp.log(x), jnp.sum(w)
+
+    def plan(w, x):
+      y = jax.pure_callback(lambda a: np.asarray(a) * np.float32(2),
+                            jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return w * 2.0 + jnp.log(y), jnp.sum(w)
+    rng = np.random.default_rng(12)
+    w = jnp.asarray(rng.uniform(1, 2, 5), jnp.float32)
+    good = jnp.asarray(rng.uniform(1, 2, 5), jnp.float32)
+    bad = -good
+    for fn in (step, plan):
+      for steps in (None, 3):
+        sess = js.Session()
+        gid = sess.compile(fn, w, good, state_argnums=0)
+        args = (bad,) if steps is None else (jnp.stack([good, bad, good]),)
+        jax.config.update("jax_debug_nans", True)
+        try:
+          with self.assertRaises(FloatingPointError):
+            sess.run(gid, *args, steps=steps)
+        finally:
+          jax.config.update("jax_debug_nans", False)
+        np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+        np.testing.assert_array_equal(sess.run(gid, good), jax.jit(fn)(w, good)[1])
+        np.testing.assert_array_equal(sess.get_state(gid)[0], jax.jit(fn)(w, good)[0])
+
+  def test_packed_state_switched_on_after_compile(self):
+    """A packed slot (pack_state_below_bytes): its leaves are slices of the
+    buffers the failed run donated; the nan is still a FloatingPointError
+    (it was a raw 'Array has been deleted') and the state is kept."""
+    rng = np.random.default_rng(15)
+    w = {k: jnp.asarray(rng.uniform(1, 2, n), jnp.float32) for k, n in (("a", 3), ("b", 5))}
+    step = lambda s, x: (jax.tree.map(lambda v: jnp.log(v * x), s), x)  # noqa: E731
+    sess = js.Session(js.SessionOptions(pack_state_below_bytes=1 << 14))
+    gid = sess.compile(step, w, jnp.float32(2.0), state_argnums=0)
+    self.assertEqual(sess.report(gid).memory.state_buffers, (1,))
+    jax.config.update("jax_debug_nans", True)
+    try:
+      with self.assertRaisesRegex(FloatingPointError, r"produced nan.*state is unchanged"):
+        sess.run(gid, jnp.float32(-1.0))
+    finally:
+      jax.config.update("jax_debug_nans", False)
+    for got, want in zip(jax.tree.leaves(sess.get_state(gid)[0]), jax.tree.leaves(w)):
+      np.testing.assert_array_equal(got, want)
+    sess.run(gid, jnp.float32(2.0))
+    for got, want in zip(jax.tree.leaves(sess.get_state(gid)[0]),
+                         jax.tree.leaves(jax.jit(step)(w, jnp.float32(2.0))[0])):
+      np.testing.assert_array_equal(got, want)
+
+  def test_a_nan_in_the_state_can_be_read_and_set_under_the_flag(self):
+    """get_state and set_state copy without a computation: the flag checks
+    what runs compute, not what the user reads or writes."""
+    sess = js.Session()
+    gid = sess.compile(lambda s, x: (s + x, x.sum()), jnp.zeros(3), jnp.ones(3),
+                       state_argnums=0)
+    v = jnp.asarray(np.random.default_rng(14).standard_normal(3), jnp.float32).at[1].set(jnp.nan)
+    w = v * 2
+    sess.set_state(gid, v)
+    with jax.debug_nans(True), jax.debug_infs(True):
+      np.testing.assert_array_equal(sess.get_state(gid)[0], v)
+      sess.set_state(gid, w)
+      np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+      with self.assertRaises(FloatingPointError):
+        sess.run(gid, jnp.ones(3))
+      np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+
+  @pytest.mark.slow
+  def test_flags_set_globally_and_in_another_thread(self):
+    """In a fresh process (the run reads one cell kept by hooks on the two
+    flags, runtime/debug_flags.py): a global jax_debug_nans and a thread's
+    own `with jax.debug_infs(True)`, both set after compile, raise and keep
+    the donated state; switched off again, the runs donate and advance."""
+    child = textwrap.dedent(r"""
+      import json, threading
+      import jax, jax.numpy as jnp, numpy as np
+      import jaxsession as js
+      from jaxsession.runtime import debug_flags
+      step = lambda w, x: (w * 2.0 + jnp.log(x), jnp.sum(w))
+      inf_step = lambda w, x: (w * 2.0 + 1.0 / x, jnp.sum(w))
+      rng = np.random.default_rng(13)
+      w = jnp.asarray(rng.uniform(1, 2, 5), jnp.float32)
+      good = jnp.asarray(rng.uniform(1, 2, 5), jnp.float32)
+      sess = js.Session()
+      g, h = (sess.compile(f, w, good, state_argnums=0) for f in (step, inf_step))
+      out = {"maybe_at_start": debug_flags.MAYBE[0]}
+      def attempt(gid, x):
+        try:
+          sess.run(gid, x)
+          return "ran"
+        except FloatingPointError:
+          return "raised"
+      jax.config.update("jax_debug_nans", True)
+      out["maybe_global_on"] = debug_flags.MAYBE[0]
+      out["nan"] = attempt(g, -good)
+      jax.config.update("jax_debug_nans", False)
+      out["maybe_global_off"] = debug_flags.MAYBE[0]
+      out["kept_g"] = bool(np.array_equal(sess.get_state(g)[0], w))
+      def worker():
+        with jax.debug_infs(True):
+          out["inf_in_thread"] = attempt(h, jnp.zeros_like(good))
+      t = threading.Thread(target=worker)
+      t.start(); t.join()
+      out["kept_h"] = bool(np.array_equal(sess.get_state(h)[0], w))
+      out["off_in_main"] = attempt(h, jnp.zeros_like(good))  # the flag was the thread's
+      want = jax.jit(step)(w, good)[0]
+      sess.run(g, good)
+      out["advanced"] = bool(np.array_equal(sess.get_state(g)[0], want))
+      print(json.dumps(out))
+    """)
+    res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                         timeout=300)
+    self.assertEqual(res.returncode, 0, res.stderr[-3000:])
+    import json
+    self.assertEqual(json.loads(res.stdout.strip().splitlines()[-1]), {
+        "maybe_at_start": False, "maybe_global_on": True, "nan": "raised",
+        "maybe_global_off": False, "kept_g": True, "inf_in_thread": "raised",
+        "kept_h": True, "off_in_main": "ran", "advanced": True})
+
+
+if __name__ == "__main__":
+  absltest.main()
