@@ -41,23 +41,34 @@ def shape_struct(aval, sharding=None):
 
 
 def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
-               compiler_options=None, out_shardings=None):
+               compiler_options=None, out_shardings=None, rewrite=None):
   """jit + lower + compile, ahead of time, for exactly these argument types.
   Its call checks the argument types before it runs or consumes anything.
   `out_shardings` (a prefix of fn's outputs, None where XLA chooses): the
   layouts outputs must have - jit's own out_shardings, never a
   with_sharding_constraint, which XLA partitions otherwise (other bits than
   jax.jit with the same out_shardings: tests/spmd_test.py, ZeRO-1).
+  `rewrite(closed_jaxpr, out_tree)` (runtime/horizontal.py's Rewrite), when
+  given, sees fn as traced and returns the function to trace in its place,
+  or None to lower fn's trace as it is.
 
   With `cache` (a compile_cache.ExecutableCache or RecordingCache) and `key`
   (the graph's fingerprint and which of its executables this is), the
   executable is looked up under `key` + the argument types + the donation
   before anything is traced, and stored after a compile."""
+  def traced(f):
+    jitted = real_jit(f, donate_argnums=donate_argnums) if out_shardings is None else \
+        real_jit(f, donate_argnums=donate_argnums, out_shardings=out_shardings)
+    return jitted.trace(*arg_structs)
+
   def compile_now():
-    jitted = real_jit(fn, donate_argnums=donate_argnums) if out_shardings is None else \
-        real_jit(fn, donate_argnums=donate_argnums, out_shardings=out_shardings)
-    lowered = jitted.lower(*arg_structs)
-    return lowered.compile(compiler_options=compiler_options or None)
+    step = traced(fn)
+    if rewrite is not None:
+      replacement = rewrite(step.jaxpr, step.out_tree)
+      if replacement is not None:  # named as fn: the name names the executable
+        replacement.__name__ = replacement.__qualname__ = getattr(fn, "__name__", "step")
+        step = traced(replacement)
+    return step.lower().compile(compiler_options=compiler_options or None)
   if cache is None or key is None:
     return compile_now()
   exe, _ = cache.get_or_compile(executable_key(key, arg_structs, donate_argnums),
@@ -66,17 +77,17 @@ def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
 
 
 def compile_recorded(fn, recorder, arg_structs, donate_argnums=(), cache=None, key=None,
-                     compiler_options=None, out_shardings=None):
+                     compiler_options=None, out_shardings=None, rewrite=None):
   """(executable, recorder, notes) for `fn`, whose callbacks leave their
   exceptions in `recorder` (a callbacks.ErrorRecorder). A cached executable
   keeps calling the callbacks it was compiled with, so the recorder is cached
   with it: on a hit, this returns the recorder that executable writes to,
-  which the runner must read instead of its own. `notes`: what `fn` wrote
-  on its `notes` while traced (runtime/horizontal.py's), cached alike."""
+  which the runner must read instead of its own. `notes`: what `rewrite`
+  (compile_fn's) wrote on its `notes`, cached alike."""
   def compile_now():
     exe = compile_fn(fn, arg_structs, donate_argnums, compiler_options=compiler_options,
-                     out_shardings=out_shardings)
-    return exe, recorder, tuple(getattr(fn, "notes", ()))
+                     out_shardings=out_shardings, rewrite=rewrite)
+    return exe, recorder, tuple(getattr(rewrite, "notes", ()))
   if cache is None or key is None:
     return compile_now()
   key = (*key, "recorded") if isinstance(key, tuple) else (key, "recorded")

@@ -34,7 +34,6 @@ MERGE_BELOW_ELEMENTS elements on average keep their kernels. The per-leaf
 ops stay in the program; XLA drops those nothing else reads. Each buffer
 gets a line in report.memory's `horizontal` and in dump()'s memory section.
 """
-import functools
 import math
 
 import jax
@@ -416,20 +415,20 @@ def _context(eqn):
   return _Both()
 
 
-class Rewritten:
-  """`fn` (a packed step's whole function) with the write-backs of its
-  packed buffers fused horizontally, for jax.jit to trace. `roots`: the
-  flat output positions of fn that are packed buffers, with their names.
-  `notes`: one line per buffer, filled when traced."""
+class Rewrite:
+  """The write-backs of a packed step's buffers fused horizontally. Called
+  with the step as jax.jit traced it (its closed jaxpr and output tree), it
+  returns the function to trace in its place - the jaxpr evaluated with the
+  merged ops - or None where nothing merges: the traced step is then lowered
+  as it is, with no second trace (build.compile_fn). `roots`: the flat
+  output positions of the step that are packed buffers, with their names.
+  `notes`: one line per buffer, filled when called."""
 
-  def __init__(self, fn, roots):
-    functools.update_wrapper(self, fn)  # its name names the executable
-    self.fn = fn
+  def __init__(self, roots):
     self.roots = dict(roots)
     self.notes = []
 
-  def __call__(self, *args):
-    closed, shape = jax.make_jaxpr(self.fn, return_shape=True)(*args)
+  def __call__(self, closed, out_tree):
     jaxpr = closed.jaxpr
     plan, recipes, notes = _Plan(jaxpr, closed.consts), {}, []
     for position, name in self.roots.items():
@@ -455,8 +454,13 @@ class Rewritten:
                    f"{per_leaf} per-leaf ones"
                    + (f", {copies} packs of leaf values copied in" if copies else ""))
     self.notes = notes
-    outs = _evaluate(jaxpr, closed.consts, tree_util.tree_leaves(args), recipes)
-    return tree_util.tree_unflatten(tree_util.tree_structure(shape), outs)
+    if not recipes:
+      return None
+
+    def rewritten(*args):
+      outs = _evaluate(jaxpr, closed.consts, tree_util.tree_leaves(args), recipes)
+      return tree_util.tree_unflatten(out_tree, outs)
+    return rewritten
 
 
 def _evaluate(jaxpr, consts, args, recipes):
