@@ -27,7 +27,7 @@ class StateLayout:
   state leaf, in state order - and `commit(new)` writes back what it
   returned: the new values of the updated leaves, in updated_idx order. A
   packed slot (runtime/packing.py) is read through its view and written
-  through its pack, its leaves never donated. `state_layout` picks
+  through its pack, its packed leaves never donated. `state_layout` picks
   StorageLayout for one executable."""
   whole = False
 
@@ -38,8 +38,10 @@ class StateLayout:
     self.num_state = len(states)
     # outputs[:num_outputs] hold new state values (0 for a graph that only reads)
     self.num_outputs = len(graph.state_updates())
-    self.donated_idx = [i for i, s in enumerate(states) if s.id in donated
-                        and leaf_slots[i][0].packing is None]
+    # the memory plan's own decisions (a packed leaf is never donated to a
+    # plan; a leaf with its own buffer in a packed slot may be): the leaves
+    # a failed sunk run or a debug_nans run copies first
+    self.donated_idx = [i for i, s in enumerate(states) if s.id in donated]
     self.updated_idx = [i for i, (s, new) in enumerate(graph.state_updates())
                         if new is not s]
     self.state_avals = [s.aval for s in states]

@@ -103,6 +103,34 @@ class DebugNansTest(absltest.TestCase):
                          jax.tree.leaves(jax.jit(step)(w, jnp.float32(2.0))[0])):
       np.testing.assert_array_equal(got, want)
 
+  def test_a_plan_donating_its_own_buffer_of_a_packed_slot(self):
+    """A plan sharing a packed slot (state_from) donates "w", which keeps its
+    own buffer there: switched on after compile, a nan after that donation
+    still leaves the slot whole (it held a deleted buffer before)."""
+    rng = np.random.default_rng(16)
+    state = {"a": jnp.asarray(rng.uniform(1, 2, 5), jnp.float32),
+             "b": jnp.asarray(rng.uniform(1, 2, 5), jnp.float32),
+             "w": jnp.asarray(rng.uniform(1, 2, (5, 5)), jnp.float32)}
+    x = jnp.asarray(rng.uniform(1, 2, (2, 5)), jnp.float32)
+    sess = js.Session(js.SessionOptions(pack_state_below_bytes=1 << 14))
+    train = sess.compile(lambda p, x: ({k: v * 0.5 for k, v in p.items()},
+                                       jnp.sum(x @ p["w"])), state, x, state_argnums=0)
+
+    def plan(p, x):
+      z = jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return {**p, "w": p["w"] * jnp.sum(z)}, jnp.log(jnp.sum(z) - 100)
+    gid = sess.compile(plan, state, x, state_argnums=0, state_from=train)
+    self.assertEqual([d.donated for d in sess.graph(gid).memory.donations],
+                     [False, False, True])
+    jax.config.update("jax_debug_nans", True)
+    try:
+      with self.assertRaisesRegex(FloatingPointError, r"produced nan.*state is unchanged"):
+        sess.run(gid, x)
+    finally:
+      jax.config.update("jax_debug_nans", False)
+    for got, want in zip(jax.tree.leaves(sess.get_state(train)[0]), jax.tree.leaves(state)):
+      np.testing.assert_array_equal(got, want)
+
   def test_a_nan_in_the_state_can_be_read_and_set_under_the_flag(self):
     """get_state and set_state copy without a computation: the flag checks
     what runs compute, not what the user reads or writes."""

@@ -260,6 +260,41 @@ class SharedSlotTest(absltest.TestCase):
       sess.run(train, jnp.stack([x, x]), steps=3)
     assert_same_bits(sess.get_state(train), before, "after failures")
 
+  def test_a_plan_failing_at_a_later_sunk_step_keeps_the_slot(self):
+    # "w" keeps its own buffer in the packed slot and the plan donates it:
+    # a sunk run must copy it before its first step, or the failure at step
+    # 2 leaves the slot holding the buffer step 0 consumed (a break-it find)
+    state = {"a": normal(RNG, 5), "b": with_specials(normal(RNG, 5)), "w": normal(RNG, 5, 5)}
+    x = normal(RNG, 2, 5)
+    sess = js.Session(PACK)
+    train = sess.compile(lambda p, x: ({k: v * 0.5 for k, v in p.items()},
+                                       jnp.sum(x @ p["w"])), state, x, state_argnums=0)
+
+    def check(z):
+      if np.asarray(z).sum() > 0:
+        raise RuntimeError("boom")
+      return np.asarray(z)
+
+    def fails(p, x):
+      z = jax.pure_callback(check, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return {k: v * 0.5 - 1.0 for k, v in p.items()}, jnp.sum(z)
+    plan = sess.compile(fails, state, x, state_argnums=0, state_from=train)
+    donated = {d.state.name.split("[")[-1].strip("']")
+               for d in sess.graph(plan).memory.donations if d.donated}
+    self.assertEqual(donated, {"w"})
+    before = sess.get_state(train)
+    xs = -jnp.abs(normal(RNG, 4, 2, 5)) - 1
+    with self.assertRaises(js.HostOpError):
+      sess.run(plan, xs.at[2].set(1.0), steps=4)
+    assert_same_bits(sess.get_state(train), before, "after a sunk run failed at step 2")
+    got = sess.run(plan, xs, steps=4)  # the slot still runs, as jax.jit would
+    want_state, want = state, []
+    for t in range(4):
+      want_state, out = jax.jit(fails)(want_state, xs[t])
+      want.append(out)
+    assert_same_bits(got, jnp.stack(want), "sunk outputs")
+    assert_same_bits(sess.get_state(train)[0], want_state, "state after the sunk run")
+
   def test_threads(self):
     state = {"a": jnp.zeros(4, jnp.int32), "b": jnp.zeros(3, jnp.int32)}
     fn = lambda s, x: ({"a": s["a"] + x, "b": s["b"] - 1}, s["a"][0])  # noqa: E731
