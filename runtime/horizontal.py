@@ -27,9 +27,11 @@ spread over a one-element leaf, a divisor that is a spread scalar, or a
 leaf's value read elsewhere too (XLA counts readers: a / sqrt(b) becomes
 a * rsqrt(b) where the sqrt has one); every element is
 then computed by the same primitives from the same operand values as
-before. Which multiply-adds XLA:CPU contracts into FMAs, and how its
-polynomial exp, log and tanh round, still follow the kernels, as packing's
-already do (docs/numerics.md). Leaves of more than
+before. Nor is an op XLA:CPU approximates (exp, log, tanh, atan...:
+op_properties' `approximated`), whose polynomial rounds by the kernel's
+size - jax.jit itself gives other bits for 7 and 56 elements. Which
+multiply-adds XLA:CPU contracts into FMAs still follows the kernels, as
+packing's already do (docs/numerics.md). Leaves of more than
 MERGE_BELOW_ELEMENTS elements on average keep their kernels. The per-leaf
 ops stay in the program; XLA drops those nothing else reads. Each buffer
 gets a line in report.memory's `horizontal` and in dump()'s memory section.
@@ -93,9 +95,11 @@ def _keeps_order(eqn):
 
 def _mergeable(eqn):
   """The signature of an op a run may merge over (None: never merged): an
-  elementwise primitive with one output of a numeric dtype."""
+  elementwise primitive with one output of a numeric dtype, computed exactly
+  (not one XLA:CPU approximates, rounded by the kernel's size)."""
   prim = eqn.primitive
-  if prim.multiple_results or not op_properties.facts(prim.name).elementwise:
+  facts = op_properties.facts(prim.name)
+  if prim.multiple_results or not facts.elementwise or facts.approximated:
     return None
   if any(jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.extended)
          for v in (*eqn.outvars, *(a for a in eqn.invars))):
@@ -218,9 +222,11 @@ class _Plan:
     value = self.consts.get(atom)
     if value is not None:
       flat = np.asarray(value).reshape(-1)
-      if flat.size and (flat == flat[0]).all() and not jax.dtypes.issubdtype(
-          flat.dtype, jax.dtypes.extended):
-        return ("constant", flat[0])
+      if flat.size and not jax.dtypes.issubdtype(flat.dtype, jax.dtypes.extended):
+        # one value by its bits: -0.0 == 0.0 and nan != nan by value
+        elements = np.ascontiguousarray(flat).view(np.uint8).reshape(flat.size, -1)
+        if (elements == elements[0]).all():
+          return ("constant", flat[0])
       return None
     if atom.aval.shape == ():
       return ("scalar", atom) if out_shape != () else None
@@ -446,8 +452,9 @@ class Rewrite:
       if not ops:
         notes.append(f"{name}: written back leaf by leaf (no run of its leaves of at most "
                      f"{MERGE_BELOW_ELEMENTS} elements on average is computed alike by "
-                     "elementwise ops from their reads, the step's inputs and the same "
-                     "scalars alone; a gradient, say, comes from ops that are not merged)")
+                     "exactly rounded elementwise ops from their reads, the step's inputs and "
+                     "the same scalars alone; a gradient, say, comes from ops that are not "
+                     "merged)")
         continue
       recipes[id(eqn)] = recipe
       notes.append(f"{name}: {ops} elementwise ops over the whole buffer in place of "

@@ -99,6 +99,9 @@ class OpFacts:
   dce: Optional[Callable] = None  # dce(node, used_outputs) -> DceResult or None (no change)
   contracts: Tuple[int, ...] = ()  # operands a matmul/convolution contracts (XLA copies a
                                   # slice before it: packed state stays out, runtime/packing.py)
+  approximated: bool = False      # XLA:CPU computes it by a polynomial or a library call,
+                                  # rounded by the kernel's size (vector width, remainder loop):
+                                  # never merged across leaves (runtime/horizontal.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,15 +213,22 @@ def _ufunc_facts(table, **facts):
   return {name: OpFacts(numpy=_ufunc(ufunc), **facts) for name, ufunc in table.items()}
 
 
-# Elementwise primitives with no other fact (the batch rule reads `elementwise`).
+# Elementwise primitives with no other fact (the batch rule reads `elementwise`),
+# then those XLA:CPU approximates.
 _ELEMENTWISE = (
-    "abs acos acosh asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clz complex "
-    "conj copy_p cos cosh digamma erf erf_inv erfc exp exp2 expm1 floor igamma "
-    "igamma_grad_a igammac imag integer_pow is_finite lgamma log log1p logistic nextafter "
-    "polygamma population_count pow random_gamma_grad real reduce_precision "
-    "regularized_incomplete_beta rem round rsqrt shift_left shift_right_arithmetic "
-    "shift_right_logical sign sin sinh sqrt square stop_gradient tan tanh zeta "
-    "threefry2x32 random_seed random_fold_in").split()
+    "abs ceil clz complex conj copy_p floor imag integer_pow is_finite nextafter "
+    "population_count real reduce_precision rem round shift_left shift_right_arithmetic "
+    "shift_right_logical sign sqrt square stop_gradient threefry2x32 random_seed "
+    "random_fold_in").split()
+
+# Elementwise primitives XLA:CPU approximates: jax.jit itself gives other bits
+# for exp over a 7- and a 56-element array (1 ulp), atan 2 ulps (break-it
+# rounds); the rest by the same kind of code, unmeasured.
+_APPROXIMATED = (
+    "acos acosh asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt cos cosh digamma erf "
+    "erf_inv erfc exp exp2 expm1 igamma igamma_grad_a igammac lgamma log log1p logistic "
+    "polygamma pow random_gamma_grad regularized_incomplete_beta rsqrt sin sinh tan tanh "
+    "zeta").split()
 
 # primitive name -> its facts. The numpy functions are bit-identical to XLA
 # where `fold` says so (tests/rewrites_exact_test.py checks them on +-0.0,
@@ -243,6 +253,7 @@ OP_TABLE = {
     "cond": OpFacts(props=_CONTROL_FLOW, dce=_jax_dce),
     "while": OpFacts(props=_CONTROL_FLOW, dce=_while_dce),
     **_facts(*_ELEMENTWISE, elementwise=True),
+    **_facts(*_APPROXIMATED, elementwise=True, approximated=True),
     "add": OpFacts(numpy=_ufunc(np.add), add=True, commutative=True, elementwise=True,
                    fold="ieee", host=True),
     "add_any": OpFacts(add=True, commutative=True, elementwise=True),
