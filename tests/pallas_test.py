@@ -1,7 +1,9 @@
 """Pallas kernels: on the CPU in interpret mode they equal their XLA twins bit
-for bit (the same `*_math` functions on row blocks); SelectKernel takes them
-only on GPU and only for shapes they can tile. On a GPU, Triton reduces a row
-in its own order, which this CPU suite cannot check: see kernels/pallas.py."""
+for bit at these shapes (the same `*_math` functions on row blocks; with many
+more rows XLA:CPU reduces the twin's input in another order, kernels/pallas.py);
+SelectKernel takes them only on GPU and only for shapes they can tile. On a
+GPU, Triton reduces a row in its own order, which this CPU suite cannot
+check: see kernels/pallas.py."""
 from absl.testing import absltest, parameterized
 import pytest
 import flax.linen as nn
