@@ -40,7 +40,7 @@ import jaxsession as js
 from jaxsession.graph.importer import import_jaxpr
 from jaxsession.graph.ir import KernelGraph
 from jaxsession.runtime import batch_axis
-from exact import assert_same_bits, ulps_apart, with_specials
+from exact import assert_equal_signed, assert_same_bits, ulps_apart, with_specials
 
 ROW_STABLE = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_prefer_vector_width": 1,
               "xla_cpu_use_fusion_emitters": False}
@@ -116,9 +116,9 @@ def assert_same_rows(got, want, gemm, msg):
   if not jnp.issubdtype(g.dtype, jnp.floating) or g.dtype != np.float32:
     assert_same_bits(g, w, msg)
     return
-  np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=msg)
+  assert_equal_signed(np.isnan(g), np.isnan(w), err_msg=msg)
   finite = ~np.isnan(w)
-  np.testing.assert_array_equal(np.isinf(g[finite]), np.isinf(w[finite]), err_msg=msg)
+  assert_equal_signed(np.isinf(g[finite]), np.isinf(w[finite]), err_msg=msg)
   far = ulps_apart(g[finite], w[finite])
   assert far <= GEMM_ULPS, f"{msg}: {far} ulp from the exact-size run (bound {GEMM_ULPS})"
 

@@ -13,7 +13,7 @@ import numpy as np
 import jaxsession as js
 from jaxsession.errors import InputError
 from jaxsession.runtime import buckets as policy_lib
-from exact import count_compiles
+from exact import assert_equal_signed, count_compiles
 
 RNG = np.random.default_rng(8)
 F = 6
@@ -51,10 +51,10 @@ def rowwise(scale, x):
 
 def assert_within_ulp(got, want, ulps, msg=""):
   got, want = np.asarray(got), np.asarray(want)
-  np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=msg)
+  assert_equal_signed(np.isnan(got), np.isnan(want), err_msg=msg)
   finite = np.isfinite(want)
-  np.testing.assert_array_equal(got[~finite & ~np.isnan(want)],
-                                want[~finite & ~np.isnan(want)], err_msg=msg)
+  assert_equal_signed(got[~finite & ~np.isnan(want)],
+                      want[~finite & ~np.isnan(want)], err_msg=msg)
   bits = lambda a: a[finite].view(np.int32).astype(np.int64)
   diff = np.abs(bits(got) - bits(want)).max() if finite.any() else 0
   assert diff <= ulps, f"{msg}: {diff} ulp apart (allowed {ulps})"
@@ -87,7 +87,7 @@ class BucketedRunTest(absltest.TestCase):
     """Elementwise work and reductions over features: bit for bit."""
     def exact(got, want, n):
       for g, w in zip(got, want):
-        np.testing.assert_array_equal(g, w, err_msg=f"n={n}")
+        assert_equal_signed(g, w, err_msg=f"n={n}")
     self.sweep(rowwise, jnp.asarray(RNG.standard_normal(F), jnp.float32), exact)
 
   @pytest.mark.slow
@@ -98,7 +98,7 @@ class BucketedRunTest(absltest.TestCase):
     (measured: at most 4) and NaN/inf land on the same elements."""
     def close(got, want, n):
       assert_within_ulp(got[0], want[0], 8, f"n={n}")
-      np.testing.assert_array_equal(got[1], want[1], err_msg=f"n={n}")
+      assert_equal_signed(got[1], want[1], err_msg=f"n={n}")
     self.sweep(mlp, _params(), close)
 
   def test_state_advances_from_real_rows_only(self):
@@ -114,7 +114,7 @@ class BucketedRunTest(absltest.TestCase):
       assert_within_ulp(got, want, 8, f"n={n}")  # the dot's row count: see above
     state = sess.get_state(gid)
     self.assertEqual(int(state[1]), 5)
-    np.testing.assert_array_equal(state[0]["w1"], params["w1"])
+    assert_equal_signed(state[0]["w1"], params["w1"])
 
   def test_state_with_non_array_leaves(self):
     """A function and a str in the state (an equinox model's activation) stay
@@ -129,7 +129,7 @@ class BucketedRunTest(absltest.TestCase):
     ref = jax.jit(lambda scale, x: fn({**state, "scale": scale}, x))  # the rest static
     for n in (1, 3, 4, 5, 8, 11):
       x = _rows(n)
-      np.testing.assert_array_equal(sess.run(gid, x), ref(state["scale"], x), err_msg=f"n={n}")
+      assert_equal_signed(sess.run(gid, x), ref(state["scale"], x), err_msg=f"n={n}")
     (got,) = sess.get_state(gid)
     self.assertIs(got["act"], jnp.tanh)
     self.assertEqual(got["tag"], "abc")
@@ -142,7 +142,7 @@ class BucketedRunTest(absltest.TestCase):
     gid = sess.compile(mlp, params, _rows(2), state_argnums=0, updates_state=False,
                        buckets={1: [2, 4]})
     x = _rows(7)  # exact shape: bit for bit
-    np.testing.assert_array_equal(sess.run(gid, x)[0], jax.jit(mlp)(params, x)[0])
+    assert_equal_signed(sess.run(gid, x)[0], jax.jit(mlp)(params, x)[0])
     self.assertIn(7, sess.report(gid).buckets.sizes)
     self.assertEqual(sess.report(gid).buckets.policy.padded, 0)
 
@@ -212,7 +212,7 @@ class PaddingDtypesTest(absltest.TestCase):
         got, want = sess.run(gid, example[:n]), jax.jit(fn)(example[:n])
         for g, w in zip(got, want):
           self.assertEqual(g.dtype, w.dtype)
-          np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+          assert_equal_signed(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
   def test_reading_the_row_count_is_still_refused(self):
     with self.assertRaisesRegex(InputError, "depends on the batch size"):
@@ -431,7 +431,7 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
         x = jnp.asarray(rng.uniform(0.5, 2.0, (n, 4)), jnp.float32)
         with flag(True):
           got = sess.run(gid, x)
-        np.testing.assert_array_equal(got, jax.jit(fn)(x))
+        assert_equal_signed(got, jax.jit(fn)(x))
       with flag(True):  # a real row's nan is still reported, as jax.jit reports it
         with self.assertRaises(FloatingPointError):
           sess.run(gid, jnp.zeros((3, 4), jnp.float32))
@@ -482,7 +482,7 @@ class FailedRunTest(absltest.TestCase):
     x = jnp.asarray(RNG.standard_normal((5, F)), jnp.float16)
     gid = sess.compile(lambda x, s: x * s, x, 2.0, buckets={0: "auto"})
     scale = float(RNG.standard_normal())
-    np.testing.assert_array_equal(sess.run(gid, x, scale), jax.jit(lambda x, s: x * s)(x, scale))
+    assert_equal_signed(sess.run(gid, x, scale), jax.jit(lambda x, s: x * s)(x, scale))
     with self.assertRaisesRegex(InputError, "strongly typed") as caught:
       sess.run(gid, x, jnp.float32(scale))
     self.assertIn(f"run(graph {gid} ", str(caught.exception))

@@ -20,6 +20,7 @@ import pytest
 
 import jaxsession as js
 from subproc import run_json
+from exact import assert_equal_signed
 
 TX = optax.adamw(1e-2)
 
@@ -96,7 +97,7 @@ class CheckpointTest(absltest.TestCase):
     self.assertTrue(jnp.issubdtype(got[0].dtype, jax.dtypes.prng_key))
     jitted = jax.jit(step)
     want = jitted(*jitted(s, e, w)[:2], w)[2]
-    np.testing.assert_array_equal(sess.run(gid, w), want)
+    assert_equal_signed(sess.run(gid, w), want)
 
   def test_keep_the_newest_and_restore_a_given_step(self):
     sess = js.Session(js.SessionOptions(checkpoint_keep=2))
@@ -108,7 +109,7 @@ class CheckpointTest(absltest.TestCase):
     sess.wait_until_saved()
     self.assertEqual(sorted(int(n) for n in os.listdir(self.dir) if n.isdigit()), [2, 3])
     self.assertEqual(sess.restore(gid, self.dir, step=2), 2)
-    np.testing.assert_array_equal(sess.get_state(gid)[0], [2.5, 0.75])
+    assert_equal_signed(sess.get_state(gid)[0], [2.5, 0.75])
 
   def test_weakly_typed_state_keeps_its_type_through_set_state_and_a_checkpoint(self):
     # a Python-scalar state is weak, as jax.jit sees it; its weak type here
@@ -121,7 +122,7 @@ class CheckpointTest(absltest.TestCase):
     want_s, want = jax.jit(f)(3.0, x)
     self.assertTrue(sess.get_state(gid)[0].weak_type)  # before a run, as jax.jit's input
     sess.set_state(gid, *sess.get_state(gid))  # what get_state gave, set_state takes
-    np.testing.assert_array_equal(sess.run(gid, x), want)
+    assert_equal_signed(sess.run(gid, x), want)
     sess.save(gid, self.dir, 1)
     sess.wait_until_saved()
     other = js.Session()
@@ -131,7 +132,7 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual((restored.weak_type, restored.dtype), (want_s.weak_type, want_s.dtype))
     got = other.run(gid2, x)
     self.assertEqual(got.dtype, jnp.bfloat16)
-    np.testing.assert_array_equal(got, jax.jit(f)(want_s, x)[1])
+    assert_equal_signed(got, jax.jit(f)(want_s, x)[1])
 
   def test_a_weak_type_that_does_not_change_the_program_restores_across(self):
     # a checkpoint of a weak f32 slot restores into a graph whose slot is a
@@ -152,7 +153,7 @@ class CheckpointTest(absltest.TestCase):
       restored = second.get_state(gid2)[0]
       self.assertEqual(restored.weak_type, jnp.asarray(other).weak_type)
       self.assertTrue(np.signbit(restored))
-      np.testing.assert_array_equal(second.run(gid2, x), jax.jit(f)(restored, x)[1])
+      assert_equal_signed(second.run(gid2, x), jax.jit(f)(restored, x)[1])
     xb = x.astype(jnp.bfloat16)
     strong = js.Session()
     gid3 = strong.compile(f, jnp.float32(3.0), xb, state_argnums=0)
@@ -183,7 +184,7 @@ class CheckpointTest(absltest.TestCase):
     sess.wait_until_saved()
     sess.run(gid)
     self.assertEqual(sess.restore(gid, self.dir), 1)
-    np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+    assert_equal_signed(sess.get_state(gid)[0], w)
 
   def test_a_flipped_byte_is_an_input_error_that_changes_nothing(self):
     # orbax's compressed chunks carry no checksum: a flipped byte restored
@@ -207,7 +208,7 @@ class CheckpointTest(absltest.TestCase):
     with self.assertRaisesRegex(js.InputError, r"checkpoint .*/1 is corrupted: state arg 0 at "
                                 r"path \(root\) does not match the checksum"):
       other.restore(gid2, self.dir)
-    np.testing.assert_array_equal(other.get_state(gid2)[0], s0 * 2)
+    assert_equal_signed(other.get_state(gid2)[0], s0 * 2)
 
   def test_a_ctrl_c_orbax_wraps_is_a_keyboard_interrupt_that_changes_nothing(self):
     # a SIGINT landing inside orbax's read comes back as a TensorStore error
@@ -239,9 +240,9 @@ class CheckpointTest(absltest.TestCase):
                                                  wrapped(message)):
         with self.assertRaises(KeyboardInterrupt):
           sess.restore(gid, self.dir)
-        np.testing.assert_array_equal(sess.get_state(gid)[0], s0 * 3)
+        assert_equal_signed(sess.get_state(gid)[0], s0 * 3)
     self.assertEqual(sess.restore(gid, self.dir), 1)  # the checkpoint was intact
-    np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
+    assert_equal_signed(sess.get_state(gid)[0], s0)
 
   def test_steps_increase_and_a_killed_saves_leftover_is_replaced(self):
     sess = js.Session(js.SessionOptions(checkpoint_keep=2))
@@ -265,7 +266,7 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(sorted(int(n) for n in os.listdir(self.dir) if n.isdigit()), [2, 3])
     sess.run(gid)
     self.assertEqual(sess.restore(gid, self.dir), 3)
-    np.testing.assert_array_equal(sess.get_state(gid)[0], w * 4)
+    assert_equal_signed(sess.get_state(gid)[0], w * 4)
 
   def test_what_does_not_fit_is_an_input_error_and_changes_nothing(self):
     p, o, k, xs = examples()

@@ -20,7 +20,7 @@ import numpy as np
 from jax import tree_util
 
 import jaxsession as js
-from exact import assert_same_bits
+from exact import assert_equal_signed, assert_same_bits
 from jaxsession import pipeline
 from jaxsession.errors import HostOpError
 from jaxsession.graph.importer import import_jaxpr
@@ -240,7 +240,7 @@ class ExecutableCacheTest(absltest.TestCase):
     self.assertIs(sess.executables(a)[0], sess.executables(b)[0])
     gone = weakref.ref(sess.executables(a)[0])
     sess.release(a)
-    np.testing.assert_array_equal(sess.run(b, x), jax.jit(step)(w, x)[1])
+    assert_equal_signed(sess.run(b, x), jax.jit(step)(w, x)[1])
     sess.release(b)
     gc.collect()
     self.assertIsNone(gone())  # nothing of the session keeps it
@@ -567,7 +567,7 @@ class ManyScalarArgumentsTest(absltest.TestCase):
     sess = js.Session()
     gid = sess.compile(f, *ds, x, jnp.float32(1.3))
     got = sess.run(gid, *ds, x, jnp.float32(1.3))[0]
-    np.testing.assert_array_equal(got, jax.jit(f)(*ds, x, jnp.float32(1.3))[0])
+    assert_equal_signed(got, jax.jit(f)(*ds, x, jnp.float32(1.3))[0])
     with self.assertRaisesRegex(js.InputError, "argument 9 .* weakly typed"):
       sess.run(gid, *ds, x, 1.3)  # jax.jit gives bf16 here, the graph f32
 

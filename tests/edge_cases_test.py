@@ -18,6 +18,7 @@ from jax import lax
 import numpy as np
 
 import jaxsession as js
+from exact import assert_equal_signed
 
 
 def run_python(code, **env):
@@ -37,8 +38,8 @@ class ProgramsTest(absltest.TestCase):
     x = jnp.asarray(np.random.default_rng(3).standard_normal(4), jnp.float32)
     sess = js.Session()
     got = sess.run(sess.compile(fn, x), x)
-    np.testing.assert_array_equal(np.signbit(got), np.signbit(jax.jit(fn)(x)))
-    np.testing.assert_array_equal(got, jax.jit(fn)(x))
+    assert_equal_signed(np.signbit(got), np.signbit(jax.jit(fn)(x)))
+    assert_equal_signed(got, jax.jit(fn)(x))
 
   def test_many_equal_constant_subexpressions(self):
     c = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
@@ -51,14 +52,14 @@ class ProgramsTest(absltest.TestCase):
     x = jnp.asarray(np.random.default_rng(1).standard_normal((16, 16)), jnp.float32)
     sess = js.Session()
     gid = sess.compile(fn, x)
-    np.testing.assert_array_equal(sess.run(gid, x), jax.jit(fn)(x))
+    assert_equal_signed(sess.run(gid, x), jax.jit(fn)(x))
 
   def test_closed_over_typed_prng_key(self):
     key = jax.random.key(0)
     fn = lambda x: x + jax.random.normal(key, x.shape)
     x = jnp.asarray(np.random.default_rng(0).standard_normal(3), jnp.float32)
     sess = js.Session()
-    np.testing.assert_array_equal(sess.run(sess.compile(fn, x), x), jax.jit(fn)(x))
+    assert_equal_signed(sess.run(sess.compile(fn, x), x), jax.jit(fn)(x))
 
   def test_custom_linear_solve_with_a_callback(self):
     calls = collections.Counter()
@@ -79,13 +80,13 @@ class ProgramsTest(absltest.TestCase):
     sess = js.Session()
     gid = sess.compile(step, w, x, state_argnums=0)
     want_w, want = jax.jit(step)(w, x)
-    np.testing.assert_array_equal(sess.run(gid, x), want)
-    np.testing.assert_array_equal(sess.get_state(gid)[0], want_w)
+    assert_equal_signed(sess.run(gid, x), want)
+    assert_equal_signed(sess.get_state(gid)[0], want_w)
     calls["fail"] = 1
     with self.assertRaises(js.HostOpError) as caught:
       sess.run(gid, x)
     self.assertIsInstance(caught.exception.__cause__, ValueError)
-    np.testing.assert_array_equal(sess.get_state(gid)[0], want_w)
+    assert_equal_signed(sess.get_state(gid)[0], want_w)
 
   @pytest.mark.slow
   def test_int_float64_int_round_trips_under_x64(self):
@@ -111,8 +112,8 @@ class ProgramsTest(absltest.TestCase):
       sess = js.Session()
       gid = sess.compile(fn, x, jnp.asarray(0.5, dtype))
       for lr in (1 + 2**-11 + 2**-30, 0.1, 3.0):
-        np.testing.assert_array_equal(sess.run(gid, x, lr),
-                                      jax.jit(fn)(x, jnp.asarray(np.float32(lr), dtype)))
+        assert_equal_signed(sess.run(gid, x, lr),
+                            jax.jit(fn)(x, jnp.asarray(np.float32(lr), dtype)))
 
 
 class DeepChainTest(absltest.TestCase):
@@ -129,7 +130,7 @@ class DeepChainTest(absltest.TestCase):
     x[0, :2] = [-0.0, np.nan]
     sess = js.Session()
     gid = sess.compile(f, x, w)
-    np.testing.assert_array_equal(sess.run(gid, x, w), jax.jit(f)(x, w))
+    assert_equal_signed(sess.run(gid, x, w), jax.jit(f)(x, w))
 
 
 class ManyWeakStateLeavesTest(absltest.TestCase):
@@ -148,9 +149,9 @@ class ManyWeakStateLeavesTest(absltest.TestCase):
     gid = sess.compile(step, state, x, state_argnums=0)
     self.assertLessEqual(len(traces), 3)
     want_s, want = jax.jit(step)(state, x)
-    np.testing.assert_array_equal(sess.run(gid, x), want)
+    assert_equal_signed(sess.run(gid, x), want)
     for got, w in zip(sess.get_state(gid)[0], want_s):
-      np.testing.assert_array_equal(got, w)
+      assert_equal_signed(got, w)
 
 
 class GcPauseTest(absltest.TestCase):
@@ -191,15 +192,15 @@ class WeakTypesTest(absltest.TestCase):
     x = jnp.asarray([1.1, 2.3], jnp.bfloat16)
     sess = js.Session()
     gid = sess.compile(fn, x, 0.1)  # weak: bf16 * weak f32 stays bf16
-    np.testing.assert_array_equal(sess.run(gid, x, 0.25), jax.jit(fn)(x, 0.25))
+    assert_equal_signed(sess.run(gid, x, 0.25), jax.jit(fn)(x, 0.25))
     with self.assertRaisesRegex(js.InputError, "strongly typed.*Pass a Python scalar"):
       sess.run(gid, x, jnp.float32(0.25))  # jax.jit: a float32 result
     strong = sess.compile(fn, x, jnp.float32(0.1))
     with self.assertRaisesRegex(js.InputError, "weakly typed.*an array of that dtype"):
       sess.run(strong, x, 0.25)
     f32 = sess.compile(fn, jnp.ones(2), 0.1)  # all float32: the weak type is moot
-    np.testing.assert_array_equal(sess.run(f32, jnp.ones(2), jnp.float32(0.25)),
-                                  jax.jit(fn)(jnp.ones(2), jnp.float32(0.25)))
+    assert_equal_signed(sess.run(f32, jnp.ones(2), jnp.float32(0.25)),
+                        jax.jit(fn)(jnp.ones(2), jnp.float32(0.25)))
 
   def test_unstacked_scalar_of_a_sunk_run(self):
     # in_axes None passes the scalar as a single run does: it was accepted
@@ -212,14 +213,14 @@ class WeakTypesTest(absltest.TestCase):
     for steps in (2, 3):  # the first steps value, then chunks of 2 + 1
       with self.assertRaisesRegex(js.InputError, "strongly typed.*Pass a Python scalar"):
         sess.run(gid, jnp.int32(3), steps=steps, in_axes=(None,))
-      np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
+      assert_equal_signed(sess.get_state(gid)[0], s0)
     got = sess.run(gid, 3, steps=3, in_axes=(None,))
     ref, want = s0, []
     for _ in range(3):
       ref, out = jax.jit(step)(ref, 3)
       want.append(out)
-    np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(sess.get_state(gid)[0], ref)
+    assert_equal_signed(got, want)
+    assert_equal_signed(sess.get_state(gid)[0], ref)
 
   def test_numpy_scalars_many_scalars_arrays_and_set_state(self):
     fn = lambda x, s: x * s
@@ -240,7 +241,7 @@ class WeakTypesTest(absltest.TestCase):
     with self.assertRaisesRegex(js.InputError, "strongly typed"):
       sess.set_state(stateful, jnp.float32(2.0))
     sess.set_state(stateful, jnp.asarray(2.0))
-    np.testing.assert_array_equal(sess.run(stateful, x), jax.jit(step)(jnp.asarray(2.0), x)[1])
+    assert_equal_signed(sess.run(stateful, x), jax.jit(step)(jnp.asarray(2.0), x)[1])
 
   def test_state_whose_weak_type_changes(self):
     sess = js.Session()
@@ -251,7 +252,7 @@ class WeakTypesTest(absltest.TestCase):
     gid = sess.compile(lambda w, x: (w + jnp.float32(1), w * x), jnp.asarray(1.5),
                        jnp.ones(2), state_argnums=0)
     sess.run(gid, jnp.ones(2))
-    np.testing.assert_array_equal(sess.run(gid, jnp.ones(2)), [2.5, 2.5])
+    assert_equal_signed(sess.run(gid, jnp.ones(2)), [2.5, 2.5])
 
   def test_output_weak_types_follow_the_scalars(self):
     """Compiled with a Python float and run with a strong float32 (or the
@@ -272,7 +273,7 @@ class WeakTypesTest(absltest.TestCase):
           want = jax.jit(fn)(value, *example[1:])
           for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             self.assertEqual((g.dtype, g.weak_type), (w.dtype, w.weak_type), (fn, value))
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+            assert_equal_signed(np.asarray(g), np.asarray(w))
             if g.dtype == jnp.float32 and g.shape == ():
               self.assertEqual((g * params).dtype, (w * params).dtype)
 
@@ -360,8 +361,8 @@ class PipelineEdgesTest(absltest.TestCase):
     finally:
       js.unregister_pass("add_neg")
     self.assertEqual([p.place for p in sess.report(gid).partitions], ["device"])
-    np.testing.assert_array_equal(sess.run(gid, jnp.arange(3.0)),
-                                  -(jnp.sin(jnp.arange(3.0)) * 2))
+    assert_equal_signed(sess.run(gid, jnp.arange(3.0)),
+                        -(jnp.sin(jnp.arange(3.0)) * 2))
 
   def test_sunk_run_with_bad_args_builds_nothing(self):
     sess = js.Session()
@@ -438,19 +439,19 @@ class DisableJitTest(absltest.TestCase):
     self.assertGreater(len(sess.report(pid).partitions), 1)
     with jax.disable_jit():
       w1, want = jax.jit(step)(w, x)
-      np.testing.assert_array_equal(sess.run(sid, x), want)
-      np.testing.assert_array_equal(sess.get_state(sid)[0], w1)
+      assert_equal_signed(sess.run(sid, x), want)
+      assert_equal_signed(sess.get_state(sid)[0], w1)
       wants, wn = [], w1
       for t in range(3):
         wn, out = jax.jit(step)(wn, xs[t])
         wants.append(out)
-      np.testing.assert_array_equal(sess.run(sid, xs, steps=3), jnp.stack(wants))
-      np.testing.assert_array_equal(sess.get_state(sid)[0], wn)
-      np.testing.assert_array_equal(sess.run(pid, x), jax.jit(plan)(x))
+      assert_equal_signed(sess.run(sid, xs, steps=3), jnp.stack(wants))
+      assert_equal_signed(sess.get_state(sid)[0], wn)
+      assert_equal_signed(sess.run(pid, x), jax.jit(plan)(x))
       with self.assertRaises(js.InputError):  # bad input: still named, nothing changed
         sess.run(sid, jnp.ones(5))
-      np.testing.assert_array_equal(sess.get_state(sid)[0], wn)
-    np.testing.assert_array_equal(sess.run(sid, x), jax.jit(step)(wn, x)[1])  # compiled again
+      assert_equal_signed(sess.get_state(sid)[0], wn)
+    assert_equal_signed(sess.run(sid, x), jax.jit(step)(wn, x)[1])  # compiled again
 
 
 if __name__ == "__main__":

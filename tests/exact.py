@@ -39,6 +39,27 @@ def assert_same_bits(got, want, msg=""):
                               f"want {w[differ][:5]}")
 
 
+def assert_equal_signed(got, want, err_msg=""):
+  """np.testing.assert_array_equal, which counts -0.0 and 0.0 equal, plus
+  the sign of every zero: a value check that also sees a lost -0.0, for
+  comparisons against numpy values or lists of another dtype (where the
+  dtypes match, assert_same_bits is the stricter check)."""
+  np.testing.assert_array_equal(got, want, err_msg=err_msg)
+  g, w = np.asarray(got), np.asarray(want)
+  if g.dtype == object or w.dtype == object:
+    return
+  if np.issubdtype(np.result_type(g.dtype, w.dtype), np.inexact) or \
+      g.dtype.name == "bfloat16" or w.dtype.name == "bfloat16":
+    g64, w64 = (np.broadcast_to(x.astype(np.complex128 if np.iscomplexobj(x) else np.float64),
+                                np.broadcast_shapes(g.shape, w.shape)) for x in (g, w))
+    zero = (g64 == 0) & (w64 == 0)
+    for part in ((g64.real, w64.real), (g64.imag, w64.imag)) if np.iscomplexobj(g64) else \
+        ((g64, w64),):
+      differ = zero & (np.signbit(part[0]) != np.signbit(part[1]))
+      assert not differ.any(), (f"{err_msg}: the sign of {differ.sum()} zeros differs, first "
+                                f"at {np.argwhere(differ)[:5].tolist()}")
+
+
 def ulps_apart(got, want):
   """The largest distance, in units in the last place, between two float32 arrays."""
   g = np.asarray(got, np.float32).view(np.int32).astype(np.int64)

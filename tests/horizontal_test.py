@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
+from jaxsession.runtime import horizontal
 from exact import assert_same_bits, normal, with_specials
 
 RNG = np.random.default_rng(1717)
@@ -285,6 +286,30 @@ class NotMergedTest(absltest.TestCase):
     sess, gid, got, want = run_both(step, state, [jnp.float32(0.001)])
     assert_same_bits(got, want, "deep chain")
     self.assertIn("too deep to plan", sess.report(gid).memory.horizontal[0])
+
+  def test_traced_again_only_where_something_merges(self):
+    # the rewrite plans on jax.jit's own trace of the step: where nothing
+    # merges, that trace is lowered as it is (it was evaluated again, ~0.3 s
+    # of the transformer's compile); where something does, once
+    evaluated = []
+    real = horizontal._evaluate
+
+    def counting(*args):
+      evaluated.append(1)
+      return real(*args)
+    state = {f"w{i}": normal(RNG, 7) for i in range(4)}
+    cases = {"merged": (lambda s, x: (jax.tree.map(lambda p: p - x, s), x), 1),
+             "approximated": (lambda s, x: (jax.tree.map(jnp.exp, s), x), 0)}
+    horizontal._evaluate = counting
+    try:
+      for name, (fn, traces) in cases.items():
+        with self.subTest(name):
+          del evaluated[:]
+          _, _, got, want = run_both(fn, state, [normal(RNG)])
+          assert_same_bits(got, want, name)
+          self.assertLen(evaluated, traces)
+    finally:
+      horizontal._evaluate = real
 
   def test_packing_off_notes_nothing(self):
     state = leaves(RNG, 5)

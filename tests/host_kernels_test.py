@@ -18,6 +18,7 @@ import numpy as np
 
 import jaxsession as js
 from jaxsession.graph import op_properties
+from exact import assert_equal_signed
 
 INTS = ("int8", "uint8", "int16", "uint16", "int32", "uint32")
 INTS64 = ("int64", "uint64")
@@ -198,7 +199,7 @@ class CallbackResultTest(absltest.TestCase):
       sess = js.Session()
       gid = sess.compile(f, x)
       if name in taken:
-        np.testing.assert_array_equal(sess.run(gid, x), jax.jit(f)(x), err_msg=name)
+        assert_equal_signed(sess.run(gid, x), jax.jit(f)(x), err_msg=name)
       else:
         with self.assertRaises(jax.errors.JaxRuntimeError, msg=name):
           jax.block_until_ready(jax.jit(f)(x))
@@ -234,7 +235,7 @@ class CallbackResultTest(absltest.TestCase):
       buf[:] = np.nan  # the callback's buffer, written after run returned
       want = jax.jit(f)(x)
       for g, w in zip(got, want):
-        np.testing.assert_array_equal(g, w)
+        assert_equal_signed(g, w)
 
 
 class HostKernelRulesTest(absltest.TestCase):
@@ -262,8 +263,8 @@ class HostKernelRulesTest(absltest.TestCase):
       for k, ((op, _), g, w) in enumerate(zip(cases, got, want)):
         with self.subTest(op=op, case=k, seed=run_seed):
           self.assertEqual((g.dtype, g.shape), (w.dtype, w.shape))
-          np.testing.assert_array_equal(np.asarray(g), np.asarray(w),
-                                        err_msg=f"{op} case {k}")
+          assert_equal_signed(np.asarray(g), np.asarray(w),
+                              err_msg=f"{op} case {k}")
 
   def test_rules(self):
     self.check(INTS, seed=0)
@@ -274,7 +275,7 @@ class HostKernelRulesTest(absltest.TestCase):
     const = jnp.asarray(np.random.default_rng(5).standard_normal((2, 4)), jnp.float32)
     f = lambda x: x + lax.broadcast_in_dim(const, (4, 3, 2), (2, 0))  # noqa: E731
     x = jnp.asarray(np.random.default_rng(6).standard_normal((4, 3, 2)), jnp.float32)
-    np.testing.assert_array_equal(js.jit(f)(x), jax.jit(f)(x))
+    assert_equal_signed(js.jit(f)(x), jax.jit(f)(x))
 
   def test_kept_nested_jits_run_on_the_host_where_their_body_does(self):
     """jnp.where and jnp.clip are nested jits the importer keeps as calls: on
@@ -297,7 +298,7 @@ class HostKernelRulesTest(absltest.TestCase):
     calls = [n for n in sess.graph(gid).nodes if n.op == "jit"]
     self.assertNotEmpty(calls)
     self.assertEqual({n.kernel.name for n in calls}, {"host:call"})
-    np.testing.assert_array_equal(sess.run(gid, a, b), jax.jit(fn)(a, b))
+    assert_equal_signed(sess.run(gid, a, b), jax.jit(fn)(a, b))
 
   def test_select_n_clamps_a_selector_out_of_range_as_xla_does(self):
     echo = lambda x: jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(x.shape, x.dtype), x)  # noqa: E731
@@ -308,8 +309,8 @@ class HostKernelRulesTest(absltest.TestCase):
     self.assertEqual([p.place for p in sess.report(gid).partitions], ["host"])
     for which in ([-1, 0, 1, 2], [0, 1, -2, 9], [3, 2, 1, 0]):
       which = np.asarray(which, np.int32)
-      np.testing.assert_array_equal(sess.run(gid, which, a, a + 10, a + 20),
-                                    jax.jit(fn)(which, a, a + 10, a + 20))
+      assert_equal_signed(sess.run(gid, which, a, a + 10, a + 20),
+                          jax.jit(fn)(which, a, a + 10, a + 20))
 
   def test_rules_x64(self):
     with jax.enable_x64(True):

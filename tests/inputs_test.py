@@ -14,7 +14,7 @@ import numpy as np
 
 import jaxsession as js
 from jaxsession.inputs import ArgSpec
-from exact import assert_same_bits
+from exact import assert_equal_signed, assert_same_bits
 from subproc import HELPERS, run_json
 
 
@@ -217,8 +217,8 @@ class CallSignatureTest(absltest.TestCase):
     self.assert_refused(r"argument 1 at path \(root\) is a jax.ShapeDtypeStruct",
                         lambda: self.sess.run_op(tree_fn, {"a": (ok, ok)},
                                                  jax.ShapeDtypeStruct((3,), jnp.float32)))
-    np.testing.assert_array_equal(self.sess.run_op(tree_fn, {"a": (ok, ok)}, -0.0),
-                                  jax.jit(tree_fn)({"a": (ok, ok)}, -0.0))
+    assert_equal_signed(self.sess.run_op(tree_fn, {"a": (ok, ok)}, -0.0),
+                        jax.jit(tree_fn)({"a": (ok, ok)}, -0.0))
     self.assert_unchanged()
 
 
@@ -245,7 +245,7 @@ class TracerTest(absltest.TestCase):
           call()
         self.assertIn("is a tracer (float32[3])", str(caught.exception))
         assert_same_bits(sess.get_state(gid)[0], w, what)
-    np.testing.assert_array_equal(sess.run(gid, x), jax.jit(jnp.sum)(x))
+    assert_equal_signed(sess.run(gid, x), jax.jit(jnp.sum)(x))
 
 
 class ConstantNewStateTest(absltest.TestCase):

@@ -10,6 +10,7 @@ import pytest
 
 import jaxsession as js
 from tests.subproc import run_json
+from exact import assert_equal_signed
 
 
 def same(test, got, want):
@@ -21,7 +22,7 @@ def same(test, got, want):
     test.assertEqual(type(g), type(w))
     if isinstance(w, jax.Array):
       test.assertEqual((g.dtype, g.shape, g.weak_type), (w.dtype, w.shape, w.weak_type))
-      np.testing.assert_array_equal(np.atleast_1d(g).view(np.uint8), np.atleast_1d(w).view(np.uint8))
+      assert_equal_signed(np.atleast_1d(g).view(np.uint8), np.atleast_1d(w).view(np.uint8))
     else:
       test.assertEqual(g, w)
 

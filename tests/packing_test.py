@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jaxsession as js
-from exact import assert_same_bits, normal, ulps_apart, wide, with_specials
+from exact import assert_equal_signed, assert_same_bits, normal, ulps_apart, wide, with_specials
 from subproc import run_json
 
 RNG = np.random.default_rng(2026)
@@ -312,8 +312,8 @@ class SharedSlotTest(absltest.TestCase):
     for t in threads:
       t.join()
     got = sess.get_state(gid)[0]
-    np.testing.assert_array_equal(got["a"], np.full(4, 200))
-    np.testing.assert_array_equal(got["b"], np.full(3, -200))
+    assert_equal_signed(got["a"], np.full(4, 200))
+    assert_equal_signed(got["b"], np.full(3, -200))
 
 
 class MultiplyAddTest(absltest.TestCase):
@@ -351,7 +351,7 @@ class MultiplyAddTest(absltest.TestCase):
         # program (16 of the 120 float leaves of those runs differed), so 256 bounds it
         self.assertLessEqual(ulps_apart(got, ref), 256)
       else:
-        np.testing.assert_array_equal(got, ref)
+        assert_equal_signed(got, ref)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import numpy as np
 
 import jaxsession as js
 from jaxsession import errors
-from tests.exact import assert_same_bits
+from tests.exact import assert_equal_signed, assert_same_bits
 from tests.partition_util import (
     _x, host, work_nodes, fewest_partitions, check_stateless, check_stateful,
     places, partition_of, sin_plus, cos_minus,
@@ -387,7 +387,7 @@ class EscapingHostBuffersTest(absltest.TestCase):
     sess.run(gid, jnp.float32(1.5))
     want = np.asarray(w) * np.float32(1.5) + 1
     self.buf[:] = -7
-    np.testing.assert_array_equal(sess.get_state(gid)[0], want)
+    assert_equal_signed(sess.get_state(gid)[0], want)
 
   def test_output_made_on_the_host_is_a_copy(self):
     fn = lambda x: jax.pure_callback(self.fill, jax.ShapeDtypeStruct((64,), F32), x)
@@ -398,7 +398,7 @@ class EscapingHostBuffersTest(absltest.TestCase):
     want = np.asarray(jax.jit(fn)(x1))
     sess.run(gid, x2)
     self.buf[:] = 99
-    np.testing.assert_array_equal(first, want)
+    assert_equal_signed(first, want)
 
 
 class DeletedArgumentTest(absltest.TestCase):
@@ -417,7 +417,7 @@ class DeletedArgumentTest(absltest.TestCase):
       dead.delete()
       with self.assertRaisesRegex(errors.InputError, "deleted"):
         sess.run(graph, dead)
-    np.testing.assert_array_equal(sess.get_state(gid)[0], before)
+    assert_equal_signed(sess.get_state(gid)[0], before)
 
 
 if __name__ == "__main__":

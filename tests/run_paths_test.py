@@ -11,6 +11,7 @@ import numpy as np
 
 import jaxsession as js
 from subproc import run_json
+from exact import assert_equal_signed
 
 
 class DisableJitCallbackCountTest(absltest.TestCase):
@@ -42,21 +43,21 @@ class DisableJitCallbackCountTest(absltest.TestCase):
       want_w, want = jax.jit(step)(w, xs[0])
       self.assertEqual(len(calls), 1)
       calls.clear()
-      np.testing.assert_array_equal(sess.run(sid, xs[0]), want)
-      np.testing.assert_array_equal(sess.get_state(sid)[0], want_w)
+      assert_equal_signed(sess.run(sid, xs[0]), want)
+      assert_equal_signed(sess.get_state(sid)[0], want_w)
       self.assertEqual(len(calls), 1)
       calls.clear()
       sess.run(sid, xs, steps=3)
       self.assertEqual(len(calls), 3)
       calls.clear()
-      np.testing.assert_array_equal(sess.run(pid, xs[1]), jax.jit(lambda x: step(x, x)[1])(xs[1]))
+      assert_equal_signed(sess.run(pid, xs[1]), jax.jit(lambda x: step(x, x)[1])(xs[1]))
       self.assertEqual(len(calls), 2)  # the session's run, then jax.jit's
       # a callback that raises there is a HostOpError naming the node, as
       # outside disable_jit (it was the raw exception), and the state stays
       before = np.asarray(sess.get_state(sid)[0])
       with self.assertRaisesRegex(js.HostOpError, r"pure_callback.*ValueError"):
         sess.run(sid, xs[0].at[0].set(np.nan))
-      np.testing.assert_array_equal(sess.get_state(sid)[0], before)
+      assert_equal_signed(sess.get_state(sid)[0], before)
 
 
 class StatelessRunTest(absltest.TestCase):
@@ -78,7 +79,7 @@ class StatelessRunTest(absltest.TestCase):
                       (sess.run(gid, x, y), jax.jit(f)(x, y)),   # numpy: conformed
                       (sess.run(gid, x, np.asarray(y)), jax.jit(f)(x, np.asarray(y)))):
       for g, w in zip(got, want):
-        np.testing.assert_array_equal(g, w)
+        assert_equal_signed(g, w)
     with self.assertRaisesRegex(js.InputError, r"argument 1 .*expected f32\[6\], got f32\[5\]"):
       sess.run(gid, x, jnp.ones(5))
     dead = jnp.asarray(x)
@@ -88,7 +89,7 @@ class StatelessRunTest(absltest.TestCase):
     with jax.disable_jit():
       got, want = sess.run(gid, x, y), jax.jit(f)(x, y)
     for g, w in zip(got, want):
-      np.testing.assert_array_equal(g, w)
+      assert_equal_signed(g, w)
     sess.release(gid)
     with self.assertRaises(js.UnknownGraphError):
       sess.run(gid, x, y)
@@ -110,7 +111,7 @@ class StatelessRunTest(absltest.TestCase):
     self.assertGreater(len(sess.report(gid).partitions), 1)
     for args in ((x, w), (np.asarray(x), w)):
       for g, want in zip(sess.run(gid, *args), jax.jit(f)(*args)):
-        np.testing.assert_array_equal(g, want)
+        assert_equal_signed(g, want)
     with self.assertRaisesRegex(js.InputError, r"argument 1 .*expected f32\[4\]"):
       sess.run(gid, x, jnp.ones(3))
     with self.assertRaisesRegex(js.HostOpError, r"host refuses"):
@@ -123,10 +124,10 @@ class StatelessRunTest(absltest.TestCase):
       sess.run(gid, dead, w)
     with jax.disable_jit():
       for g, want in zip(sess.run(gid, x, w), jax.jit(f)(x, w)):
-        np.testing.assert_array_equal(g, want)
+        assert_equal_signed(g, want)
     one = sess.compile(lambda x, w: f(x, w)[0], x, w)  # one output: one generated function
     for args in ((x, w), (np.asarray(x), np.asarray(w)), (x, np.asarray(w))):
-      np.testing.assert_array_equal(sess.run(one, *args), jax.jit(lambda x, w: f(x, w)[0])(*args))
+      assert_equal_signed(sess.run(one, *args), jax.jit(lambda x, w: f(x, w)[0])(*args))
     with self.assertRaisesRegex(js.HostOpError, r"host refuses"):
       sess.run(one, x + 1000, w * 0 + 1)
     with self.assertRaisesRegex(js.InputError, r"argument 1 .*expected f32\[4\]"):
@@ -147,7 +148,7 @@ class PlanUnreadArgumentTest(absltest.TestCase):
     sess = js.Session()
     gid = sess.compile(f, x, u, w)
     self.assertGreater(len(sess.report(gid).partitions), 1)
-    np.testing.assert_array_equal(sess.run(gid, x, u * 2, w), jax.jit(f)(x, u * 2, w))
+    assert_equal_signed(sess.run(gid, x, u * 2, w), jax.jit(f)(x, u * 2, w))
     for bad in (jnp.ones(7), jnp.ones(4, jnp.int32), "abc"):
       with self.assertRaisesRegex(js.InputError, r"argument 1 \(position 1"):
         sess.run(gid, x, bad, w)
@@ -194,10 +195,10 @@ class DeferredCallbackFailureTest(absltest.TestCase):
       for _ in range(3):
         with self.assertRaisesRegex(js.HostOpError, r"host says no"):
           sess.run(gid, slow(big))
-        np.testing.assert_array_equal(sess.get_state(gid)[0], w0)
+        assert_equal_signed(sess.get_state(gid)[0], w0)
       want_w, want = jax.jit(fn)(w0, x0)
-      np.testing.assert_array_equal(sess.run(gid, x0), want)
-      np.testing.assert_array_equal(sess.get_state(gid)[0], want_w)
+      assert_equal_signed(sess.run(gid, x0), want)
+      assert_equal_signed(sess.get_state(gid)[0], want_w)
 
 
 class ReleasedDuringRunTest(absltest.TestCase):
@@ -235,7 +236,7 @@ class HostMemoryArgumentTest(absltest.TestCase):
       for kind in ("pinned_host", "unpinned_host"):
         xm = jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0],
                                                                  memory_kind=kind))
-        np.testing.assert_array_equal(sess.run(gid, xm), jax.jit(f)(xm))
+        assert_equal_signed(sess.run(gid, xm), jax.jit(f)(xm))
 
 
 class PlanLiteralOutputTest(absltest.TestCase):
@@ -254,8 +255,8 @@ class PlanLiteralOutputTest(absltest.TestCase):
     got, want = sess.run(gid, x), jax.jit(f)(x)
     for g, w in zip(got, want):
       self.assertEqual((g.dtype, g.weak_type), (w.dtype, w.weak_type))
-      np.testing.assert_array_equal(g, w)
-      np.testing.assert_array_equal(np.signbit(g), np.signbit(w))
+      assert_equal_signed(g, w)
+      assert_equal_signed(np.signbit(g), np.signbit(w))
 
 
 class RetriedRunFailureTest(absltest.TestCase):

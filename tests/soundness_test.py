@@ -11,6 +11,7 @@ from jax import lax
 import numpy as np
 
 import jaxsession as js
+from exact import assert_equal_signed
 
 
 def salted(rng, shape, dtype=np.float32):
@@ -26,7 +27,7 @@ def assert_trees_equal(a, b, msg=""):
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   assert jax.tree.structure(a) == jax.tree.structure(b), msg
   for x, y in zip(la, lb):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=msg)
+    assert_equal_signed(np.asarray(x), np.asarray(y), err_msg=msg)
 
 
 class Faulty:
@@ -257,7 +258,7 @@ class CallbackSemanticsTest(absltest.TestCase):
     self.assertEqual(sess.report(gid).partitions[0].place, "host")
     got = sess.run(gid, x)
     jit_seen = len(seen)
-    np.testing.assert_array_equal(got, jax.jit(fn)(x))
+    assert_equal_signed(got, jax.jit(fn)(x))
     self.assertEqual(seen[0], seen[jit_seen])  # the same type jax.jit passes
     self.assertTrue(issubclass(seen[0], jax.Array))
 
@@ -290,8 +291,8 @@ class ArgumentTypesTest(absltest.TestCase):
       gid = sess.compile(fn, x, jnp.float32(0.5))
       for lr in (0.1, 3.0, np.float32(0.25), 1e-45):
         with self.subTest(label=label, lr=lr):
-          np.testing.assert_array_equal(sess.run(gid, x, lr),
-                                        jax.jit(fn)(x, np.float32(lr)))
+          assert_equal_signed(sess.run(gid, x, lr),
+                              jax.jit(fn)(x, np.float32(lr)))
       for lr in (3, 2**24 + 1):  # jax.jit would trace int arithmetic for an int
         with self.assertRaisesRegex(js.InputError, f"Python int {lr} where f32"):
           sess.run(gid, x, lr)
@@ -303,7 +304,7 @@ class ArgumentTypesTest(absltest.TestCase):
     x = jnp.asarray(np.random.default_rng(9).integers(-2**30, 2**30, 5), jnp.int32)
     sess = js.Session()
     gid = sess.compile(fn, x, jnp.int32(3))
-    np.testing.assert_array_equal(sess.run(gid, x, 7), jax.jit(fn)(x, np.int32(7)))
+    assert_equal_signed(sess.run(gid, x, 7), jax.jit(fn)(x, np.int32(7)))
     with self.assertRaisesRegex(js.InputError, "does not fit"):
       sess.run(gid, x, 2**31)
     with self.assertRaisesRegex(js.InputError, "does not fit"):
@@ -315,7 +316,7 @@ class ArgumentTypesTest(absltest.TestCase):
     sess = js.Session()
     gid = sess.compile(fn, x, 0.5)  # a weak-typed Python float
     for s in (0.25, np.float32(2.5), jnp.float32(-0.0)):
-      np.testing.assert_array_equal(sess.run(gid, x, s), jax.jit(fn)(x, s))
+      assert_equal_signed(sess.run(gid, x, s), jax.jit(fn)(x, s))
 
 
 class ValidationTest(absltest.TestCase):
@@ -337,7 +338,7 @@ class ValidationTest(absltest.TestCase):
     for bad in (0.0, True, "0", None, 1):
       with self.assertRaises(js.UnknownGraphError):
         sess.run(bad, jnp.ones(2))
-    np.testing.assert_array_equal(sess.run(np.int64(0), jnp.ones(2)), jnp.sin(jnp.ones(2)))
+    assert_equal_signed(sess.run(np.int64(0), jnp.ones(2)), jnp.sin(jnp.ones(2)))
 
   def test_argnums(self):
     sess = js.Session()
@@ -428,7 +429,7 @@ class KernelAndPassTest(absltest.TestCase):
       gid = sess.compile(lambda a: jnp.sin(a) * 2, jnp.arange(3.0))
       self.assertIn("cos", [n.op for n in sess.graph(gid).nodes])
       self.assertTrue(all(n.kernel is not None and n.place for n in sess.graph(gid).nodes))
-      np.testing.assert_array_equal(sess.run(gid, jnp.arange(3.0)), jnp.cos(
+      assert_equal_signed(sess.run(gid, jnp.arange(3.0)), jnp.cos(
           jnp.zeros(3)) * 2)
     finally:
       js.unregister_pass("sin_to_cos")

@@ -10,6 +10,7 @@ import optax
 
 import jaxsession as js
 from jaxsession.errors import InputError
+from exact import assert_equal_signed
 
 
 def _state_bytes(sess, gid):
@@ -49,7 +50,7 @@ class ReplaceStateTest(absltest.TestCase):
       fresh["k"][0, :2] = [-0.0, np.nan]  # a signed zero and a nan travel as they are
       params_before = sess.get_state(gid)[0]
       sess.replace_state(gid, 1, fresh)
-      np.testing.assert_array_equal(sess.get_state(gid)[1]["k"], fresh["k"])
+      assert_equal_signed(sess.get_state(gid)[1]["k"], fresh["k"])
       for name, leaf in params_before.items():  # untouched, bit for bit
         self.assertEqual(np.asarray(sess.get_state(gid)[0][name]).tobytes(),
                          np.asarray(leaf).tobytes())
@@ -57,7 +58,7 @@ class ReplaceStateTest(absltest.TestCase):
       for pos in range(6):
         got = sess.run(gid, np.int32(pos), token)
         p, c, want = step(p, c, np.int32(pos), token)
-        np.testing.assert_array_equal(got, want)
+        assert_equal_signed(got, want)
         token = want
       self.assertEqual(_state_bytes(sess, gid),
                        [np.asarray(x).tobytes() for x in jax.tree.leaves((p, c))])
@@ -127,12 +128,12 @@ class ReplaceSeveralTest(absltest.TestCase):
         three.replace_state(three_gid, k, v)
       self.assertEqual(_state_bytes(one, one_gid), _state_bytes(three, three_gid))
       got = one.run(one_gid, steps=6)
-      np.testing.assert_array_equal(got, three.run(three_gid, steps=6))
+      assert_equal_signed(got, three.run(three_gid, steps=6))
       p, c, want = self.params, cache, []
       for pos in range(6):
         p, c, token = step(p, c, np.int32(pos), token)
         want.append(token)
-      np.testing.assert_array_equal(got, np.stack(want))
+      assert_equal_signed(got, np.stack(want))
       self.assertEqual(_state_bytes(one, one_gid)[4:6],
                        [np.asarray(x).tobytes() for x in jax.tree.leaves(c)])
       # the caller's arrays are copied, never donated by the runs
@@ -185,7 +186,7 @@ class DonateTest(absltest.TestCase):
     x = rng.standard_normal((5, 4)).astype(np.float32)
     ref = jax.jit(train)(*keep, x)
     got = sess.run(gid, x)
-    np.testing.assert_array_equal(got, ref[2])
+    assert_equal_signed(got, ref[2])
     self.assertEqual(_state_bytes(sess, gid),
                      [np.asarray(v).tobytes() for v in jax.tree.leaves(ref[:2])])
 
@@ -205,8 +206,8 @@ class DonateTest(absltest.TestCase):
       sess.set_state(gid, a, donate=True)
     self.assertTrue(a.is_deleted())
     self.assertEqual(sess._entry(gid).slots[0].leaves[0].unsafe_buffer_pointer(), pointer)
-    np.testing.assert_array_equal(sess.run(gid, x), jax.jit(train)(keep, x)[1])
-    np.testing.assert_array_equal(sess.get_state(gid)[0], keep - x)
+    assert_equal_signed(sess.run(gid, x), jax.jit(train)(keep, x)[1])
+    assert_equal_signed(sess.get_state(gid)[0], keep - x)
 
   def test_what_does_not_fit_is_copied_and_the_same_array_taken_once(self):
     sess = js.Session()
@@ -215,24 +216,24 @@ class DonateTest(absltest.TestCase):
     shared = jnp.asarray(np.float32([1.5, -0.0, 3.0]))
     sess.set_state(gid, shared, shared, donate=True)  # twice: taken once, copied once
     a, b = sess.get_state(gid)
-    np.testing.assert_array_equal(a, [1.5, -0.0, 3.0])
-    np.testing.assert_array_equal(b, [1.5, -0.0, 3.0])
+    assert_equal_signed(a, [1.5, -0.0, 3.0])
+    assert_equal_signed(b, [1.5, -0.0, 3.0])
     # two arrays on one buffer (device_put to its own sharding) are taken once
     # too: donating both raised a RuntimeError (found by the break-it review)
     one = jnp.asarray(np.float32([0.5, np.nan, -2.0]))
     alias = jax.device_put(one, one.sharding)
     sess.set_state(gid, one, alias, donate=True)
     for got in sess.get_state(gid):
-      np.testing.assert_array_equal(got, [0.5, np.nan, -2.0])
+      assert_equal_signed(got, [0.5, np.nan, -2.0])
     host = np.float32([2.0, 4.0, 8.0])  # numpy: copied, the caller's untouched
     sess.set_state(gid, host, jnp.asarray(host), donate=True)
-    np.testing.assert_array_equal(host, [2.0, 4.0, 8.0])
-    np.testing.assert_array_equal(sess.run(gid, np.ones(3, np.float32)), host * host)
+    assert_equal_signed(host, [2.0, 4.0, 8.0])
+    assert_equal_signed(sess.run(gid, np.ones(3, np.float32)), host * host)
     pinned = jnp.asarray(np.float32([5.0, 6.0, 7.0]))
     view = np.asarray(pinned)  # a numpy view pins the buffer: XLA copies it instead
     sess.set_state(gid, pinned, jnp.asarray(host), donate=True)
     self.assertFalse(pinned.is_deleted())
-    np.testing.assert_array_equal(sess.get_state(gid)[0], view)
+    assert_equal_signed(sess.get_state(gid)[0], view)
     before = _state_bytes(sess, gid)
     wrong = jnp.ones(4, jnp.float32)
     with self.assertRaisesRegex(InputError, "expected f32\\[3\\], got f32\\[4\\]"):
@@ -274,7 +275,7 @@ class ShapeDtypeStructStateTest(absltest.TestCase):
     taken = jax.tree.map(jnp.copy, o)
     sess.replace_state(gid, 1, taken, donate=True)
     self.assertTrue(all(a.is_deleted() for a in jax.tree.leaves(taken)))
-    np.testing.assert_array_equal(sess.run(gid, x), want[2])
+    assert_equal_signed(sess.run(gid, x), want[2])
     self.assertEqual(_state_bytes(sess, gid),
                      [np.asarray(v).tobytes() for v in jax.tree.leaves(want[:2])])
     # an eval graph sharing the unset slots is refused until they are bound
@@ -285,7 +286,7 @@ class ShapeDtypeStructStateTest(absltest.TestCase):
     with self.assertRaisesRegex(InputError, "is unset"):
       other.run(eid, x)
     other.set_state(tid, p, o)
-    np.testing.assert_array_equal(other.run(eid, x), jax.jit(lambda p, x: jnp.sum(x @ p["w"]))(p, x))
+    assert_equal_signed(other.run(eid, x), jax.jit(lambda p, x: jnp.sum(x @ p["w"]))(p, x))
     other.release(eid)
     other.release(tid)
 
@@ -308,14 +309,14 @@ class StateMapTest(absltest.TestCase):
       x = rng.standard_normal(4).astype(np.float32)
       sess.run(tid, x)
       ra, rb, rc, _ = jax.jit(train)(ra, rb, rc, x)
-      np.testing.assert_array_equal(sess.run(eid, x), jax.jit(evaluate)(rc, ra, x))
+      assert_equal_signed(sess.run(eid, x), jax.jit(evaluate)(rc, ra, x))
     # a graph that updates through the map writes the train graph's slots
     def bump(c, x):
       return c * 2.0, jnp.sum(c)
     bid = sess.compile(bump, c, a, state_argnums=0, state_from=tid, state_map=(2,))
     sess.run(bid, a)
-    np.testing.assert_array_equal(sess.get_state(tid)[2], rc * 2.0)
-    np.testing.assert_array_equal(sess.get_state(tid)[0], ra)
+    assert_equal_signed(sess.get_state(tid)[2], rc * 2.0)
+    assert_equal_signed(sess.get_state(tid)[0], ra)
 
   def test_bad_maps_and_orders_are_input_errors(self):
     sess = js.Session()
@@ -349,8 +350,8 @@ class StateMapTest(absltest.TestCase):
     x = np.float32([0.5, 0.25])
     sess.run(gid, x)
     new_b, new_a = sess.get_state(gid)
-    np.testing.assert_array_equal(new_b, b + x)
-    np.testing.assert_array_equal(new_a, a - x)
+    assert_equal_signed(new_b, b + x)
+    assert_equal_signed(new_a, a - x)
 
 
 class NumpyScalarStateTest(absltest.TestCase):
@@ -364,7 +365,7 @@ class NumpyScalarStateTest(absltest.TestCase):
     self.assertFalse(got.weak_type)
     want = jax.jit(lambda s: s)(np.float64(-0.0))
     self.assertEqual(got.dtype, want.dtype)
-    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    assert_equal_signed(np.signbit(got), np.signbit(want))
 
   def test_a_bound_value_takes_the_slots_weak_type(self):
     # the slot's weak type is the program's: a Python scalar bound to a strong
@@ -390,8 +391,8 @@ class NumpyScalarStateTest(absltest.TestCase):
       self.assertFalse(sess.get_state(gid)[0].weak_type)
       out = sess.run(gid, x)
       want = jax.jit(step)(jnp.float32(3.0), w0, x)  # the state as the slots hold it
-      np.testing.assert_array_equal(out, want[2])
-      np.testing.assert_array_equal(sess.get_state(gid)[0], want[0])
+      assert_equal_signed(out, want[2])
+      assert_equal_signed(sess.get_state(gid)[0], want[0])
       # after a run, the state is the program's outputs, typed as jax.jit's
       self.assertEqual([g.weak_type for g in sess.get_state(gid)],
                        [want[0].weak_type, want[1].weak_type])

@@ -15,6 +15,7 @@ import pytest
 
 import jaxsession as js
 from jaxsession.errors import InputError
+from exact import assert_equal_signed
 
 OPT = optax.adam(3e-2)
 
@@ -58,7 +59,7 @@ class EquinoxStateTest(absltest.TestCase):
     self.assertIs(got_model.activation, self.model.activation)
     self.assertIs(got_model.final_activation, self.model.final_activation)
     for got, want in zip(_arrays((got_model, got_opt)), _arrays((model, opt_state))):
-      np.testing.assert_array_equal(got, want)
+      assert_equal_signed(got, want)
 
   def test_an_equinox_mlp_trains_as_state_equal_to_filter_jit(self):
     sess = js.Session()
@@ -66,7 +67,7 @@ class EquinoxStateTest(absltest.TestCase):
                        state_argnums=(0, 1))
     want_model, want_opt, want_losses = self._reference(5)
     for i in range(5):
-      np.testing.assert_array_equal(sess.run(gid, self.xs[i], self.ys[i]), want_losses[i])
+      assert_equal_signed(sess.run(gid, self.xs[i], self.ys[i]), want_losses[i])
     self._assert_state_is(sess, gid, want_model, want_opt)
 
   @pytest.mark.slow  # three more compiles of the equinox step
@@ -78,10 +79,10 @@ class EquinoxStateTest(absltest.TestCase):
                       updates_state=False, state_from=gid)
     losses = sess.run(gid, self.xs[:4], self.ys[:4], steps=4)
     want_model, want_opt, want_losses = self._reference(4)
-    np.testing.assert_array_equal(losses, np.stack(want_losses))
+    assert_equal_signed(losses, np.stack(want_losses))
     self._assert_state_is(sess, gid, want_model, want_opt)
-    np.testing.assert_array_equal(sess.run(ev, self.xs[7]),
-                                  eqx.filter_jit(_eval_step)(want_model, self.xs[7]))
+    assert_equal_signed(sess.run(ev, self.xs[7]),
+                        eqx.filter_jit(_eval_step)(want_model, self.xs[7]))
 
   def test_another_static_object_is_an_input_error_that_changes_nothing(self):
     sess = js.Session()
@@ -98,7 +99,7 @@ class EquinoxStateTest(absltest.TestCase):
     with self.assertRaisesRegex(InputError, r"at \.activation: expected the non-array "):
       sess.replace_state(gid, 0, array)
     for got, want in zip(_arrays(sess.get_state(gid)), before):
-      np.testing.assert_array_equal(got, want)
+      assert_equal_signed(got, want)
     with self.assertRaisesRegex(InputError, r"state arg 0.*\.activation"):
       sess.compile(_eval_step, other, self.xs[0], state_argnums=(0,), updates_state=False,
                    state_from=gid)
@@ -152,11 +153,11 @@ class EquinoxLayersTest(absltest.TestCase):
     ref, m = eqx.filter_jit(step), model
     for _ in range(3):
       m, want = ref(m, x)
-      np.testing.assert_array_equal(sess.run(gid, x), want)
+      assert_equal_signed(sess.run(gid, x), want)
     got = sess.get_state(gid)[0]
     self.assertIs(got[1].inference, True)
     for a, b in zip(_arrays(got), _arrays(m)):
-      np.testing.assert_array_equal(a, b)
+      assert_equal_signed(a, b)
     with self.assertRaisesRegex(InputError, r"at \[0\]\.dropout\.inference: the non-array "
                                 r"leaf kept static is False, the state was compiled for True"):
       sess.set_state(gid, eqx.nn.inference_mode(got, False))
@@ -172,10 +173,10 @@ class PythonScalarStateTest(absltest.TestCase):
     x = np.random.default_rng(3).standard_normal(4).astype(np.float32)
     sess = js.Session()
     gid = sess.compile(step, {"scale": 3.0, "f": "a string"}, x, state_argnums=(0,))
-    np.testing.assert_array_equal(sess.run(gid, x), jax.jit(step, static_argnums=())(
+    assert_equal_signed(sess.run(gid, x), jax.jit(step, static_argnums=())(
         {"scale": 3.0, "f": None}, x)[1])
     sess.set_state(gid, {"scale": -0.0, "f": "a string"})
-    np.testing.assert_array_equal(sess.run(gid, x), x * np.float32(-0.0))
+    assert_equal_signed(sess.run(gid, x), x * np.float32(-0.0))
     state = sess.get_state(gid)[0]
     self.assertEqual(state["f"], "a string")
     self.assertEqual(float(state["scale"]), -0.0)
@@ -219,9 +220,9 @@ class PythonScalarStateTest(absltest.TestCase):
     ref, m, o, k = eqx.filter_jit(step), model, opt_state, key
     for _ in range(3):
       m, o, k, want = ref(m, o, k, x)
-      np.testing.assert_array_equal(sess.run(gid, x), want)
+      assert_equal_signed(sess.run(gid, x), want)
     for a, b in zip(_arrays(sess.get_state(gid)[:2]), _arrays((m, o))):
-      np.testing.assert_array_equal(a, b)
+      assert_equal_signed(a, b)
 
 
 if __name__ == "__main__":
