@@ -30,8 +30,9 @@ then computed by the same primitives from the same operand values as
 before. Nor is an op XLA:CPU approximates (exp, log, tanh, atan...:
 op_properties' `approximated`), whose polynomial rounds by the kernel's
 size - jax.jit itself gives other bits for 7 and 56 elements. Which
-multiply-adds XLA:CPU contracts into FMAs still follows the kernels, as
-packing's already do (docs/numerics.md). Leaves of more than
+multiply-adds XLA:CPU contracts into FMAs, in the step and inside those
+polynomials, still follows the kernels, as packing's already do
+(docs/numerics.md). Leaves of more than
 MERGE_BELOW_ELEMENTS elements on average keep their kernels. The per-leaf
 ops stay in the program; XLA drops those nothing else reads. Each buffer
 gets a line in report.memory's `horizontal` and in dump()'s memory section.
