@@ -76,6 +76,30 @@ def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
   return exe
 
 
+def out_structs(exe):
+  """A compiled executable's outputs as ShapeDtypeStructs, weak types and
+  layouts kept, in the pytree it returns them in. (Compiled.out_info drops
+  the weak types, and raises for an executable with ordered effects.)"""
+  try:
+    avals = exe._executable.out_avals  # pylint: disable=protected-access
+  except AttributeError:  # an internal API: out_info, weak types lost
+    return exe.out_info
+  shardings = jax.tree_util.tree_leaves(exe.output_shardings)
+  return jax.tree_util.tree_unflatten(exe.out_tree, [
+      jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=s)
+      for a, s in zip(avals, shardings)])
+
+
+def unchecked(fn):
+  """`fn`, a call of an executable that only moves data (splits a sunk
+  run's stacked arguments), run with jax_debug_nans/infs off: jax.jit never
+  checks its arguments, so a nan the step masks must not be refused there."""
+  def call(*args):
+    with jax.debug_nans(False), jax.debug_infs(False):
+      return fn(*args)
+  return call
+
+
 def compile_recorded(fn, recorder, arg_structs, donate_argnums=(), cache=None, key=None,
                      compiler_options=None, out_shardings=None, rewrite=None):
   """(executable, recorder, notes) for `fn`, whose callbacks leave their

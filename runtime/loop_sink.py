@@ -17,7 +17,7 @@ from jax import lax, tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.runtime import callbacks, sharding
-from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn
+from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn, out_structs, unchecked
 from jaxsession.runtime.executor import (arg_structs, executable_program, graph_body,
                                          leaf_steps, per_arg)
 from jaxsession.runtime.state_layout import kept_layouts
@@ -43,8 +43,9 @@ def sunk_program(graph, spec, rest_tree, layout, steps, hooks=None, leading=None
       it, same = iter(xs), iter(fixed)
       new, out = step(list(state), tuple(next(it) if s else next(same) for s in stacked))
       state = list(state)
-      for i, x in zip(layout.updated_idx, new):
-        state[i] = lax.convert_element_type(x, state[i].dtype)
+      for i, x in zip(layout.updated_idx, new):  # the carry's weak types as jax.jit's scan
+        state[i] = x if x.dtype == state[i].dtype else lax.convert_element_type(
+            x, state[i].dtype)
       return tuple(state), out
     state = tuple(layout.leaves_of(xs[:n]))
     final, ys = lax.scan(one_step, state, scanned, length=steps)
@@ -125,8 +126,8 @@ def stepped_program(program, layout, spec, rest_tree, steps, leading=None):
   leading = steps if leading is None else leading
   structs = tree_util.tree_leaves(arg_structs(spec, leading))
   compiled = steps <= MAX_COMPILED_STEPS  # beyond: N-output executables compile slowly
-  splitters = [(compile_fn(lambda a: [a[t] for t in range(steps)], [st])
-                if compiled else list) if s else (lambda a: [a] * steps)
+  splitters = [unchecked(compile_fn(lambda a: [a[t] for t in range(steps)], [st])
+                         if compiled else list) if s else (lambda a: [a] * steps)
                for st, s in zip(structs, leaf_steps(spec, leading))]
   stack = _Columns(jax.numpy.stack, eager=not compiled)
   run_flat = program.run_flat
@@ -186,13 +187,14 @@ def chunked_program(parts, layout, spec, rest_tree, steps, leading):
   bounds = [(sum(sizes[:k]), size) for k, size in enumerate(sizes)]
   def split_all(*xs):
     return [[lax.slice_in_dim(x, start, start + size) for x in xs] for start, size in bounds]
-  split = compile_fn(split_all, structs) if structs else (lambda: [[] for _ in parts])
+  split = unchecked(compile_fn(split_all, structs)) if structs else (lambda: [[] for _ in parts])
   join = _Columns(jax.numpy.concatenate)
   # compiled now, not after the first chunk consumed the state: a join that
   # failed to compile lost it (found by the break-it review)
   if all(len(part.executables) == 1 and part.ops and part.ops[0].fn is part.run
          for _, part in parts):
-    join.prepare([tree_util.tree_leaves(part.executables[0].out_info[1]) for _, part in parts])
+    join.prepare([tree_util.tree_leaves(out_structs(part.executables[0])[1])
+                  for _, part in parts])
   treedefs = spec.treedefs
 
   def run(*xs):

@@ -131,6 +131,53 @@ class DebugNansTest(absltest.TestCase):
     for got, want in zip(jax.tree.leaves(sess.get_state(train)[0]), jax.tree.leaves(state)):
       np.testing.assert_array_equal(got, want)
 
+  def test_a_nan_the_step_masks_in_a_sunk_runs_inputs(self):
+    """jax.jit never checks its arguments: a nan in a sunk run's stacked
+    input that the step masks runs, chunked or through a plan (the
+    executables splitting the steps were checked, and raised jax's private
+    InternalFloatingPointError: a break-it find)."""
+    def step(s, x):
+      clean = jnp.where(jnp.isnan(x), 0.0, x)
+      return s + clean, jnp.sum(clean)
+
+    def plan(s, x):
+      return step(s, jax.pure_callback(lambda a: np.asarray(a).copy(),
+                                       jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+    rng = np.random.default_rng(17)
+    xs = jnp.asarray(rng.standard_normal((5, 4)), jnp.float32).at[2, 1].set(jnp.nan)
+    s0 = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    for fn, first in ((step, 2), (plan, None)):
+      with self.subTest(fn.__name__):
+        sess = js.Session()
+        gid = sess.compile(fn, s0, xs[0], state_argnums=0)
+        if first:  # a first steps value: 5 then runs as chunks of 4 + 1
+          sess.run(gid, xs[:first], steps=first)
+          sess.set_state(gid, s0)
+        with jax.debug_nans(True):
+          got = sess.run(gid, xs, steps=5)
+          state, want = jax.jit(lambda s, xs: jax.lax.scan(step, s, xs))(s0, xs)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(sess.get_state(gid)[0], state)
+
+  def test_a_plan_checks_what_crosses_to_the_host(self):
+    """A known difference (docs/concepts.md): jax.jit checks its outputs
+    alone, a plan each device partition's, values handed to a host op
+    included - a nan made there and masked after the host op raises."""
+    def step(s, x):
+      y = jax.pure_callback(lambda a: np.asarray(a).copy(),
+                            jax.ShapeDtypeStruct(x.shape, x.dtype), x * 2.0)
+      clean = jnp.where(jnp.isnan(y), 0.0, y)
+      return s + clean, jnp.sum(clean)
+    s0 = jnp.asarray(np.random.default_rng(18).standard_normal(4), jnp.float32)
+    x = jnp.asarray([1.5, np.nan, -0.0, 2.0], jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(step, s0, x, state_argnums=0)
+    with jax.debug_nans(True):
+      jax.jit(step)(s0, x)  # no nan in its outputs: runs
+      with self.assertRaisesRegex(FloatingPointError, r"node \d+ 'mul'.*nan"):
+        sess.run(gid, x)
+    np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
+
   def test_a_nan_in_the_state_can_be_read_and_set_under_the_flag(self):
     """get_state and set_state copy without a computation: the flag checks
     what runs compute, not what the user reads or writes."""

@@ -3,6 +3,7 @@ and overlap, N plan runs all-or-nothing, and failures that leave the state
 as it was - bit for bit against jax.jit."""
 from absl.testing import absltest
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
@@ -400,6 +401,52 @@ class StepsValuesTest(absltest.TestCase):
     with self.assertRaises(js.HostOpError):
       sess.run(gid, xs[:37], steps=37)
     self.assertEqual(np.asarray(sess.get_state(gid)[0]).tobytes(), before)
+
+
+  def test_a_chunked_run_with_an_ordered_effect(self):
+    # the chunks' output types were read from Compiled.out_info, which jax
+    # refuses for an executable with ordered effects: every steps value after
+    # the first was a bare AssertionError (a break-it find)
+    seen = []
+    def step(s, x):
+      jax.experimental.io_callback(lambda v: seen.append(float(v)), None, x[0], ordered=True)
+      return s + x, s
+    rng = np.random.default_rng(25)
+    s0, xs = rng.standard_normal(4).astype(np.float32), rng.standard_normal((7, 4)).astype(
+        np.float32)
+    sess = js.Session()
+    gid = sess.compile(step, s0, xs[0], state_argnums=0)
+    sess.run(gid, xs[:5], steps=5)
+    sess.set_state(gid, s0)
+    del seen[:]
+    got = sess.run(gid, xs, steps=7)
+    self.assertIn("chunks of 4 + 2 + 1 steps", sess.report(gid).loop_sink[7])
+    state, want = jax.jit(lambda s, xs: jax.lax.scan(step, s, xs))(s0, xs)
+    assert_same_bits(got, want, "outputs of steps=7")
+    assert_same_bits(sess.get_state(gid)[0], state, "state after steps=7")
+    self.assertEqual(seen, [float(x) for x in xs[:, 0]] * 2)  # the session's, then jit's
+
+  def test_weak_types_as_a_scan_keeps_them(self):
+    # a state leaf bound from a Python scalar stays weak through sunk runs (it
+    # came back strong, and set_state(get_state()) was refused where the weak
+    # type changes the program); a chunked run's outputs keep theirs
+    step = lambda lr, w, x: (lr * 0.5, w - lr * x, (lr * 2.0, w.sum()))  # noqa: E731
+    w = jnp.asarray(np.random.default_rng(26).standard_normal(4), jnp.bfloat16)
+    xs = jnp.asarray(np.random.default_rng(27).standard_normal((7, 4)), jnp.bfloat16)
+    sess = js.Session()
+    gid = sess.compile(step, 0.1, w, xs[0], state_argnums=(0, 1))
+    scan = jax.jit(lambda lr, w, xs: jax.lax.scan(lambda c, x: (step(*c, x)[:2], step(
+        *c, x)[2]), (lr, w), xs))
+    for n in (5, 7):  # 7: chunks of 4 + 2 + 1
+      sess.set_state(gid, 0.1, w)
+      got = sess.run(gid, xs[:n], steps=n)
+      (lr, new_w), want = scan(0.1, w, xs[:n])
+      assert_same_bits(got, want, f"outputs of steps={n}")
+      self.assertTrue(got[0].weak_type and want[0].weak_type)
+      state = sess.get_state(gid)
+      self.assertTrue(state[0].weak_type and lr.weak_type)
+      assert_same_bits(state, (lr, new_w), f"state after steps={n}")
+      sess.set_state(gid, *state)  # the round trip is accepted
 
 
 if __name__ == "__main__":
