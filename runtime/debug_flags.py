@@ -10,11 +10,19 @@ chained onto jax's own update hooks of the two flags:
     thread, so after one the run reads the flags exactly (`on()`) each time.
 Where jax has no such hooks MAYBE stays True: exact reads on every run.
 Not jax's own post-hook state: leaving a `with jax.debug_nans(..)` block
-sets it None in the thread, hiding the flag set globally later (jax 0.10.2).
+sets it None in the thread, hiding the flag set globally later (jax 0.10.2);
+`checks_off()` turns the checks off for a block and puts that state back.
 """
+import contextlib
+
 import jax
 
 MAYBE = [True]
+
+try:  # jax.jit's fast path checks through this post-hook (jax/_src/api.py)
+  from jax._src.api import _post_hook_state as _POST_HOOK
+except ImportError:  # an internal API: the hook is left as jax leaves it
+  _POST_HOOK = None
 
 try:
   from jax._src.config import debug_infs as _INFS, debug_nans as _NANS
@@ -79,3 +87,19 @@ def _install():
 
 
 _install()
+
+
+@contextlib.contextmanager
+def checks_off():
+  """jax_debug_nans/infs off in this thread for the block, and then exactly
+  as before: leaving jax's own `with jax.debug_nans(False):` sets jax.jit's
+  post-hook to None in the thread, so a flag set globally stopped checking
+  the user's already-called jax.jit functions (and the session's) for good
+  (a break-it find); the hook's thread-local value is put back here."""
+  saved = None if _POST_HOOK is None else _POST_HOOK.get_local()
+  try:
+    with jax.debug_nans(False), jax.debug_infs(False):
+      yield
+  finally:
+    if _POST_HOOK is not None:
+      _POST_HOOK.set_local(saved)

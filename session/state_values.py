@@ -134,6 +134,6 @@ def _take_over(x):
   buffer, and a later run's donation deleted it): jit is on for the take."""
   if debug_flags.MAYBE[0] or jax.config.jax_disable_jit:
     # a nan the caller's array holds is not the take's to report
-    with jax.debug_nans(False), jax.debug_infs(False), jax.disable_jit(False):
+    with debug_flags.checks_off(), jax.disable_jit(False):
       return _take(x)
   return _take(x)

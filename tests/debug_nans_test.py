@@ -159,6 +159,34 @@ class DebugNansTest(absltest.TestCase):
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(sess.get_state(gid)[0], state)
 
+  def test_the_flag_set_globally_keeps_checking_after_the_sessions_calls(self):
+    """The session turns the checks off around data movement (splitting a
+    sunk run's arguments, taking over a donated value). jax's own
+    `with jax.debug_nans(False):` left the user's already-called jax.jit
+    functions unchecked in the thread for good: after one chunked run, a
+    nan passed silently (a break-it find)."""
+    user = jax.jit(lambda x: x * 2.0)
+    good, bad = jnp.ones(4), jnp.asarray([1.0, np.nan, 1.0, 1.0], jnp.float32)
+    def step(s, x):
+      return s + jnp.where(jnp.isnan(x), 0.0, x), jnp.sum(x)
+    s0 = jnp.asarray(np.random.default_rng(19).standard_normal(4), jnp.float32)
+    jax.config.update("jax_debug_nans", True)
+    try:
+      user(good)
+      sess = js.Session()
+      gid = sess.compile(step, s0, good, state_argnums=0)
+      sess.run(gid, jnp.stack([good] * 2), steps=2)
+      sess.run(gid, jnp.stack([good] * 3), steps=3)  # chunks of 2 + 1: split
+      sess.set_state(gid, jnp.ones(4) * 2.0, donate=True)  # taken over
+      for what in ("the user's jax.jit", "the session's run"):
+        with self.subTest(what), self.assertRaises(FloatingPointError):
+          if what == "the user's jax.jit":
+            user(bad)
+          else:
+            sess.run(gid, bad)  # its output sum(x) is a nan
+    finally:
+      jax.config.update("jax_debug_nans", False)
+
   def test_a_plan_checks_what_crosses_to_the_host(self):
     """A known difference (docs/concepts.md): jax.jit checks its outputs
     alone, a plan each device partition's, values handed to a host op
