@@ -21,7 +21,7 @@ from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn, out_str
 from jaxsession.runtime.executor import (arg_structs, executable_program, graph_body,
                                          leaf_steps, per_arg)
 from jaxsession.runtime.state_layout import kept_layouts
-from jaxsession.runtime.state import owned_copy, session_device
+from jaxsession.runtime.state import owned_copy, session_device, with_weak_type
 
 
 def sunk_program(graph, spec, rest_tree, layout, steps, hooks=None, leading=None):
@@ -111,8 +111,13 @@ class _Columns:
       return []
     self.prepare(rows)
     if self.eager:
-      return [self.combine(column) for column in columns]
-    return self.exe(*[x for column in columns for x in column])
+      joined = [self.combine(column) for column in columns]
+    else:
+      joined = self.exe(*[x for column in columns for x in column])
+    # as a scan stacks them: weakly typed where the rows are (jnp.stack and
+    # jnp.concatenate make a weak bool strong)
+    return [with_weak_type(x, bool(getattr(column[0], "weak_type", False)))
+            for x, column in zip(joined, columns)]
 
 
 def stepped_program(program, layout, spec, rest_tree, steps, leading=None):

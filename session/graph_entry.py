@@ -68,10 +68,11 @@ class Entry:
     return guarded
 
   def _sunk_guards(self, call, leading):
-    """A sunk call's guards: the weak-type one on its unstacked arguments
-    (in_axes None: passed as a single run takes them), then _pieces."""
-    if isinstance(leading, tuple) and self.spec.weak_sensitive:
-      call = self.spec.weak_guard(call, only={i for i, s in enumerate(leading) if s is None})
+    """A sunk call's guards: the weak-type one on its arguments, stacked or
+    not (jax.jit's scan over strongly typed steps compiles another program
+    than over weak ones), then _pieces."""
+    if self.spec.weak_sensitive:
+      call = self.spec.weak_guard(call, leading)
     return self._pieces(call, leading)
 
   def _pieces(self, call, leading=None):

@@ -215,21 +215,30 @@ class ArgSpec:
     return (f"{self.where}: argument {i} (position {self.positions[i]} of the function) "
             f"at path {self.paths[i][j] or '(root)'}")
 
-  def weak_guard(self, call, only=None):
+  def weak_guard(self, call, leading=None):
     """`call`, refusing a scalar whose weak type differs from the compiled one
     where that changes the program (jax.jit would compile another one);
-    `only`: the argument indices to check (a sunk run's unstacked ones)."""
-    sensitive = [(i, j, weak) for i, j, weak in self.weak_sensitive
-                 if only is None or i in only]
+    `leading`: a sunk run's steps (as conform takes it), whose stacked
+    arguments are checked as its steps (a scan over them)."""
+    sensitive = self.weak_sensitive
     if not sensitive:
       return call
 
     def guarded(args):
+      lead = per_arg(leading, len(args))
       for i, j, weak in sensitive:
         if i < len(args):
           leaves = tree_util.tree_leaves(args[i])
-          if j < len(leaves) and is_weak(leaves[j]) != weak:
+          if j >= len(leaves) or is_weak(leaves[j]) == weak:
+            continue
+          if lead[i] is None:
             check_leaf(self.place(i, j), leaves[j], self.avals[i][j], weak=weak)
+          else:
+            raise weak_type_error(
+                f"{self.place(i, j)} (stacked steps)", not weak, "the value it was compiled for",
+                "here the weak type changes the program (jax.jit's lax.scan over these steps "
+                "would compile another one)", "Compile with an example typed as the steps are "
+                "(" + ("a Python scalar" if not weak else "an array of that dtype") + ").")
       return call(args)
     return guarded
 

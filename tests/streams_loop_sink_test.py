@@ -429,8 +429,9 @@ class StepsValuesTest(absltest.TestCase):
   def test_weak_types_as_a_scan_keeps_them(self):
     # a state leaf bound from a Python scalar stays weak through sunk runs (it
     # came back strong, and set_state(get_state()) was refused where the weak
-    # type changes the program); a chunked run's outputs keep theirs
-    step = lambda lr, w, x: (lr * 0.5, w - lr * x, (lr * 2.0, w.sum()))  # noqa: E731
+    # type changes the program); a chunked run's outputs keep theirs, a weak
+    # bool's too
+    step = lambda lr, w, x: (lr * 0.5, w - lr * x, (lr * 2.0, w.sum(), lr > 0.01))  # noqa: E731
     w = jnp.asarray(np.random.default_rng(26).standard_normal(4), jnp.bfloat16)
     xs = jnp.asarray(np.random.default_rng(27).standard_normal((7, 4)), jnp.bfloat16)
     sess = js.Session()
@@ -443,10 +444,50 @@ class StepsValuesTest(absltest.TestCase):
       (lr, new_w), want = scan(0.1, w, xs[:n])
       assert_same_bits(got, want, f"outputs of steps={n}")
       self.assertTrue(got[0].weak_type and want[0].weak_type)
+      self.assertTrue(got[2].weak_type and want[2].weak_type)  # a bool: joins made it strong
       state = sess.get_state(gid)
       self.assertTrue(state[0].weak_type and lr.weak_type)
       assert_same_bits(state, (lr, new_w), f"state after steps={n}")
       sess.set_state(gid, *state)  # the round trip is accepted
+
+
+  def test_stacked_steps_weak_typed_otherwise_are_refused(self):
+    # compiled for a Python-scalar x beside a bfloat16 state, the program is
+    # bf16; strongly typed f32 steps make jax.jit's scan another program (f32),
+    # so they are refused as a single run's strong scalar is (they ran the bf16
+    # program: a break-it find)
+    step = lambda w, x: (w + x, w * x)  # noqa: E731
+    w = jnp.asarray(np.random.default_rng(28).standard_normal(4), jnp.bfloat16)
+    sess = js.Session()
+    gid = sess.compile(step, w, 1.5, state_argnums=0)
+    strong = jnp.asarray([1.5, 2.5, -0.0, 4.5], jnp.float32)
+    with self.assertRaisesRegex(js.InputError, r"stacked steps\) is strongly typed.*weak type "
+                                r"changes the program"):
+      sess.run(gid, strong, steps=4)
+    assert_same_bits(sess.get_state(gid)[0], w, "state after the refused run")
+    weak = jnp.full((4,), 2.5)  # a Python scalar's steps: weakly typed
+    self.assertTrue(weak.weak_type)
+    got = sess.run(gid, weak, steps=4)
+    state, want = jax.jit(lambda w, xs: jax.lax.scan(step, w, xs))(w, weak)
+    assert_same_bits(got, want, "outputs over weak steps")
+    assert_same_bits(sess.get_state(gid)[0], state, "state over weak steps")
+
+
+  def test_a_captured_constant_folds_as_in_a_single_run(self):
+    # docs/numerics.md: the loop body embeds the graph's constants, so XLA folds
+    # sign(-0.0) there (to +0.0) as it does in a single run and a straight-line
+    # jax.jit; jax.jit's scan passes the captured array in and computes -0.0
+    c = jnp.float32(-0.0)
+    step = lambda s, x: (s * jnp.sign(c), x)  # noqa: E731
+    s0 = jnp.asarray([1.5, -2.0], jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(step, s0, jnp.float32(1.0), state_argnums=0)
+    sess.run(gid, jnp.float32(1.0))
+    single = sess.get_state(gid)[0]
+    assert_same_bits(single, jax.jit(step)(s0, jnp.float32(1.0))[0], "single run vs jax.jit")
+    sess.set_state(gid, s0)
+    sess.run(gid, jnp.ones(3, jnp.float32), steps=3)
+    assert_same_bits(sess.get_state(gid)[0], single, "sunk run vs single run")
 
 
 if __name__ == "__main__":
