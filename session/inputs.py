@@ -233,7 +233,7 @@ class ArgSpec:
             continue
           if lead[i] is None:
             check_leaf(self.place(i, j), leaves[j], self.avals[i][j], weak=weak)
-          else:
+          elif getattr(leaves[j], "dtype", None) == self.avals[i][j].dtype:  # else: conform's
             raise weak_type_error(
                 f"{self.place(i, j)} (stacked steps)", not weak, "the value it was compiled for",
                 "here the weak type changes the program (jax.jit's lax.scan over these steps "
