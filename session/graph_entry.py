@@ -68,11 +68,14 @@ class Entry:
     return guarded
 
   def _sunk_guards(self, call, leading):
-    """A sunk call's guards: the weak-type one on its arguments, stacked or
-    not (jax.jit's scan over strongly typed steps compiles another program
-    than over weak ones), then _pieces."""
+    """A sunk call's guards, as a single run's: the weak-type one on its
+    arguments, stacked or not (jax.jit's scan over strongly typed steps
+    compiles another program than over weak ones); the output weak types
+    following the steps' (stacked as a scan stacks them); _pieces."""
     if self.spec.weak_sensitive:
       call = self.spec.weak_guard(call, leading)
+    if self.weak_outputs is not None:
+      call = self.weak_outputs.guard(call)
     return self._pieces(call, leading)
 
   def _pieces(self, call, leading=None):

@@ -213,6 +213,28 @@ class DebugNansTest(absltest.TestCase):
         sess.run(gid, x)
     np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
 
+  def test_a_chunked_run_checks_the_state_between_chunks(self):
+    """docs/concepts.md: a nan the state holds between two steps, cleared by
+    the next, passes one scan (one executable: a first steps value) but not
+    a chunked run, whose chunk boundary is an executable's output."""
+    def step(s, x):
+      s = jnp.where(x < 0, jnp.zeros_like(s), s * x) + jnp.where(x > 1, jnp.nan, 0.0)
+      return s, jnp.sum(x)
+    s0 = jnp.asarray(np.random.default_rng(20).uniform(1, 2, 4), jnp.float32)
+    xs = jnp.asarray([0.5, 2.0, -1.0], jnp.float32)  # the nan after step 1, gone at step 2
+    with jax.debug_nans(True):
+      jax.jit(lambda s, xs: jax.lax.scan(step, s, xs))(s0, xs)  # runs
+      fresh = js.Session()
+      gid = fresh.compile(step, s0, xs[0], state_argnums=0)
+      fresh.run(gid, xs, steps=3)  # one executable: runs
+      chunked = js.Session()
+      gid = chunked.compile(step, s0, xs[0], state_argnums=0)
+      chunked.run(gid, xs[:1] + 0.0, steps=1)  # 3 then runs as chunks of 2 + 1
+      chunked.set_state(gid, s0)
+      with self.assertRaises(FloatingPointError):
+        chunked.run(gid, xs, steps=3)
+    np.testing.assert_array_equal(chunked.get_state(gid)[0], s0)
+
   def test_a_nan_in_the_state_can_be_read_and_set_under_the_flag(self):
     """get_state and set_state copy without a computation: the flag checks
     what runs compute, not what the user reads or writes."""

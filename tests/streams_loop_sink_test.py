@@ -461,9 +461,10 @@ class StepsValuesTest(absltest.TestCase):
     sess = js.Session()
     gid = sess.compile(step, w, 1.5, state_argnums=0)
     strong = jnp.asarray([1.5, 2.5, -0.0, 4.5], jnp.float32)
-    with self.assertRaisesRegex(js.InputError, r"stacked steps\) is strongly typed.*weak type "
-                                r"changes the program"):
-      sess.run(gid, strong, steps=4)
+    for steps in (strong, np.asarray(strong, np.float64)):  # float64: f32 to jax, strong
+      with self.assertRaisesRegex(js.InputError, r"stacked steps\) is strongly typed.*weak "
+                                  r"type changes the program"):
+        sess.run(gid, steps, steps=4)
     assert_same_bits(sess.get_state(gid)[0], w, "state after the refused run")
     weak = jnp.full((4,), 2.5)  # a Python scalar's steps: weakly typed
     self.assertTrue(weak.weak_type)
@@ -488,6 +489,29 @@ class StepsValuesTest(absltest.TestCase):
     sess.set_state(gid, s0)
     sess.run(gid, jnp.ones(3, jnp.float32), steps=3)
     assert_same_bits(sess.get_state(gid)[0], single, "sunk run vs single run")
+
+
+  def test_output_weak_types_follow_the_steps(self):
+    # where the weak type does not change the program (float32 throughout),
+    # a sunk run's outputs are typed as jax.jit's scan types them for the
+    # steps it is given, as a single run's follow its scalars (they kept the
+    # compiled example's: a break-it find)
+    step = lambda s, x: (s + x, (x * 2.0, x > 1.0))  # noqa: E731
+    s0 = jnp.asarray(np.random.default_rng(29).standard_normal(3), jnp.float32)
+    scan = jax.jit(lambda s, xs: jax.lax.scan(step, s, xs))
+    for example, steps in ((1.5, jnp.asarray([1.5, -0.0, 2.5], jnp.float32)),
+                           (jnp.float32(1.5), jnp.full((3,), 2.5))):
+      sess = js.Session()
+      gid = sess.compile(step, s0, example, state_argnums=0)
+      for n in (3, 2):  # 2 after 3: chunks of 2
+        with self.subTest(example=type(example).__name__, steps=n):
+          sess.set_state(gid, s0)
+          got = sess.run(gid, steps[:n], steps=n)
+          state, want = scan(s0, steps[:n])
+          assert_same_bits(got, want, "outputs")
+          assert_same_bits(sess.get_state(gid)[0], state, "state")
+          self.assertEqual([x.weak_type for x in jax.tree.leaves(got)],
+                           [x.weak_type for x in jax.tree.leaves(want)])
 
 
 if __name__ == "__main__":
