@@ -103,7 +103,8 @@ def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=N
   def failure(exc, state, args):
     if isinstance(exc, SPECIAL_VALUE):
       return special_value(spec.where, graph, lambda: layout.leaves_of(state),
-                           tree_util.tree_leaves(args), exc)
+                           tree_util.tree_leaves(args), exc,
+                           None if leading is None else (leading, leaf_steps(spec, leading)))
     if not isinstance(exc, jax.errors.JaxRuntimeError):
       conform(args)  # a deleted argument, refused before running: InputError naming it
       return exc
@@ -405,30 +406,58 @@ def runtime_failure(partition, recorder, exc):
   return callbacks.callback_failure(partition.nodes, partition.index, exc, recorder)
 
 
-def special_value(where, graph, state_leaves, user_leaves, exc):
+def special_value(where, graph, state_leaves, user_leaves, exc, sunk=None):
   """The FloatingPointError for a nan (inf) jax_debug_nans (infs) found in an
   executable's outputs: the graph's nodes are replayed eagerly on the run's
   inputs, as jax.jit re-runs a function op by op, to name the first node
   that makes one. (jax.jit donates nothing under jax_debug_nans, so the
   inputs are intact.) `state_leaves()`: the run's state leaves - read
   inside the replay, since a packed slot's are sliced out of buffers the
-  run may have donated."""
+  run may have donated. `sunk`: (leading, per user leaf whether it is
+  stacked) of a sunk run, replayed step by step (each step's slice of the
+  stacked leaves, the state carried), naming the step too."""
   what = exc.args[1] if len(exc.args) > 1 else "nan"
   try:
-    leaves = list(state_leaves()) + list(user_leaves)
-    env = dict(graph_consts(graph))
-    env.update(zip([v.id for v in graph.inputs if v.kind != "const"], leaves))
-    for node in graph.nodes:
-      ins = [v.value if isinstance(v, Literal) else env[v.id] for v in node.inputs]
-      try:
-        outs = jax.block_until_ready(kernel_fn(node)(node, *ins))
-      except FloatingPointError as found:
+    state = list(state_leaves())
+    if sunk is None:
+      steps, slices = 1, lambda t: list(user_leaves)
+    else:
+      leading, stacked = sunk
+      steps = leading if isinstance(leading, int) else max(s for s in leading if s is not None)
+
+      def slices(t):
+        with debug_flags.checks_off():  # a slice holding a nan is not the slice's to report
+          return [x[t] if s else x for x, s in zip(user_leaves, stacked)]
+    for t in range(steps):
+      found, state = _replay(graph, state, slices(t))
+      if found is not None:
+        node, error = found
+        if isinstance(error, SPECIAL_VALUE):  # jax's private form, raised by a jitted kernel
+          error = f"invalid value ({what}) encountered in {error.args[0] if error.args else '?'}"
         return FloatingPointError(f"{where}: node {node.id} '{node.op}'"
                                   + (f" at {node.source}" if node.source else "")
-                                  + f" produced {what} (jax_debug_{what}s): {found}")
-      env.update(zip([o.id for o in node.outputs], outs))
+                                  + (f", step {t} of the {steps} its executable runs"
+                                     if sunk else "")
+                                  + f" produced {what} (jax_debug_{what}s): {error}")
   except (InputError, KeyError, TypeError, ValueError, RuntimeError):
     pass  # the replay could not run: name the executable
   return FloatingPointError(  # the state is the slots' own, untouched (Runner.call)
       f"{where}: an executable ({exc.args[0] if exc.args else '?'}) produced {what} "
       f"(jax_debug_{what}s); the state is unchanged")
+
+
+def _replay(graph, state, user):
+  """One step of the graph op by op: ((node, its FloatingPointError) or
+  None, the new state leaves)."""
+  env = dict(graph_consts(graph))
+  env.update(zip([v.id for v in graph.inputs if v.kind != "const"], state + user))
+  for node in graph.nodes:
+    ins = [v.value if isinstance(v, Literal) else env[v.id] for v in node.inputs]
+    try:
+      outs = jax.block_until_ready(kernel_fn(node)(node, *ins))
+    except (FloatingPointError, SPECIAL_VALUE) as found:  # a kernel that is a jit: jax's own
+      return (node, found), state
+    env.update(zip([o.id for o in node.outputs], outs))
+  updates = dict((s.id, new) for s, new in graph.state_updates())
+  new = [updates.get(s.id, s) for s in graph.inputs_of_kind("state")]
+  return None, [v.value if isinstance(v, Literal) else env[v.id] for v in new]

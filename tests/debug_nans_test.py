@@ -235,6 +235,23 @@ class DebugNansTest(absltest.TestCase):
         chunked.run(gid, xs, steps=3)
     np.testing.assert_array_equal(chunked.get_state(gid)[0], s0)
 
+  def test_a_sunk_run_names_the_node_and_the_step(self):
+    """A sunk run's nan is replayed step by step (each step's slice, the
+    state carried): the node and the step are named (the replay fed the
+    stacked arguments to one step, and named neither)."""
+    def step(s, x):
+      return s + jnp.log(x), jnp.sum(s)
+    rng = np.random.default_rng(21)
+    s0 = jnp.asarray(rng.uniform(1, 2, 4), jnp.float32)
+    xs = jnp.asarray(rng.uniform(1, 2, (5, 4)), jnp.float32).at[3, 2].set(-1.0)
+    sess = js.Session()
+    gid = sess.compile(step, s0, xs[0], state_argnums=0)
+    with jax.debug_nans(True):
+      with self.assertRaisesRegex(FloatingPointError, r"node \d+ 'log' at .*, step 3 of the "
+                                  r"5 its executable runs produced nan"):
+        sess.run(gid, xs, steps=5)
+    np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
+
   def test_a_nan_in_the_state_can_be_read_and_set_under_the_flag(self):
     """get_state and set_state copy without a computation: the flag checks
     what runs compute, not what the user reads or writes."""
