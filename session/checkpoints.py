@@ -36,18 +36,31 @@ from jax import tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
+from jaxsession.runtime import interrupts
 from jaxsession.runtime.state import holding, private_copy, with_weak_type
 
 FORMAT = "jaxsession-checkpoint-1"
 
 
+@interrupts.critical  # a Ctrl-C during the import waits for it, then is raised
 def _ocp():
+  """orbax.checkpoint, imported on first use (~1 s). An import a Ctrl-C
+  interrupted cannot be retried in the process (tensorstore's extension:
+  "initialization failed", then an abort - a break-it find), so a SIGINT
+  during it is held until the import is done."""
   try:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  except ImportError as exc:
+  except ModuleNotFoundError as exc:
     raise ImportError("Session.save/restore need orbax-checkpoint: pip install "
                       "'jaxsession[checkpoint]'") from exc
-  return ocp  # imported on first use: ~1 s
+  except ImportError as exc:
+    raise ImportError(f"Session.save/restore: importing orbax-checkpoint failed ({exc}); an "
+                      "import interrupted earlier in this process cannot be retried: restart "
+                      "it") from exc
+  finally:
+    if interrupts.pending:
+      interrupts.deliver()
+  return ocp
 
 
 def _is_key(aval):

@@ -244,6 +244,52 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(sess.restore(gid, self.dir), 1)  # the checkpoint was intact
     assert_equal_signed(sess.get_state(gid)[0], s0)
 
+  def test_a_ctrl_c_during_the_first_saves_import_lets_it_finish(self):
+    # the first save imports orbax; a Ctrl-C inside that import left
+    # tensorstore's extension half-initialised ("initialization failed" on
+    # every later save, then an abort: a break-it find with real SIGINTs).
+    # Here the SIGINT lands while the import machinery looks for
+    # orbax.checkpoint: the import finishes, then the KeyboardInterrupt is
+    # raised, and the next save works. In a fresh process: orbax unimported.
+    got = run_json("""
+        import json, os, signal, sys, tempfile, time
+        import numpy as np
+        import jaxsession as js
+
+        class Interrupting:  # a meta-path finder that sends a SIGINT, once
+          fired = False
+          def find_spec(self, name, path=None, target=None):
+            if name == "orbax.checkpoint" and not self.fired:
+              self.fired = True
+              os.kill(os.getpid(), signal.SIGINT)
+              time.sleep(0.05)  # the handler runs here
+            return None
+        sess = js.Session()
+        w = np.float32([1.5, -0.0, 3.0])
+        gid = sess.compile(lambda w: (w * 2.0, w.sum()), w, state_argnums=0)
+        sys.meta_path.insert(0, Interrupting())
+        where = tempfile.mkdtemp()
+        result = {}
+        try:
+          sess.save(gid, where, 1)
+          result["first"] = "saved"
+        except KeyboardInterrupt:
+          result["first"] = "KeyboardInterrupt"
+        result["imported"] = "orbax.checkpoint" in sys.modules
+        sess.run(gid)
+        sess.save(gid, where, 2)
+        sess.wait_until_saved()
+        sess.set_state(gid, w)
+        result["restored"] = sess.restore(gid, where)
+        result["state"] = np.asarray(sess.get_state(gid)[0]).view(np.uint32).tolist()
+        result["want"] = (w * 2).view(np.uint32).tolist()
+        print(json.dumps(result))
+        """, devices=1)
+    self.assertEqual(got["first"], "KeyboardInterrupt")
+    self.assertTrue(got["imported"])
+    self.assertEqual(got["restored"], 2)
+    self.assertEqual(got["state"], got["want"])
+
   def test_steps_increase_and_a_killed_saves_leftover_is_replaced(self):
     sess = js.Session(js.SessionOptions(checkpoint_keep=2))
     w = np.float32([1.0, -0.0, 3e37])
