@@ -20,7 +20,8 @@ same way, `jax/_src/core.py`). The rules are per primitive name; a primitive
 without a rule is pure and deterministic unless its equation carries effects.
 
 Beside the effects, `OpFacts` holds every other per-op fact a pass or the
-runtime reads (`facts(op)`): commutative, an addition, elementwise, reduces,
+runtime reads (`facts(op)`): commutative, an addition, elementwise,
+approximated by XLA:CPU (rounded by the kernel's size), reduces,
 range-preserving, its numpy implementation (one function, read by constant
 folding and by the host kernels), the batch-axis rule it takes, whether it is
 a transfer, and a DCE rule where dropping dead outputs needs more than a flag.
