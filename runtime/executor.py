@@ -85,7 +85,8 @@ def leaf_steps(spec, leading):
   return [lead[i] is not None for i, avals in enumerate(spec.avals) for _ in avals]
 
 
-def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=None):
+def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=None,
+                       steps=None):
   """The Program of one executable that takes (*state, *args) in the
   layout's form - a single-partition graph, or its loop-sunk steps
   (`leading`: the steps; a refused call conformed with them) - with its one Op. Its run is
@@ -104,7 +105,7 @@ def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=N
     if isinstance(exc, SPECIAL_VALUE):
       return special_value(spec.where, graph, lambda: layout.leaves_of(state),
                            tree_util.tree_leaves(args), exc,
-                           None if leading is None else (leading, leaf_steps(spec, leading)))
+                           None if leading is None else (steps, leaf_steps(spec, leading)))
     if not isinstance(exc, jax.errors.JaxRuntimeError):
       conform(args)  # a deleted argument, refused before running: InputError naming it
       return exc
@@ -413,7 +414,7 @@ def special_value(where, graph, state_leaves, user_leaves, exc, sunk=None):
   that makes one. (jax.jit donates nothing under jax_debug_nans, so the
   inputs are intact.) `state_leaves()`: the run's state leaves - read
   inside the replay, since a packed slot's are sliced out of buffers the
-  run may have donated. `sunk`: (leading, per user leaf whether it is
+  run may have donated. `sunk`: (steps, per user leaf whether it is
   stacked) of a sunk run, replayed step by step (each step's slice of the
   stacked leaves, the state carried), naming the step too."""
   what = exc.args[1] if len(exc.args) > 1 else "nan"
@@ -422,8 +423,7 @@ def special_value(where, graph, state_leaves, user_leaves, exc, sunk=None):
     if sunk is None:
       steps, slices = 1, lambda t: list(user_leaves)
     else:
-      leading, stacked = sunk
-      steps = leading if isinstance(leading, int) else max(s for s in leading if s is not None)
+      steps, stacked = sunk
 
       def slices(t):
         with debug_flags.checks_off():  # a slice holding a nan is not the slice's to report

@@ -56,7 +56,8 @@ def sunk_program(graph, spec, rest_tree, layout, steps, hooks=None, leading=None
                    donate_argnums=layout.donate_argnums(),
                    compiler_options=graph.compiler_options,
                    out_shardings=kept_layouts(layout))
-  return executable_program(exe, recorder, graph, layout, spec, hooks, leading=leading)
+  return executable_program(exe, recorder, graph, layout, spec, hooks, leading=leading,
+                            steps=steps)
 
 
 MAX_COMPILED_STEPS = 256  # split/stack executables up to this many steps
@@ -116,8 +117,16 @@ class _Columns:
       joined = self.exe(*[x for column in columns for x in column])
     # as a scan stacks them: weakly typed where the rows are (jnp.stack and
     # jnp.concatenate make a weak bool strong)
-    return [with_weak_type(x, bool(getattr(column[0], "weak_type", False)))
-            for x, column in zip(joined, columns)]
+    return [with_weak_type(x, _weak(column[0])) for x, column in zip(joined, columns)]
+
+
+def _weak(x):
+  """Whether jax types `x` weakly: a weak array, or a Python scalar a plan
+  passed through as it was given."""
+  try:
+    return bool(jax.typeof(x).weak_type)
+  except TypeError:
+    return False
 
 
 def stepped_program(program, layout, spec, rest_tree, steps, leading=None):

@@ -75,7 +75,7 @@ class Entry:
     if self.spec.weak_sensitive:
       call = self.spec.weak_guard(call, leading)
     if self.weak_outputs is not None:
-      call = self.weak_outputs.guard(call)
+      call = self.weak_outputs.guard(call, always=True)
     return self._pieces(call, leading)
 
   def _pieces(self, call, leading=None):

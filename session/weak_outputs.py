@@ -57,8 +57,11 @@ class WeakOutputs:
       self.flags[pattern] = flags
     return self.flags[pattern]
 
-  def guard(self, call):
-    scalars, compiled = self.scalars, self.compiled
+  def guard(self, call, always=False):
+    """`call` with its outputs retyped where the scalars' weak types differ
+    from the compiled ones; `always`: on every call (a sunk run, whose
+    joins of a plan's outputs do not keep the compiled types either)."""
+    scalars, compiled = self.scalars, None if always else self.compiled
 
     def run(args):
       out = call(args)

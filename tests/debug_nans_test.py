@@ -251,6 +251,11 @@ class DebugNansTest(absltest.TestCase):
                                   r"5 its executable runs produced nan"):
         sess.run(gid, xs, steps=5)
     np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
+    with jax.debug_nans(True):  # every argument unstacked: the steps counted all the same
+      with self.assertRaisesRegex(FloatingPointError, r"node \d+ 'log' at .*, step 0 of the "
+                                  r"4 its executable runs produced nan"):
+        sess.run(gid, xs[3], steps=4, in_axes=(None,))
+    np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
 
   def test_a_nan_in_the_state_can_be_read_and_set_under_the_flag(self):
     """get_state and set_state copy without a computation: the flag checks

@@ -514,5 +514,25 @@ class StepsValuesTest(absltest.TestCase):
                            [x.weak_type for x in jax.tree.leaves(want)])
 
 
+  def test_a_plan_passing_a_python_scalar_through_keeps_it_weak(self):
+    # a plan (host callback) run with in_axes None returns the scalar it was
+    # given: stacked as jax.jit's scan stacks it, weakly typed (it came back
+    # strong: a break-it find)
+    def step(s, a):
+      y = jax.pure_callback(lambda v: np.asarray(v) * np.float32(0.5),
+                            jax.ShapeDtypeStruct((), np.float32), s)
+      return s + a * y, (a, a * 2)
+    s0 = jnp.float32(1.25)
+    sess = js.Session()
+    gid = sess.compile(step, s0, 1.5, state_argnums=0)
+    got = sess.run(gid, 1.5, steps=4, in_axes=(None,))
+    state, want = jax.jit(lambda s: jax.lax.scan(lambda c, _: step(c, 1.5), s, None,
+                                                 length=4))(s0)
+    assert_same_bits(got, want, "outputs")
+    assert_same_bits(sess.get_state(gid)[0], state, "state")
+    self.assertEqual([x.weak_type for x in got], [x.weak_type for x in want])
+    self.assertTrue(got[0].weak_type)
+
+
 if __name__ == "__main__":
   absltest.main()
