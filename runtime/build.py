@@ -20,7 +20,7 @@ from jaxsession.errors import HostOpError
 from jaxsession.graph.ir import Literal, aval_str
 from jaxsession.graph.lowering import kernel_fn, lower_nodes
 from jaxsession.graph.op_properties import is_transfer
-from jaxsession.runtime import callbacks, debug_flags
+from jaxsession.runtime import callbacks
 from jaxsession.runtime.compile_cache import executable_key
 
 try:  # what an executable's output check raises under jax_debug_nans/infs
@@ -88,16 +88,6 @@ def out_structs(exe):
   return jax.tree_util.tree_unflatten(exe.out_tree, [
       jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=s)
       for a, s in zip(avals, shardings)])
-
-
-def unchecked(fn):
-  """`fn`, a call of an executable that only moves data (splits a sunk
-  run's stacked arguments), run with jax_debug_nans/infs off: jax.jit never
-  checks its arguments, so a nan the step masks must not be refused there."""
-  def call(*args):
-    with debug_flags.checks_off():
-      return fn(*args)
-  return call
 
 
 def compile_recorded(fn, recorder, arg_structs, donate_argnums=(), cache=None, key=None,

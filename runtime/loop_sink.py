@@ -17,7 +17,8 @@ from jax import lax, tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.runtime import callbacks, sharding
-from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn, out_structs, unchecked
+from jaxsession.runtime.debug_flags import unchecked
+from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn, out_structs
 from jaxsession.runtime.executor import (arg_structs, executable_program, graph_body,
                                          leaf_steps, per_arg)
 from jaxsession.runtime.state_layout import kept_layouts

@@ -82,12 +82,6 @@ def weak_type_error(place, weak, against, why, remedy):
                     f"{'strongly' if weak else 'weakly'} typed: {why}. {remedy}")
 
 
-def _canonical(x):
-  """The dtype jax makes of `x`'s (numpy float64 is float32 without x64)."""
-  dtype = getattr(x, "dtype", None)
-  return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
-
-
 def check_leaf(place, x, want, weak=None, leading=None, note="", type_only=False):
   """The one leaf check: `x`'s aval, or InputError naming `place` when `x` is
   not an array value (leaf_aval), does not have `want`'s shape and dtype
@@ -239,8 +233,8 @@ class ArgSpec:
             continue
           if lead[i] is None:
             check_leaf(self.place(i, j), leaves[j], self.avals[i][j], weak=weak)
-          elif _canonical(leaves[j]) == self.avals[i][j].dtype:  # else: conform's error
-            raise weak_type_error(
+          elif leaf_aval(leaves[j], self.place(i, j)).dtype == self.avals[i][j].dtype:
+            raise weak_type_error(  # (another dtype: conform's error names it)
                 f"{self.place(i, j)} (stacked steps)", not weak, "the value it was compiled for",
                 "here the weak type changes the program (jax.jit's lax.scan over these steps "
                 "would compile another one)", "Compile with an example typed as the steps are "

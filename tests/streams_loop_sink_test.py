@@ -489,6 +489,13 @@ class StepsValuesTest(absltest.TestCase):
     sess.set_state(gid, s0)
     sess.run(gid, jnp.ones(3, jnp.float32), steps=3)
     assert_same_bits(sess.get_state(gid)[0], single, "sunk run vs single run")
+    # a NumPy scalar the scan embeds too: the sunk run equals jax.jit's scan
+    c_np = np.float32(-0.0)
+    step_np = lambda s, x: (s * jnp.sign(c_np), x)  # noqa: E731
+    gid = sess.compile(step_np, s0, jnp.float32(1.0), state_argnums=0)
+    sess.run(gid, jnp.ones(3, jnp.float32), steps=3)
+    want, _ = jax.jit(lambda s, xs: jax.lax.scan(step_np, s, xs))(s0, jnp.ones(3, jnp.float32))
+    assert_same_bits(sess.get_state(gid)[0], want, "sunk run vs jax.jit's scan, NumPy scalar")
 
 
   def test_output_weak_types_follow_the_steps(self):
