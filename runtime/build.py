@@ -400,8 +400,10 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
   outputs = [reg_of(v) for v in graph.outputs]
   _set_frees(ops, outputs)
   copy_at, seen = set(), set()
+  # a state leaf returned as it came stays in its slot: nothing to copy
+  passed = {i for i, (s, new) in enumerate(graph.state_updates()) if new is s}
   for i, value in enumerate(graph.outputs):
-    if isinstance(value, Literal):
+    if isinstance(value, Literal) or i in passed:
       continue
     if value.producer is None or value.id in seen:
       copy_at.add(i)

@@ -16,6 +16,7 @@ sets it None in the thread, hiding the flag set globally later (jax 0.10.2);
 import contextlib
 
 import jax
+import numpy as np
 
 MAYBE = [True]
 
@@ -103,6 +104,20 @@ def checks_off():
   finally:
     if _POST_HOOK is not None:
       _POST_HOOK.set_local(saved)
+
+
+def special_in(x):
+  """'nan' or 'inf' where array `x` holds one that a flag on in this thread
+  checks for (jax_debug_nans, jax_debug_infs), else None: jax.jit's own
+  check of an output, for a value no executable returns."""
+  if not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
+    return None  # ints, bools and PRNG keys hold neither
+  x = np.asarray(x)
+  if _NANS.value and np.isnan(x).any():
+    return "nan"
+  if _INFS.value and np.isinf(x).any():
+    return "inf"
+  return None
 
 
 def unchecked(fn):

@@ -275,11 +275,11 @@ class Runner:
   """Runs one program of a graph against its state slots: `call(args)`, the
   one call path (`call_path`)."""
 
-  def __init__(self, program, layout):
+  def __init__(self, program, layout, where="run"):
     self.program = program
     self.layout = layout
     self.lock = slots_lock(layout.slots)
-    self.call = call_path(program, layout, self.lock)
+    self.call = call_path(program, layout, self.lock, where)
 
   @property
   def exe(self):
@@ -287,11 +287,14 @@ class Runner:
     return self.program.executables.get(0) if self.layout.one_executable else None
 
 
-def call_path(program, layout, lock):
+def call_path(program, layout, lock, where="run"):
   """call(args): lock -> gather the state -> run the program -> commit -> the
   user outputs. A closure over what it reads (cells, not attribute lookups).
   A single executable's run is its own call, whose refusal or failure is
-  recovered here (build.recovery): no Python frame of the program's."""
+  recovered here (build.recovery): no Python frame of the program's.
+  Under jax_debug_nans/infs the leaves the step returns as they came are
+  checked before the commit, as jax.jit checks every output (`where` names
+  the run in that error)."""
   run, recoverable, recover = program.run, program.recoverable, program.recover
   gather, commit = layout.gather, layout.commit
   acquire, release = lock.acquire, lock.release
@@ -299,6 +302,7 @@ def call_path(program, layout, lock):
   maybe_special, special_on = debug_flags.MAYBE, debug_flags.on
   # WholeSlots of one slot, the usual training step: gather and commit inline
   one = layout.slots[0] if layout.whole and len(layout.slots) == 1 else None
+  passed = layout.passed
 
   if stateless:  # nothing to lock, gather, lose or commit: a Ctrl-C raises at once
     if bare:  # one executable, returning the user outputs alone
@@ -319,9 +323,10 @@ def call_path(program, layout, lock):
   def call(args):
     acquire()  # a lock's acquire/release: ~0.2 µs less a run than `with`
     try:
-      if donates and maybe_special[0] and special_on():  # on after compile: the
-        state = _private(gather())  # executables still donate, and jax raises
-        # after they consumed the state
+      special = maybe_special[0] and special_on()
+      if donates and special:  # on after compile: the executables still
+        state = _private(gather())  # donate, and jax raises after they
+        # consumed the state
       else:
         state = None if one else gather()
       if state is None:  # one slot's storage, one donated argument
@@ -334,6 +339,8 @@ def call_path(program, layout, lock):
           new, out = run(*state, *args)
         except recoverable as exc:
           new, out = recover(exc, state, args)
+      if special and passed:
+        _check_passed(layout, where)
       if one:
         one.storage = new[0]
       else:
@@ -344,6 +351,24 @@ def call_path(program, layout, lock):
         interrupts.deliver()
     return out
   return call
+
+
+def _check_passed(layout, where):
+  """Raises jax.jit's FloatingPointError for a nan (inf) in a state leaf the
+  step returns as it came - an output of jax.jit, which checks it, but of
+  no executable here - before the commit: the state stays as it was. Not
+  under jax.disable_jit(), where jax.jit checks only what ops make."""
+  if jax.config.jax_disable_jit:
+    return
+  with debug_flags.checks_off():  # a packed slot's leaves: slices, unchecked
+    leaves = layout.leaves_of(layout.gather())
+  for i, name in layout.passed:
+    what = debug_flags.special_in(leaves[i])
+    if what is not None:
+      raise FloatingPointError(
+          f"{where}: {name} holds {what}, a state leaf the step returns as it "
+          f"came (jax_debug_{what}s checks every output, as jax.jit does); the state "
+          "is unchanged")
 
 
 def eager_program(graph, spec, rest_tree, layout, steps=None, leading=None):

@@ -295,14 +295,15 @@ class Session:
           program, layout, spec, rest_tree, steps, leading)
     if parts:
       memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
+    where = spec.where
     eager = lambda steps, leading=None: executor.Runner(  # noqa: E731
-        executor.eager_program(graph, spec, rest_tree, layout, steps, leading), layout)
+        executor.eager_program(graph, spec, rest_tree, layout, steps, leading), layout, where)
     def make_sunk(steps, leading, parts=None):  # parts: chunked_program's
       if parts is None:
-        return executor.Runner(sunk(steps, leading), layout)
+        return executor.Runner(sunk(steps, leading), layout, where)
       return executor.Runner(loop_sink.chunked_program(parts, layout, spec, rest_tree, steps,
-                                                       leading), layout)
-    return executor.Runner(program, layout), make_sunk, eager
+                                                       leading), layout, where)
+    return executor.Runner(program, layout, where), make_sunk, eager
 
   def _check_shared(self, name, state_nums, state_flats, state_from, source, shared):
     """InputError unless the state examples fit the `shared` slots of

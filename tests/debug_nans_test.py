@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import exact
 import jaxsession as js
 from subproc import run_json
 
@@ -273,6 +274,64 @@ class DebugNansTest(absltest.TestCase):
       with self.assertRaises(FloatingPointError):
         sess.run(gid, jnp.ones(3))
       np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+
+  def test_a_special_value_in_a_state_leaf_the_step_passes_through(self):
+    """A nan (inf) already in a state leaf the step returns unchanged: no
+    executable returns it, where jax.jit's check sees every output. Each
+    form raises as jax.jit does (a single executable, a sunk run, a plan,
+    packed state) and keeps the state; an eval graph (updates_state=False)
+    and jax.disable_jit() raise no more than jax.jit does there."""
+    rng = np.random.default_rng(16)
+    p = jnp.asarray(rng.uniform(1, 2, 4), jnp.float32)
+    q, x = (jnp.asarray(rng.uniform(1, 2, 4), jnp.float32) for _ in range(2))
+
+    def step(p, q, x):
+      return p, q + x, (q * x).sum()
+
+    def plan(p, q, x):  # a host partition: several executables
+      y = jax.pure_callback(lambda a: np.asarray(a) * np.float32(2),
+                            jax.ShapeDtypeStruct(q.shape, q.dtype), q)
+      return p, y + x, (q * x).sum()
+
+    def evaluate(p, q, x):
+      return (q * x).sum()
+
+    def raised(fn, *args):
+      try:
+        jax.block_until_ready(fn(*args))
+        return False
+      except FloatingPointError:
+        return True
+    for flag, special in (("jax_debug_nans", np.nan), ("jax_debug_infs", -np.inf)):
+      bad = p.at[2].set(special)
+      cases = [(step, {}, None), (step, {}, 3), (plan, {}, None), (plan, {}, 2),
+               (step, {"pack_state_below_bytes": 1 << 14}, None),
+               (evaluate, {}, None)]
+      for fn, options, steps in cases:
+        with self.subTest(flag=flag, fn=fn.__name__, options=options, steps=steps):
+          sess = js.Session(js.SessionOptions(**options))
+          gid = sess.compile(fn, bad, q, x, state_argnums=(0, 1),
+                             updates_state=fn is not evaluate)
+          args = (x,) if steps is None else (jnp.stack([x] * steps),)
+          jax.config.update(flag, True)
+          try:
+            want = raised(jax.jit(fn), bad, q, x)
+            if fn is not evaluate:
+              self.assertTrue(want)
+              with self.assertRaisesRegex(
+                  FloatingPointError, rf"graph {gid} '{fn.__name__}'.*state 0 \(arg 0\) "
+                  r"holds (nan|inf), a state leaf the step returns as it came.*unchanged"):
+                sess.run(gid, *args, steps=steps)
+            else:
+              self.assertEqual(raised(sess.run, gid, *args), want)
+            with jax.disable_jit():
+              self.assertEqual(raised(sess.run, gid, x), raised(fn, bad, q, x))
+          finally:
+            jax.config.update(flag, False)
+          got = sess.get_state(gid)
+          exact.assert_equal_signed(got[0], bad)
+          if fn is not evaluate:  # the failed runs kept q; the op-by-op one advanced it
+            np.testing.assert_array_equal(got[1], jax.jit(fn)(bad, q, x)[1])
 
   @pytest.mark.slow
   def test_flags_set_globally_and_in_another_thread(self):
