@@ -106,16 +106,26 @@ def checks_off():
       _POST_HOOK.set_local(saved)
 
 
-def special_in(x):
-  """'nan' or 'inf' where array `x` holds one that a flag on in this thread
-  checks for (jax_debug_nans, jax_debug_infs), else None: jax.jit's own
-  check of an output, for a value no executable returns."""
-  if not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
+def checked_kinds():
+  """The special values the flags on in this thread check for: a subset of
+  ('nan', 'inf')."""
+  return tuple(kind for kind, flag in (("nan", _NANS), ("inf", _INFS)) if flag.value)
+
+
+def special_in(x, kinds=None):
+  """'nan' or 'inf' where array `x` holds one of `kinds` (by default the
+  ones the flags on in this thread check for), else None: jax.jit's own
+  check of an output, for a value no executable returns, and the nan
+  replay's of each node's outputs."""
+  if kinds is None:
+    kinds = checked_kinds()
+  if not kinds or not hasattr(x, "dtype") or \
+      not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
     return None  # ints, bools and PRNG keys hold neither
   x = np.asarray(x)
-  if _NANS.value and np.isnan(x).any():
+  if "nan" in kinds and np.isnan(x).any():
     return "nan"
-  if _INFS.value and np.isinf(x).any():
+  if "inf" in kinds and np.isinf(x).any():
     return "inf"
   return None
 

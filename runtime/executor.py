@@ -103,8 +103,7 @@ def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=N
 
   def failure(exc, state, args):
     if isinstance(exc, SPECIAL_VALUE):
-      return special_value(spec.where, graph, lambda: layout.leaves_of(state),
-                           tree_util.tree_leaves(args), exc,
+      return special_value(spec.where, graph, layout, tree_util.tree_leaves(args), exc,
                            None if leading is None else (steps, leaf_steps(spec, leading)))
     if not isinstance(exc, jax.errors.JaxRuntimeError):
       conform(args)  # a deleted argument, refused before running: InputError naming it
@@ -190,7 +189,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
 
   def failure(exc, state, xs):
     if isinstance(exc, SPECIAL_VALUE):
-      return special_value(spec.where, graph, lambda: list(state[0]), xs[0], exc)
+      return special_value(spec.where, graph, layout, xs[0], exc)
     if not isinstance(exc, jax.errors.JaxRuntimeError):
       conform_leaves(xs)  # refused before running: InputError naming it
     return exc
@@ -432,56 +431,67 @@ def runtime_failure(partition, recorder, exc):
   return callbacks.callback_failure(partition.nodes, partition.index, exc, recorder)
 
 
-def special_value(where, graph, state_leaves, user_leaves, exc, sunk=None):
-  """The FloatingPointError for a nan (inf) jax_debug_nans (infs) found in an
-  executable's outputs: the graph's nodes are replayed eagerly on the run's
-  inputs, as jax.jit re-runs a function op by op, to name the first node
-  that makes one. (jax.jit donates nothing under jax_debug_nans, so the
-  inputs are intact.) `state_leaves()`: the run's state leaves - read
-  inside the replay, since a packed slot's are sliced out of buffers the
-  run may have donated. `sunk`: (steps, per user leaf whether it is
-  stacked) of a sunk run, replayed step by step (each step's slice of the
-  stacked leaves, the state carried), naming the step too."""
-  what = exc.args[1] if len(exc.args) > 1 else "nan"
+def special_value(where, graph, layout, user_leaves, exc, sunk=None):
+  """The FloatingPointError for a nan (inf) jax_debug_nans (infs) found in a
+  run (`exc`: jax's, or an inner one of ours): the graph's nodes are
+  replayed eagerly on the run's inputs, as jax.jit re-runs a function op by
+  op, to name the first node that makes one. The run's state is read from
+  its slots (`layout`), which a failed run leaves as they were - not from
+  what the run was given, which its executables may have donated (flags
+  switched on after compile: the run worked on copies). `sunk`: (steps, per
+  user leaf whether it is stacked) of a sunk run, replayed step by step
+  (each step's slice of the stacked leaves, the state carried), naming the
+  step of the whole run."""
+  what = getattr(exc, "special", None) or (exc.args[1] if len(exc.args) > 1 else "nan")
+  kinds = debug_flags.checked_kinds()  # read before the replay turns the checks off
   try:
-    state = list(state_leaves())
-    if sunk is None:
-      steps, slices = 1, lambda t: list(user_leaves)
-    else:
-      steps, stacked = sunk
-
-      def slices(t):
-        with debug_flags.checks_off():  # a slice holding a nan is not the slice's to report
-          return [x[t] if s else x for x, s in zip(user_leaves, stacked)]
-    for t in range(steps):
-      found, state = _replay(graph, state, slices(t))
-      if found is not None:
-        node, error = found
-        if isinstance(error, SPECIAL_VALUE):  # jax's private form, raised by a jitted kernel
-          error = f"invalid value ({what}) encountered in {error.args[0] if error.args else '?'}"
-        return FloatingPointError(f"{where}: node {node.id} '{node.op}'"
-                                  + (f" at {node.source}" if node.source else "")
-                                  + (f", step {t} of the {steps} its executable runs"
-                                     if sunk else "")
-                                  + f" produced {what} (jax_debug_{what}s): {error}")
+    with debug_flags.checks_off():  # the replay checks each node's outputs itself
+      state = list(layout.leaves_of(layout.gather()))
+      if sunk is None:
+        steps, slices = 1, lambda t: list(user_leaves)
+      else:
+        steps, stacked = sunk
+        slices = lambda t: [x[t] if s else x for x, s in zip(user_leaves, stacked)]  # noqa: E731
+      for t in range(steps):
+        found, state = _replay(graph, state, slices(t), kinds)
+        if found is not None:
+          node, kind = found
+          return _special(f"{where}: node {node.id} '{node.op}'"
+                          + (f" at {node.source}" if node.source else "")
+                          + (f", step {t} of the {steps} steps" if sunk else "")
+                          + f" produced {kind} (jax_debug_{kind}s)", kind)
   except (InputError, KeyError, TypeError, ValueError, RuntimeError):
     pass  # the replay could not run: name the executable
-  return FloatingPointError(  # the state is the slots' own, untouched (Runner.call)
+  if getattr(exc, "special", None):
+    return exc  # an inner run's error, already in these words
+  return _special(  # the state is the slots' own, untouched (Runner.call)
       f"{where}: an executable ({exc.args[0] if exc.args else '?'}) produced {what} "
-      f"(jax_debug_{what}s); the state is unchanged")
+      f"(jax_debug_{what}s); the state is unchanged", what)
 
 
-def _replay(graph, state, user):
-  """One step of the graph op by op: ((node, its FloatingPointError) or
-  None, the new state leaves)."""
+def _special(message, what):
+  """A FloatingPointError that says which flag found it (`special`), so a
+  sunk run made of several calls can replay the whole run."""
+  error = FloatingPointError(message)
+  error.special = what
+  return error
+
+
+def _replay(graph, state, user, kinds):
+  """One step of the graph op by op, each node's outputs checked for the
+  `kinds` ('nan', 'inf') the flags were on for - by the replay itself, not
+  by jax's checks, which a thread's earlier `with jax.debug_nans(...)` block
+  may have left off for jitted kernels: ((node, kind) or None, the new
+  state leaves)."""
   env = dict(graph_consts(graph))
   env.update(zip([v.id for v in graph.inputs if v.kind != "const"], state + user))
   for node in graph.nodes:
     ins = [v.value if isinstance(v, Literal) else env[v.id] for v in node.inputs]
-    try:
-      outs = jax.block_until_ready(kernel_fn(node)(node, *ins))
-    except (FloatingPointError, SPECIAL_VALUE) as found:  # a kernel that is a jit: jax's own
-      return (node, found), state
+    outs = jax.block_until_ready(kernel_fn(node)(node, *ins))
+    for out in outs:
+      kind = debug_flags.special_in(out, kinds)
+      if kind is not None:
+        return (node, kind), state
     env.update(zip([o.id for o in node.outputs], outs))
   updates = dict((s.id, new) for s, new in graph.state_updates())
   new = [updates.get(s.id, s) for s in graph.inputs_of_kind("state")]

@@ -20,6 +20,7 @@ from jaxsession.runtime import callbacks, sharding
 from jaxsession.runtime.debug_flags import unchecked
 from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn, out_structs
 from jaxsession.runtime.executor import (arg_structs, executable_program, graph_body,
+                                         special_value,
                                          leaf_steps, per_arg)
 from jaxsession.runtime.state_layout import kept_layouts
 from jaxsession.runtime.state import owned_copy, session_device, with_weak_type
@@ -130,7 +131,7 @@ def _weak(x):
     return False
 
 
-def stepped_program(program, layout, spec, rest_tree, steps, leading=None):
+def stepped_program(program, layout, spec, rest_tree, steps, leading=None, graph=None):
   """`steps` runs of a multi-partition plan (`program.run_flat`), stacked;
   all-or-nothing. Its cost is the plan's, N times, plus one executable per
   argument leaf that splits it into steps and one that stacks all the
@@ -156,21 +157,33 @@ def stepped_program(program, layout, spec, rest_tree, steps, leading=None):
     for i in layout.donated_idx:
       state[i] = owned_copy(state[i], layout.state_shardings[i], layout.leaf_slots[i][0].device)
     outs = []
-    for t in range(steps):
-      flat = run_flat(state, [column[t] for column in columns])
-      for k in layout.updated_idx:  # outputs[:num_outputs] are the state's new values
-        state[k] = flat[k]
-      outs.append(flat[layout.num_outputs:])
+    try:
+      for t in range(steps):
+        flat = run_flat(state, [column[t] for column in columns])
+        for k in layout.updated_idx:  # outputs[:num_outputs] are the state's new values
+          state[k] = flat[k]
+        outs.append(flat[layout.num_outputs:])
+    except FloatingPointError as exc:
+      raise whole_run(exc, graph, layout, spec, args, steps, leading) from exc
     try:
       stacked = stack(outs) if outs[0] else []
     except SPECIAL_VALUE as exc:  # jax_debug_nans/infs on the stacked outputs
-      what = exc.args[1] if len(exc.args) > 1 else "nan"
-      raise FloatingPointError(f"{spec.where}: the outputs of run(steps={steps}) hold a "
-                               f"{what} (jax_debug_{what}s)") from None
+      raise whole_run(exc, graph, layout, spec, args, steps, leading) from None
     return ([state[k] for k in layout.updated_idx],
             tree_util.tree_unflatten(rest_tree, stacked))
   return Program(program.ops, [], program.num_state, program.num_user, [], frozenset(),
                  frozenset(), [], program.analyses, program.executables, run)
+
+
+def whole_run(exc, graph, layout, spec, args, steps, leading):
+  """A sunk run made of several calls (a plan's steps, chunks): where one of
+  them found a nan (inf) under jax_debug_nans (infs), the whole run is
+  replayed from the state it started from (its slots'), naming the node and
+  the step within the run."""
+  if graph is None or not (isinstance(exc, SPECIAL_VALUE) or getattr(exc, "special", None)):
+    return exc
+  return special_value(spec.where, graph, layout, tree_util.tree_leaves(args), exc,
+                       (steps, leaf_steps(spec, leading)))
 
 
 def chunk_sizes(steps):
@@ -185,7 +198,7 @@ def with_steps(leading, steps):
   return steps
 
 
-def chunked_program(parts, layout, spec, rest_tree, steps, leading):
+def chunked_program(parts, layout, spec, rest_tree, steps, leading, graph=None):
   """`steps` steps as consecutive runs of the Programs in `parts` ((size,
   Program) pairs, the sizes summing to `steps`), so that a new steps value
   reuses executables compiled for others instead of compiling its own. The
@@ -224,7 +237,10 @@ def chunked_program(parts, layout, spec, rest_tree, steps, leading):
       for treedef in treedefs:
         chunk.append(tree_util.tree_unflatten(treedef, flat[k:k + treedef.num_leaves]))
         k += treedef.num_leaves
-      new, out = part.call(tuple(state), chunk)
+      try:
+        new, out = part.call(tuple(state), chunk)
+      except FloatingPointError as exc:
+        raise whole_run(exc, graph, layout, spec, args, steps, leading) from exc
       outs.append(out)
       state = layout.merged(state, new)
     return new, tree_util.tree_unflatten(rest_tree, join([tree_util.tree_leaves(o)

@@ -292,7 +292,7 @@ class Session:
           graph, parts, graph.memory, spec, self.platform, cache, key, hooks), spec,
           rest_tree, layout)
       sunk = lambda steps, leading: loop_sink.stepped_program(  # noqa: E731
-          program, layout, spec, rest_tree, steps, leading)
+          program, layout, spec, rest_tree, steps, leading, graph)
     if parts:
       memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
     where = spec.where
@@ -302,7 +302,7 @@ class Session:
       if parts is None:
         return executor.Runner(sunk(steps, leading), layout, where)
       return executor.Runner(loop_sink.chunked_program(parts, layout, spec, rest_tree, steps,
-                                                       leading), layout, where)
+                                                       leading, graph), layout, where)
     return executor.Runner(program, layout, where), make_sunk, eager
 
   def _check_shared(self, name, state_nums, state_flats, state_from, source, shared):

@@ -94,7 +94,7 @@ class DebugNansTest(absltest.TestCase):
     self.assertEqual(sess.report(gid).memory.state_buffers, (1,))
     jax.config.update("jax_debug_nans", True)
     try:
-      with self.assertRaisesRegex(FloatingPointError, r"produced nan.*state is unchanged"):
+      with self.assertRaisesRegex(FloatingPointError, r"node \d+ 'log' at .* produced nan"):
         sess.run(gid, jnp.float32(-1.0))
     finally:
       jax.config.update("jax_debug_nans", False)
@@ -126,7 +126,7 @@ class DebugNansTest(absltest.TestCase):
                      [False, False, True])
     jax.config.update("jax_debug_nans", True)
     try:
-      with self.assertRaisesRegex(FloatingPointError, r"produced nan.*state is unchanged"):
+      with self.assertRaisesRegex(FloatingPointError, r"node \d+ 'log' at .* produced nan"):
         sess.run(gid, x)
     finally:
       jax.config.update("jax_debug_nans", False)
@@ -249,14 +249,52 @@ class DebugNansTest(absltest.TestCase):
     gid = sess.compile(step, s0, xs[0], state_argnums=0)
     with jax.debug_nans(True):
       with self.assertRaisesRegex(FloatingPointError, r"node \d+ 'log' at .*, step 3 of the "
-                                  r"5 its executable runs produced nan"):
+                                  r"5 steps produced nan"):
         sess.run(gid, xs, steps=5)
     np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
     with jax.debug_nans(True):  # every argument unstacked: the steps counted all the same
       with self.assertRaisesRegex(FloatingPointError, r"node \d+ 'log' at .*, step 0 of the "
-                                  r"4 its executable runs produced nan"):
+                                  r"4 steps produced nan"):
         sess.run(gid, xs[3], steps=4, in_axes=(None,))
     np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
+
+  def test_switched_on_after_compile_names_the_node_and_the_step(self):
+    """Compiled without the flags, the executables donate: the failed run's
+    copies of the state are consumed, so the replay reads the slots (it
+    named no node before). A run, a sunk run in one executable, a plan, a
+    plan's steps and a chunked run (another steps value first) name the
+    node and the step of the whole run, for nans and infs."""
+    def step(s, x):
+      return s + jnp.log(x) + 1.0 / (x - 2.0), jnp.sum(s)
+
+    def plan(s, x):
+      y = jax.pure_callback(lambda a: np.asarray(a) * np.float32(1),
+                            jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return s + jnp.log(y) + 1.0 / (y - 2.0), jnp.sum(s)
+    rng = np.random.default_rng(22)
+    s0 = jnp.asarray(rng.uniform(3, 4, 4), jnp.float32)
+    xs = jnp.asarray(rng.uniform(3, 4, (5, 4)), jnp.float32)
+    for flag, bad, op in (("jax_debug_nans", -1.0, "log"), ("jax_debug_infs", 2.0, "div")):
+      wrong = xs.at[3, 1].set(bad)
+      for fn, first, steps in ((step, None, None), (step, None, 5), (step, 2, 5),
+                               (plan, None, None), (plan, None, 5)):
+        with self.subTest(flag=flag, fn=fn.__name__, first=first, steps=steps):
+          sess = js.Session(js.SessionOptions(pack_state_below_bytes=1 << 14))
+          gid = sess.compile(fn, s0, xs[0], state_argnums=0)
+          if first is not None:  # 5 then runs as chunks of 4 + 1
+            sess.run(gid, xs[:first], steps=first)
+            sess.set_state(gid, s0)
+          args = wrong[3] if steps is None else wrong
+          where = "" if steps is None else ", step 3 of the 5 steps"
+          jax.config.update(flag, True)
+          try:
+            with self.assertRaisesRegex(
+                FloatingPointError,
+                rf"graph {gid} '{fn.__name__}'\): node \d+ '{op}' at .*{where} produced"):
+              sess.run(gid, args, steps=steps)
+          finally:
+            jax.config.update(flag, False)
+          exact.assert_equal_signed(sess.get_state(gid)[0], s0)
 
   def test_a_nan_in_the_state_can_be_read_and_set_under_the_flag(self):
     """get_state and set_state copy without a computation: the flag checks
