@@ -197,7 +197,7 @@ def put_global(x, sharding):
     # (may_alias=False notwithstanding, measured with jax 0.10.2), and the
     # session donates its state: copy first, then lay the copy out.
     return jax.device_put(jax.numpy.array(x, copy=True), sharding)
-  host = np.asarray(x)
+  host = np.array(x, copy=True)  # a shard may keep its slice's buffer: not the caller's
   return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 

@@ -72,7 +72,9 @@ def owned_copy(x, layout=None, device=None):
         return private_copy(x)  # a jitted copy would raise on the nan it holds
       return _copy_on(device, [x])[0]
     return jax.device_put(x, device)
-  return jax.device_put(np.asarray(x), device)
+  # a copy first: on the CPU device_put may keep an aligned numpy buffer as
+  # the array's own, and the caller may refill it (a break-it find)
+  return jax.device_put(np.array(x, copy=True), device)
 
 
 def _copy_all(xs):

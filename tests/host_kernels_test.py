@@ -238,6 +238,43 @@ class CallbackResultTest(absltest.TestCase):
         assert_equal_signed(g, w)
 
 
+class CapturedConstantTest(absltest.TestCase):
+
+  def test_a_numpy_array_refilled_after_compile(self):
+    """A numpy array the step closes over is a constant as traced: jax.jit
+    embeds its value when it compiles. A host op read the caller's array at
+    every run, so refilling it changed the session's results (a callback
+    reading it, and small integer ops placed on the host)."""
+    table = np.arange(8, dtype=np.int32)
+
+    def lookup(i, t):
+      return np.asarray(t)[np.asarray(i) % 8].astype(np.int32)
+
+    def by_callback(c, x):
+      idx = jax.pure_callback(lookup, jax.ShapeDtypeStruct((3,), jnp.int32), c, table)
+      return c + 1, x + idx.astype(jnp.float32)
+
+    def by_host_ops(c, x):
+      j = jax.pure_callback(np.asarray, jax.ShapeDtypeStruct((3,), jnp.int32), c)
+      k = jax.pure_callback(np.asarray, jax.ShapeDtypeStruct((3,), jnp.int32),
+                            j * 2 + table[:3])
+      return c + 1, x + k.astype(jnp.float32)
+    rng = np.random.default_rng(14)
+    c0 = jnp.asarray(rng.integers(0, 100, 3), jnp.int32)
+    x = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    for f in (by_callback, by_host_ops):
+      with self.subTest(f=f.__name__):
+        table[:] = rng.integers(-50, 50, 8)
+        jitted = jax.jit(f)
+        sess = js.Session()
+        gid = sess.compile(f, c0, x, state_argnums=0)
+        self.assertGreater(len(sess.report(gid).partitions), 1)
+        c, want = jitted(c0, x)
+        assert_equal_signed(sess.run(gid, x), want)
+        table[:] = rng.integers(-50, 50, 8)  # the caller refills its array
+        assert_equal_signed(sess.run(gid, x), jitted(c, x)[1])
+
+
 class HostKernelRulesTest(absltest.TestCase):
   """Every op's cases in one graph (one compile), its results checked op by op."""
 

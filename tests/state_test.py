@@ -155,6 +155,43 @@ class SetStateTest(absltest.TestCase):
     np.testing.assert_allclose(got["a"], new["a"] + x, rtol=1e-6)
     self.assertEqual(float(got["b"]), 3.0)
 
+  def test_numpy_values_are_copied_not_kept(self):
+    """set_state, replace_state and compile copy a numpy value: the caller may
+    refill its buffer at once. On the CPU, device_put kept a 64-byte aligned
+    buffer as the array's own, so the state followed the caller's refill."""
+    def aligned(values):  # a 64-byte aligned float32 buffer holding `values`
+      raw = np.empty(values.size * 4 + 64, np.uint8)
+      off = (-raw.ctypes.data) % 64
+      buf = raw[off:off + values.size * 4].view(np.float32)
+      buf[:] = values
+      return buf
+    step = lambda w, x: (w + x, jnp.sum(w * x))  # noqa: E731
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal(1024).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal(1024), jnp.float32)
+    want = jax.jit(step)(jnp.asarray(a), x)
+    sess = js.Session()
+    base = sess.compile(step, jnp.zeros(1024, jnp.float32), x, state_argnums=0)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    for api in ("set_state", "replace_state", "compile", "compile under a mesh"):
+      with self.subTest(api=api):
+        staging = aligned(a)
+        runner = sess
+        if api == "set_state":
+          sess.set_state(base, staging)
+          gid = base
+        elif api == "replace_state":
+          sess.replace_state(base, 0, staging)
+          gid = base
+        elif api == "compile":
+          gid = sess.compile(step, staging, x, state_argnums=0)
+        else:  # the state laid out through put_global's shards
+          runner = js.Session(js.SessionOptions(mesh=mesh))
+          gid = runner.compile(step, staging, x, state_argnums=0)
+        staging[:] = 0.0  # the caller refills its buffer
+        np.testing.assert_array_equal(runner.run(gid, x), want[1])
+        np.testing.assert_array_equal(runner.get_state(gid)[0], want[0])
+
   def test_static_argnums_are_baked_in(self):
     sess = js.Session()
     rng = np.random.default_rng(3)

@@ -173,6 +173,12 @@ class KernelGraph:
     value = self.new_value(aval, kind=kind, name=name)
     self.inputs.append(value)
     if kind == "const":
+      if isinstance(const_value, np.ndarray):
+        # the value as traced: jax.jit embeds a captured numpy array when it
+        # compiles, while a host op here reads the constant at every run
+        # (a caller refilling the array changed the results: a break-it find)
+        const_value = np.array(const_value, copy=True)
+        const_value.flags.writeable = False
       self.const_values[value.id] = const_value
     return value
 
