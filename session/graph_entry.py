@@ -53,7 +53,8 @@ class Entry:
     """InputError while a state arg is unset (compiled from ShapeDtypeStructs)."""
     for k, slot in enumerate(self.slots):
       if slot.unset:
-        raise InputError(f"{what}(graph '{self.name}'): state arg {k} ({slot.name}) is unset: "
+        where = self.spec.where.replace("run(", f"{what}(", 1)  # names the graph's id
+        raise InputError(f"{where}: state arg {k} ({slot.name}) is unset: "
                          "it was compiled from jax.ShapeDtypeStruct examples; bind it with "
                          "set_state, replace_state or restore first")
 

@@ -102,8 +102,8 @@ class CallSignatureTest(absltest.TestCase):
     state = _rng_state(5)
     structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     gid = self.sess.compile(step, structs, self.x, state_argnums=0)
-    self.assert_refused(r"state arg 0 .* is unset: it was compiled from jax.ShapeDtypeStruct",
-                        lambda: self.sess.run(gid, self.x))
+    self.assert_refused(rf"run\(graph {gid} 'step'\): state arg 0 .* is unset: it was "
+                        "compiled from jax.ShapeDtypeStruct", lambda: self.sess.run(gid, self.x))
     self.sess.set_state(gid, state)
     assert_same_bits(self.sess.run(gid, self.x), jax.jit(step)(state, self.x)[1], "bound")
     self.assert_unchanged()
