@@ -70,7 +70,7 @@ def _make(form):
       params["u_first"] = not first(c["u_wd"], c["wd_p"])
     params.update({name: _literal(c[name]) for name in LITERALS if name in c})
     out = r.emit("Adam", None, params, [p, g, m, v] + scalars,
-                 [p.aval, m_new.aval, v_new.aval],
+                 [r.root.outputs[0].aval, m_new.aval, v_new.aval],  # the root's weak type
                  note=f"fused {form} update of one parameter (3 outputs); {PALLAS_NOTE}")
     return out
   fuse.__name__ = f"fuse_{form}"

@@ -6,7 +6,8 @@ no flush of subnormals to zero, libm transcendentals), and XLA sees the whole
 expression when it does, or leaves it to run time. So a node is folded here
 only where the result cannot differ: in numpy where numpy is provably
 bit-identical to that evaluator (data movement, and IEEE add, sub, mul, div,
-neg of real floats whose result holds no NaN, since NaN payloads differ), or
+neg of real floats with inf and NaN whose result holds no NaN, since NaN
+payloads differ), and never a float result holding a zero (`_float_zero`), or
 for scalars alone by compiling the node with its operands embedded (XLA
 folds a scalar expression whole). Anything else on arrays - a
 transcendental, a reduction, a dot, max or min (numpy's max(-0.0, 0.0) is
@@ -36,7 +37,7 @@ import numpy as np
 
 from jaxsession.jax_api import real_jit
 from jaxsession.graph import op_properties
-from jaxsession.graph.ir import Literal, Value, aval_bytes, param_key
+from jaxsession.graph.ir import Literal, Value, aval_bytes, dtype_specials, param_key
 from jaxsession.graph.lowering import kernel_fn
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
@@ -50,8 +51,9 @@ def numpy_fold(node, arrays):
   facts = op_properties.facts(node.op)
   if facts.numpy is None or facts.fold is None:
     return None
-  if facts.fold == "ieee" and not all(jnp.issubdtype(x.dtype, jnp.floating) for x in arrays):
-    return None
+  if facts.fold == "ieee" and not all(jnp.issubdtype(x.dtype, jnp.floating) and
+                                      IEEE_SPECIALS <= dtype_specials(x.dtype) for x in arrays):
+    return None  # float4 has no inf: numpy saturates 1/0 to 6, XLA's folder gives 0
   out = facts.numpy(*arrays, **node.params)
   if facts.fold == "ieee" and np.isnan(np.asarray(out, np.float64)).any():
     return None
@@ -72,15 +74,30 @@ def evaluate(node, args, platform=None):
   with np.errstate(all="ignore"):  # inf is a value like any other here
     out = numpy_fold(node, arrays)
   if out is not None:
-    return [np.asarray(out, dtype=node.outputs[0].aval.dtype)]
-  if any(np.shape(a) != () for a in arrays) or any(o.aval.shape != () for o in node.outputs):
+    outs = [np.asarray(out, dtype=node.outputs[0].aval.dtype)]
+  elif any(np.shape(a) != () for a in arrays) or any(o.aval.shape != () for o in node.outputs):
     return None  # an array: left to XLA, which folds it or not as under jax.jit
-  fn = kernel_fn(node)
-  # The operands are closed over, so they are HLO constants and XLA folds the
-  # node as it would inside the user's jax.jit.
-  with jax.default_device(jax.local_devices(backend=platform)[0] if platform else None):
-    outs = real_jit(lambda: fn(node, *arrays))()
-  return [np.asarray(out) for out in outs]
+  else:
+    fn = kernel_fn(node)
+    # The operands are closed over, so they are HLO constants and XLA folds the
+    # node as it would inside the user's jax.jit.
+    with jax.default_device(jax.local_devices(backend=platform)[0] if platform else None):
+      outs = [np.asarray(out) for out in real_jit(lambda: fn(node, *arrays))()]
+  if any(_float_zero(out) for out in outs):
+    return None
+  return outs
+
+
+IEEE_SPECIALS = frozenset(("inf", "nan"))
+
+
+def _float_zero(array):
+  """Whether a float result holds a zero. Its sign is where XLA's folding
+  of a whole constant expression is no IEEE arithmetic: jax.jit gave -0.0
+  for (c * 2.0) + 0.0 with c = -0.0, where folding node by node gives +0.0
+  (a break-it find). Such a node is left to XLA, as under jax.jit."""
+  return (jnp.issubdtype(array.dtype, jnp.inexact)
+          and bool((np.asarray(array) == 0).any()))
 
 
 def _memo_key(node, args):

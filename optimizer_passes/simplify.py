@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsession.graph import op_properties
+from jaxsession.graph.ir import Literal, dtype_specials as specials
 from jaxsession.optimizer_passes.pattern import Pat, Rule, RewritePass
 
 x = Pat.var("x")
@@ -53,6 +54,15 @@ def keep_int(r, x):
   return keep_x(r, x) if is_kind(x, jnp.integer) else None
 
 
+def keep_signed(r, x):
+  """x, where negation is its own inverse: ints (wrapping), and floats with
+  a sign (float8_e8m0fnu has none: -x is nan there)."""
+  if is_kind(x, jnp.integer) or (is_kind(x, jnp.inexact) and
+                                  "negative" in specials(np.dtype(x.aval.dtype))):
+    return keep_x(r, x)
+  return None
+
+
 def compose_transposes(r, x, inner):
   """transpose(transpose(x, p1), p2) = transpose(x, p1[p2]); identity -> x."""
   p1 = inner.producer.params["permutation"]
@@ -83,6 +93,8 @@ def holds_exactly(a, b):
   """Every value of dtype `a` converts to `b` and back unchanged."""
   ka, kb = _kind_bits(a) or (None,), _kind_bits(b) or (None,)
   if None in (ka[0], kb[0]):
+    return False
+  if not specials(a) <= specials(b):  # zero, sign, -0.0, inf and nan kept too
     return False
   if ka[0] == "bool":
     return True  # 0 and 1 survive anything; nonzero converts back to True
@@ -131,7 +143,7 @@ SIMPLIFY_RULES = [
     Rule(Pat("pow", x, Pat.lit(1)), keep_real),                       # x**1 -> x
     Rule(Pat("integer_pow", x, params={"y": 1}), keep_x),             # x**1 -> x
     Rule(Pat("max", x, Pat.lit(-np.inf)), keep_float),                # max(x, -inf) -> x
-    Rule(Pat("neg", Pat("neg", x)), keep_x),                          # -(-x) -> x (wraps back)
+    Rule(Pat("neg", Pat("neg", x)), keep_signed),                     # -(-x) -> x (wraps back)
     Rule(Pat("not", Pat("not", x)), keep_x),                          # ~~x -> x
     Rule(Pat("transpose", Pat("transpose", x, name="inner")),
          compose_transposes),                                         # T(T(x)) -> x or one T
@@ -144,7 +156,38 @@ SIMPLIFY_RULES = [
 ]
 
 
+MOVES = frozenset(("transpose", "reshape", "broadcast_in_dim"))  # exact on any value
+
+
+def constant_only(graph):
+  """Ids of the values computed from constants and literals alone (XLA's to
+  fold under jax.jit)."""
+  known = {v.id for v in graph.inputs_of_kind("const")}
+  for node in graph.nodes:
+    if not node.effects and all(isinstance(v, Literal) or v.id in known for v in node.inputs):
+      known.update(o.id for o in node.outputs)
+  return known
+
+
 class Simplify(RewritePass):
-  """Optimize: algebraic identities (module docstring)."""
+  """Optimize: algebraic identities (module docstring). Float arithmetic on
+  constants alone is left as it is: XLA folds such an expression whole under
+  jax.jit, and not by IEEE rules everywhere (it kept -0.0 in (d - 0.0) + 0.0
+  for a constant d holding an inf, which x - 0 -> x turned into +0.0: a
+  break-it find)."""
   name = "simplify"
   rules = SIMPLIFY_RULES
+
+  def run(self, graph, ctx):
+    self._constant = constant_only(graph)
+    try:
+      return super().run(graph, ctx)
+    finally:
+      self._constant = None
+
+  def _try_rules(self, graph, node, *rest):
+    if len(node.outputs) == 1 and node.op not in MOVES and is_kind(
+        node.outputs[0], jnp.inexact) and all(
+            isinstance(v, Literal) or v.id in self._constant for v in node.inputs):
+      return False
+    return super()._try_rules(graph, node, *rest)

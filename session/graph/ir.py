@@ -6,6 +6,7 @@ stage writes its decision on the node (`kernel`, `place`, `stream`) or on the
 graph (`memory`, `partitions`), so `dump()` after any stage shows everything
 decided so far.
 """
+import functools
 import itertools
 import math
 import operator
@@ -33,6 +34,31 @@ def aval_bytes(aval):
   if shape is None or dtype is None:
     return 0
   return math.prod(map(int, shape)) * int(getattr(dtype, "itemsize", 0))
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_specials(dtype):
+  """Which of zero, negatives, -0.0, inf and nan `dtype` can hold (the
+  small float types lack some: float8_e8m0fnu has no zero and no sign,
+  e4m3fn no inf, the fnuz types no -0.0)."""
+  dtype = np.dtype(dtype)
+
+  def probe(v):  # v in dtype, read back as a real float64
+    return np.real(np.asarray(v).astype(dtype)).astype(np.float64)
+  with np.errstate(all="ignore"):
+    held = set()
+    if probe(0) == 0:
+      held.add("zero")
+    if probe(-1) < 0:
+      held.add("negative")
+    if jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+      if np.signbit(probe(-0.0)):
+        held.add("-0.0")
+      if np.isinf(probe(np.inf)):
+        held.add("inf")
+      if np.isnan(probe(np.nan)):
+        held.add("nan")
+  return frozenset(held)
 
 
 class Value:
@@ -522,6 +548,10 @@ def _freeze(value):
     return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
   if isinstance(value, np.ndarray):
     return (value.dtype.str, value.shape, value.tobytes())
+  if isinstance(value, (float, complex, np.inexact)):
+    # by bits: == says -0.0 is 0.0, so two fused Adams whose b1 differed only
+    # in its sign were merged by CSE (a break-it find)
+    return (type(value).__name__, np.asarray(value).tobytes())
   try:
     return weakref.ref(value)
   except TypeError:  # ints, strings, tuples of them...: held as they are
