@@ -116,7 +116,11 @@ class Checkpointer:
         if os.path.exists(path) and not os.path.isdir(path):
           raise InputError(f"{where}: {path!r} is a file, not a directory")
         ocp = _ocp()
-        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=create,
+        # keep-N is applied here after the new step is marked complete:
+        # orbax's max_to_keep deleted the old step inside save(), before the
+        # marker, and a kill between the two left no complete step (a
+        # break-it find with checkpoint_keep=1)
+        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=create,
                                                enable_async_checkpointing=False)
         manager = self._managers[path] = ocp.CheckpointManager(path, options=options)
       return path, manager
@@ -133,13 +137,25 @@ class Checkpointer:
                        "examples; set_state or restore binds it)")
     path, manager = self._manager(where, directory, create=True)
     with self._lock:  # steps increase per directory, as orbax keeps them
-      newest = max([*_complete_steps(path), self._queued.get(path, -1)])
+      before = self._queued.get(path, -1)
+      newest = max([*_complete_steps(path), before])
       if step <= newest:
         raise InputError(f"{where}: step {step} is not after step {newest}, the newest "
                          f"checkpoint saved to {path}: steps must increase (save it as step "
                          f"{newest + 1} or later, or into another directory)")
       self._queued[path] = step
 
+    try:
+      self._enqueue(entry, where, path, manager, step)
+    except BaseException:  # a Ctrl-C held through the snapshot, raised after it:
+      with self._lock:     # nothing was queued, so the step is free again
+        if self._queued.get(path) == step:
+          self._queued[path] = before
+      raise
+
+  def _enqueue(self, entry, where, path, manager, step):
+    """Snapshots the state (between runs) and queues its write, the last thing
+    done: what raises before the queueing leaves nothing behind."""
     def snapshot():  # between runs: the slots' leaves now, in buffers of their own
       return [[private_copy(jax.random.key_data(x) if _is_key(a) else x)
                for x, a in zip(slot.leaves, slot.avals)] for slot in entry.slots]
@@ -161,6 +177,8 @@ class Checkpointer:
                 [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta)))
         manager.wait_until_finished()
         _mark_complete(os.path.join(path, str(step)))
+        if self.keep is not None:
+          _drop_old(manager, path, self.keep)
       except BaseException as exc:  # pylint: disable=broad-except
         with self._lock:
           self._errors.append(RuntimeError(f"{where}: writing step {step} to {path} "
@@ -263,6 +281,26 @@ def _mark_complete(step_dir):
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, os.path.join(step_dir, MARKER))
+
+
+def _drop_old(manager, path, keep):
+  """Deletes the complete steps older than the newest `keep`, each made
+  incomplete first (its marker removed), so a kill during the deletion
+  leaves a folder no restore takes and the next save removes. Only the
+  primary process deletes (orbax's delete is its own there)."""
+  if jax.process_index() != 0:
+    return
+  for old in sorted(_complete_steps(path))[:-keep]:
+    folder = os.path.join(path, str(old))
+    try:
+      os.remove(os.path.join(folder, MARKER))
+    except FileNotFoundError:
+      pass
+    try:
+      manager.delete(old)
+    except FileNotFoundError:
+      shutil.rmtree(folder, ignore_errors=True)
+  manager.reload()
 
 
 def _complete(step_dir):

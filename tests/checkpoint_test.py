@@ -186,6 +186,32 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(sess.restore(gid, self.dir), 1)
     assert_equal_signed(sess.get_state(gid)[0], w)
 
+  def test_a_ctrl_c_during_save_leaves_the_step_free(self):
+    """A Ctrl-C held through the snapshot is raised after it, once the step
+    number is reserved: nothing was queued, so the step may be saved again
+    (the retry was refused as "not after step 2", which was never written)."""
+    from jaxsession import checkpoints  # pylint: disable=import-outside-toplevel
+    sess = js.Session()
+    w = np.float32([0.5, -0.0, 7.0])
+    gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
+    sess.save(gid, self.dir, 1)
+    sess.wait_until_saved()
+    sess.run(gid)
+    real = checkpoints._meta  # pylint: disable=protected-access
+    def interrupted(entry):
+      raise KeyboardInterrupt
+    with mock.patch.object(checkpoints, "_meta", interrupted):
+      with self.assertRaises(KeyboardInterrupt):
+        sess.save(gid, self.dir, 2)
+    sess.wait_until_saved()
+    self.assertEqual(sorted(os.listdir(self.dir)), ["1"])
+    self.assertIs(checkpoints._meta, real)  # pylint: disable=protected-access
+    sess.save(gid, self.dir, 2)
+    sess.wait_until_saved()
+    sess.run(gid)
+    self.assertEqual(sess.restore(gid, self.dir), 2)
+    assert_equal_signed(sess.get_state(gid)[0], w * 2)
+
   def test_a_flipped_byte_is_an_input_error_that_changes_nothing(self):
     # orbax's compressed chunks carry no checksum: a flipped byte restored
     # other values silently (found by the break-it review)
@@ -444,8 +470,47 @@ class X64CheckpointTest(absltest.TestCase):
     self.assertEqual(out["next"][0], out["next"][1])
 
 
+KEEP_ONE_CHILD = r"""
+import os, signal, sys
+import jax.numpy as jnp
+import numpy as np
+import jaxsession as js
+from jaxsession import checkpoints
+sess = js.Session(js.SessionOptions(checkpoint_keep=1))
+w = np.float32([0.5, -0.0, 7.0])
+gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
+sess.save(gid, sys.argv[1], 1)
+sess.wait_until_saved()
+sess.run(gid)
+# killed at the instant the new step is written and not yet marked complete
+checkpoints._mark_complete = lambda d: os.kill(os.getpid(), signal.SIGKILL)
+sess.save(gid, sys.argv[1], 2)
+sess.wait_until_saved()
+"""
+
+
 @pytest.mark.slow
 class KilledSaveTest(absltest.TestCase):
+
+  def test_keep_one_killed_before_the_new_step_is_marked(self):
+    """checkpoint_keep=1: orbax's own keep-N deleted step 1 inside the save
+    of step 2, before its marker: a kill between the two left no complete
+    step. The old step now goes only after the new one is complete."""
+    with tempfile.TemporaryDirectory() as tmp:
+      script, directory = os.path.join(tmp, "child.py"), os.path.join(tmp, "ckpt")
+      with open(script, "w") as f:
+        f.write(KEEP_ONE_CHILD)
+      proc = subprocess.run([sys.executable, script, directory], capture_output=True,
+                            timeout=300)
+      self.assertEqual(proc.returncode, -signal.SIGKILL, proc.stderr[-2000:])
+      sess = js.Session(js.SessionOptions(checkpoint_keep=1))
+      w = np.float32([0.5, -0.0, 7.0])
+      gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w + 1, state_argnums=0)
+      self.assertEqual(sess.restore(gid, directory), 1)
+      assert_equal_signed(sess.get_state(gid)[0], w)
+      sess.save(gid, directory, 3)  # the leftover of step 2 is removed, step 1 dropped
+      sess.wait_until_saved()
+      self.assertEqual(sorted(os.listdir(directory)), ["3"])
 
   def test_a_kill_at_any_instant_leaves_complete_steps_restorable(self):
     rng = np.random.default_rng(7)
