@@ -474,28 +474,55 @@ class StepsValuesTest(absltest.TestCase):
     assert_same_bits(sess.get_state(gid)[0], state, "state over weak steps")
 
 
-  def test_a_captured_constant_folds_as_in_a_single_run(self):
-    # docs/numerics.md: the loop body embeds the graph's constants, so XLA folds
-    # sign(-0.0) there (to +0.0) as it does in a single run and a straight-line
-    # jax.jit; jax.jit's scan passes the captured array in and computes -0.0
-    c = jnp.float32(-0.0)
-    step = lambda s, x: (s * jnp.sign(c), x)  # noqa: E731
+  def test_a_captured_constant_folds_as_jax_jit_folds_it(self):
+    # XLA folds sign(-0.0) of a constant to +0.0 in a straight-line program,
+    # where jax.jit's scan computes -0.0 at run time (it passes a captured jax
+    # array in). The fold leaves a float zero to XLA (optimizer_passes/fold.py),
+    # so a single run equals jax.jit and a sunk run equals jax.jit's scan, for
+    # a captured jax array and a NumPy scalar (which the scan embeds) alike;
+    # the sunk run folded it as the single run did before
     s0 = jnp.asarray([1.5, -2.0], jnp.float32)
-    sess = js.Session()
-    gid = sess.compile(step, s0, jnp.float32(1.0), state_argnums=0)
-    sess.run(gid, jnp.float32(1.0))
-    single = sess.get_state(gid)[0]
-    assert_same_bits(single, jax.jit(step)(s0, jnp.float32(1.0))[0], "single run vs jax.jit")
-    sess.set_state(gid, s0)
-    sess.run(gid, jnp.ones(3, jnp.float32), steps=3)
-    assert_same_bits(sess.get_state(gid)[0], single, "sunk run vs single run")
-    # a NumPy scalar the scan embeds too: the sunk run equals jax.jit's scan
-    c_np = np.float32(-0.0)
-    step_np = lambda s, x: (s * jnp.sign(c_np), x)  # noqa: E731
-    gid = sess.compile(step_np, s0, jnp.float32(1.0), state_argnums=0)
-    sess.run(gid, jnp.ones(3, jnp.float32), steps=3)
-    want, _ = jax.jit(lambda s, xs: jax.lax.scan(step_np, s, xs))(s0, jnp.ones(3, jnp.float32))
-    assert_same_bits(sess.get_state(gid)[0], want, "sunk run vs jax.jit's scan, NumPy scalar")
+    xs = jnp.ones(3, jnp.float32)
+    for c in (jnp.float32(-0.0), np.float32(-0.0)):
+      with self.subTest(c=type(c).__name__):
+        step = lambda s, x, c=c: (s * jnp.sign(c), x)  # noqa: E731
+        sess = js.Session()
+        gid = sess.compile(step, s0, jnp.float32(1.0), state_argnums=0)
+        sess.run(gid, jnp.float32(1.0))
+        assert_same_bits(sess.get_state(gid)[0], jax.jit(step)(s0, jnp.float32(1.0))[0],
+                         "single run vs jax.jit")
+        sess.set_state(gid, s0)
+        sess.run(gid, xs, steps=3)
+        want, _ = jax.jit(lambda s, xs, step=step: jax.lax.scan(step, s, xs))(s0, xs)
+        assert_same_bits(sess.get_state(gid)[0], want, "sunk run vs jax.jit's scan")
+
+  def test_a_captured_arrays_exp_folds_as_in_a_single_run(self):
+    # docs/numerics.md: the loop body embeds the graph's constants, so XLA
+    # folds exp(c) there (its evaluator, libm) as in a single run and a
+    # straight-line jax.jit, where jax.jit's scan passes a captured jax array
+    # in and computes it at run time (XLA's own exp: differs in some ulps)
+    s0 = jnp.asarray([1.5, -2.0], jnp.float32)
+    xs = jnp.ones(3, jnp.float32)
+    rng = np.random.default_rng(30)
+    scan_differs = 0
+    for c in rng.uniform(-5, 5, 40).astype(np.float32):
+      c = jnp.float32(c)
+      step = lambda s, x, c=c: (s * jnp.exp(c) * jnp.tanh(c), x)  # noqa: E731
+      sess = js.Session()
+      gid = sess.compile(step, s0, jnp.float32(1.0), state_argnums=0)
+      sess.run(gid, xs, steps=3)
+      sunk = sess.get_state(gid)[0]
+      sess.set_state(gid, s0)
+      one = jax.jit(step)
+      want = s0
+      for x in xs:  # three single runs, each equal to a jax.jit step
+        sess.run(gid, x)
+        want = one(want, x)[0]
+        assert_same_bits(sess.get_state(gid)[0], want, "single run vs jax.jit")
+      assert_same_bits(sunk, want, "sunk run vs three single runs")
+      want, _ = jax.jit(lambda s, xs, step=step: jax.lax.scan(step, s, xs))(s0, xs)
+      scan_differs += not np.array_equal(np.asarray(sunk), np.asarray(want))
+    self.assertGreater(scan_differs, 0)  # the documented difference is real
 
 
   def test_output_weak_types_follow_the_steps(self):
