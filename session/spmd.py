@@ -153,9 +153,16 @@ def mark_graph(graph, mesh_layout, options, platform):
 
 
 def key_text(mesh_layout):
-  """What the executables' cache key needs of the layout."""
+  """What the executables' cache key needs of the layout; without a session
+  mesh, the mesh of the caller's `jax.set_mesh` context, which the program
+  is traced and lowered under (an executable compiled outside one was handed
+  to a compile inside one: a raw jax ValueError at run, a break-it find)."""
   if mesh_layout is None:
-    return ()
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty:
+      return ()
+    return ("ambient", repr(jax.sharding.get_abstract_mesh()),
+            tuple(int(d.id) for d in mesh.devices.flat))
   return compile_cache.canonical([mesh_layout.args, mesh_layout.state])
 
 

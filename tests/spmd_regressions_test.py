@@ -204,6 +204,75 @@ bits["under_set_mesh"] = [under[0] == bits["explicit"][0],
 out["explicit_mesh"] = {k: v if k in ("after_set_state", "under_set_mesh") else
                         [b == bits["auto"][i] for i, b in enumerate(v)]
                         for k, v in bits.items()}
+
+# CSE under a mesh: a model applied twice, AdamW with clipping, a sunk run
+# against jax.jit's scan with the same shardings (14 of 19 leaves differed)
+def twice_init(key, sizes):
+  ps = []
+  for a, b in zip(sizes[:-1], sizes[1:]):
+    k1, k2, key = jax.random.split(key, 3)
+    ps.append({"w": jax.random.normal(k1, (a, b)) / np.sqrt(a),
+               "b": jax.random.normal(k2, (b,)) * 0.1})
+  return ps
+def twice_apply(ps, x):
+  for i, l in enumerate(ps):
+    x = x @ l["w"] + l["b"]
+    x = jax.nn.relu(x) if i < len(ps) - 1 else x
+  return x
+tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2))
+def twice_step(p, o, batch):
+  bx, by = batch
+  loss, g = jax.value_and_grad(lambda p: jnp.mean(
+      (twice_apply(p, bx * 0.5) + twice_apply(p, bx) - by) ** 2))(p)
+  u, o = tx.update(g, o, p)
+  return optax.apply_updates(p, u), o, loss
+tp = twice_init(jax.random.key(0), [12, 40, 24, 3])
+to = tx.init(tp)
+stk = (rng.standard_normal((4, 32, 12)).astype(np.float32),
+       rng.standard_normal((4, 32, 3)).astype(np.float32))
+ts = js.Session(js.SessionOptions(mesh=mesh1))
+tid = ts.compile(twice_step, tp, to, jax.tree.map(lambda a: a[0], stk), state_argnums=(0, 1))
+tsh = jax.tree.map(lambda a: a.sharding, ts.get_state(tid))
+bsh = NamedSharding(mesh1, P(None, "data"))
+def twice_scan(p, o, bs):
+  (p, o), l = jax.lax.scan(lambda c, b: (lambda r: ((r[0], r[1]), r[2]))(
+      twice_step(c[0], c[1], b)), (p, o), bs)
+  return p, o, l
+tref = jax.jit(twice_scan, in_shardings=(tsh[0], tsh[1], (bsh, bsh)),
+               out_shardings=(tsh[0], tsh[1], NamedSharding(mesh1, P())))
+tl = ts.run(tid, stk, steps=4)
+wp, wo, wl = tref(tp, to, stk)
+out["cse_sunk_bits"] = [np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(
+    jax.tree.leaves((ts.get_state(tid), tl)), jax.tree.leaves(((wp, wo), wl)))]
+
+# the same program compiled outside jax.set_mesh and inside it, in one session
+# (the compile cache handed the second the first's executable), both orders
+def acc(s, v):
+  return s + v, jnp.sum(s * v)
+v8 = jnp.arange(8.0)
+placed_ok = []
+for inside_first in (False, True):
+  cs = js.Session()
+  gids = []
+  for inside in ((True, False) if inside_first else (False, True)):
+    if inside:
+      with jax.set_mesh(mesh):
+        gids.append((cs.compile(acc, v8, v8, state_argnums=0), True))
+    else:
+      gids.append((cs.compile(acc, v8, v8, state_argnums=0), False))
+  for cg, inside in gids:
+    if inside:
+      with jax.set_mesh(mesh):
+        got, want = cs.run(cg, v8), jax.jit(acc)(v8, v8)[1]
+    else:
+      got, want = cs.run(cg, v8), jax.jit(acc)(v8, v8)[1]
+    placed_ok.append([float(got) == float(want), got.sharding == want.sharding])
+out["set_mesh_cache"] = placed_ok
+
+# js.jit given a mesh session compiles as that session does: its default
+# in_specs split each argument's leading axis over the first mesh axis
+out["jit_mesh_session"] = [err(lambda: js.jit(jnp.cumsum, session=sess)(jnp.arange(5.0))),
+                           float(js.jit(jnp.sum, session=sess)(jnp.arange(8.0)))]
 print(json.dumps(out))
 """
 
@@ -236,6 +305,20 @@ class SpmdRegressionTest(SnippetTest):
 
   def test_collectives_of_a_plan_with_host_partitions(self):
     self.assertIn("all-reduce", self.out["plan_collectives"])
+
+  def test_a_model_applied_twice_in_a_sunk_run_equals_jits_scan(self):
+    # CSE merged the two applications' shared values: XLA partitioned and
+    # fused them otherwise inside the loop (CSE stays off under a mesh)
+    self.assertEqual(self.out["cse_sunk_bits"], [True] * len(self.out["cse_sunk_bits"]))
+
+  def test_the_cache_tells_a_set_mesh_context_apart(self):
+    self.assertEqual(self.out["set_mesh_cache"], [[True, True]] * 4)
+
+  def test_jit_given_a_mesh_session(self):
+    kind, message = self.out["jit_mesh_session"][0]
+    self.assertEqual(kind, "InputError")
+    self.assertIn("do not divide over the 4 devices of mesh axis 'data'", message)
+    self.assertEqual(self.out["jit_mesh_session"][1], 28.0)
 
   def test_zero_on_the_optimizer_state_only(self):
     params_spec, moment_spec = self.out["zero1_specs"]
