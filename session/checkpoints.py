@@ -94,7 +94,7 @@ class Checkpointer:
     self._errors = []
     self._queued = {}  # directory -> the newest step a save was asked for
     self._lock = threading.Lock()
-    atexit.register(_drain, weakref.ref(self))  # pending saves finish before exit
+    _at_exit(_drain, weakref.ref(self))  # pending saves finish before exit
 
   def _work(self):
     _background_priority()
@@ -364,10 +364,34 @@ def _quick_thread_switches():
       sys.setswitchinterval(found)
 
 
+def _at_exit(fn, *args):
+  """fn(*args) as the interpreter exits, before its threads are joined: an
+  `atexit` function ran after concurrent.futures had shut its pools down,
+  so a save still pending then failed in orbax ("cannot schedule new
+  futures after interpreter shutdown") and the final checkpoint was lost
+  without a word (a break-it find). threading's own exit hooks run last
+  registered first: concurrent.futures is imported before ours is added."""
+  import concurrent.futures.thread  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  register = getattr(threading, "_register_atexit", None)  # CPython's, internal
+  if register is None:
+    atexit.register(fn, *args)
+    return
+  try:
+    register(fn, *args)
+  except RuntimeError:  # the interpreter is already shutting down
+    atexit.register(fn, *args)
+
+
 def _drain(ref):
+  """Waits for the pending saves; what failed is said on stderr, since no
+  wait_until_saved() will read it any more."""
   checkpointer = ref()
-  if checkpointer is not None:
-    checkpointer._queue.join()  # pylint: disable=protected-access
+  if checkpointer is None:
+    return
+  checkpointer._queue.join()  # pylint: disable=protected-access
+  for error in checkpointer._errors:  # pylint: disable=protected-access
+    print(f"jaxsession: a checkpoint pending at exit was not written: {error}",
+          file=sys.stderr)
 
 
 def _target(slot, j):

@@ -489,8 +489,47 @@ sess.wait_until_saved()
 """
 
 
+EXIT_CHILD = r"""
+import sys
+import numpy as np
+import jaxsession as js
+sess = js.Session()
+w = np.float32([0.5, -0.0, 7.0])
+gid = sess.compile(lambda w, x: (w * x, w.sum()), w, np.float32(3.0), state_argnums=0)
+sess.save(gid, sys.argv[1], 0)
+sess.wait_until_saved()
+sess.run(gid, np.float32(3.0))
+sess.save(gid, sys.argv[1], 1)  # pending as the script ends
+if sys.argv[2] == "ctrl-c":
+  raise KeyboardInterrupt
+"""
+
+
 @pytest.mark.slow
 class KilledSaveTest(absltest.TestCase):
+
+  def test_a_save_pending_as_the_script_ends_is_written(self):
+    """A script that ends (or is ended by a Ctrl-C) with a save still queued:
+    the exit hook ran after concurrent.futures had shut down, so orbax
+    refused the write and the final checkpoint was lost without a word."""
+    with tempfile.TemporaryDirectory() as tmp:
+      script = os.path.join(tmp, "child.py")
+      with open(script, "w") as f:
+        f.write(EXIT_CHILD)
+      for how in ("return", "ctrl-c"):
+        with self.subTest(how=how):
+          directory = os.path.join(tmp, how)
+          proc = subprocess.run([sys.executable, script, directory, how], capture_output=True,
+                                text=True, timeout=300)
+          self.assertEqual(proc.returncode, 0 if how == "return" else -signal.SIGINT,
+                           proc.stderr[-2000:])
+          self.assertNotIn("was not written", proc.stderr)
+          sess = js.Session()
+          w = np.float32([0.5, -0.0, 7.0])
+          gid = sess.compile(lambda w, x: (w * x, w.sum()), w, np.float32(3.0),
+                             state_argnums=0)
+          self.assertEqual(sess.restore(gid, directory), 1)
+          assert_equal_signed(sess.get_state(gid)[0], w * np.float32(3.0))
 
   def test_keep_one_killed_before_the_new_step_is_marked(self):
     """checkpoint_keep=1: orbax's own keep-N deleted step 1 inside the save
