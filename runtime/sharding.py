@@ -29,6 +29,7 @@ from jax import tree_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsession.jax_api import real_jit
+from jaxsession.runtime import debug_flags
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
 
@@ -188,6 +189,11 @@ def put_global(x, sharding):
   """A session-owned copy of a whole value `x`, laid out as `sharding`
   (resharded if it is a jax.Array laid out otherwise). Every process passes
   the same whole value; each puts its addressable shards."""
+  with debug_flags.checks_off():  # moves data: a nan it holds is not its to report
+    return _put_global(x, sharding)
+
+
+def _put_global(x, sharding):
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     if x.sharding == sharding:
       return real_jit(lambda a: a.copy(), out_shardings=sharding)(x)

@@ -36,7 +36,7 @@ from jax import tree_util
 
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
-from jaxsession.runtime import interrupts
+from jaxsession.runtime import debug_flags, interrupts
 from jaxsession.runtime.state import holding, private_copy, with_weak_type
 
 FORMAT = "jaxsession-checkpoint-1"
@@ -166,25 +166,31 @@ class Checkpointer:
       saved["empty"] = [j for j, x in enumerate(row) if not x.size]  # not written: made again
 
     def write():
-      ocp = _ocp()
       try:
-        if _remove_incomplete(path):
-          manager.reload()
-        for row, saved in zip(leaves, meta["slots"]):  # read back, each must match
-          saved["crc32"] = [_digest(x) for x in row]
-        manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
-            state=ocp.args.StandardSave({"slots": [  # its shape and type are in the meta
-                [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta)))
-        manager.wait_until_finished()
-        _mark_complete(os.path.join(path, str(step)))
-        if self.keep is not None:
-          _drop_old(manager, path, self.keep)
+        # a nan the state holds is not the write's to report (jax_debug_nans
+        # under a mesh: orbax slices the shards)
+        with debug_flags.checks_off():
+          write_step()
       except BaseException as exc:  # pylint: disable=broad-except
         with self._lock:
           self._errors.append(RuntimeError(f"{where}: writing step {step} to {path} "
                                            f"failed: {type(exc).__name__}: {exc}"))
           if self._queued.get(path) == step:  # a failed step may be saved again
             self._queued[path] = max(_complete_steps(path), default=-1)
+
+    def write_step():
+      ocp = _ocp()
+      if _remove_incomplete(path):
+        manager.reload()
+      for row, saved in zip(leaves, meta["slots"]):  # read back, each must match
+        saved["crc32"] = [_digest(x) for x in row]
+      manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
+          state=ocp.args.StandardSave({"slots": [  # its shape and type are in the meta
+              [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta)))
+      manager.wait_until_finished()
+      _mark_complete(os.path.join(path, str(step)))
+      if self.keep is not None:
+        _drop_old(manager, path, self.keep)
     with self._lock:
       if self._worker is None:
         self._worker = threading.Thread(target=self._work, name="jaxsession-checkpoints",
@@ -234,9 +240,10 @@ class Checkpointer:
     targets = [[_target(slot, j) for j in range(len(slot.avals))] for slot in entry.slots]
     empty = [set(saved.get("empty", ())) for saved in meta["slots"]]
     try:
-      read = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore({
-          "slots": [[t for j, t in enumerate(row) if j not in none]
-                    for row, none in zip(targets, empty)]})))["state"]["slots"]
+      with debug_flags.checks_off():  # a nan in the checkpoint is not the read's to report
+        read = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore({
+            "slots": [[t for j, t in enumerate(row) if j not in none]
+                      for row, none in zip(targets, empty)]})))["state"]["slots"]
     except Exception as exc:  # pylint: disable=broad-except
       _raise_interrupt(exc)
       raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "

@@ -269,6 +269,23 @@ for inside_first in (False, True):
     placed_ok.append([float(got) == float(want), got.sharding == want.sharding])
 out["set_mesh_cache"] = placed_ok
 
+# jax_debug_nans under a mesh: a state holding a nan can be read, saved and
+# restored (the session's own copies raised FloatingPointError); a run raises
+import tempfile
+nan_state = np.array([np.nan, 1, 2, 3, 4, 5, 6, 7], np.float32)
+ns = js.Session(js.SessionOptions(mesh=mesh1))
+nid = ns.compile(lambda p, v: (p + v, v), nan_state, np.float32(1), state_argnums=0)
+jax.config.update("jax_debug_nans", True)
+try:
+  with tempfile.TemporaryDirectory() as nan_dir:
+    got = ns.get_state(nid)[0]
+    saved = err(lambda: (ns.save(nid, nan_dir, 0), ns.wait_until_saved()))
+    restored = err(lambda: ns.restore(nid, nan_dir))
+    out["debug_nans_mesh"] = [np.asarray(got).tobytes() == nan_state.tobytes(), saved, restored,
+                              err(lambda: ns.run(nid, np.float32(1)))[0]]
+finally:
+  jax.config.update("jax_debug_nans", False)
+
 # js.jit given a mesh session compiles as that session does: its default
 # in_specs split each argument's leading axis over the first mesh axis
 out["jit_mesh_session"] = [err(lambda: js.jit(jnp.cumsum, session=sess)(jnp.arange(5.0))),
@@ -313,6 +330,9 @@ class SpmdRegressionTest(SnippetTest):
 
   def test_the_cache_tells_a_set_mesh_context_apart(self):
     self.assertEqual(self.out["set_mesh_cache"], [[True, True]] * 4)
+
+  def test_a_nan_in_the_state_under_debug_nans(self):
+    self.assertEqual(self.out["debug_nans_mesh"], [True, None, None, "FloatingPointError"])
 
   def test_jit_given_a_mesh_session(self):
     kind, message = self.out["jit_mesh_session"][0]
