@@ -487,7 +487,11 @@ def _replay(graph, state, user, kinds):
   env.update(zip([v.id for v in graph.inputs if v.kind != "const"], state + user))
   for node in graph.nodes:
     ins = [v.value if isinstance(v, Literal) else env[v.id] for v in node.inputs]
-    outs = jax.block_until_ready(kernel_fn(node)(node, *ins))
+    try:
+      outs = jax.block_until_ready(kernel_fn(node)(node, *ins))
+    except (FloatingPointError, SPECIAL_VALUE) as found:  # jax's checks, if still on
+      return (node, found.args[1] if len(found.args) > 1 and found.args[1] in (
+          "nan", "inf") else kinds[0] if kinds else "nan"), state
     for out in outs:
       kind = debug_flags.special_in(out, kinds)
       if kind is not None:
