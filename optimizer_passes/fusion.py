@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxsession.graph import op_properties
 from jaxsession.graph.ir import Literal
+from jaxsession.optimizer_passes.base import PassResult
 from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule
 
 x = Pat.var("x")
@@ -226,9 +227,18 @@ class FuseGelu(RewritePass):
 
 
 class FuseMatmulBias(RewritePass):
-  """Optimize: dot + broadcast bias -> one MatMulBiasAdd node (module docstring)."""
+  """Optimize: dot + broadcast bias -> one MatMulBiasAdd node (module docstring).
+  Not under a mesh, where CSE is off too (cse.py): a model applied twice kept
+  two fused copies of what XLA merges in jax.jit's program, and its SPMD
+  partitioner laid them out otherwise ("zero" SGD state off jax.jit's; a
+  break-it find)."""
   name = "fuse_matmul_bias"
   rules = FUSION_RULES[name]
+
+  def run(self, graph, ctx):
+    if graph.mesh is not None:
+      return PassResult(False)
+    return super().run(graph, ctx)
 
 
 class FuseAddN(RewritePass):

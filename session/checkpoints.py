@@ -122,7 +122,12 @@ class Checkpointer:
         # break-it find with checkpoint_keep=1)
         options = ocp.CheckpointManagerOptions(max_to_keep=None, create=create,
                                                enable_async_checkpointing=False)
-        manager = self._managers[path] = ocp.CheckpointManager(path, options=options)
+        try:
+          manager = ocp.CheckpointManager(path, options=options)
+        except OSError as exc:  # a parent that is a file, no permission...
+          raise InputError(f"{where}: checkpoint directory {path!r} cannot be used: "
+                           f"{type(exc).__name__}: {exc}") from None
+        self._managers[path] = manager
       return path, manager
 
   def save(self, entry, where, directory, step):
@@ -395,7 +400,12 @@ def _drain(ref):
   checkpointer = ref()
   if checkpointer is None:
     return
-  checkpointer._queue.join()  # pylint: disable=protected-access
+  try:
+    checkpointer._queue.join()  # pylint: disable=protected-access
+  except KeyboardInterrupt:  # a Ctrl-C while waiting: the exit goes on, said aloud
+    print("jaxsession: interrupted while checkpoints were still being written at exit: "
+          "the newest may be missing (every complete one is intact)", file=sys.stderr)
+    return
   for error in checkpointer._errors:  # pylint: disable=protected-access
     print(f"jaxsession: a checkpoint pending at exit was not written: {error}",
           file=sys.stderr)

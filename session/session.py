@@ -163,6 +163,7 @@ class Session:
                    for i, a in zip(state_nums, state_args)]
     dyn_flats = [inputs.flatten_example(where, i, a) for i, a in zip(dyn_nums, dyn_args)]
     if self.options.mesh is None:
+      spmd.check_ambient_mesh(where, state_nums)
       for i, flat in zip(state_nums, state_flats):
         inputs.check_one_device(where, i, flat, state=True)
       for i, flat in zip(dyn_nums, dyn_flats):

@@ -41,6 +41,19 @@ def check_no_specs(options, in_specs, state_specs):
     raise InputError("compile: in_specs / state_specs need SessionOptions(mesh=...)")
 
 
+def check_ambient_mesh(where, state_nums):
+  """InputError for state compiled inside the caller's `jax.set_mesh(...)` by a
+  session without a mesh of its own: the program is traced for that mesh
+  (as jax.jit's is) while the state lives on one device, and every run was
+  refused by the executable with a raw ValueError (a break-it find)."""
+  mesh = jax.sharding.get_mesh()
+  if state_nums and not mesh.empty:
+    raise InputError(f"{where}: state (state_argnums) compiled inside jax.set_mesh({mesh}) "
+                     "by a Session without a mesh: give the session the mesh, "
+                     "js.Session(js.SessionOptions(mesh=...)), which lays the state out on "
+                     "it, or compile outside the set_mesh block")
+
+
 def compiler_options(options, platform):
   """The XLA options of every executable: the user's, plus XLA's all-reduce
   combine threshold where the platform takes one (GPU)."""

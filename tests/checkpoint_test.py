@@ -374,6 +374,14 @@ class CheckpointTest(absltest.TestCase):
       sess.restore(gid, os.path.join(self.dir, "nowhere"))
     with self.assertRaisesRegex(js.InputError, "step must be an int >= 0"):
       sess.save(gid, self.dir, 1.5)
+    a_file = os.path.join(self.dir, "a_file")
+    with open(a_file, "w") as f:
+      f.write("not a checkpoint folder")
+    with self.assertRaisesRegex(js.InputError, "is a file, not a directory"):
+      sess.save(gid, a_file, 1)
+    with self.assertRaisesRegex(js.InputError, "cannot be used: NotADirectoryError"):
+      sess.save(gid, os.path.join(a_file, "sub"), 1)  # was the raw OSError
+    os.remove(a_file)
     # a corrupted checkpoint: the array files truncated
     for root, _, files in os.walk(os.path.join(self.dir, "1", "state")):
       for name in files:

@@ -249,6 +249,8 @@ out["cse_sunk_bits"] = [np.asarray(a).tobytes() == np.asarray(b).tobytes() for a
 # (the compile cache handed the second the first's executable), both orders
 def acc(s, v):
   return s + v, jnp.sum(s * v)
+def doubled(v):
+  return v * 2.0, jnp.sum(v)
 v8 = jnp.arange(8.0)
 placed_ok = []
 for inside_first in (False, True):
@@ -257,17 +259,66 @@ for inside_first in (False, True):
   for inside in ((True, False) if inside_first else (False, True)):
     if inside:
       with jax.set_mesh(mesh):
-        gids.append((cs.compile(acc, v8, v8, state_argnums=0), True))
+        gids.append((cs.compile(doubled, v8), True))
     else:
-      gids.append((cs.compile(acc, v8, v8, state_argnums=0), False))
+      gids.append((cs.compile(doubled, v8), False))
   for cg, inside in gids:
     if inside:
       with jax.set_mesh(mesh):
-        got, want = cs.run(cg, v8), jax.jit(acc)(v8, v8)[1]
+        got, want = cs.run(cg, v8), jax.jit(doubled)(v8)
     else:
-      got, want = cs.run(cg, v8), jax.jit(acc)(v8, v8)[1]
-    placed_ok.append([float(got) == float(want), got.sharding == want.sharding])
+      got, want = cs.run(cg, v8), jax.jit(doubled)(v8)
+    placed_ok.append([np.asarray(got[0]).tobytes() == np.asarray(want[0]).tobytes(),
+                      got[0].sharding == want[0].sharding])
 out["set_mesh_cache"] = placed_ok
+
+# a tied-embedding model applied twice under "zero": fuse_matmul_bias kept two
+# fused copies of what XLA merges in jax.jit's program (SGD state off jax.jit's)
+V, D = 32, 16
+tied = {"emb": rng.standard_normal((V, D)).astype(np.float32) * 0.3,
+        "w1": rng.standard_normal((D, D)).astype(np.float32) * 0.3,
+        "b1": rng.standard_normal((D,)).astype(np.float32) * 0.1}
+def tied_model(p, tok):
+  h = p["emb"][tok]
+  for _ in range(2):
+    h = jnp.tanh(h @ p["w1"] + p["b1"])
+  return h @ p["emb"].T
+def tied_step(p, tok, tgt):
+  def loss(p):
+    lp = jax.nn.log_softmax(0.5 * (tied_model(p, tok) + tied_model(p, tok)))
+    return -jnp.take_along_axis(lp, tgt[..., None], -1).mean()
+  l, g = jax.value_and_grad(loss)(p)
+  return jax.tree.map(lambda a, b: a - 0.01 * b, p, g), l
+toks = rng.integers(0, V, (3, 8, 4)).astype(np.int32)
+tgts = rng.integers(0, V, (3, 8, 4)).astype(np.int32)
+zs = js.Session(js.SessionOptions(mesh=mesh1))
+zid = zs.compile(tied_step, tied, toks[0], tgts[0], state_argnums=0, state_specs="zero")
+zsh = jax.tree.map(lambda a: a.sharding, zs.get_state(zid)[0])
+zref = jax.jit(tied_step, in_shardings=(zsh, NamedSharding(mesh1, P("data")),
+                                        NamedSharding(mesh1, P("data"))),
+               out_shardings=(zsh, NamedSharding(mesh1, P())))
+zp, zbits = jax.device_put(tied, zsh), []
+for t in range(3):
+  zl = zs.run(zid, toks[t], tgts[t])
+  zp, wl = zref(zp, toks[t], tgts[t])
+  zbits.append(np.asarray(zl).tobytes() == np.asarray(wl).tobytes())
+zbits += [np.asarray(a).tobytes() == np.asarray(b).tobytes()
+          for a, b in zip(jax.tree.leaves(zs.get_state(zid)[0]), jax.tree.leaves(zp))]
+out["tied_twice_zero"] = zbits
+
+# state compiled inside jax.set_mesh by a session without a mesh: refused at
+# compile (every run was a raw ValueError); js.jit keeps meshes that differ in
+# device order apart (outputs landed on the first mesh's devices)
+with jax.set_mesh(mesh1):
+  out["ambient_state"] = err(lambda: js.Session().compile(acc, v8, v8, state_argnums=0))
+flipped = Mesh(np.array(jax.devices())[::-1], ("data",))
+spread = js.jit(lambda v: jax.lax.with_sharding_constraint(v * 2, P("data")))
+order = []
+for m_ in (mesh1, flipped):
+  with jax.set_mesh(m_):
+    got = spread(v8)
+  order.append([d.id for d in got.sharding._device_assignment])
+out["jit_device_order"] = order
 
 # jax_debug_nans under a mesh: a state holding a nan can be read, saved and
 # restored (the session's own copies raised FloatingPointError); a run raises
@@ -330,6 +381,17 @@ class SpmdRegressionTest(SnippetTest):
 
   def test_the_cache_tells_a_set_mesh_context_apart(self):
     self.assertEqual(self.out["set_mesh_cache"], [[True, True]] * 4)
+
+  def test_a_model_applied_twice_under_zero(self):
+    self.assertEqual(self.out["tied_twice_zero"], [True] * len(self.out["tied_twice_zero"]))
+
+  def test_state_inside_set_mesh_without_a_session_mesh(self):
+    kind, message = self.out["ambient_state"]
+    self.assertEqual(kind, "InputError")
+    self.assertIn("SessionOptions(mesh=...)", message)
+
+  def test_jit_keeps_meshes_of_other_device_orders_apart(self):
+    self.assertEqual(self.out["jit_device_order"], [list(range(8)), list(range(7, -1, -1))])
 
   def test_a_nan_in_the_state_under_debug_nans(self):
     self.assertEqual(self.out["debug_nans_mesh"], [True, None, None, "FloatingPointError"])
