@@ -401,7 +401,7 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
   _set_frees(ops, outputs)
   copy_at, seen = set(), set()
   # a state leaf returned as it came stays in its slot: nothing to copy
-  passed = {i for i, (s, new) in enumerate(graph.state_updates()) if new is s}
+  passed = set(graph.passed_state())
   for i, value in enumerate(graph.outputs):
     if isinstance(value, Literal) or i in passed:
       continue

@@ -44,10 +44,9 @@ class StateLayout:
     self.donated_idx = [i for i, s in enumerate(states) if s.id in donated]
     self.updated_idx = [i for i, (s, new) in enumerate(graph.state_updates())
                         if new is not s]
-    # (index, name) of the leaves the step returns as they came: no executable
-    # returns them, where jax.jit's debug_nans/infs check sees every output
-    self.passed = [(i, s.name or f"state {i}") for i, (s, new)
-                   in enumerate(graph.state_updates()) if new is s]
+    # (index, name) of the leaves the step returns as they came (call_path's
+    # debug_nans/infs check)
+    self.passed = [(i, states[i].name or f"state {i}") for i in graph.passed_state()]
     self.state_avals = [s.aval for s in states]
     self.state_shardings = [s.sharding for s in states]  # None without a mesh
     self._updated_refs = [leaf_slots[i] for i in self.updated_idx]

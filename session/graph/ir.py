@@ -289,6 +289,11 @@ class KernelGraph:
     states = self.inputs_of_kind("state")
     return list(zip(states, self.outputs[:len(states)]))
 
+  def passed_state(self):
+    """Indices of the state leaves the graph returns as they came (no
+    executable returns them; jax.jit's debug_nans check sees them)."""
+    return [i for i, (s, new) in enumerate(self.state_updates()) if new is s]
+
   def verify(self, stages=(), skip=None, structure=True, shapes=True):
     """Checks the invariants; raises ValueError naming the first violation.
     The structure (with `structure`): topological order, every value defined
