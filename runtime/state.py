@@ -135,6 +135,8 @@ class StateSlot:
     self.name = name
     self.treedef = treedef
     self.avals = list(avals)
+    # the weak type each leaf has in the program: a bound value takes it
+    self.weak_types = tuple(bool(getattr(a, "weak_type", False)) for a in self.avals)
     self.packing = None          # a runtime.packing.Packing once small leaves are packed
     self.storage = tuple(leaves)  # a unit each (the leaves, unpacked); replaced whole
                                   # on every update, never mutated

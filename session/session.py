@@ -547,6 +547,10 @@ class Session:
     return list(self._entry(graph_id).executables)
 
   def _entry(self, graph_id):
+    if type(graph_id) is int:  # the usual id: no ABC check
+      entry = self._graphs.get(graph_id)
+      if entry is not None:
+        return entry
     try:
       return self._graphs[_graph_id(graph_id)]
     except KeyError:

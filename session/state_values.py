@@ -4,7 +4,7 @@
 `new_leaves`: every value is checked against its slot (structure, each leaf's
 shape, dtype and - where it changes the program - weak type) before any slot
 changes, then bound as session-owned buffers, each in its leaf's weak type as the
-program has it (`_weak`): a copy by default, or with
+program has it (StateSlot.weak_types): a copy by default, or with
 `donate=True` the caller's own buffer where it is already laid out as the
 slot's leaf (the caller's array is then deleted, as `jax.jit` deletes a
 donated argument). Binding happens only once every value has passed.
@@ -64,47 +64,52 @@ def _fits(x, slot, j):
 
 def new_leaves(where, items, donate=False):
   """`items`: (place, slot, value) triples. Every value checked against its
-  slot first; then, per item, the row of leaves `bind` writes: copies, or
-  with `donate` the caller's buffers where they fit (an array passed twice
-  is taken once), marked to be taken over by `bind`, after every copy."""
+  slot first; then, per item, the row of leaves `bind` writes: copies (one
+  dispatch for all that are on the slots' device), or with `donate` the
+  caller's buffers where they fit (an array passed twice is taken once),
+  marked to be taken over by `bind`, after every copy."""
   if not isinstance(donate, bool):
     raise InputError(f"{where}: donate must be True or False, got {donate!r}")
-  flats = [check_values(place, slot, value) for place, slot, value in items]
-  taken, bound, copied = set(), [], []  # copied: (row, j, leaf, layout, weak)
-  for (_, slot, _), flat in zip(items, flats):
-    row = list(flat)
-    for j, x in enumerate(flat):
-      if donate and _fits(x, slot, j) and _buffers(x) not in taken:
-        taken.add(_buffers(x))  # taken below, once every copy is made
-        row[j] = _Taken(x)
-      else:
-        copied.append((row, j, x, None if slot.shardings is None else slot.shardings[j],
-                       _weak(slot, j)))
-    bound.append(row)
-  # one device: a graph's slots share it (state_from across devices is refused)
-  device = items[0][1].device if items else None
-  copies = owned_copies([x for _, _, x, _, _ in copied], [s for _, _, _, s, _ in copied], device)
-  for (row, j, _, _, weak), copy in zip(copied, copies):
-    row[j] = with_weak_type(copy, weak)
-  return bound
+  rows = [check_values(place, slot, value) for place, slot, value in items]  # fresh lists
+  if not rows:
+    return rows
+  slots = [slot for _, slot, _ in items]
+  taken = set()
+  copied = [(r, j) for r, (slot, row) in enumerate(zip(slots, rows)) for j, x in enumerate(row)
+            if not (donate and _fits(x, slot, j) and _take_once(x, taken, row, j))]
+  # one device: a graph's slots share it (state_from across devices is
+  # refused), and are all under its mesh or none
+  copies = owned_copies([rows[r][j] for r, j in copied],
+                        None if slots[0].shardings is None else
+                        [slots[r].shardings[j] for r, j in copied], slots[0].device)
+  for (r, j), copy in zip(copied, copies):
+    rows[r][j] = copy
+  return rows
 
 
-def _weak(slot, j):
-  """The weak type slot's leaf j has in the program: a bound value takes it
-  (a Python scalar bound to a float32 leaf is a strong float32, as the
-  executables and every later run's state are)."""
-  return bool(getattr(slot.avals[j], "weak_type", False))
+def _take_once(x, taken, row, j):
+  """Marks row[j] (`x`, a donated array that fits) to be taken over, unless
+  its buffers are taken already (then it is copied)."""
+  buffers = _buffers(x)
+  if buffers in taken:
+    return False
+  taken.add(buffers)
+  row[j] = _Taken(x)
+  return True
 
 
 def bind(lock, slots, rows):
   """Writes `rows` (new_leaves's, one per slot) into `slots` under `lock`
-  (their slots_lock). The caller's donated arrays are taken over there,
-  inside the critical section, all before any slot changes: a Ctrl-C lands
-  after the takes and the write or before both, never between (where the
-  caller's arrays would be deleted and the slots still hold the old state)."""
+  (their slots_lock), each leaf in the weak type the program has for it
+  (StateSlot.weak_types: a Python scalar bound to a float32 leaf is a strong
+  float32, as the executables and every later run's state are). The caller's
+  donated arrays are taken over there, inside the critical section, all
+  before any slot changes: a Ctrl-C lands after the takes and the write or
+  before both, never between (where the caller's arrays would be deleted
+  and the slots still hold the old state)."""
   def write():
-    leaves = [tuple(with_weak_type(_take_over(x.array), _weak(slot, j))
-                    if isinstance(x, _Taken) else x for j, x in enumerate(row))
+    leaves = [tuple(with_weak_type(_take_over(x.array) if type(x) is _Taken else x, weak)
+                    for x, weak in zip(row, slot.weak_types))
               for slot, row in zip(slots, rows)]
     for slot, row in zip(slots, leaves):
       slot.leaves = row
