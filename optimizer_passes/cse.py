@@ -1,6 +1,8 @@
 """CSE: merges nodes that compute the same op with the same params on the same
 inputs, keeping the first. Only deterministic nodes are merged (op_properties):
-two `rng_uniform` draws or two callbacks are two values, not one. Constant
+two `rng_uniform` draws or two callbacks are two values, not one. Opaque nodes
+(an optimization barrier, a kept jit call) are left to XLA, as jax.jit leaves
+them. Constant
 subexpressions (computed from literals and consts alone) and what makes a
 divisor are left as they are for XLA, which folds and merges them as it does
 under jax.jit.
@@ -67,8 +69,8 @@ class CommonSubexpressionElimination(Pass):
     constant = {v.id for v in graph.inputs_of_kind("const")}
     divisors = _divisor_cones(graph)
     for node in graph.nodes:
-      if not node.props.deterministic or node.id in divisors:
-        continue
+      if not node.props.deterministic or node.props.opaque or node.id in divisors:
+        continue  # an opaque node (a barrier, a kept jit call) is XLA's to merge
       if all(isinstance(v, Literal) or v.id in constant for v in node.inputs):
         # A constant subexpression is XLA's to fold, as under jax.jit: merging
         # it changes the structure XLA's simplifier sees, and some of its

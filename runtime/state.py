@@ -30,23 +30,26 @@ def session_device():
   return jax.config.jax_default_device or jax.local_devices()[0]
 
 
-def with_weak_type(x, weak):
+def with_weak_type(x, weak, committed=None):
   """`x` typed weakly (`weak`) or strongly, with the same bits: its buffers
   under the other aval, so nothing is compiled (an eager convert compiles
   one per shape); where jax lacks that internal API, a convert. The one way
   the session retypes an array: bound state (a Python scalar's copy, a
   restored checkpoint), sliced bucket outputs, outputs whose weak type
-  jax.jit's would have."""
+  jax.jit's would have. `committed` (None: as it is): the array committed
+  to its device or not, as jax.jit commits its outputs (session/jitted.py)."""
   if type(x) is ARRAY:
-    if x.weak_type == weak:
+    if x.weak_type == weak and (committed is None or x._committed == committed):  # pylint: disable=protected-access
       return x
   elif not isinstance(x, jax.Array) or bool(getattr(x, "weak_type", False)) == weak:
     return x
   try:
     from jax._src.array import ArrayImpl  # pylint: disable=import-outside-toplevel
     return ArrayImpl(x.aval.update(weak_type=weak), x.sharding, list(x._arrays),  # pylint: disable=protected-access
-                     committed=x._committed)  # pylint: disable=protected-access
+                     committed=x._committed if committed is None else committed)  # pylint: disable=protected-access
   except (ImportError, AttributeError, TypeError):  # an internal API: convert (compiles)
+    if weak == x.weak_type:  # only the commitment differs: left as it is
+      return x
     from jax._src.lax import lax as lax_internal  # pylint: disable=import-outside-toplevel
     return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)  # pylint: disable=protected-access
 

@@ -14,9 +14,13 @@ Called under a trace (inside grad, vmap, another jit: a tracer among the
 arguments), it traces `fn` inline as jax.jit does - it *is* jax.jit there -
 and under `jax.disable_jit()` it calls `fn` op by op, as jax.jit does. What
 jax.jit offers beyond calling (`lower`, `trace`, `eval_shape`, ...) is an
-AttributeError naming jax.jit. A graph compiled for one signature lives as
-long as the wrapper; they are released with it. Given any other jax.jit
-option (donate_argnums, shardings, inline, ...) `jit` returns jax.jit itself.
+AttributeError naming jax.jit. Every wrapper of one function with the same
+statics and session shares its graphs, as jax.jit's cache is keyed by the
+function (`js.jit(f)(x)` wrapped anew at each call compiles once); they are
+released once the function is collected (a callable that weakref cannot
+follow: with its wrapper). Outputs are committed to their device exactly
+where jax.jit's are: where an argument was. Given any other jax.jit option
+(donate_argnums, shardings, inline, ...) `jit` returns jax.jit itself.
 """
 import functools
 import inspect
@@ -31,7 +35,8 @@ from jax import tree_util
 
 from jaxsession import tracing
 from jaxsession.errors import InputError
-from jaxsession.jax_api import real_jit
+from jaxsession.jax_api import ARRAY, real_jit
+from jaxsession.runtime.state import with_weak_type
 
 try:  # True outside every trace (vmap with an axis name, grad, jit, ...)
   from jax._src.core import trace_state_clean as _top_level
@@ -110,45 +115,95 @@ def _leaf_key(x):
   return (type(x), aval.shape, aval.dtype, getattr(aval, "weak_type", False))
 
 
+class _Signatures:
+  """One function's graphs in one session, per signature, shared by its
+  wrappers with the same statics (`_signatures`)."""
+  __slots__ = ("graphs", "committed", "lock", "session")
+
+  def __init__(self, session):
+    self.graphs = {}     # signature -> graph id (or _JAX)
+    self.committed = {}  # graph id -> whether jax.jit commits its outputs
+    self.lock = threading.RLock()  # held while compiling, which reads `session`
+    self.session = session  # None: the default one, on first use
+
+  def release(self):
+    _release(self.session, self.graphs)
+
+
+_SHARED = {}  # id(fn) -> (weakref to fn, {(statics, session id): _Signatures})
+_SHARED_LOCK = threading.Lock()
+
+
+def _signatures(wrapper, fn, statics, session):
+  """The _Signatures of (fn, statics, session): found by fn's identity while
+  fn lives, released when it dies; a fn weakref cannot follow gets its own,
+  released with `wrapper`."""
+  key = (statics, id(session))
+  with _SHARED_LOCK:
+    known = _SHARED.get(id(fn))
+    if known is not None and known[0]() is fn and key in known[1]:
+      return known[1][key]
+    sigs = _Signatures(session)
+    try:
+      ref = weakref.ref(fn)
+    except TypeError:  # not weakly referable: this wrapper's own
+      weakref.finalize(wrapper, sigs.release)
+      return sigs
+    if known is None or known[0]() is not fn:
+      known = _SHARED[id(fn)] = (ref, {})
+      weakref.finalize(fn, _forget, id(fn), known[1])
+    known[1][key] = sigs
+    return sigs
+
+
+def _forget(fn_id, table):
+  with _SHARED_LOCK:
+    if _SHARED.get(fn_id, (None, table))[1] is table:
+      del _SHARED[fn_id]
+  for sigs in table.values():
+    sigs.release()
+
+
 class Jitted:
   """What `jit` returns: call it as `fn`."""
 
   def __init__(self, fn, static_argnums, static_argnames, session):
     if not callable(fn):
       raise InputError(f"jaxsession.jit: expected a callable, got {type(fn).__name__}")
+    from jaxsession.session import Session  # pylint: disable=import-outside-toplevel
+    if session is not None and not isinstance(session, Session):
+      raise InputError(f"jaxsession.jit: session must be a jaxsession.Session or None, got "
+                       f"{type(session).__name__}")
     self._fn = fn
     self._static_nums, self._static_names = _resolve_statics(fn, static_argnums,
                                                              static_argnames)
     self._argnums, self._argnames = static_argnums, static_argnames
-    self._session = session
-    self._graphs = {}          # signature -> graph id
-    self._lock = threading.Lock()
     # jax.jit(fn, ...), for calls under a trace; made here, so that statics
     # the signature does not have raise jax's own ValueError, as jax.jit does
     self._traced = real_jit(fn, static_argnums=static_argnums, static_argnames=static_argnames)
     functools.update_wrapper(self, fn)
-    # release the graphs with the wrapper (the session outlives it)
-    self._finalizer = weakref.finalize(self, _release, session, self._graphs)
+    self._sigs = _signatures(self, fn, (self._static_nums, self._static_names), session)
 
   @property
   def session(self):
     """The Session this wrapper compiles in."""
-    if self._session is None:
-      self._session = default_session()
-      self._finalizer.detach()
-      self._finalizer = weakref.finalize(self, _release, self._session, self._graphs)
-    return self._session
+    sigs = self._sigs
+    if sigs.session is None:
+      with sigs.lock:
+        if sigs.session is None:
+          sigs.session = default_session()
+    return sigs.session
 
   @property
   def graph_ids(self):
     """The graphs this wrapper compiled in its session, one per signature."""
-    return tuple(g for g in self._graphs.values() if g is not _JAX)
+    return tuple(g for g in self._sigs.graphs.values() if g is not _JAX)
 
   def __get__(self, obj, objtype=None):  # a jitted method: bound as jax.jit binds it
     return self if obj is None else functools.partial(self, obj)
 
   def __getattr__(self, name):
-    if name.startswith("__") or name in ("_fn", "_session", "_graphs", "graph_ids"):
+    if name.startswith("__") or name in ("_fn", "_sigs", "graph_ids"):
       raise AttributeError(name)
     raise AttributeError(f"jaxsession.jit offers calling only; for '{name}' use "
                          f"jax.jit(fn).{name}")
@@ -182,19 +237,25 @@ class Jitted:
     # cache (threefry_partitionable, dtype and rank promotion, the mesh...)
     key = (statics, treedef, tuple(map(_leaf_key, leaves)), _trace_context(),
            _concrete_mesh())  # jax.set_mesh's devices: the abstract mesh has no order
-    gid = self._graphs.get(key)
+    sigs = self._sigs
+    gid = sigs.graphs.get(key)
     if gid is None:
-      with self._lock:
-        gid = self._graphs.get(key)
+      with sigs.lock:
+        gid = sigs.graphs.get(key)
         if gid is None:
-          gid = self._graphs[key] = (
-              _JAX if _placed_elsewhere(key[2], self.session.device) else
-              self._compile(statics, args, dyn_args, dyn_kw))
+          if _placed_elsewhere(key[2], self.session.device):
+            gid = _JAX
+          else:
+            gid = self._compile(statics, args, dyn_args, dyn_kw)
+            sigs.committed[gid] = any(len(k) == 5 and k[4] is not None for k in key[2])
+          sigs.graphs[key] = gid
     if gid is _JAX:  # arguments committed to other devices or sharded over many:
       return self._under_trace()(*args, **kwargs)  # jax.jit runs where they are
     if dyn_kw:  # keyword args first, in key order (call_order)
-      return self.session.run(gid, *[dyn_kw[k] for k in sorted(dyn_kw)], *dyn_args)
-    return self.session.run(gid, *dyn_args)
+      out = self.session.run(gid, *[dyn_kw[k] for k in sorted(dyn_kw)], *dyn_args)
+    else:
+      out = self.session.run(gid, *dyn_args)
+    return _committed_as_jit(out, sigs.committed[gid])
 
   def _under_trace(self):
     return self._traced
@@ -264,6 +325,18 @@ def _placed_elsewhere(leaf_keys, home):
   home = {home}
   return any(len(k) == 5 and k[4] is not None and k[4].device_set != home
              for k in leaf_keys)
+
+
+def _committed_as_jit(out, committed):
+  """`out` with each array committed as jax.jit commits its outputs: where
+  an argument was committed (a device_put one), else not (a later op may
+  move it). The session's own outputs are on its device either way, a host
+  op's result committed, an executable's not."""
+  leaves = tree_util.tree_leaves(out)
+  if all(type(x) is not ARRAY or x._committed == committed for x in leaves):  # pylint: disable=protected-access
+    return out
+  return tree_util.tree_map(lambda x: with_weak_type(x, x.weak_type, committed)
+                            if type(x) is ARRAY else x, out)
 
 
 def _name(fn):

@@ -172,10 +172,9 @@ def check_no_leaked_tracers(name, closed):
 
 
 def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dyn_args):
-  # one program whose weak types cannot matter is not traced again per leaf
-  # (a trace per retyped leaf: 190 s for 1000 weak leaves, found by the
-  # break-it review)
-  moot = None
+  """InputError unless each state arg's new value has the arg's structure,
+  shapes and dtypes, and jax.jit's later steps run fn's first program: see
+  _check_later_steps."""
   for k, (i, old, new) in enumerate(zip(state_nums, state_args, new_state)):
     where = f"compile({name}): the new value of state arg {k} (position {i})"
     old_leaves, old_tree = tree_util.tree_flatten(old)
@@ -185,18 +184,75 @@ def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dy
                        f"({tree_difference(old, new)}). If fn only reads its state (an "
                        "eval step), pass updates_state=False.")
     for path, a, b in zip(paths_of(old), old_leaves, new_leaves):
-      a = leaf_aval(a, type_only=True)
-      place = f"{where} at path {path or '(root)'}"
-      if getattr(b, "weak_type", False) != a.weak_type and moot is None:
-        moot = weak_type_is_moot(closed.jaxpr)
-      if getattr(b, "weak_type", False) != a.weak_type and not moot and \
-          _retyped_state_changes_program(wrapped, closed, state_args, dyn_args, k, path):
-        raise weak_type_error(
-            place, b.weak_type, "the arg", "jax.jit would compile another program from the "
-            "second step on", "Give the state arg the new value's typing (e.g. "
-            "jnp.asarray(x, dtype) for a strong type).")
-      check_aval(place, jax.core.ShapedArray(b.shape, b.dtype), a,
+      check_aval(f"{where} at path {path or '(root)'}", jax.core.ShapedArray(b.shape, b.dtype),
+                 leaf_aval(a, type_only=True),
                  note=". If fn only reads its state (an eval step), pass updates_state=False.")
+  _check_later_steps(name, state_nums, state_args, new_state, wrapped, closed, dyn_args)
+
+
+MAX_TRACED_STEPS = 8  # weak-type changes a step passes on to the next, followed this far
+
+
+def _check_later_steps(name, state_nums, state_args, new_state, wrapped, closed, dyn_args):
+  """jax.jit traces each step for the weak types its state has then: the
+  ones the step before returned. A weakly typed state leaf that comes back
+  strongly typed (or the other way round) makes the next step another
+  trace, and that trace may hand the change on to another leaf (a weak
+  `b * 0.5 + a` turns strong a step after `a` did: the break-it review
+  found a bf16 product of `b` that became float32 there, while the session
+  ran its first program). The steps are traced in turn until the weak
+  types repeat (at most MAX_TRACED_STEPS); where one computes other
+  arithmetic than the first, InputError names the leaves whose typing
+  differs from the example's. A program whose weak types cannot matter is
+  not traced again (a trace per step: weak_type_is_moot)."""
+  def flags(states):
+    return tuple(bool(getattr(leaf_aval(x, type_only=True), "weak_type", False))
+                 for x in tree_util.tree_leaves(states))
+  traced_with = flags(state_args)
+  seen, typed, out, base = {traced_with}, list(state_args), list(new_state), None
+  for step in range(1, MAX_TRACED_STEPS + 1):
+    returned = flags(out)
+    if returned in seen:
+      return
+    seen.add(returned)
+    if base is None:
+      if weak_type_is_moot(closed.jaxpr):
+        return
+      base = _arithmetic(closed.jaxpr)
+    typed = [tree_util.tree_map(_typed_as, x, y) for x, y in zip(typed, out)]
+    try:
+      traced, (out, _) = jax.make_jaxpr(wrapped, return_shape=True)(tuple(typed), *dyn_args)
+      other = _arithmetic(traced.jaxpr) != base
+    except Exception:  # pylint: disable=broad-except
+      other = True  # jax.jit's step would raise (strict promotion): another program too
+    if other:
+      raise _retyped_error(name, state_nums, state_args, traced_with, returned, step)
+    traced_with = returned
+
+
+def _typed_as(example, value):
+  """`example`'s type with the weak type `value` has."""
+  aval = leaf_aval(example, type_only=True)
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                              weak_type=bool(getattr(value, "weak_type", False)))
+
+
+def _retyped_error(name, state_nums, state_args, before, now, step):
+  """The InputError naming the leaves step `step` returned otherwise typed
+  than it was given them (`before`, `now`: weak flags, leaf by leaf)."""
+  labels = [f"state arg {k} (position {i}) at path {path or '(root)'}"
+            for k, (i, arg) in enumerate(zip(state_nums, state_args)) for path in paths_of(arg)]
+  changed = [j for j, (a, b) in enumerate(zip(before, now)) if a != b]
+  j = changed[0]
+  more = "" if len(changed) == 1 else \
+      f" (so is the value of {', '.join(labels[m] for m in changed[1:])})"
+  place = (f"compile({name}): the new value of {labels[j]}" if step == 1 else
+           f"compile({name}): the value step {step} returns for {labels[j]}")
+  return weak_type_error(
+      place, now[j], "the arg" if step == 1 else "the one it was given", "jax.jit would compile another program from "
+      + ("the second step on" if step == 1 else f"step {step + 1} on") + more,
+      "Give the state arg the new value's typing (e.g. jnp.asarray(x, dtype) for a "
+      "strong type).")
 
 
 def _arithmetic(jaxpr):
@@ -215,21 +271,6 @@ def _arithmetic(jaxpr):
                  if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr)))
     out.append((eqn.primitive.name, ins, outs, subs))
   return tuple(out)
-
-
-def _retyped_state_changes_program(wrapped, closed, state_args, dyn_args, k, path):
-  """Whether tracing with state arg k's leaf at `path` given the weak type its
-  new value has changes the program (then jax.jit's second step would run
-  another program than its first)."""
-  def flip(p, leaf):
-    if tree_util.keystr(p) != path:
-      return leaf
-    aval = leaf_aval(leaf, type_only=True)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
-  states = list(state_args)
-  states[k] = tree_util.tree_map_with_path(flip, states[k])
-  return _traces_other(lambda: jax.make_jaxpr(wrapped)(tuple(states), *dyn_args),
-                       _arithmetic(closed.jaxpr))
 
 
 def _traces_other(trace, base):

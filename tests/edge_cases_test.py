@@ -254,6 +254,37 @@ class WeakTypesTest(absltest.TestCase):
     sess.run(gid, jnp.ones(2))
     assert_equal_signed(sess.run(gid, jnp.ones(2)), [2.5, 2.5])
 
+  def test_a_weak_type_change_handed_on_to_another_state_leaf(self):
+    """`a` turns strong after one step, `b * 0.5 + a` one step later, and
+    from the third step on jax.jit's program multiplies `b * h` in float32,
+    not bfloat16: refused at compile, naming `b` (the session ran its first
+    program, and from the third step on other bits: a break-it find)."""
+    rng = np.random.default_rng(23)
+    c = jnp.asarray(rng.standard_normal(8), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal(8), jnp.bfloat16)
+
+    def step(a, b, c, x, h):
+      c2 = (c + b * h).astype(jnp.bfloat16)
+      return a + x, b * 0.5 + a, c2, c2
+    sess = js.Session()
+    with self.assertRaisesRegex(js.InputError, r"the value step 2 returns for state arg 1 "
+                                r"\(position 1\).* strongly typed.*from step 3 on"):
+      sess.compile(step, jnp.asarray(0.5), jnp.asarray(1.3), c, jnp.float32(0.1), h,
+                   state_argnums=(0, 1, 2))
+    # strong from the start: one program for every step, as under jax.jit
+    a, b = jnp.float32(0.5), jnp.float32(1.3)
+    gid = sess.compile(step, a, b, c, jnp.float32(0.1), h, state_argnums=(0, 1, 2))
+    state = (a, b, c)
+    for _ in range(4):
+      x = jnp.float32(rng.standard_normal())
+      h = jnp.asarray(rng.standard_normal(8), jnp.bfloat16)
+      *state, want = jax.jit(step)(*state, x, h)
+      assert_equal_signed(sess.run(gid, x, h), want)
+    # weak types handed on without changing the arithmetic: compiled
+    same_math = lambda a, b, x: (a + x, b * 0.5 + a, b * 2.0)  # noqa: E731
+    sess.compile(same_math, jnp.asarray(0.5), jnp.asarray(1.3), jnp.float32(0.1),
+                 state_argnums=(0, 1))
+
   def test_output_weak_types_follow_the_scalars(self):
     """Compiled with a Python float and run with a strong float32 (or the
     other way round), the outputs carry the weak types jax.jit gives them,
