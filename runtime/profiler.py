@@ -33,18 +33,23 @@ traces are made when asked.
 """
 import collections
 import json
+import os
+import threading
 import time
 from typing import NamedTuple, Optional
 
 import jax
 
+from jaxsession.errors import InputError
 from jaxsession.graph import op_properties
 from jaxsession.graph.ir import aval_bytes
 from jaxsession.runtime import memory
 
 now = time.perf_counter_ns
+thread_of = threading.get_ident
 QUEUE_NAMES = {0: "device queue", 1: "host queue"}  # runtime/streams.py's queues
 RUN_TRACK, COMPILE_TRACK = 100, 101                 # trace tids besides the queues
+THREAD_TRACKS = 1000  # another thread's runs and queues: tids offset by this per thread
 
 
 class TransferInfo(NamedTuple):
@@ -142,7 +147,7 @@ class GraphHooks:
     planned = (memory.bytes_live_after(graph, profiler.platform) if profiler.planned_memory
                else None)
     self.live = lambda k: planned[k] if planned and k < len(planned) else None
-    self._open = [None, None]  # the running partition: its start, its annotation
+    self._open = threading.local()  # this thread's running partition: .start, .annotation
     if graph_id is not None:
       self.bind(graph_id)
 
@@ -163,7 +168,7 @@ class GraphHooks:
       try:
         return call(args)
       finally:  # a failed run took its time too
-        runs.append((self.graph_id, steps, start, now()))
+        runs.append((self.graph_id, steps, start, now(), thread_of()))
     return profiled_run
 
   def timed(self, fn, k, first, last, device, transfer=None):
@@ -185,16 +190,16 @@ class GraphHooks:
       self.info.timed.add(move)
 
     def close():
-      annotation, state[1] = state[1], None
+      annotation, state.annotation = getattr(state, "annotation", None), None
       if annotation is not None:
         annotation.__exit__(None, None, None)
 
     def timed_op(*args):  # wait and close inlined where they do nothing: ~0.2 µs a partition
       if first:
-        state[0] = now()
+        state.start = now()
         if trace_active():
-          state[1] = jax.profiler.TraceAnnotation(hooks.annotation(k))
-          state[1].__enter__()
+          state.annotation = jax.profiler.TraceAnnotation(hooks.annotation(k))
+          state.annotation.__enter__()
       try:
         if move is None:
           outs = fn(*args)
@@ -207,18 +212,19 @@ class GraphHooks:
           start = now()
           outs = fn(*args)
           wait(outs, first_out)
-          moves.append((hooks.graph_id, move, start, now()))
+          moves.append((hooks.graph_id, move, start, now(), thread_of()))
       except BaseException:
         close()
         raise
       if last:
-        if state[1] is not None:
+        if getattr(state, "annotation", None) is not None:
           close()
         end = now()
         if sample is None:
-          parts.append((hooks.graph_id, k, state[0], end, live, 0))
+          parts.append((hooks.graph_id, k, state.start, end, live, 0, thread_of()))
         else:  # the sample's own time is the profiler's
-          parts.append((hooks.graph_id, k, state[0], end, sample(), now() - end))
+          parts.append((hooks.graph_id, k, state.start, end, sample(), now() - end,
+                        thread_of()))
       return outs
     return timed_op
 
@@ -308,9 +314,9 @@ class Profiler:
     self.planned_memory = sample_memory and self.live_bytes is None
     self.platform = platform or jax.default_backend()
     self.graphs = {}          # graph id -> GraphInfo
-    self.raw_runs = []        # (gid, steps, start, end)
-    self.raw_partitions = []  # (gid, partition, start, end, live bytes, sampling ns)
-    self.raw_transfers = []   # (gid, transfer index, start, end): timed ones
+    self.raw_runs = []        # (gid, steps, start, end, thread)
+    self.raw_partitions = []  # (gid, partition, start, end, live bytes, sampling ns, thread)
+    self.raw_transfers = []   # (gid, transfer index, start, end, thread): timed ones
     self.raw_compiles = []    # CompileRecord
 
   def graph_hooks(self, graph_id, name, graph):
@@ -343,11 +349,11 @@ class Profiler:
 
   def runs(self):
     return [RunRecord(gid, self._name(gid), steps, s, e)
-            for gid, steps, s, e in list(self.raw_runs)]
+            for gid, steps, s, e, _ in list(self.raw_runs)]
 
   def partitions(self):
     out = []
-    for gid, k, s, e, live, _ in list(self.raw_partitions):
+    for gid, k, s, e, live, *_ in list(self.raw_partitions):
       part = self.graphs[gid].partitions[k]
       out.append(PartitionRecord(gid, k, part.place, part.stream, s, e, live))
     return out
@@ -358,7 +364,7 @@ class Profiler:
     where = {(gid, m.index): (part.index, m) for gid, info in self.graphs.items()
              for part in info.partitions.values() for m in part.transfers}
     out = []
-    for gid, i, s, e in list(self.raw_transfers):
+    for gid, i, s, e, _ in list(self.raw_transfers):
       k, m = where[gid, i]
       out.append(TransferRecord(gid, k, m.direction, m.bytes, m.value, m.caused_by, s, e))
     for gid, k, *_ in list(self.raw_partitions):
@@ -439,47 +445,73 @@ class Profiler:
   def export_chrome_trace(self, path):
     """Writes the records as Chrome trace-event JSON (Perfetto opens it):
     runs, partitions on their queue's track, timed transfers, compile stages
-    and passes, and a counter track of live device bytes."""
+    and passes, and a counter track of live device bytes. Runs from several
+    threads get tracks of their own (the first thread's are "runs" and the
+    queues'), so concurrent runs never overlap on one track. `path`: a file
+    name; one that cannot be written is an InputError, and nothing is
+    written then."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+      raise InputError(f"export_chrome_trace: path must be a file name (str or "
+                       f"os.PathLike), got {path!r}")
+    threads = {}  # thread ident -> track group, in order of first record
+
+    def group(thread):
+      return threads.setdefault(thread, len(threads)) * THREAD_TRACKS
+    runs = list(self.raw_runs)
+    for *_, thread in sorted(runs, key=lambda r: r[2]):
+      group(thread)
     events = []
-    for gid, k, s, e, live, _ in list(self.raw_partitions):
+    for gid, k, s, e, live, _, thread in list(self.raw_partitions):
       part = self.graphs[gid].partitions[k]
-      events.append(_slice(f"graph {gid} / partition {k}", "partition", part.stream, s, e, {
+      events.append(_slice(f"graph {gid} / partition {k}", "partition",
+                           group(thread) + part.stream, s, e, {
           "graph": gid, "name": self._name(gid), "place": part.place, "nodes": part.nodes,
           "transfers": [f"{m.direction} {m.value} {m.bytes} B (node {m.node}, caused by "
                         f"node {m.caused_by})" for m in part.transfers]}))
       if live is not None:
         events.append({"ph": "C", "name": "live device bytes", "pid": 1, "ts": e,
                        "args": {"bytes": live}})
-    for r in self.runs():
-      events.append(_slice(f"graph {r.graph_id} run", "run", RUN_TRACK, r.start_ns,
-                           r.end_ns, {"graph": r.graph_id, "name": r.name,
-                                      "steps": r.steps}))
-    for m in self.transfers():
-      if m.start_ns is not None:
-        stream = self.graphs[m.graph_id].partitions[m.partition].stream
-        events.append(_slice(f"graph {m.graph_id} / transfer {m.direction} {m.value}",
-                             "transfer", stream, m.start_ns, m.end_ns,
-                             {"bytes": m.bytes, "caused_by": m.caused_by}))
+    for gid, steps, s, e, thread in runs:
+      events.append(_slice(f"graph {gid} run", "run", group(thread) + RUN_TRACK, s, e,
+                           {"graph": gid, "name": self._name(gid), "steps": steps}))
+    where = {(gid, m.index): (part.stream, m) for gid, info in self.graphs.items()
+             for part in info.partitions.values() for m in part.transfers}
+    for gid, i, s, e, thread in list(self.raw_transfers):
+      stream, m = where[gid, i]
+      events.append(_slice(f"graph {gid} / transfer {m.direction} {m.value}", "transfer",
+                           group(thread) + stream, s, e,
+                           {"bytes": m.bytes, "caused_by": m.caused_by}))
     for c in self.raw_compiles:
       events.extend(_compile_slices(c))
     origin = min((ev["ts"] for ev in events), default=0)
-    for ev in events:
-      ev["ts"] = (ev["ts"] - origin) / 1e3  # ns -> the format's µs
-    tracks = [(RUN_TRACK, "runs"), *QUEUE_NAMES.items(), (COMPILE_TRACK, "compile")]
+    for ev in events:  # ns -> the format's µs; a slice's end rebased alike, so slices
+      ev["ts"] = (ev["ts"] - origin) / 1e3  # laid end to end share their boundary exactly
+      if "dur" in ev:
+        ev["dur"] = (ev["dur"] - origin) / 1e3 - ev["ts"]
+    tracks = [(RUN_TRACK, "runs"), *QUEUE_NAMES.items()]
+    named = [(g * THREAD_TRACKS + tid, name if g == 0 else f"{name} (thread {g + 1})")
+             for g in sorted(threads.values()) for tid, name in tracks] or tracks
+    named.append((COMPILE_TRACK, "compile"))
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "jaxsession"}}]
-    for order, (tid, name) in enumerate(tracks):
+    for order, (tid, name) in enumerate(named):
       meta.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid,
                    "args": {"name": name}})
       meta.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid,
                    "args": {"sort_index": order}})
-    with open(path, "w") as f:
-      json.dump({"traceEvents": meta + events, "displayTimeUnit": "ns"}, f)
+    text = json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ns"})
+    try:
+      with open(path, "w") as f:
+        f.write(text)
+    except OSError as exc:
+      raise InputError(f"export_chrome_trace: cannot write {os.fspath(path)!r}: "
+                       f"{type(exc).__name__}: {exc.strerror or exc}") from None
 
 
 def _slice(name, cat, tid, start_ns, end_ns, args):
-  """A complete ("X") event; ts in ns until export rebases it to µs."""
+  """A complete ("X") event; ts and dur hold the start and end in ns until
+  export rebases them to µs (dur then the duration)."""
   return {"ph": "X", "name": name, "cat": cat, "pid": 1, "tid": tid, "ts": start_ns,
-          "dur": (end_ns - start_ns) / 1e3, "args": args}
+          "dur": end_ns, "args": args}
 
 
 def _stage_seconds(record):

@@ -341,6 +341,24 @@ def len_of_rows(graph, dynamic):
   return value.aval.shape[dynamic[vid]]
 
 
+def _param_text(value, name):
+  """A node param as program_signature compares it, the row count named.
+  A callback's function (a lambda defined in fn is another object at each
+  trace, its repr another address) by its code, closure and defaults,
+  unnamed: a closure over the row count still tells the traces apart."""
+  fn = getattr(value, "callback_func", value)
+  code = getattr(fn, "__code__", None)
+  if code is None:
+    return name(str(value))
+  try:
+    cells = tuple(c.cell_contents for c in fn.__closure__ or ())
+  except ValueError:  # an empty cell
+    cells = ("<empty cell>",)
+  tree = getattr(value, "in_tree", "")
+  return (f"{type(value).__name__}({getattr(fn, '__qualname__', '?')} at {code.co_filename}:"
+          f"{code.co_firstlineno} closure={cells!r} defaults={fn.__defaults__!r} {tree})")
+
+
 def program_signature(graph, rows):
   """The program a trace computes with its row count named "B": op, params,
   literals and types of every node in order (no ids, no source lines), so
@@ -352,7 +370,7 @@ def program_signature(graph, rows):
   name = lambda text: pattern.sub("B", text)
   lines = [name(" ".join(aval_str(v.aval) for v in graph.inputs))]
   for node in graph.nodes:
-    params = name(", ".join(f"{k}={v}" for k, v in sorted(node.params.items())))
+    params = ", ".join(f"{k}={_param_text(v, name)}" for k, v in sorted(node.params.items()))
     # literal values stay as they are: a literal equal to the row count is the
     # program reading it (n + x.shape[0])
     ins = ", ".join(repr(v) if isinstance(v, Literal) else name(aval_str(v.aval))

@@ -20,6 +20,7 @@ nothing promises that running them twice is running them once.
 """
 import dataclasses
 import functools
+import types
 import threading
 from typing import Any, Callable, List
 
@@ -156,7 +157,12 @@ class OpRunner:
       effectful = bool(closed.effects) or _runs_user_code(jaxpr_props(closed.jaxpr))
       return self._compile(name, graph, avals,
                            lambda outs: tree_util.tree_unflatten(out_tree, outs), effectful)
-    return ("function", fn, in_tree, _avals_key(avals), tuple(frozen)), build, leaves
+    # a plain function or bound method by its own equality (identity, and the
+    # same object's method); any other callable by identity: two that compare
+    # equal may trace otherwise (a frozen dataclass Scale(2) == Scale(2.0))
+    own = fn if isinstance(fn, (types.FunctionType, types.MethodType,
+                                types.BuiltinFunctionType)) else _ByIdentity(fn)
+    return ("function", own, in_tree, _avals_key(avals), tuple(frozen)), build, leaves
 
   def _compile(self, name, graph, avals, unpack, effectful):
     """The RunOp pipeline and Build for a graph of one op: kernels, lowering,

@@ -409,6 +409,31 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
       sess.compile(lambda n, x: (n + x.shape[0], x * 2), jnp.int32(0), x, state_argnums=0,
                    buckets={1: [4, 8]})
 
+  def test_a_callback_defined_in_fn_is_the_same_program_at_every_size(self):
+    """A lambda made inside fn is another object at each probe trace: it was
+    taken for a program that reads the batch size (a break-it find). One that
+    closes over the row count still is."""
+    sess = js.Session()
+    rng = np.random.default_rng(31)
+    w = jnp.asarray(rng.standard_normal(3), jnp.float32)
+
+    def fn(x, w):
+      doubled = jax.pure_callback(lambda v: (np.asarray(v) * 2).astype(np.float32),
+                                  jax.ShapeDtypeStruct(w.shape, w.dtype), w)
+      return x * doubled
+    gid = sess.compile(fn, jnp.ones((8, 3)), w, buckets={0: [4, 8]})
+    for n in (3, 5):
+      x = jnp.asarray(rng.standard_normal((n, 3)), jnp.float32)
+      np.testing.assert_array_equal(sess.run(gid, x, w), jax.jit(fn)(x, w))
+
+    def reads_rows(x, w):
+      rows = x.shape[0]
+      scaled = jax.pure_callback(lambda v: (np.asarray(v) * rows).astype(np.float32),
+                                 jax.ShapeDtypeStruct(w.shape, w.dtype), w)
+      return x * scaled
+    with self.assertRaisesRegex(InputError, "depends on the batch size"):
+      sess.compile(reads_rows, jnp.ones((8, 3)), w, buckets={0: [4, 8]})
+
   def test_padded_outputs_keep_the_weak_type(self):
     sess = js.Session()
     gid = sess.compile(lambda x: x * 2, jnp.full((8, 3), 1.0), buckets={0: [4, 8]})

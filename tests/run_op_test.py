@@ -229,6 +229,34 @@ class RunOpCacheTest(absltest.TestCase):
     with self.assertRaisesRegex(InputError, r"run_op\(f\).*'axis'.*not hashable"):
       ops.run(f, x, axis=Mutable())
 
+  def test_callables_that_compare_equal_are_told_apart(self):
+    """A frozen dataclass Scale(2) == Scale(2.0), yet one traces int and the
+    other float arithmetic: run_op(Scale(2.0)) ran Scale(2)'s cached program
+    (int32 [0 2 4 6]; a break-it find; jax.jit(Scale(2.0)) after jax.jit(Scale(2))
+    does the same, a quirk of its cache this does not copy). Other callables are keyed by identity;
+    a function and a bound method by their own equality still hit."""
+    import dataclasses  # pylint: disable=import-outside-toplevel
+
+    @dataclasses.dataclass(frozen=True)
+    class Scale:
+      s: object
+
+      def __call__(self, v):
+        return v * self.s
+
+      def twice(self, v):
+        return v * self.s * 2
+    ops = OpRunner("cpu")
+    x = jnp.asarray(np.random.default_rng(8).integers(-9, 9, 4), jnp.int32)
+    for scale in (Scale(2), Scale(2.0), Scale(2)):
+      # a fresh lambda: jax.jit's own cache conflates equal callables too
+      assert_same_bits(ops.run(scale, x), jax.jit(lambda v, f=scale: f(v))(x))
+    one = Scale(3)
+    ops.run(one.twice, x)
+    hits = ops.cache_info()[0]
+    assert_same_bits(ops.run(one.twice, x), jax.jit(one.twice)(x))  # a new bound method
+    self.assertEqual(ops.cache_info()[0], hits + 1)
+
   def test_lru_evicts_the_least_recently_used(self):
     ops = OpRunner("cpu", cache_size=2)
     a, b, c = jnp.ones(1), jnp.ones(2), jnp.ones(3)
