@@ -445,9 +445,13 @@ class SessionWiringTest(absltest.TestCase):
     x = _f32(16)
     gid = sess.compile(chain, x)
 
+    together = threading.Barrier(3)  # alive at once: three thread idents
+
     def work():
+      together.wait()
       for _ in range(30):
         sess.run(gid, x)
+      together.wait()
     threads = [threading.Thread(target=work) for _ in range(3)]
     for t in threads:
       t.start()
