@@ -11,6 +11,8 @@ result would come back weak (it promotes differently in the caller's code).
 Needs nothing before it; DCE afterwards drops what the rules orphan (the rule
 engine drops the matched nodes itself when nobody else reads them).
 """
+import threading
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -178,16 +180,21 @@ class Simplify(RewritePass):
   name = "simplify"
   rules = SIMPLIFY_RULES
 
+  # the graph's constant-only values, per thread: one Simplify serves every
+  # compile, and two in threads clobbered each other's (a review's find)
+  _run = threading.local()
+
   def run(self, graph, ctx):
-    self._constant = constant_only(graph)
+    self._run.constant = constant_only(graph)
     try:
       return super().run(graph, ctx)
     finally:
-      self._constant = None
+      self._run.constant = None
 
   def _try_rules(self, graph, node, *rest):
+    constant = self._run.constant
     if len(node.outputs) == 1 and node.op not in MOVES and is_kind(
         node.outputs[0], jnp.inexact) and all(
-            isinstance(v, Literal) or v.id in self._constant for v in node.inputs):
+            isinstance(v, Literal) or v.id in constant for v in node.inputs):
       return False
     return super()._try_rules(graph, node, *rest)

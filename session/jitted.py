@@ -16,9 +16,8 @@ and under `jax.disable_jit()` it calls `fn` op by op, as jax.jit does. What
 jax.jit offers beyond calling (`lower`, `trace`, `eval_shape`, ...) is an
 AttributeError naming jax.jit. Every wrapper of one function with the same
 statics and session shares its graphs, as jax.jit's cache is keyed by the
-function (`js.jit(f)(x)` wrapped anew at each call compiles once); they are
-released once the function is collected (a callable that weakref cannot
-follow: with its wrapper). Outputs are committed to their device exactly
+function (`js.jit(f)(x)` wrapped anew at each call compiles once), and kept
+a while after its last wrapper goes (session/jit_cache.py). Outputs are committed to their device exactly
 where jax.jit's are: where an argument was. Given any other jax.jit option
 (donate_argnums, shardings, inline, ...) `jit` returns jax.jit itself.
 """
@@ -33,7 +32,7 @@ from absl import logging
 import jax
 from jax import tree_util
 
-from jaxsession import tracing
+from jaxsession import jit_cache, tracing
 from jaxsession.errors import InputError
 from jaxsession.jax_api import ARRAY, real_jit
 from jaxsession.runtime.state import with_weak_type
@@ -115,55 +114,6 @@ def _leaf_key(x):
   return (type(x), aval.shape, aval.dtype, getattr(aval, "weak_type", False))
 
 
-class _Signatures:
-  """One function's graphs in one session, per signature, shared by its
-  wrappers with the same statics (`_signatures`)."""
-  __slots__ = ("graphs", "committed", "lock", "session")
-
-  def __init__(self, session):
-    self.graphs = {}     # signature -> graph id (or _JAX)
-    self.committed = {}  # graph id -> whether jax.jit commits its outputs
-    self.lock = threading.RLock()  # held while compiling, which reads `session`
-    self.session = session  # None: the default one, on first use
-
-  def release(self):
-    _release(self.session, self.graphs)
-
-
-_SHARED = {}  # id(fn) -> (weakref to fn, {(statics, session id): _Signatures})
-_SHARED_LOCK = threading.Lock()
-
-
-def _signatures(wrapper, fn, statics, session):
-  """The _Signatures of (fn, statics, session): found by fn's identity while
-  fn lives, released when it dies; a fn weakref cannot follow gets its own,
-  released with `wrapper`."""
-  key = (statics, id(session))
-  with _SHARED_LOCK:
-    known = _SHARED.get(id(fn))
-    if known is not None and known[0]() is fn and key in known[1]:
-      return known[1][key]
-    sigs = _Signatures(session)
-    try:
-      ref = weakref.ref(fn)
-    except TypeError:  # not weakly referable: this wrapper's own
-      weakref.finalize(wrapper, sigs.release)
-      return sigs
-    if known is None or known[0]() is not fn:
-      known = _SHARED[id(fn)] = (ref, {})
-      weakref.finalize(fn, _forget, id(fn), known[1])
-    known[1][key] = sigs
-    return sigs
-
-
-def _forget(fn_id, table):
-  with _SHARED_LOCK:
-    if _SHARED.get(fn_id, (None, table))[1] is table:
-      del _SHARED[fn_id]
-  for sigs in table.values():
-    sigs.release()
-
-
 class Jitted:
   """What `jit` returns: call it as `fn`."""
 
@@ -182,28 +132,29 @@ class Jitted:
     # the signature does not have raise jax's own ValueError, as jax.jit does
     self._traced = real_jit(fn, static_argnums=static_argnums, static_argnames=static_argnames)
     functools.update_wrapper(self, fn)
-    self._sigs = _signatures(self, fn, (self._static_nums, self._static_names), session)
+    self._session = session  # held here; the shared graphs hold it weakly
+    self._sigs = jit_cache.acquire(fn, (self._static_nums, self._static_names), session)
+    weakref.finalize(self, jit_cache.dropped, self._sigs)
 
   @property
   def session(self):
     """The Session this wrapper compiles in."""
-    sigs = self._sigs
-    if sigs.session is None:
-      with sigs.lock:
-        if sigs.session is None:
-          sigs.session = default_session()
-    return sigs.session
+    if self._session is None:
+      self._session = default_session()
+      self._sigs.bind(self._session)
+    return self._session
 
   @property
   def graph_ids(self):
-    """The graphs this wrapper compiled in its session, one per signature."""
+    """The graphs compiled for this wrapper's function in its session (shared
+    by its wrappers with the same statics), one per signature."""
     return tuple(g for g in self._sigs.graphs.values() if g is not _JAX)
 
   def __get__(self, obj, objtype=None):  # a jitted method: bound as jax.jit binds it
     return self if obj is None else functools.partial(self, obj)
 
   def __getattr__(self, name):
-    if name.startswith("__") or name in ("_fn", "_sigs", "graph_ids"):
+    if name.startswith("__") or name in ("_fn", "_sigs", "_session", "graph_ids"):
       raise AttributeError(name)
     raise AttributeError(f"jaxsession.jit offers calling only; for '{name}' use "
                          f"jax.jit(fn).{name}")
@@ -247,7 +198,8 @@ class Jitted:
             gid = _JAX
           else:
             gid = self._compile(statics, args, dyn_args, dyn_kw)
-            sigs.committed[gid] = any(len(k) == 5 and k[4] is not None for k in key[2])
+            sigs.committed[gid] = _commits(self.session.graph(gid), tree_util.tree_leaves(
+                ([dyn_kw[k] for k in sorted(dyn_kw)], dyn_args)))
           sigs.graphs[key] = gid
     if gid is _JAX:  # arguments committed to other devices or sharded over many:
       return self._under_trace()(*args, **kwargs)  # jax.jit runs where they are
@@ -327,6 +279,18 @@ def _placed_elsewhere(leaf_keys, home):
              for k in leaf_keys)
 
 
+def _commits(graph, leaves):
+  """Whether jax.jit commits the outputs of this call: where an argument
+  the program uses is committed (it drops the unused ones first; a review's
+  find). `leaves`: the graph's input leaves, in its input order."""
+  inputs = graph.inputs_of_kind("input")
+  committed = [isinstance(x, jax.Array) and x.committed for x in leaves]
+  if len(inputs) != len(leaves):  # not one input per leaf: any committed one
+    return any(committed)
+  returned = {id(v) for v in graph.outputs}
+  return any(c and (v.users or id(v) in returned) for c, v in zip(committed, inputs))
+
+
 def _committed_as_jit(out, committed):
   """`out` with each array committed as jax.jit commits its outputs: where
   an argument was committed (a device_put one), else not (a later op may
@@ -341,19 +305,6 @@ def _committed_as_jit(out, committed):
 
 def _name(fn):
   return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _release(session, graphs):
-  if session is None:
-    return
-  for gid in list(graphs.values()):
-    if gid is _JAX:
-      continue
-    try:
-      session.release(gid)
-    except Exception:  # pylint: disable=broad-except
-      pass  # the session was closed or the graph released already
-  graphs.clear()
 
 
 def jit(fn=None, static_argnums=(), static_argnames=(), session=None, **jax_options):

@@ -280,6 +280,13 @@ class WeakTypesTest(absltest.TestCase):
       h = jnp.asarray(rng.standard_normal(8), jnp.bfloat16)
       *state, want = jax.jit(step)(*state, x, h)
       assert_equal_signed(sess.run(gid, x, h), want)
+    # handed on along ten leaves, past the steps compile follows: refused too
+    def along(ls, c, x, h):
+      c2 = (c + ls[-1] * h).astype(jnp.bfloat16)
+      return [ls[0] + x] + [ls[i] * 0.5 + ls[i - 1] for i in range(1, 10)], c2, c2
+    with self.assertRaisesRegex(js.InputError, "still change after 8 steps"):
+      sess.compile(along, [jnp.asarray(0.5)] * 10, c, jnp.float32(0.1), h,
+                   state_argnums=(0, 1))
     # weak types handed on without changing the arithmetic: compiled
     same_math = lambda a, b, x: (a + x, b * 0.5 + a, b * 2.0)  # noqa: E731
     sess.compile(same_math, jnp.asarray(0.5), jnp.asarray(1.3), jnp.float32(0.1),

@@ -121,6 +121,31 @@ class SharedStateThreadsTest(absltest.TestCase):
     for a, b in reads:
       np.testing.assert_array_equal(a, b)
 
+  def test_compiles_in_threads(self):
+    """One Simplify pass serves every compile: its per-run state was shared,
+    and compiles in threads raised PassError (a review's find)."""
+    sess = js.Session()
+    x = jnp.asarray(np.random.default_rng(12).standard_normal(64), jnp.float32)
+    errors, results = [], {}
+
+    def work(t):
+      for i in range(100):
+        try:
+          fn = lambda a, c=float(t * 1000 + i): jnp.sin(a * 2.0 + c) * 1.0 + 0.0 - a  # noqa: E731
+          results[t, i] = (sess.run(sess.compile(fn, x), x), fn)
+        except Exception as exc:  # pylint: disable=broad-except
+          errors.append(exc)
+          return
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    self.assertEqual(errors, [])
+    import jax  # pylint: disable=import-outside-toplevel
+    for got, fn in list(results.values())[::37]:
+      np.testing.assert_array_equal(got, jax.jit(fn)(x))
+
   def test_independent_graphs_run_side_by_side(self):
     sess = js.Session()
     gids = [sess.compile(lambda w, x: (w + x, jnp.sum(w)), jnp.zeros(4), jnp.ones(4),
