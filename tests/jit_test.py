@@ -246,9 +246,10 @@ class JitTest(absltest.TestCase):
       for i in range(2000):
         js.jit(make(i), session=sess)
       gc.set_threshold(700, 10, 10)
-      g = make(7)
-      y = js.jit(g, session=sess)(jnp.float32(1.5))
-      gid, = js.jit(g, session=sess).graph_ids
+      wrapper = js.jit(make(7), session=sess)
+      y = wrapper(jnp.float32(1.5))
+      gid, = wrapper.graph_ids
+      del wrapper
       gc.collect()
       jit_cache.release_dead()
       try:
