@@ -33,7 +33,7 @@ import jax
 from jax import tree_util
 
 from jaxsession import jit_cache, tracing
-from jaxsession.errors import InputError
+from jaxsession.errors import InputError, UnknownGraphError
 from jaxsession.jax_api import ARRAY, real_jit
 from jaxsession.runtime.state import with_weak_type
 
@@ -203,10 +203,16 @@ class Jitted:
           sigs.graphs[key] = gid
     if gid is _JAX:  # arguments committed to other devices or sharded over many:
       return self._under_trace()(*args, **kwargs)  # jax.jit runs where they are
-    if dyn_kw:  # keyword args first, in key order (call_order)
-      out = self.session.run(gid, *[dyn_kw[k] for k in sorted(dyn_kw)], *dyn_args)
-    else:
-      out = self.session.run(gid, *dyn_args)
+    try:
+      if dyn_kw:  # keyword args first, in key order (call_order)
+        out = self.session.run(gid, *[dyn_kw[k] for k in sorted(dyn_kw)], *dyn_args)
+      else:
+        out = self.session.run(gid, *dyn_args)
+    except UnknownGraphError:  # released by hand (session.release of a graph_ids
+      with sigs.lock:          # entry): compiled again, as on first use
+        if sigs.graphs.get(key) == gid:
+          del sigs.graphs[key]
+      return self(*args, **kwargs)
     return _committed_as_jit(out, sigs.committed[gid])
 
   def _under_trace(self):

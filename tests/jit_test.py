@@ -209,6 +209,9 @@ class JitTest(absltest.TestCase):
     self.assertEqual(js.jit(f, session=sess, static_argnums=()).graph_ids, (gid,))
     self.assertEqual(js.jit(f, session=js.Session()).graph_ids, ())  # another session
     self.assertEqual(js.jit(lambda v: jnp.sin(v) * 2, session=sess).graph_ids, ())
+    sess.release(gid)  # by hand: the next call compiles again
+    same(self, again(x), jax.jit(f)(x))
+    self.assertNotIn(gid, again.graph_ids)
 
   def test_sessions_given_to_wrappers_that_went_are_not_kept(self):
     """Parked graphs hold their session weakly (every session ever given to
