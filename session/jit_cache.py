@@ -6,20 +6,24 @@ call traces once. js.jit does the same: the graphs of one function compiled
 with the same statics in the same session are one `Signatures`, found by the
 function's identity from every wrapper of it (a re-wrap compiled and
 released at every call, ~100 ms, before). When the last wrapper of a
-function goes, its Signatures are parked: kept for a wrapper made again,
-among the PARKED most recently parked; one pushed out is released. They are
-not tied to the function's own life: a graph holds its function (the
-outputs' weak types are traced again from it), so the function lives as
-long as its graphs. While any Signatures of a function exist, this module
-holds the function, so its id names no other.
+function goes while the function lives on, its Signatures are parked: kept
+for a wrapper made again, among the PARKED most recently parked; one pushed
+out is released, and so are the parked graphs of a function that dies
+(jax.jit's cache holds its functions weakly too). The function, and the
+session, are held weakly here: only wrappers hold them (a table holding the
+function kept a bound method's object, and with it its wrapper, alive for
+good; parked graphs kept sessions and closed-over arrays alive: reviews'
+finds). A function weakref cannot follow is not shared: its graphs go with
+its wrapper.
 
-A wrapper goes in a finalizer, which the cyclic GC may run wherever an
-allocation triggers it - inside this module's lock, or a session's own: a
-release there deadlocked (a review's find). The finalizer only queues
-(deque.append and SimpleQueue.put take no lock of Python's); a background
-thread parks and releases, and `release_dead()` does it at once.
+A wrapper or function goes in a finalizer, which the cyclic GC may run
+wherever an allocation triggers it - inside this module's lock, or a
+session's own: a release there deadlocked (a review's find). The finalizer
+only queues (deque.append and SimpleQueue.put take no lock of Python's); a
+background thread parks and releases, and `release_dead()` does it at once.
 """
 import collections
+import functools
 import os
 import queue
 import threading
@@ -27,7 +31,7 @@ import weakref
 
 PARKED = 32  # Signatures kept after their last wrapper went, most recent first
 
-_BY_FN = {}  # id(fn) -> (fn, {(statics, id(session)): Signatures})
+_BY_FN = {}  # id(fn) -> (weakref to fn, {(statics, id(session)): Signatures})
 _LOCK = threading.Lock()
 _PARK = collections.OrderedDict()  # id(Signatures) -> Signatures, oldest first
 _DROPPED = collections.deque()     # Signatures whose wrapper went, not yet counted
@@ -39,16 +43,22 @@ os.register_at_fork(after_in_child=_REAPER.clear)
 
 class Signatures:
   """One function's graphs in one session, per signature."""
-  __slots__ = ("graphs", "committed", "lock", "session_ref", "wrappers", "fn_id", "key")
+  __slots__ = ("graphs", "committed", "lock", "session_ref", "wrappers", "fn_id", "fn_ref",
+               "key")
 
-  def __init__(self, session, fn_id, key):
+  def __init__(self, session, fn_id, fn_ref, key):
     self.graphs = {}     # signature -> graph id (or jitted._JAX)
     self.committed = {}  # graph id -> whether jax.jit commits its outputs
     self.lock = threading.RLock()  # held while compiling
     # the session, weakly: the wrappers hold it; parked graphs go with it
     self.session_ref = None if session is None else weakref.ref(session)
     self.wrappers = 0
-    self.fn_id, self.key = fn_id, key
+    self.fn_id, self.fn_ref, self.key = fn_id, fn_ref, key  # fn_ref None: not shared
+
+  @property
+  def findable(self):
+    """Whether a wrapper made again can find these: the function lives."""
+    return self.fn_ref is not None and self.fn_ref() is not None
 
   def bind(self, session):
     """The default session, once a wrapper resolved it."""
@@ -77,19 +87,41 @@ def acquire(fn, statics, session):
       _REAPER.append(threading.Thread(target=_reap_forever, daemon=True,
                                       name="jaxsession.jit releases"))
       _REAPER[0].start()
-    table = _BY_FN.setdefault(id(fn), (fn, {}))[1]
+    entry = _BY_FN.get(id(fn))
+    if entry is None or entry[0]() is not fn:  # (a dead function's id again)
+      try:
+        ref = weakref.ref(fn, functools.partial(_fn_died, id(fn)))
+      except TypeError:  # not weakly referable: this wrapper's own, never shared
+        sigs = Signatures(session, None, None, key)
+        sigs.wrappers = 1
+        return sigs
+      entry = _BY_FN[id(fn)] = (ref, {})
+    ref, table = entry
     sigs = table.get(key)
     if sigs is None or (session is not None and sigs.session_ref() is not session):
-      sigs = table[key] = Signatures(session, id(fn), key)  # (a dead session's id again)
+      sigs = table[key] = Signatures(session, id(fn), ref, key)  # (a dead session's id again)
     sigs.wrappers += 1
     _PARK.pop(id(sigs), None)
     return sigs
 
 
-def dropped(sigs):
-  """A wrapper's finalizer: queues, takes no lock (the module docstring)."""
-  _DROPPED.append(sigs)
-  _WAKE.put(None)
+def _queue(item, dropped_=_DROPPED, wake=_WAKE):
+  """Queues `item` for the background thread; takes no lock (the module
+  docstring). Its queues are bound here: at interpreter exit the module's
+  globals are gone before the last finalizers run."""
+  dropped_.append(item)
+  wake.put(None)
+
+
+def dropped(sigs, queue_=_queue):
+  """A wrapper's finalizer."""
+  queue_(sigs)
+
+
+def _fn_died(fn_id, ref, queue_=_queue):
+  """The function's weakref callback: its parked graphs can never be found
+  again."""
+  queue_((fn_id, ref))
 
 
 def _reap_forever():
@@ -106,17 +138,28 @@ def release_dead():
     out = []
     with _LOCK:
       while _DROPPED:
-        sigs = _DROPPED.popleft()
-        sigs.wrappers -= 1
-        if sigs.wrappers == 0:
-          _PARK[id(sigs)] = sigs
+        item = _DROPPED.popleft()
+        if isinstance(item, tuple):  # a function died: what of it is parked goes
+          fn_id, ref = item
+          entry = _BY_FN.get(fn_id)
+          if entry is not None and entry[0] is ref:
+            out.extend(s for s in entry[1].values() if _PARK.pop(id(s), None) is not None)
+          continue
+        item.wrappers -= 1
+        if item.wrappers == 0:
+          if item.findable:
+            _PARK[id(item)] = item
+          else:  # nobody can make a wrapper of it again
+            out.append(item)
       while len(_PARK) > PARKED:
         out.append(_PARK.popitem(last=False)[1])
       for sigs in out:
-        table = _BY_FN[sigs.fn_id][1]
-        if table.get(sigs.key) is sigs:
-          del table[sigs.key]
-        if not table:
+        entry = _BY_FN.get(sigs.fn_id)
+        if entry is None or entry[0] is not sigs.fn_ref:
+          continue
+        if entry[1].get(sigs.key) is sigs:
+          del entry[1][sigs.key]
+        if not entry[1]:
           del _BY_FN[sigs.fn_id]
     for sigs in out:  # outside the lock: a release takes the session's
       sigs.release()

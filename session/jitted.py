@@ -229,14 +229,22 @@ class Jitted:
     keys = sorted(dyn_kw)
     k = len(keys)
 
+    try:  # the graph keeps `call` (its outputs' weak types are traced again
+      own = weakref.ref(fn)  # from it): fn held weakly, so that it goes with
+    except TypeError:  # its wrappers (session/jit_cache.py); one weakref
+      own = lambda: fn  # noqa: E731  cannot follow is not shared: held
+
     def call(*dyn):
       it = iter(dyn[k:])
       full = [static_at[i] if i in static_at else next(it) for i in range(n)]
-      return fn(*full, **dict(static_kw), **dict(zip(keys, dyn[:k])))
+      return own()(*full, **dict(static_kw), **dict(zip(keys, dyn[:k])))
     params = tracing.arg_parameters(fn, [i for i in range(n) if i not in static_at])
     tracing.signed(call, fn, _keyword_parameters(fn, keys, {p.name for p in params}) + params)
-    return self.session.compile(call, *[dyn_kw[key] for key in keys], *dyn_args,
-                                updates_state=False, name=_name(fn))
+    try:
+      return self.session.compile(call, *[dyn_kw[key] for key in keys], *dyn_args,
+                                  updates_state=False, name=_name(fn))
+    finally:  # (tracing errors name fn through it, at compile)
+      call.__dict__.pop("__wrapped__", None)
 
 
 def _keyword_parameters(fn, keys, taken):

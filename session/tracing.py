@@ -190,7 +190,7 @@ def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dy
   _check_later_steps(name, state_nums, state_args, new_state, wrapped, closed, dyn_args)
 
 
-MAX_TRACED_STEPS = 8  # weak-type changes a step passes on to the next, followed this far
+MAX_TRACED_STEPS = 32  # weak-type changes a step passes on to the next, followed this far
 
 
 def _check_later_steps(name, state_nums, state_args, new_state, wrapped, closed, dyn_args):

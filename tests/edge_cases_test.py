@@ -280,12 +280,16 @@ class WeakTypesTest(absltest.TestCase):
       h = jnp.asarray(rng.standard_normal(8), jnp.bfloat16)
       *state, want = jax.jit(step)(*state, x, h)
       assert_equal_signed(sess.run(gid, x, h), want)
-    # handed on along ten leaves, past the steps compile follows: refused too
+    # handed on along ten leaves: the arithmetic changes at step 11
     def along(ls, c, x, h):
       c2 = (c + ls[-1] * h).astype(jnp.bfloat16)
-      return [ls[0] + x] + [ls[i] * 0.5 + ls[i - 1] for i in range(1, 10)], c2, c2
-    with self.assertRaisesRegex(js.InputError, "still change after 8 steps"):
+      return [ls[0] + x] + [ls[i] * 0.5 + ls[i - 1] for i in range(1, len(ls))], c2, c2
+    with self.assertRaisesRegex(js.InputError, "step 10 returns for state arg 0 .* step 11"):
       sess.compile(along, [jnp.asarray(0.5)] * 10, c, jnp.float32(0.1), h,
+                   state_argnums=(0, 1))
+    # and along forty, past the steps compile follows (32): refused, not passed
+    with self.assertRaisesRegex(js.InputError, "still change after 32 steps"):
+      sess.compile(along, [jnp.asarray(0.5)] * 40, c, jnp.float32(0.1), h,
                    state_argnums=(0, 1))
     # weak types handed on without changing the arithmetic: compiled
     same_math = lambda a, b, x: (a + x, b * 0.5 + a, b * 2.0)  # noqa: E731
