@@ -16,10 +16,11 @@ and under `jax.disable_jit()` it calls `fn` op by op, as jax.jit does. What
 jax.jit offers beyond calling (`lower`, `trace`, `eval_shape`, ...) is an
 AttributeError naming jax.jit. Every wrapper of one function with the same
 statics and session shares its graphs, as jax.jit's cache is keyed by the
-function (`js.jit(f)(x)` wrapped anew at each call compiles once), and kept
-a while after its last wrapper goes (session/jit_cache.py). Outputs are committed to their device exactly
-where jax.jit's are: where an argument was. Given any other jax.jit option
-(donate_argnums, shardings, inline, ...) `jit` returns jax.jit itself.
+function (`js.jit(f)(x)` wrapped anew at each call compiles once); they are
+kept a while after its last wrapper goes (session/jit_cache.py). Outputs are
+committed to their device where jax.jit's are: where an argument the
+program uses was. Given any other jax.jit option (donate_argnums,
+shardings, inline, ...) `jit` returns jax.jit itself.
 """
 import functools
 import inspect
