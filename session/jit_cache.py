@@ -90,12 +90,13 @@ def acquire(fn, statics, session):
     entry = _BY_FN.get(id(fn))
     if entry is None or entry[0]() is not fn:  # (a dead function's id again)
       try:
-        ref = weakref.ref(fn, functools.partial(_fn_died, id(fn)))
+        table = {}
+        ref = weakref.ref(fn, functools.partial(_fn_died, id(fn), table))
       except TypeError:  # not weakly referable: this wrapper's own, never shared
         sigs = Signatures(session, None, None, key)
         sigs.wrappers = 1
         return sigs
-      entry = _BY_FN[id(fn)] = (ref, {})
+      entry = _BY_FN[id(fn)] = (ref, table)
     ref, table = entry
     sigs = table.get(key)
     if sigs is None or (session is not None and sigs.session_ref() is not session):
@@ -118,10 +119,10 @@ def dropped(sigs, queue_=_queue):
   queue_(sigs)
 
 
-def _fn_died(fn_id, ref, queue_=_queue):
-  """The function's weakref callback: its parked graphs can never be found
-  again."""
-  queue_((fn_id, ref))
+def _fn_died(fn_id, table, ref, queue_=_queue):
+  """The function's weakref callback: its parked graphs (`table`'s: a new
+  function may hold its id in _BY_FN already) can never be found again."""
+  queue_((fn_id, table, ref))
 
 
 def _reap_forever():
@@ -140,10 +141,11 @@ def release_dead():
       while _DROPPED:
         item = _DROPPED.popleft()
         if isinstance(item, tuple):  # a function died: what of it is parked goes
-          fn_id, ref = item
+          fn_id, table, ref = item
+          out.extend(s for s in list(table.values()) if _PARK.pop(id(s), None) is not None)
           entry = _BY_FN.get(fn_id)
           if entry is not None and entry[0] is ref:
-            out.extend(s for s in entry[1].values() if _PARK.pop(id(s), None) is not None)
+            del _BY_FN[fn_id]
           continue
         item.wrappers -= 1
         if item.wrappers == 0:

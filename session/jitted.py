@@ -149,7 +149,11 @@ class Jitted:
   def graph_ids(self):
     """The graphs compiled for this wrapper's function in its session (shared
     by its wrappers with the same statics), one per signature."""
-    return tuple(g for g in self._sigs.graphs.values() if g is not _JAX)
+    sigs = self._sigs
+    with sigs.lock:  # a compile in another thread adds to them
+      gids = [g for g in sigs.graphs.values() if g is not _JAX]
+    live = self.session._graphs  # pylint: disable=protected-access
+    return tuple(g for g in gids if g in live)  # not those released by hand since
 
   def __get__(self, obj, objtype=None):  # a jitted method: bound as jax.jit binds it
     return self if obj is None else functools.partial(self, obj)

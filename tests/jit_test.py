@@ -294,6 +294,48 @@ class JitTest(absltest.TestCase):
     """, devices=1, timeout=300)
     self.assertLess(out["last"] - out["first"], 3 * 64, out)
 
+  def test_a_dead_functions_parked_graphs_go_though_its_id_is_taken(self):
+    """A new function took a dead one's id before the death was handled, and
+    the dead one's parked graphs stayed (a review's find, +387 MiB)."""
+    sess = js.Session()
+    x = jnp.asarray(self.rng.standard_normal(3), jnp.float32)
+    for k in range(20):
+      big = jnp.full((256,), float(k))
+      fn = lambda v, big=big: v * big[0]  # noqa: E731
+      wrapper = js.jit(fn, session=sess)
+      same(self, wrapper(x), x * float(k))
+      del wrapper
+      jit_cache.release_dead()  # parked: fn lives
+      del fn, big
+      js.jit(lambda v: v, session=sess)  # may take the dead one's id at once
+    gc.collect()
+    jit_cache.release_dead()
+    dead = [s for s in jit_cache._PARK.values() if not s.findable]  # pylint: disable=protected-access
+    self.assertEqual(dead, [])
+
+  def test_graph_ids_while_another_thread_compiles(self):
+    import threading  # pylint: disable=import-outside-toplevel
+    f = js.jit(lambda v: v * 2, session=js.Session())
+    errors, done = [], threading.Event()
+
+    def read():
+      while not done.is_set():
+        try:
+          f.graph_ids  # pylint: disable=pointless-statement
+        except Exception as exc:  # pylint: disable=broad-except
+          errors.append(exc)
+          return
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+      for n in range(1, 30):
+        f(jnp.ones(n, jnp.float32))
+    finally:
+      done.set()
+      reader.join()
+    self.assertEqual(errors, [])
+    self.assertLen(f.graph_ids, 29)
+
   def test_wrappers_collected_inside_its_locks(self):
     """Wrappers of functions in reference cycles, collected by the cyclic GC
     while a wrapper is made (inside the sharing table's lock): their release
