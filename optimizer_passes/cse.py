@@ -2,10 +2,9 @@
 inputs, keeping the first. Only deterministic nodes are merged (op_properties):
 two `rng_uniform` draws or two callbacks are two values, not one. Opaque nodes
 (an optimization barrier, a kept jit call) are left to XLA, as jax.jit leaves
-them. Constant
-subexpressions (computed from literals and consts alone) and what makes a
-divisor are left as they are for XLA, which folds and merges them as it does
-under jax.jit.
+them. Constant subexpressions (computed from literals and consts alone) and
+what makes a divisor are left as they are for XLA, which folds and merges
+them as it does under jax.jit.
 
 Not under a mesh (see `run`). Run after DCE (fewer nodes to hash); DCE again
 afterwards is not needed since the merged node's outputs are redirected, not

@@ -258,7 +258,7 @@ class Checkpointer:
     values = []
     for k, (slot, row) in enumerate(zip(entry.slots, read)):
       keys = meta["slots"][k]["keys"]
-      weak = meta["slots"][k].get("weak") or [a.weak_type for a in slot.avals]
+      weak = meta["slots"][k].get("weak") or slot.weak_types
       leaves = [jax.random.wrap_key_data(x, impl=keys[str(j)]) if str(j) in keys else
                 with_weak_type(x, weak[j]) for j, x in enumerate(row)]
       values.append(tree_util.tree_unflatten(slot.treedef, leaves))

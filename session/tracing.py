@@ -254,9 +254,10 @@ def _retyped_error(name, state_nums, state_args, before, now, step):
       f" (the typing of {', '.join(labels[m] for m in changed[1:])} changes too)"
   place = (f"compile({name}): the new value of {labels[j]}" if step == 1 else
            f"compile({name}): the value step {step} returns for {labels[j]}")
+  when = "the second step" if step == 1 else f"step {step + 1}"
   return weak_type_error(
-      place, now[j], "the arg" if step == 1 else "the one it was given", "jax.jit would compile another program from "
-      + ("the second step on" if step == 1 else f"step {step + 1} on") + more,
+      place, now[j], "the arg" if step == 1 else "the one it was given",
+      f"jax.jit would compile another program from {when} on{more}",
       "Give the state args one typing every step keeps (usually strong: "
       "jnp.asarray(x, dtype)).")
 

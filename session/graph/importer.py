@@ -4,8 +4,8 @@ Call primitives whose body is an ordinary function (`closed_call`,
 `custom_jvp_call`, `custom_vjp_call`, `remat`) are inlined: the session executes
 the program and never differentiates it again, so their custom derivative rules
 and rematerialisation policies have nothing left to say. A differentiated
-remat keeps its optimization barrier, as jax.jit lowers it (_remat_barrier). A nested `jit` stays a
-call, as jax.jit lowers it (see KEPT_CALLS below). Control flow (`scan`,
+remat keeps its optimization barrier, as jax.jit lowers it (_remat_barrier).
+A nested `jit` stays a call, as jax.jit lowers it (see KEPT_CALLS below). Control flow (`scan`,
 `while`, `cond`) stays as single nodes that carry their sub-jaxprs. Consts of
 the jaxpr (at any depth) become `const` inputs; literals stay literals.
 """
