@@ -6,8 +6,11 @@ reduction and dot ops with duplicates, identities and dead values - the
 Session's passes shrink it ~2.6x before XLA sees it), and a chain without
 redundancy (every step reads the previous one; nothing for the passes to
 remove) at 1k equations by default (XLA:CPU takes ~7 s on it here;
-`--chain_programs 1000,10000` adds the 10k one), and issue 17's 11.2k-equation
-tanh/where chain on f32[4,8] (`where_chain`).
+`--chain_programs 1000,10000` adds the 10k one), issue 17's 11.2k-equation
+tanh/where chain on f32[4,8] (`where_chain`), and a bfloat16 program over 300
+strong float32 scalar state leaves (`weak_state`, compiled with
+state_argnums=0 against jax.jit with them donated), whose weak types compile
+once asked about leaf by leaf.
 
 Prints:
   * cold compiles: a fresh Session per trial, and a fresh jax.jit of a new
@@ -31,6 +34,7 @@ Prints:
 
     python benchmarks/compile.py [--trials 5] [--big_trials 2] [--chain_trials 3]
         [--programs 1000,10000] [--chain_programs 1000] [--where_chain_layers 1400]
+        [--weak_state_leaves 300]
 """
 import json
 import os
@@ -65,6 +69,9 @@ flags.DEFINE_integer("chain_trials", 3, "cold trials of each chain program under
 flags.DEFINE_integer("where_chain_layers", 1400, "layers of the tanh/where chain (8 eqns a "
                      "layer: 1400 is issue 17's 11.2k-equation program); 0: skip it")
 flags.DEFINE_integer("where_chain_trials", 3, "cold trials of the tanh/where chain")
+flags.DEFINE_integer("weak_state_leaves", 300, "strong float32 scalar state leaves of the "
+                     "bfloat16 program (0: not run)")
+flags.DEFINE_integer("weak_state_trials", 3, "cold trials of the weak-state program")
 flags.DEFINE_integer("persistent_eqns", 1000, "equations of the persistent-cache program")
 flags.DEFINE_string("child_cache_dir", None, "internal: run as the persistent-cache child")
 FLAGS = flags.FLAGS
@@ -126,6 +133,27 @@ def where_chain(layers, seed=0):
   return program
 
 
+def weak_state(leaves, seed=0):
+  """A bfloat16 program over `leaves` strong float32 scalar state leaves
+  (per-layer scales, `h + a * tanh(h)`), returning them updated: every
+  leaf's weak type would change the program, which compile once traced
+  again leaf by leaf (session/state_typing.py)."""
+  del seed
+
+  def program(scales, x):
+    h = x
+    for a in scales:
+      h = h + a * jnp.tanh(h).astype(jnp.bfloat16)
+    return [a * 0.999 for a in scales], h
+  return program
+
+
+def weak_state_args():
+  rng = np.random.default_rng(5)
+  return ([jnp.float32(rng.standard_normal()) for _ in range(FLAGS.weak_state_leaves)],
+          jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16))
+
+
 def where_chain_args():
   rng = np.random.default_rng(17)
   return tuple(jnp.asarray(rng.standard_normal((4, 8)), jnp.float32) for _ in range(5))
@@ -137,10 +165,11 @@ def example_args():
   return x, bias, w
 
 
-def jit_cold(gen, n, seed, args):
-  """jax.jit of a new function object: trace, lower, XLA compile, seconds."""
+def jit_cold(gen, n, seed, args, state=()):
+  """jax.jit of a new function object (the `state` positions donated):
+  trace, lower, XLA compile, seconds."""
   fn = gen(n, seed)
-  jitted = jax.jit(fn)
+  jitted = jax.jit(fn, donate_argnums=state)
   t0 = time.perf_counter()
   traced = jitted.trace(*args)
   t1 = time.perf_counter()
@@ -152,12 +181,12 @@ def jit_cold(gen, n, seed, args):
               eqns=len(traced.jaxpr.eqns), jitted=jitted)
 
 
-def session_compile(sess, gen, n, seed, args):
-  """Session.compile of a new function object: wall seconds and the report's
-  breakdown."""
+def session_compile(sess, gen, n, seed, args, state=()):
+  """Session.compile of a new function object (`state`: its state_argnums):
+  wall seconds and the report's breakdown."""
   fn = gen(n, seed)
   t0 = time.perf_counter()
-  gid = sess.compile(fn, *args)
+  gid = sess.compile(fn, *args, state_argnums=state)
   wall = time.perf_counter() - t0
   report = sess.report(gid)
   passes = sum(p.seconds for p in report.passes)
@@ -171,7 +200,7 @@ def session_compile(sess, gen, n, seed, args):
               nodes=(report.nodes_imported, report.nodes_final))
 
 
-def cold_trials(gen, n, trials, args):
+def cold_trials(gen, n, trials, args, state=()):
   out = []
   for t in range(trials):
     seed = 1000 * n + t
@@ -180,14 +209,14 @@ def cold_trials(gen, n, trials, args):
     sess = None
     for who in order:
       if who == "jit":
-        trial["jit"] = jit_cold(gen, n, seed, args)
+        trial["jit"] = jit_cold(gen, n, seed, args, state)
       else:
         sess = js.Session()
-        trial["session"] = session_compile(sess, gen, n, seed, args)
+        trial["session"] = session_compile(sess, gen, n, seed, args, state)
     assert not trial["session"]["hit"] and trial["session"]["misses"] >= 1, trial["session"]
     # The compile cache: the same program again (a new function object) in
     # the same Session, and jax.jit's own cache (same jitted function).
-    trial["session_again"] = session_compile(sess, gen, n, seed, args)
+    trial["session_again"] = session_compile(sess, gen, n, seed, args, state)
     jitted = trial["jit"].pop("jitted")
     t0 = time.perf_counter()
     jitted.lower(*args).compile()
@@ -263,6 +292,10 @@ def main(argv):
   if FLAGS.where_chain_layers:
     results[f"{8 * FLAGS.where_chain_layers} eqns, tanh/where chain"] = cold_trials(
         where_chain, FLAGS.where_chain_layers, FLAGS.where_chain_trials, where_chain_args())
+  if FLAGS.weak_state_leaves:
+    results[f"{FLAGS.weak_state_leaves} scalar state leaves, bf16"] = cold_trials(
+        weak_state, FLAGS.weak_state_leaves, FLAGS.weak_state_trials, weak_state_args(),
+        state=(0,))
   assert not jax.config.values.get("jax_compilation_cache_dir"), "persistent cache turned on"
   persistent = persistent_rows()
   elapsed = time.perf_counter() - start

@@ -152,8 +152,12 @@ class StateSlot:
     # device when it was compiled (bound values go there whatever the
     # default device is when they are bound)
     self.device = session_device()
-    self.weak_sensitive = {}     # leaf index -> weak type a graph was compiled for,
-                                 # where the weak type changes that graph's program
+    # the graphs whose programs a value's weak types may change, gid ->
+    # (session/state_typing.py's GraphTyping, this slot's state arg there),
+    # and the leaves whose weak types a bound value is checked for
+    self.typings = {}
+    self.numeric = tuple(j for j, a in enumerate(self.avals)
+                         if jax.numpy.issubdtype(a.dtype, jax.numpy.number))
     # the non-array leaves kept static, in the treedef (runtime/static_leaves.py)
     self.statics = static_leaves.static_paths(
         tree_util.tree_unflatten(treedef, [None] * treedef.num_leaves))

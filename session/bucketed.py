@@ -113,7 +113,7 @@ class BucketedGraph:
     closed = jax.make_jaxpr(wrapped)(tuple(state_args), *dyn_args)
     if self.weak_dyn is None:  # the other arguments' weak types run checks (bind)
       self.weak_dyn = [(i, j, weak) for i, j, weak in tracing.weak_sensitive(
-          wrapped, closed, state_args, dyn_args)[0] if i not in self.run_index]
+          wrapped, closed, state_args, dyn_args) if i not in self.run_index]
     kinds, labels = tracing.input_labels(self.state_nums, state_args, self.dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=self.name, input_kinds=kinds,
                                   input_names=labels,

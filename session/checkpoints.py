@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
+from jaxsession import state_typing
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
 from jaxsession.runtime import debug_flags, interrupts
@@ -463,6 +464,7 @@ def _check_meta(where, name, meta, entry):
   if len(saved) != len(entry.slots):
     raise InputError(f"{where}: {name} holds {len(saved)} state arg(s), graph "
                      f"'{entry.name}' has {len(entry.slots)}")
+  flips, places = [], []  # leaves saved in the other weak type
   for k, (slot, got) in enumerate(zip(entry.slots, saved)):
     paths = _paths(slot)
     if got["paths"] != paths:
@@ -473,11 +475,17 @@ def _check_meta(where, name, meta, entry):
                        f"{extra or 'nothing'}")
     for j, (path, saved_type, aval) in enumerate(zip(paths, got["types"], slot.avals)):
       want = aval_str(aval)
-      if slot.weak_sensitive.get(j) is None:  # the weak type does not change the
-        # program: the value is bound in the slot's, as set_state binds it
-        fits = saved_type.rstrip("~") == want.rstrip("~")
-      else:
-        fits = saved_type == want
-      if not fits:
+      if saved_type.rstrip("~") != want.rstrip("~"):
         raise InputError(f"{where}: state arg {k} of {name} at path {path or '(root)'}: "
                          f"the checkpoint holds {saved_type}, the slot {want}")
+      if saved_type != want and j in slot.numeric:  # bound in the slot's weak type,
+        # as set_state binds it, unless that changes a program (state_typing.py)
+        flips.append((slot, j, saved_type.endswith("~")))
+        places.append((k, path, saved_type, want))
+  refusal = state_typing.refused(flips) if flips else None
+  if refusal is not None:
+    alone, step = refusal
+    k, path, saved_type, want = places[alone or 0]
+    raise InputError(f"{where}: state arg {k} of {name} at path {path or '(root)'}: "
+                     f"the checkpoint holds {saved_type}, the slot {want}: "
+                     f"{state_typing.why(step)}")

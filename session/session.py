@@ -26,6 +26,7 @@ from jaxsession.runtime.packing import SlotLeaf
 from jaxsession.runtime.state_layout import state_layout
 from jaxsession.runtime.profiler import Profiler
 from jaxsession.weak_outputs import WeakOutputs
+from jaxsession.state_typing import GraphTyping
 from jaxsession.graph_entry import Entry
 from jaxsession.runtime.state import (StateSlot, check_structure, holding, owned_copies,
                                       owned_copy, session_device, slots_lock)
@@ -185,7 +186,7 @@ class Session:
     tracing.check_no_leaked_tracers(name, closed)
     if updates:
       tracing.check_new_state(name, state_nums, state_args, out_shape[0], wrapped, closed, dyn_args)
-    weak_dyn, weak_state = tracing.weak_sensitive(wrapped, closed, state_args, dyn_args)
+    weak_dyn = tracing.weak_sensitive(wrapped, closed, state_args, dyn_args)
     with self._lock:  # the id, reserved: it names the graph in run's messages and dumps
       gid = next(self._ids)
     spec = ArgSpec(f"run(graph {gid} '{name}')", dyn_nums, dyn_args,
@@ -193,12 +194,13 @@ class Session:
                    local_pieces=bool(mesh_layout and mesh_layout.local_pieces),
                    weak_sensitive=weak_dyn)
     rest_tree = tree_util.tree_structure(out_shape[1])
+    # traced again on types only, where weak types differ: the examples are not kept
+    typed = [a if i in static_nums else None for i, a in enumerate(example_args)]
+    on_types = tracing.stateful_fn(fn, name, typed, state_nums, dyn_nums, updates)
+    typing = GraphTyping.make(on_types, closed, state_args, dyn_args, updates)
     weak_outputs = None
-    if mesh_layout is None:  # traced again on types only: the examples are not kept
-      typed = [a if i in static_nums else None for i, a in enumerate(example_args)]
-      weak_outputs = WeakOutputs.make(
-          tracing.stateful_fn(fn, name, typed, state_nums, dyn_nums, updates),
-          state_args, dyn_args, spec, out_shape[1])
+    if mesh_layout is None:
+      weak_outputs = WeakOutputs.make(on_types, state_args, dyn_args, spec, out_shape[1])
     kinds, labels = tracing.input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels,
                                   host_callbacks=self.options.host_callbacks)
@@ -208,14 +210,14 @@ class Session:
     slots = self._bind_state(name, state_nums, state_flats, state_from, source, shared,
                              mesh_layout and mesh_layout.state)
     try:
-      return self._compile_bound(gid, name, graph, slots, spec, weak_state, rest_tree,
+      return self._compile_bound(gid, name, graph, slots, spec, typing, rest_tree,
                                  nodes_imported, start, mesh_layout, weak_outputs)
     except BaseException:
       self._unpin(slots)
       self._executables.release_owner(gid)
       raise
 
-  def _compile_bound(self, gid, name, graph, slots, spec, weak_state, rest_tree,
+  def _compile_bound(self, gid, name, graph, slots, spec, typing, rest_tree,
                      nodes_imported, start, mesh_layout=None, weak_outputs=None):
     """The pipeline and Build for a graph whose state slots are bound."""
     ctx = PassContext(platform=self.platform, options=self.options,
@@ -264,8 +266,9 @@ class Session:
     # per state arg: the buffers its slot passes (fewer than its leaves where packed)
     report.memory.state_buffers = tuple(len(slot.storage) for slot in slots)
     with self._lock:  # a failed compile unpinned its slots; its id stays unused
-      for k, j, weak in weak_state:  # set_state keeps these leaves' weak types
-        slots[k].weak_sensitive[j] = weak
+      if typing is not None:  # a value of other weak types is checked against it
+        for k, slot in enumerate(slots):
+          slot.typings[gid] = (typing, k)
       if hooks is not None:
         hooks.bind(gid)
       self._graphs[gid] = Entry(name, graph, report, runner, spec, slots, make_sunk, hooks,
@@ -522,6 +525,7 @@ class Session:
       return
     def free():
       for slot in entry.slots:
+        slot.typings.pop(_graph_id(graph_id), None)
         slot.owners -= 1
         if slot.owners == 0:
           slot.free()

@@ -2,18 +2,20 @@
 
 `set_state`, `replace_state` (and a checkpoint's restore) all go through
 `new_leaves`: every value is checked against its slot (structure, each leaf's
-shape, dtype and - where it changes the program - weak type) before any slot
-changes, then bound as session-owned buffers, each in its leaf's weak type as the
-program has it (StateSlot.weak_types): a copy by default, or with
-`donate=True` the caller's own buffer where it is already laid out as the
-slot's leaf (the caller's array is then deleted, as `jax.jit` deletes a
-donated argument). Binding happens only once every value has passed.
+shape and dtype, and - where they change the program of a graph reading it -
+the weak types: state_typing.py) before any slot changes, then bound as
+session-owned buffers, each in its leaf's weak type as the program has it
+(StateSlot.weak_types): a copy by default, or with `donate=True` the
+caller's own buffer where it is already laid out as the slot's leaf (the
+caller's array is then deleted, as `jax.jit` deletes a donated argument).
+Binding happens only once every value has passed.
 """
 import jax
 from jax import tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.inputs import check_leaf
+from jaxsession import state_typing
+from jaxsession.inputs import check_leaf, is_weak
 from jaxsession.jax_api import ARRAY, real_jit
 from jaxsession.runtime import debug_flags, static_leaves
 from jaxsession.runtime.state import check_structure, holding, owned_copies, with_weak_type
@@ -31,22 +33,49 @@ def check_values(place, slot, value):
   leaves, treedef = tree_util.tree_flatten(value)  # one flatten: leaves and structure
   if treedef != slot.treedef:
     check_structure(slot, value, place)  # raises, naming the field that differs
-  sensitive = slot.weak_sensitive
   for j, (leaf, aval) in enumerate(zip(leaves, slot.avals)):
-    weak = sensitive.get(j) if sensitive else None
-    if not _exact(leaf, aval, weak):  # the one leaf check, and its message, for the rest
-      path = tree_util.keystr(tree_util.tree_flatten_with_path(value)[0][j][0])
-      check_leaf(f"{place} at path {path or '(root)'}", leaf, aval, weak=weak)
+    if not _exact(leaf, aval):  # the one leaf check, and its message, for the rest
+      check_leaf(_leaf_place(place, slot, value, j), leaf, aval)
   return leaves
 
 
-def _exact(x, aval, weak):
-  """Whether `x` is a live concrete jax.Array of `aval`'s dtype and shape
-  (and weak type, where `weak` says it matters): what check_leaf accepts,
-  decided without building its messages (a KV cache reset per request)."""
+def _leaf_place(place, slot, value, j):
+  if slot.statics:
+    value = static_leaves.hide(value)
+  path = tree_util.keystr(tree_util.tree_flatten_with_path(value)[0][j][0])
+  return f"{place} at path {path or '(root)'}"
+
+
+def _exact(x, aval):
+  """Whether `x` is a live concrete jax.Array of `aval`'s dtype and shape:
+  what check_leaf accepts, decided without building its messages (a KV
+  cache reset per request)."""
   return ((type(x) is ARRAY or isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
-          and x.dtype == aval.dtype and x.shape == aval.shape
-          and (weak is None or x.weak_type == weak) and not x.is_deleted())
+          and x.dtype == aval.dtype and x.shape == aval.shape and not x.is_deleted())
+
+
+def check_typing(items, rows):
+  """InputError where the values' weak types, bound in the slots' program
+  typing, change the program of a graph that reads them
+  (state_typing.refused; only slots with such a graph are looked at)."""
+  flips, places = [], []
+  for (place, slot, value), row in zip(items, rows):
+    if slot.typings:
+      weak_types = slot.weak_types
+      for j in slot.numeric:
+        weak = is_weak(row[j])
+        if weak != weak_types[j]:
+          flips.append((slot, j, weak))
+          places.append((place, value))
+  if not flips:
+    return
+  refusal = state_typing.refused(flips)
+  if refusal is not None:
+    alone, step = refusal
+    named = lambda n: _leaf_place(places[n][0], flips[n][0], places[n][1], flips[n][1])
+    together = "" if alone is not None else ", ".join(named(n) for n in range(1, len(flips)))
+    n = alone or 0
+    raise state_typing.refusal_error(named(n), flips[n][2], step, together)
 
 
 def _fits(x, slot, j):
@@ -73,6 +102,7 @@ def new_leaves(where, items, donate=False):
   rows = [check_values(place, slot, value) for place, slot, value in items]  # fresh lists
   if not rows:
     return rows
+  check_typing(items, rows)
   slots = [slot for _, slot, _ in items]
   taken = set()
   copied = [(r, j) for r, (slot, row) in enumerate(zip(slots, rows)) for j, x in enumerate(row)

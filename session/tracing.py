@@ -3,6 +3,7 @@ the checks of its new state, and the weak-type analysis (which scalars'
 weak types change the traced program). Nothing here runs user code beyond
 jax tracing."""
 import functools
+import hashlib
 import inspect
 
 import jax
@@ -193,6 +194,10 @@ def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dy
 MAX_TRACED_STEPS = 32  # weak-type changes a step passes on to the next, followed this far
 
 
+class StillChanging(Exception):
+  """The state's weak types still change after MAX_TRACED_STEPS steps."""
+
+
 def _check_later_steps(name, state_nums, state_args, new_state, wrapped, closed, dyn_args):
   """jax.jit traces each step for the weak types its state has then: the
   ones the step before returned. A weakly typed state leaf that comes back
@@ -201,39 +206,60 @@ def _check_later_steps(name, state_nums, state_args, new_state, wrapped, closed,
   `b * 0.5 + a` turns strong a step after `a` did: the break-it review
   found a bf16 product of `b` that became float32 there, while the session
   ran its first program). The steps are traced in turn until the weak
-  types repeat (at most MAX_TRACED_STEPS); where one computes other
-  arithmetic than the first, InputError names the leaves whose typing
+  types repeat (at most MAX_TRACED_STEPS, follow_steps); where one computes
+  other arithmetic than the first, InputError names the leaves whose typing
   differs from the example's. A program whose weak types cannot matter is
   not traced again (a trace per step: weak_type_is_moot)."""
-  def flags(states):
-    return tuple(bool(getattr(leaf_aval(x, type_only=True), "weak_type", False))
-                 for x in tree_util.tree_leaves(states))
-  traced_with = flags(state_args)
-  seen, typed, out, base = {traced_with}, list(state_args), list(new_state), None
+  traced_with = state_flags(state_args)
+  if state_flags(new_state) == traced_with or weak_type_is_moot(closed.jaxpr):
+    return
+  try:
+    other = follow_steps(wrapped, arithmetic(closed.jaxpr), state_args, new_state, dyn_args,
+                         {traced_with})
+  except StillChanging:
+    # still changing: jax.jit's later steps are not followed further, so not
+    # vouched for (a change handed on along 10 leaves got through; a review's find)
+    raise InputError(f"compile({name}): the state args' weak types still change after "
+                     f"{MAX_TRACED_STEPS} steps (each step hands a weak type change on to "
+                     "another state leaf), so jax.jit may compile other programs later. Give "
+                     "the weakly typed state leaves strong types (jnp.asarray(x, dtype)).") \
+        from None
+  if other is not None:
+    step, before, now = other
+    raise _retyped_error(name, state_nums, state_args, before, now, step)
+
+
+def state_flags(states):
+  """The weak type of every leaf of `states`, in leaf order."""
+  return tuple(bool(getattr(leaf_aval(x, type_only=True), "weak_type", False))
+               for x in tree_util.tree_leaves(states))
+
+
+def follow_steps(wrapped, base, typed, out, dyn_args, seen):
+  """The steps jax.jit traces after one traced with state `typed` that
+  returned `out`: each with the weak types the step before returned, until
+  they repeat one of `seen` (weak flags, state_flags's; added to). Returns
+  (n, before, now) for the first whose arithmetic differs from `base`
+  (arithmetic's): the state step n returned was typed `now`, the one it was
+  given `before`; None where none does. StillChanging past
+  MAX_TRACED_STEPS. A trace that raises (strict promotion) is another
+  program too: jax.jit's step would raise."""
+  traced_with = state_flags(typed)
   for step in range(1, MAX_TRACED_STEPS + 1):
-    returned = flags(out)
+    returned = state_flags(out)
     if returned in seen:
-      return
+      return None
     seen.add(returned)
-    if base is None:
-      if weak_type_is_moot(closed.jaxpr):
-        return
-      base = _arithmetic(closed.jaxpr)
     typed = [tree_util.tree_map(_typed_as, x, y) for x, y in zip(typed, out)]
     try:
       traced, (out, _) = jax.make_jaxpr(wrapped, return_shape=True)(tuple(typed), *dyn_args)
-      other = _arithmetic(traced.jaxpr) != base
+      other = arithmetic(traced.jaxpr) != base
     except Exception:  # pylint: disable=broad-except
-      other = True  # jax.jit's step would raise (strict promotion): another program too
+      other = True
     if other:
-      raise _retyped_error(name, state_nums, state_args, traced_with, returned, step)
+      return step, traced_with, returned
     traced_with = returned
-  # still changing: jax.jit's later steps are not followed further, so not
-  # vouched for (a change handed on along 10 leaves got through; a review's find)
-  raise InputError(f"compile({name}): the state args' weak types still change after "
-                   f"{MAX_TRACED_STEPS} steps (each step hands a weak type change on to "
-                   "another state leaf), so jax.jit may compile other programs later. Give "
-                   "the weakly typed state leaves strong types (jnp.asarray(x, dtype)).")
+  raise StillChanging()
 
 
 def _typed_as(example, value):
@@ -288,7 +314,14 @@ def _traces_other(trace, base):
     traced = trace()
   except Exception:  # pylint: disable=broad-except
     return True
-  return _arithmetic(traced.jaxpr) != base
+  return arithmetic(traced.jaxpr) != base
+
+
+def arithmetic(jaxpr):
+  """A digest of _arithmetic(jaxpr): two programs compute the same
+  arithmetic where their digests are equal (kept by a graph that asks again
+  later, state_typing.py, without holding the program)."""
+  return hashlib.sha256(repr(_arithmetic(jaxpr)).encode()).digest()
 
 
 def _dtypes_of(jaxpr, found):
@@ -337,41 +370,34 @@ def weak_type_is_moot(jaxpr):
 
 
 def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
-  """The leaves whose weak type changes the traced program (mixed precision: a
-  weak Python float times a bfloat16 stays bfloat16, a float32 one does not),
-  as ([(arg, leaf, weak)] of the run args, [(state arg, leaf, weak)]). Found by
-  tracing again with weak types flipped, no user code running. Candidates are
-  the run args' numeric leaves and the state's scalar or weakly typed leaves
-  (strongly typed state arrays, the parameters, only change type through
-  set_state of a weak array, which nothing builds by accident). Each is
-  flipped on its own: flipping two at once can cancel out (weak bf16 times
-  weak f32 is f32 again). With `fast`, a program whose dtypes make every weak
-  type moot (weak_type_is_moot) is not traced again."""
+  """The run args' leaves whose weak type changes the traced program (mixed
+  precision: a weak Python float times a bfloat16 stays bfloat16, a float32
+  one does not), as [(arg, leaf, weak)]: run's weak guard refuses the other
+  typing (inputs.ArgSpec.weak_guard). Found by tracing again with each
+  numeric leaf's weak type flipped on its own (flipping two at once can
+  cancel out: weak bf16 times weak f32 is f32 again), no user code running.
+  With `fast`, a program whose dtypes make every weak type moot
+  (weak_type_is_moot) is not traced again. The state's weak types are asked
+  about when a value of other ones comes (state_typing.py), not here: a
+  trace per scalar state leaf made compile time quadratic in their count."""
   if fast and weak_type_is_moot(closed.jaxpr):
-    return [], []
-  base = _arithmetic(closed.jaxpr)
-  groups = {"state": list(state_args), "dyn": list(dyn_args)}
-  candidates = []
-  for group, args in groups.items():
-    for i, arg in enumerate(args):
-      for j, leaf in enumerate(tree_util.tree_leaves(arg)):
-        aval = leaf_aval(leaf, type_only=True)
-        if jax.numpy.issubdtype(aval.dtype, jax.numpy.number) and (
-            group == "dyn" or aval.shape == () or aval.weak_type):
-          candidates.append((group, i, j, aval))
-
-  def changes(subset):
-    flipped = {g: list(args) for g, args in groups.items()}
-    for group, i, j, aval in subset:
-      leaves, treedef = tree_util.tree_flatten(flipped[group][i])
-      leaves[j] = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
-      flipped[group][i] = tree_util.tree_unflatten(treedef, leaves)
-    return _traces_other(lambda: jax.make_jaxpr(wrapped)(tuple(flipped["state"]),
-                                                       *flipped["dyn"]), base)
-
-  found = [c for c in candidates if changes([c])]
-  pick = lambda group: [(i, j, bool(aval.weak_type)) for g, i, j, aval in found if g == group]
-  return pick("dyn"), pick("state")
+    return []
+  base = arithmetic(closed.jaxpr)
+  state = tuple(state_args)
+  found = []
+  for i, arg in enumerate(dyn_args):
+    leaves, treedef = tree_util.tree_flatten(arg)
+    for j, leaf in enumerate(leaves):
+      aval = leaf_aval(leaf, type_only=True)
+      if not jax.numpy.issubdtype(aval.dtype, jax.numpy.number):
+        continue
+      flipped = list(leaves)
+      flipped[j] = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
+      args = list(dyn_args)
+      args[i] = tree_util.tree_unflatten(treedef, flipped)
+      if _traces_other(lambda args=args: jax.make_jaxpr(wrapped)(state, *args), base):
+        found.append((i, j, bool(aval.weak_type)))
+  return found
 
 
 def input_labels(state_nums, state_args, dyn_nums, dyn_args):

@@ -522,8 +522,8 @@ class WeakTypeCheckCostTest(absltest.TestCase):
       slow = tracing.weak_sensitive(wrapped, closed, [], list(args), fast=False)
       fast = tracing.weak_sensitive(wrapped, closed, [], list(args))
       if moot:
-        self.assertEqual(slow, ([], []), name)
-        self.assertEqual(fast, ([], []), name)
+        self.assertEqual(slow, [], name)
+        self.assertEqual(fast, [], name)
         # flipping every subset of the leaves at once changes nothing either
         arithmetic = tracing._arithmetic  # pylint: disable=protected-access
         base = arithmetic(closed.jaxpr)
@@ -536,7 +536,7 @@ class WeakTypeCheckCostTest(absltest.TestCase):
           self.assertEqual(arithmetic(again.jaxpr), base, f"{name}, flips {mask:b}")
       else:
         self.assertEqual(fast, slow, name)
-    self.assertNotEqual(slow, ([], []))  # the f16 program: its scalar's weak type matters
+    self.assertNotEqual(slow, [])  # the f16 program: its scalar's weak type matters
 
   def test_compile_traces_an_all_float32_program_once(self):
     traces = []
