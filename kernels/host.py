@@ -167,12 +167,16 @@ op_properties.register_op("transfer_h2d", transfer="h2d", batch="identity")
 
 @register_kernel("transfer_d2h", backend="host", name="host:d2h")
 def device_to_host(node, x):
-  """A device value for host readers: a jax.Array on the CPU device, as a
-  callback under jax.jit gets it. On the CPU platform the device buffer is
-  host memory already, and nothing is copied."""
-  if _on_cpu(x):
+  """A device value for host readers: a jax.Array on the CPU device, whole,
+  as a callback under jax.jit gets it. On the CPU platform the device buffer
+  is host memory already, and nothing is copied; a value laid out over a
+  mesh is gathered onto that one device (a copy of its own: the callback may
+  keep it, and the state's buffers are taken over by its update)."""
+  if _on_cpu(x) and len(x.sharding.device_set) == 1:
     return [x]
-  return [jax.device_put(np.asarray(x), _cpu())]  # np.asarray reads the early copy
+  # (device_put of a replicated value to one of its devices keeps that
+  # replica's buffer, even with may_alias=False: gathered through numpy)
+  return [jax.device_put(np.array(x), _cpu())]  # np.array reads the early copy
 
 
 @register_kernel("transfer_h2d", backend="xla", name="xla:h2d")

@@ -9,7 +9,7 @@ to clear after it (the values' last uses), each executable the intermediates
 donated to it, each output whether it must be copied.
 """
 import dataclasses
-from typing import Callable, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import jax
 import numpy as np
@@ -22,6 +22,7 @@ from jaxsession.graph.lowering import kernel_fn, lower_nodes
 from jaxsession.graph.op_properties import is_transfer
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.compile_cache import executable_key
+from jaxsession.runtime.state import private_copy
 
 try:  # what an executable's output check raises under jax_debug_nans/infs
   from jax._src.api_util import InternalFloatingPointError as SPECIAL_VALUE
@@ -208,6 +209,8 @@ class Op:
   transfer: int = None             # a transfer node's id, where the op runs one
   host_ins: Tuple[int, ...] = ()   # device ops: the positions of ins a host op made
   in_shardings: tuple = ()         # device ops: the layout each of ins is taken in
+  node: Any = None                 # host ops: the node it runs
+  fresh: Tuple[int, ...] = ()      # host ops: the positions of ins given as copies
 
 
 @dataclasses.dataclass
@@ -266,6 +269,27 @@ def host_op(node):
                         f"{aval_str(node.outputs[i].aval)}")
     return outs
   return run_host, error
+
+
+# host kernels that run the user's code, which may keep the arrays it is given
+USER_CODE = frozenset({"pure_callback", "jit"})
+
+
+def fresh_arguments(fn, positions):
+  """`fn`, given its own copies of the arrays at `positions`. A callback
+  may keep what it gets (a history, a snapshot of the parameters), as it
+  may under jax.jit, whose callbacks get arrays of their own; these are the
+  state's buffers, which the update of this run or a later one (of any
+  graph sharing them) takes over, deleting them under the callback (a
+  break-it find). A device value read on the host is never donated
+  (memory.py), so nothing else needs a copy."""
+  def run(*args):
+    args = list(args)
+    for i in positions:
+      if isinstance(args[i], jax.Array):
+        args[i] = private_copy(args[i])
+    return fn(*args)
+  return run
 
 
 def device_inputs(part):
@@ -390,15 +414,26 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
                     in_shardings=_input_shardings(exe)))
       continue
     for node in part.nodes:
-      if is_transfer(node.op, "d2h") and platform == "cpu":
+      if is_transfer(node.op, "d2h") and platform == "cpu" and layouts is None:
         regs[node.outputs[0].id] = reg_of(node.inputs[0])  # the same buffer: no op
-        continue
+        continue  # (under a mesh the value is gathered onto one device: the kernel)
       ins = tuple(reg_of(v) for v in node.inputs)
       fn, error = host_op(node)
       ops.append(Op(fn, ins, tuple(reg_of(v) for v in node.outputs), partition=part.index,
-                    error=error, transfer=node.id if is_transfer(node.op) else None))
+                    error=error, transfer=node.id if is_transfer(node.op) else None,
+                    node=node))
   outputs = [reg_of(v) for v in graph.outputs]
   _set_frees(ops, outputs)
+  for op in ops:  # the state's buffers, which an update takes over (donated)
+    if op.node is not None and op.node.op in USER_CODE:
+      fresh = tuple(i for i, r in enumerate(op.ins) if r < num_state)
+      if fresh:
+        op.fn = fresh_arguments(op.fn, fresh)
+        op.fresh = fresh
+        note = (f"argument(s) {list(fresh)} given to the user's code as copies each run: "
+                "the state's own buffers, which an update takes over (donated)")
+        if note not in op.node.notes:
+          op.node.notes.append(note)
   copy_at, seen = set(), set()
   # a state leaf returned as it came stays in its slot: nothing to copy
   passed = set(graph.passed_state())

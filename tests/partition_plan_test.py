@@ -401,6 +401,62 @@ class EscapingHostBuffersTest(absltest.TestCase):
     assert_equal_signed(first, want)
 
 
+class KeptCallbackArgumentsTest(absltest.TestCase):
+  """A callback may keep the arrays it is given (a history, a snapshot of
+  the parameters); under jax.jit they stay valid. A host-placed callback
+  read the state's own buffer, and the update that took it over (donated)
+  deleted what it kept (a break-it find)."""
+
+  def setUp(self):
+    super().setUp()
+    self.kept = []
+
+  def keep(self, v):
+    self.kept.append(v)
+    return np.asarray(v) * 2
+
+  def kept_values(self):
+    return [np.asarray(v) for v in self.kept]
+
+  def test_the_state_a_callback_reads(self):
+    def f(s, x):
+      y = jax.pure_callback(self.keep, jax.ShapeDtypeStruct(s.shape, s.dtype), s)
+      return s + y + x, y.sum()
+    rng = np.random.default_rng(41)
+    s0 = _x(rng, 8)
+    xs = [_x(rng, 8) for _ in range(3)]
+    jf, s = jax.jit(f), s0
+    for x in xs:
+      s, _ = jf(s, x)
+    want = self.kept_values()
+    self.kept.clear()
+    sess = js.Session()
+    gid = sess.compile(f, s0, xs[0], state_argnums=0)
+    self.assertTrue(any("as copies" in note for n in sess.graph(gid).nodes for note in n.notes))
+    for x in xs:
+      sess.run(gid, x)
+    self.assertLen(self.kept, 3)
+    for got, w in zip(self.kept_values(), want):
+      assert_equal_signed(got, w)
+    assert_equal_signed(sess.get_state(gid)[0], s)
+
+  def test_an_eval_graphs_snapshot_of_the_shared_state(self):
+    train = lambda p, x: (p - 0.1 * x, (p * x).sum())
+    evaluate = lambda p, x: jax.pure_callback(
+        self.keep, jax.ShapeDtypeStruct(p.shape, p.dtype), p).sum() + x.sum()
+    rng = np.random.default_rng(42)
+    p, x = _x(rng, 4, specials=False), _x(rng, 4, specials=False)
+    sess = js.Session()
+    tr = sess.compile(train, p, x, state_argnums=0)
+    ev = sess.compile(evaluate, p, x, state_argnums=0, state_from=tr, updates_state=False)
+    sess.run(ev, x)
+    sess.run(tr, x)  # donates the parameters' buffer
+    sess.run(ev, x)
+    got = self.kept_values()
+    assert_equal_signed(got[0], p)
+    assert_equal_signed(got[1], jax.jit(train)(p, x)[0])
+
+
 class DeletedArgumentTest(absltest.TestCase):
 
   def test_deleted_array_is_an_input_error_whatever_the_plan(self):

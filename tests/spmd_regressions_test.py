@@ -341,6 +341,31 @@ finally:
 # in_specs split each argument's leading axis over the first mesh axis
 out["jit_mesh_session"] = [err(lambda: js.jit(jnp.cumsum, session=sess)(jnp.arange(5.0))),
                            float(js.jit(jnp.sum, session=sess)(jnp.arange(8.0)))]
+# a top-level callback gets the whole value on one device, as under jax.jit
+# (it got the executable's 8-device array, sharded over 'data'), and what it
+# keeps of the state stays valid after the update takes the state over
+seen = []
+def look(v):
+  seen.append(v)
+  return np.asarray(v.addressable_data(0)).sum(keepdims=True).repeat(16)
+def cb_step(w, x):
+  y = jax.pure_callback(look, jax.ShapeDtypeStruct((16,), np.float32), x * w)
+  k = jax.pure_callback(look, jax.ShapeDtypeStruct((16,), np.float32), w)
+  return w + 1.0, y + k
+w16 = rng.standard_normal((16, 4)).astype(np.float32)
+xw = rng.standard_normal((16, 4)).astype(np.float32)
+want = jax.jit(cb_step)(jax.device_put(w16, NamedSharding(mesh1, P())),
+                        jax.device_put(xw, NamedSharding(mesh1, P("data"))))[1]
+want.block_until_ready()
+jit_seen = [(str(v.sharding), list(v.addressable_data(0).shape)) for v in seen]
+seen.clear()
+cbid = s1.compile(cb_step, w16, xw, state_argnums=0)
+got = s1.run(cbid, xw)
+s1.run(cbid, xw)
+out["callback_whole_value"] = [
+    jit_seen, [(str(v.sharding), list(v.addressable_data(0).shape)) for v in seen[:2]],
+    bool(np.array_equal(np.asarray(got), np.asarray(want))),
+    [bool(np.array_equal(np.asarray(v), e)) for v, e in zip(seen[:3], (xw * w16, w16, xw * (w16 + 1)))]]
 print(json.dumps(out))
 """
 
@@ -350,6 +375,13 @@ class SpmdRegressionTest(SnippetTest):
   """What a review found: each case failed before its fix."""
 
   SNIPPET = REGRESSIONS
+
+  def test_a_callback_gets_the_whole_value_on_one_device(self):
+    jit_seen, seen, equal, kept = self.out["callback_whole_value"]
+    self.assertEqual(seen, jit_seen)
+    self.assertIn("SingleDeviceSharding", seen[0][0])
+    self.assertTrue(equal)
+    self.assertEqual(kept, [True, True, True])
 
   def test_sunk_runs_keep_each_slot_layout(self):
     a, b = self.out["sunk_layout"]
