@@ -144,10 +144,10 @@ class Checkpointer:
     path, manager = self._manager(where, directory, create=True)
     with self._lock:  # steps increase per directory, as orbax keeps them
       before = self._queued.get(path, -1)
-      newest = max([*_complete_steps(path), before])
+      newest = max([*_complete_steps(path), *_other_steps(path), before])
       if step <= newest:
         raise InputError(f"{where}: step {step} is not after step {newest}, the newest "
-                         f"checkpoint saved to {path}: steps must increase (save it as step "
+                         f"checkpoint in {path}: steps must increase (save it as step "
                          f"{newest + 1} or later, or into another directory)")
       self._queued[path] = step
 
@@ -190,11 +190,13 @@ class Checkpointer:
         manager.reload()
       for row, saved in zip(leaves, meta["slots"]):  # read back, each must match
         saved["crc32"] = [_digest(x) for x in row]
+      _claim(path, step)
       manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
           state=ocp.args.StandardSave({"slots": [  # its shape and type are in the meta
               [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta)))
       manager.wait_until_finished()
       _mark_complete(os.path.join(path, str(step)))
+      _unclaim(path, step)
       if self.keep is not None:
         _drop_old(manager, path, self.keep)
     with self._lock:
@@ -326,20 +328,62 @@ def _complete_steps(path):
   return [int(n) for n in os.listdir(path) if n.isdigit() and _complete(os.path.join(path, n))]
 
 
+# A step this session began to write: a file beside the step folders, made
+# before orbax writes the step and removed once it is marked complete. Only a
+# step folder so claimed and not complete is a leftover of a killed save; any
+# other folder (another program's orbax checkpoints, a user's "2024") is not
+# the session's to delete (a break-it find: the first save deleted them).
+CLAIM = "jaxsession_saving."
+
+
+def _claim(path, step):
+  if jax.process_index() == 0:
+    with open(os.path.join(path, f"{CLAIM}{step}"), "w") as f:
+      f.flush()
+      os.fsync(f.fileno())
+
+
+def _unclaim(path, step):
+  if jax.process_index() == 0:
+    try:
+      os.remove(os.path.join(path, f"{CLAIM}{step}"))
+    except FileNotFoundError:
+      pass
+
+
+def _claimed(path, name):
+  return os.path.isfile(os.path.join(path, f"{CLAIM}{name}"))
+
+
+def _other_steps(path):
+  """The step folders of `path` that are neither complete nor a killed save's
+  leftover (_claimed): another writer's, kept as they are and counted in the
+  order of steps, as orbax counts them."""
+  if not os.path.isdir(path):
+    return []
+  return [int(n) for n in os.listdir(path) if n.isdigit() and
+          os.path.isdir(os.path.join(path, n)) and not _complete(os.path.join(path, n))
+          and not _claimed(path, n)]
+
+
 def _remove_incomplete(path):
-  """Removes the step folders a killed save left without the marker (orbax
-  would count them as steps: keep-N would keep them in place of complete
-  ones, and a new save of that step would collide). Only in a single-process
-  job: there a folder without the marker is no other process's save in
-  flight. Whether anything was removed."""
+  """Removes the step folders a killed save of this session's left without
+  the marker (orbax would count them as steps: keep-N would keep them in
+  place of complete ones, and a new save of that step would collide), and
+  their claims. Only in a single-process job: there a folder without the
+  marker is no other process's save in flight. Whether anything was removed."""
   if jax.process_count() > 1:
     return False
   removed = False
   for name in os.listdir(path):
-    folder = os.path.join(path, name)
-    if name.isdigit() and os.path.isdir(folder) and not _complete(folder):
+    if not name.startswith(CLAIM):
+      continue
+    step = name[len(CLAIM):]
+    folder = os.path.join(path, step)
+    if step.isdigit() and os.path.isdir(folder) and not _complete(folder):
       shutil.rmtree(folder, ignore_errors=True)
       removed = True
+    os.remove(os.path.join(path, name))
   return removed
 
 

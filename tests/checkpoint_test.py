@@ -325,12 +325,14 @@ class CheckpointTest(absltest.TestCase):
     sess.save(gid, self.dir, np.int64(2))  # queued behind 1; a numpy int, as steps= takes
     for stale in (0, 1, 2):  # on disk or queued: refused before any work
       with self.assertRaisesRegex(js.InputError, rf"step {stale} is not after step 2, the "
-                                  "newest checkpoint saved to .*steps must increase"):
+                                  "newest checkpoint in .*steps must increase"):
         sess.save(gid, self.dir, stale)
     sess.wait_until_saved()
-    # what a kill mid-save leaves: step 3's folder in place, without the marker
+    # what a kill mid-save leaves: step 3's folder in place, without the
+    # marker, and the session's claim on it
     shutil.copytree(os.path.join(self.dir, "2"), os.path.join(self.dir, "3"))
     os.remove(os.path.join(self.dir, "3", "jaxsession_complete"))
+    open(os.path.join(self.dir, "jaxsession_saving.3"), "w").close()
     self.assertEqual(sess.restore(gid, self.dir), 2)  # the leftover never restores
     sess.run(gid)
     sess.save(gid, self.dir, 3)  # replaces the leftover
@@ -339,6 +341,37 @@ class CheckpointTest(absltest.TestCase):
     sess.run(gid)
     self.assertEqual(sess.restore(gid, self.dir), 3)
     assert_equal_signed(sess.get_state(gid)[0], w * 4)
+
+  def test_other_writers_step_folders_are_kept(self):
+    # orbax's own checkpoints and a user's folder named like a step, in the
+    # directory given to save: the first save deleted every one of them
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    theirs = ocp.CheckpointManager(self.dir)
+    for step in (1000, 2000):
+      theirs.save(step, args=ocp.args.StandardSave({"a": np.arange(3.0) + step}))
+    theirs.wait_until_finished()
+    os.makedirs(os.path.join(self.dir, "2024"))
+    with open(os.path.join(self.dir, "2024", "notes.txt"), "w") as f:
+      f.write("mine")
+    sess = js.Session(js.SessionOptions(checkpoint_keep=1))
+    w = np.float32([1.5, -0.0, 2.0])
+    gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
+    with self.assertRaisesRegex(js.InputError, "step 1 is not after step 2024, the newest "
+                                "checkpoint in"):
+      sess.save(gid, self.dir, 1)
+    sess.save(gid, self.dir, 3000)
+    sess.run(gid)
+    sess.save(gid, self.dir, 3001)
+    sess.wait_until_saved()
+    self.assertEqual(sorted(n for n in os.listdir(self.dir) if n.isdigit()),
+                     ["1000", "2000", "2024", "3001"])
+    with open(os.path.join(self.dir, "2024", "notes.txt")) as f:
+      self.assertEqual(f.read(), "mine")
+    restored = ocp.CheckpointManager(self.dir).restore(
+        2000, args=ocp.args.StandardRestore({"a": np.zeros(3)}))
+    np.testing.assert_array_equal(restored["a"], np.arange(3.0) + 2000)
+    self.assertEqual(sess.restore(gid, self.dir), 3001)
+    assert_equal_signed(sess.get_state(gid)[0], w * 2)
 
   def test_what_does_not_fit_is_an_input_error_and_changes_nothing(self):
     p, o, k, xs = examples()
