@@ -41,6 +41,7 @@ from jaxsession.runtime import debug_flags, interrupts
 from jaxsession.runtime.state import holding, private_copy, with_weak_type
 
 FORMAT = "jaxsession-checkpoint-1"
+MAX_PENDING = 2  # saves being written or queued at once, per Session
 
 
 @interrupts.critical  # a Ctrl-C during the import waits for it, then is raised
@@ -91,6 +92,10 @@ class Checkpointer:
     self.keep = keep
     self._managers = {}
     self._queue = queue.Queue()  # writes, in the order the saves were asked
+    # snapshots alive at once (being written or queued): a save waits for a
+    # free one, so a loop saving faster than the disk writes holds two copies
+    # of the state, not one per save (a break-it find: 15 x 200 MB)
+    self._room = threading.Semaphore(MAX_PENDING)
     self._worker = None
     self._errors = []
     self._queued = {}  # directory -> the newest step a save was asked for
@@ -105,6 +110,8 @@ class Checkpointer:
         with _quick_thread_switches():
           write()
       finally:
+        del write  # its snapshot goes before the room is given back
+        self._room.release()
         self._queue.task_done()
 
   def _manager(self, where, directory, create):
@@ -142,6 +149,11 @@ class Checkpointer:
       raise InputError(f"{where}: the state is unset (compiled from jax.ShapeDtypeStruct "
                        "examples; set_state or restore binds it)")
     path, manager = self._manager(where, directory, create=True)
+    with self._lock:  # an earlier save's failure, raised here as orbax raises it
+      errors, self._errors = self._errors, []
+    if errors:
+      raise RuntimeError(f"{where}: not saved, since an earlier save failed: "
+                         f"{errors[0]}") from errors[0]
     with self._lock:  # steps increase per directory, as orbax keeps them
       before = self._queued.get(path, -1)
       newest = max([*_complete_steps(path), *_other_steps(path), before])
@@ -151,13 +163,19 @@ class Checkpointer:
                          f"{newest + 1} or later, or into another directory)")
       self._queued[path] = step
 
+    room = False
     try:
+      room = self._room.acquire()  # (a Ctrl-C while waiting: nothing taken)
       self._enqueue(entry, where, path, manager, step)
+      room = False  # the write gives it back
     except BaseException:  # a Ctrl-C held through the snapshot, raised after it:
       with self._lock:     # nothing was queued, so the step is free again
         if self._queued.get(path) == step:
           self._queued[path] = before
       raise
+    finally:
+      if room:
+        self._room.release()
 
   def _enqueue(self, entry, where, path, manager, step):
     """Snapshots the state (between runs) and queues its write, the last thing
@@ -222,7 +240,7 @@ class Checkpointer:
     if not isinstance(directory, (str, os.PathLike)):
       raise InputError(f"{where}: directory must be a str or os.PathLike, got "
                        f"{type(directory).__name__}")
-    self.wait()
+    self._queue.join()  # the pending saves written (their errors stay for wait/save)
     path, manager = self._manager(where, directory, create=False)
     try:
       manager.reload()
@@ -452,8 +470,8 @@ def _drain(ref):
           "the newest may be missing (every complete one is intact)", file=sys.stderr)
     return
   for error in checkpointer._errors:  # pylint: disable=protected-access
-    print(f"jaxsession: a checkpoint pending at exit was not written: {error}",
-          file=sys.stderr)
+    print(f"jaxsession: a checkpoint was not written (no later save or "
+          f"wait_until_saved() raised it): {error}", file=sys.stderr)
 
 
 def _target(slot, j):
