@@ -20,7 +20,7 @@ from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
 from jaxsession.runtime import sharding
 from jaxsession.runtime.executor import per_arg
-from jaxsession.runtime.state import session_device
+from jaxsession.runtime.state import relaid, session_device
 
 _PY_SCALARS = (bool, int, float, complex)
 
@@ -299,6 +299,7 @@ class ArgSpec:
                          "of that dtype)")
       return converted
     check_leaf(place, x, want, leading=leading, note=piece)
+    x = relaid(x)  # (an int4 array orbax read: refused as it is)
     if target is not None:  # under a mesh: laid out as compiled
       if isinstance(x, jax.Array) and x.sharding != target:
         return jax.device_put(x, target)

@@ -18,7 +18,8 @@ from jaxsession import state_typing
 from jaxsession.inputs import check_leaf, is_weak
 from jaxsession.jax_api import ARRAY, real_jit
 from jaxsession.runtime import debug_flags, static_leaves
-from jaxsession.runtime.state import check_structure, holding, owned_copies, with_weak_type
+from jaxsession.runtime.state import (check_structure, holding, owned_copies, relaid,
+                                      with_weak_type)
 
 # moves an array's buffer into a new array without a copy: XLA aliases the
 # donated parameter to the output, and jax deletes the argument
@@ -36,6 +37,8 @@ def check_values(place, slot, value):
   for j, (leaf, aval) in enumerate(zip(leaves, slot.avals)):
     if not _exact(leaf, aval):  # the one leaf check, and its message, for the rest
       check_leaf(_leaf_place(place, slot, value, j), leaf, aval)
+  for j in slot.sub_byte:  # (a committed int4 array: refused as it is)
+    leaves[j] = relaid(leaves[j])
   return leaves
 
 

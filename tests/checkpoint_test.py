@@ -410,6 +410,28 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(sess.restore(gid, self.dir), 3)
     assert_equal_signed(sess.get_state(gid)[0], w * 4)
 
+  def test_an_int4_state_runs_on_after_restore(self):
+    # orbax reads an int4 array back committed, which the executables refused
+    # (jax's layout check): every run after the restore raised
+    rng = np.random.default_rng(13)
+    state = {"q": jnp.asarray(rng.integers(-8, 7, 8), jnp.int4),
+             "w": jnp.asarray(rng.standard_normal(8), jnp.float32)}
+    step = lambda s, x: ({"q": s["q"] + jnp.int4(1), "w": s["w"] * x},
+                         s["q"].astype(jnp.float32) * s["w"])
+    x = jnp.float32(0.5)
+    sess = js.Session()
+    gid = sess.compile(step, state, x, state_argnums=0)
+    sess.run(gid, x)
+    saved = sess.get_state(gid)[0]
+    sess.save(gid, self.dir, 1)
+    sess.wait_until_saved()
+    sess.run(gid, x)
+    self.assertEqual(sess.restore(gid, self.dir), 1)
+    want_state, want = jax.jit(step)(saved, x)
+    assert_equal_signed(sess.run(gid, x), want)
+    for got, w in zip(jax.tree.leaves(sess.get_state(gid)[0]), jax.tree.leaves(want_state)):
+      assert_equal_signed(got, w)
+
   def test_other_writers_step_folders_are_kept(self):
     # orbax's own checkpoints and a user's folder named like a step, in the
     # directory given to save: the first save deleted every one of them

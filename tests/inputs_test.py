@@ -222,6 +222,32 @@ class CallSignatureTest(absltest.TestCase):
     self.assert_unchanged()
 
 
+class SubByteArgumentsTest(absltest.TestCase):
+
+  def test_committed_int4_and_float4_arguments_run_as_under_jit(self):
+    # jax's AOT executables refuse a committed array of a dtype narrower than
+    # a byte (a layout check jax.jit passes): run and js.jit raised jax's
+    # ValueError for what jax.jit takes (orbax reads arrays back committed)
+    rng = np.random.default_rng(12)
+    q = jnp.asarray(rng.integers(-8, 8, 16), jnp.int4)
+    f4 = jnp.asarray(rng.standard_normal(16), jnp.float4_e2m1fn)
+    w = jnp.asarray(rng.standard_normal(16), jnp.float32)
+    fn = lambda q, f4, w: (q + jnp.int4(3)).astype(jnp.float32) * w + f4.astype(jnp.float32)
+    dev = jax.devices()[0]
+    args = (jax.device_put(q, dev), jax.device_put(f4, dev), w)
+    self.assertTrue(args[0].committed)
+    want = jax.jit(fn)(*args)
+    sess = js.Session()
+    gid = sess.compile(fn, q, f4, w)
+    assert_equal_signed(sess.run(gid, *args), want)
+    assert_equal_signed(js.jit(fn)(*args), want)
+    state_gid = sess.compile(lambda q, w: (q + jnp.int4(1), w * q.astype(jnp.float32)), q, w,
+                             state_argnums=0)
+    sess.set_state(state_gid, args[0], donate=True)
+    assert_equal_signed(sess.run(state_gid, w), w * q.astype(jnp.float32))
+    assert_equal_signed(sess.get_state(state_gid)[0], q + jnp.int4(1))
+
+
 class TracerTest(absltest.TestCase):
   """A tracer (run, set_state or run_op called inside jax.jit, grad or vmap)
   is an InputError naming the argument, and the state stays as it was."""
