@@ -36,6 +36,23 @@ class SaveGraphsTest(absltest.TestCase):
       np.testing.assert_array_equal(sess.run(a, _x(3)), jax.jit(f)(_x(3)))
       np.testing.assert_array_equal(sess.run(b, _x(3)), jax.jit(g)(_x(3)))
 
+  def test_the_memory_plan_is_dumped_after_its_stage(self):
+    # AllocateMemory decides donations and packing; it reported no change,
+    # so no dump showed its decisions (a break-it find)
+    step = lambda s, x: ((s[0] * 0.5 + x, s[1] + 1.0), jnp.sum(s[0]))
+    with tempfile.TemporaryDirectory() as folder:
+      sess = js.Session(js.SessionOptions(save_graphs=folder, pack_state_below_bytes=64))
+      gid = sess.compile(step, (_x(4, 4), _x(5, 4)), _x(6, 4), state_argnums=0)
+      record, = [r for r in sess.report(gid).passes if r.name == "plan_memory"]
+      self.assertTrue(record.changed)
+      sub = os.path.join(folder, os.listdir(folder)[0])
+      name, = [n for n in os.listdir(sub) if n.endswith("_AllocateMemory_plan_memory.ir")]
+      with open(os.path.join(sub, name)) as text:
+        dumped = text.read()
+      self.assertIn("memory:", dumped)
+      self.assertIn("donated - session-owned", dumped)
+      self.assertIn("packed into", dumped)
+
   def test_a_long_odd_name_is_shortened(self):
     f = lambda x: jnp.tanh(x) - 0.5
     name = "layer/" * 100 + "ünïcode step"
