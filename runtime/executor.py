@@ -26,7 +26,8 @@ from jaxsession.runtime import callbacks, codegen, debug_flags, horizontal, inte
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, fast_call, h2d_refused_before_run,
                                       host_op, memory_analysis, recovery, waited)
-from jaxsession.runtime.state import private_copy, slots_lock, with_weak_type
+from jaxsession.runtime.state import (done_running, private_copy, refuse_reentry,
+                                      running_user_code, slots_lock, with_weak_type)
 from jaxsession.runtime.state_layout import kept_layouts
 
 _pending = interrupts.pending
@@ -274,11 +275,11 @@ class Runner:
   """Runs one program of a graph against its state slots: `call(args)`, the
   one call path (`call_path`)."""
 
-  def __init__(self, program, layout, where="run"):
+  def __init__(self, program, layout, where="run", user_code=False):
     self.program = program
     self.layout = layout
     self.lock = slots_lock(layout.slots)
-    self.call = call_path(program, layout, self.lock, where)
+    self.call = call_path(program, layout, self.lock, where, user_code)
 
   @property
   def exe(self):
@@ -286,7 +287,7 @@ class Runner:
     return self.program.executables.get(0) if self.layout.one_executable else None
 
 
-def call_path(program, layout, lock, where="run"):
+def call_path(program, layout, lock, where="run", user_code=False):
   """call(args): lock -> gather the state -> run the program -> commit -> the
   user outputs. A closure over what it reads (cells, not attribute lookups).
   A single executable's run is its own call, whose refusal or failure is
@@ -320,8 +321,13 @@ def call_path(program, layout, lock, where="run"):
 
   @interrupts.critical  # a Ctrl-C waits for the commit and the unlock
   def call(args):
-    acquire()  # a lock's acquire/release: ~0.2 µs less a run than `with`
+    if not acquire(False):  # a lock's acquire/release: ~0.2 µs less a run than `with`
+      refuse_reentry(lock, where)  # (a callback of this thread's run: never acquired)
+      acquire()
+    marked = None
     try:
+      if user_code:  # its callbacks may call back into the session
+        marked = running_user_code(lock)
       special = maybe_special[0] and special_on()
       if donates and special:  # on after compile: the executables still
         state = _private(gather())  # donate, and jax raises after they
@@ -345,6 +351,8 @@ def call_path(program, layout, lock, where="run"):
       else:
         commit(new)
     finally:
+      if marked is not None:
+        done_running(marked)
       release()
       if _pending:  # a Ctrl-C that came during the run (runtime/interrupts.py)
         interrupts.deliver()

@@ -236,9 +236,13 @@ class _Locks:
   def __init__(self, locks):
     self.locks = locks
 
-  def acquire(self):
-    for lock in self.locks:
-      lock.acquire()
+  def acquire(self, blocking=True):
+    for k, lock in enumerate(self.locks):
+      if not lock.acquire(blocking):
+        for held in reversed(self.locks[:k]):
+          held.release()
+        return False
+    return True
 
   def release(self):
     for lock in reversed(self.locks):
@@ -254,8 +258,8 @@ class _Locks:
 class _NoLock:
   __slots__ = ()
 
-  def acquire(self):
-    pass
+  def acquire(self, blocking=True):
+    return True
 
   def release(self):
     pass
@@ -278,11 +282,46 @@ def slots_lock(slots):
   return _Locks([s.lock for s in ordered])
 
 
+# The slot locks each thread's runs hold while they may run the user's code
+# (callbacks): a callback calling back into a graph whose state its run holds
+# (run, get_state, set_state, replace_state, save, release) would wait for
+# that run forever; it is refused instead (refuse_reentry).
+_RUNNING = threading.local()
+
+
+def _underlying(lock):
+  return lock.locks if type(lock) is _Locks else () if type(lock) is _NoLock else (lock,)
+
+
+def running_user_code(lock):
+  """Marks `lock` (a slots_lock, held) as held by a run on this thread that
+  may run user code; returns what `done_running` takes to unmark it."""
+  before = getattr(_RUNNING, "locks", frozenset())
+  _RUNNING.locks = before.union(_underlying(lock))
+  return before
+
+
+def done_running(before):
+  _RUNNING.locks = before
+
+
+def refuse_reentry(lock, where):
+  """InputError where this thread's own run holds `lock` (a callback calling
+  back into the state its run holds): the call would wait forever."""
+  held = getattr(_RUNNING, "locks", None)
+  if held and any(one in held for one in _underlying(lock)):
+    raise InputError(f"{where}: called from inside a run (a callback) that holds this "
+                     "graph's state, or state it shares; it would wait for that run "
+                     "forever. Call it after the run returns.")
+
+
 @interrupts.critical
-def holding(lock, fn):
+def holding(lock, fn, where="this call"):
   """fn() with `lock` (a slots_lock) held; a Ctrl-C meanwhile waits until the
-  lock is released (runtime/interrupts.py), so no lock stays held. Runner.call
-  writes the same out inline (the hot path)."""
+  lock is released (runtime/interrupts.py), so no lock stays held; refused
+  from a callback of a run holding it (refuse_reentry, naming `where`).
+  Runner.call writes the same out inline (the hot path)."""
+  refuse_reentry(lock, where)
   try:
     with lock:
       return fn()

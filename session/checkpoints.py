@@ -183,7 +183,7 @@ class Checkpointer:
     def snapshot():  # between runs: the slots' leaves now, in buffers of their own
       return [[private_copy(jax.random.key_data(x) if _is_key(a) else x)
                for x, a in zip(slot.leaves, slot.avals)] for slot in entry.slots]
-    leaves = holding(entry.lock, snapshot)
+    leaves = holding(entry.lock, snapshot, where)
     meta = _meta(entry)
     for row, saved in zip(leaves, meta["slots"]):  # orbax reads arrays back strong
       saved["weak"] = [bool(getattr(x, "weak_type", False)) for x in row]

@@ -1,5 +1,6 @@
 """Session: compile a JAX function through the stage pipeline, then run it
 step after step with its state resident on the device."""
+import functools
 import itertools
 import os
 import threading
@@ -29,7 +30,7 @@ from jaxsession.weak_outputs import WeakOutputs
 from jaxsession.state_typing import GraphTyping
 from jaxsession.graph_entry import Entry
 from jaxsession.runtime.state import (StateSlot, check_structure, holding, owned_copies,
-                                      owned_copy, session_device, slots_lock)
+                                      owned_copy, refuse_reentry, session_device, slots_lock)
 
 
 class Session:
@@ -300,14 +301,17 @@ class Session:
     if parts:
       memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
     where = spec.where
-    eager = lambda steps, leading=None: executor.Runner(  # noqa: E731
-        executor.eager_program(graph, spec, rest_tree, layout, steps, leading), layout, where)
+    user_code = any(p.may_fail for p in parts)  # callbacks (or host kernels) run in it
+    runner = functools.partial(executor.Runner, layout=layout, where=where,
+                               user_code=user_code)
+    eager = lambda steps, leading=None: runner(  # noqa: E731
+        executor.eager_program(graph, spec, rest_tree, layout, steps, leading))
     def make_sunk(steps, leading, parts=None):  # parts: chunked_program's
       if parts is None:
-        return executor.Runner(sunk(steps, leading), layout, where)
-      return executor.Runner(loop_sink.chunked_program(parts, layout, spec, rest_tree, steps,
-                                                       leading, graph), layout, where)
-    return executor.Runner(program, layout, where), make_sunk, eager
+        return runner(sunk(steps, leading))
+      return runner(loop_sink.chunked_program(parts, layout, spec, rest_tree, steps,
+                                              leading, graph))
+    return runner(program), make_sunk, eager
 
   def _check_shared(self, name, state_nums, state_flats, state_from, source, shared):
     """InputError unless the state examples fit the `shared` slots of
@@ -452,7 +456,8 @@ class Session:
     entry = self._entry(graph_id)
     entry.check_set("get_state")
     return holding(entry.lock, lambda: tuple(static_leaves.show(tree_util.tree_unflatten(
-        s.treedef, owned_copies(s.leaves, s.shardings, s.device))) for s in entry.slots))
+        s.treedef, owned_copies(s.leaves, s.shardings, s.device))) for s in entry.slots),
+                   f"get_state(graph {graph_id} '{entry.name}')")
 
   def set_state(self, graph_id, *values, donate=False):
     """Replaces the state args' values; checks every value before changing
@@ -466,7 +471,7 @@ class Session:
                        f"got {len(values)}")
     new = state_values.new_leaves(where, [(f"{where}: value {k}", slot, value) for k, (slot, value)
                                           in enumerate(zip(entry.slots, values))], donate)
-    state_values.bind(entry.lock, entry.slots, new)
+    state_values.bind(entry.lock, entry.slots, new, where)
 
   def replace_state(self, graph_id, index, value, donate=False):
     """Replaces one state arg (`index`: its position in state_argnums) with
@@ -481,7 +486,7 @@ class Session:
     slots = [entry.slots[k] for k in indices]
     new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, v) for k, slot, v
                                           in zip(indices, slots, values)], donate)
-    state_values.bind(slots_lock(slots), slots, new)
+    state_values.bind(slots_lock(slots), slots, new, where)
 
   # -- checkpoints ----------------------------------------------------------
   def save(self, graph_id, directory, step):
@@ -508,13 +513,15 @@ class Session:
     step, values = self._checkpoints.restore(entry, where, directory, step)
     new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, value) for k, (slot, value)
                                           in enumerate(zip(entry.slots, values))], donate=True)
-    state_values.bind(entry.lock, entry.slots, new)
+    state_values.bind(entry.lock, entry.slots, new, where)
     return step
 
   def release(self, graph_id):
     """Frees a graph: its executables, and its state unless another graph
     still shares it. Later use of the id is an UnknownGraphError."""
     entry = self._entry(graph_id)
+    where = f"release(graph {graph_id} '{entry.name}')"
+    refuse_reentry(entry.lock, where)  # (from a callback of its own run)
     with self._lock:
       if self._graphs.pop(_graph_id(graph_id), None) is None:
         raise UnknownGraphError(f"graph id {graph_id!r} was already released")
@@ -529,7 +536,7 @@ class Session:
         slot.owners -= 1
         if slot.owners == 0:
           slot.free()
-    holding(entry.lock, free)
+    holding(entry.lock, free, where)
     entry.sunk.clear()
     self._executables.release_owner(_graph_id(graph_id))
 

@@ -131,7 +131,7 @@ def _take_once(x, taken, row, j):
   return True
 
 
-def bind(lock, slots, rows):
+def bind(lock, slots, rows, where="this call"):
   """Writes `rows` (new_leaves's, one per slot) into `slots` under `lock`
   (their slots_lock), each leaf in the weak type the program has for it
   (StateSlot.weak_types: a Python scalar bound to a float32 leaf is a strong
@@ -146,7 +146,7 @@ def bind(lock, slots, rows):
               for slot, row in zip(slots, rows)]
     for slot, row in zip(slots, leaves):
       slot.leaves = row
-  holding(lock, write)
+  holding(lock, write, where)
 
 
 class _Taken:

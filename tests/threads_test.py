@@ -1,6 +1,7 @@
 """Threads: a Session shared between threads. Trainers, an evaluator and
 state readers hammer graphs that share one state; no call fails, no update is
 lost, no read is torn."""
+import textwrap
 import threading
 
 from absl.testing import absltest
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
+from subproc import HELPERS, run_json
 
 RUNS = 150
 
@@ -157,6 +159,60 @@ class SharedStateThreadsTest(absltest.TestCase):
     self.assertEqual(hammer([work(g) for g in gids]), [])
     for gid in gids:
       np.testing.assert_array_equal(sess.get_state(gid)[0], np.full(4, RUNS, np.float32))
+
+
+class CallbackReentryTest(absltest.TestCase):
+  """A callback calling back into the state its own run holds waited for that
+  run forever (release, replace_state: a break-it find); it is refused, the
+  state as before the run. Run in a subprocess, so a hang fails the test."""
+
+  def test_refused_not_hung(self):
+    out = run_json(HELPERS + textwrap.dedent("""
+      import json, tempfile
+      import jax, jax.numpy as jnp, numpy as np
+      import jaxsession as js
+      sess = js.Session()
+      box = {}
+      def cb(v):
+        box["call"]()
+        return np.asarray(v) * 2
+      def step(s, x):
+        y = jax.pure_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), s * x)
+        return s + y, y.sum()
+      def in_scan(s, x):
+        def body(c, _):
+          return c + jax.pure_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), c), None
+        return s + 1.0, jax.lax.scan(body, x, None, length=2)[0]
+      rng = np.random.default_rng(21)
+      s0 = jnp.asarray(rng.standard_normal(4), jnp.float32)
+      x = jnp.asarray(rng.standard_normal(4), jnp.float32)
+      other = sess.compile(lambda t, x: (t * x, t.sum()), s0, x, state_argnums=0)
+      d = tempfile.mkdtemp()
+      results = {}
+      for name, fn in (("host", step), ("scan", in_scan)):
+        gid = sess.compile(fn, s0, x, state_argnums=0)
+        calls = {
+            "run": lambda: sess.run(gid, x), "get_state": lambda: sess.get_state(gid),
+            "set_state": lambda: sess.set_state(gid, s0),
+            "replace_state": lambda: sess.replace_state(gid, 0, s0),
+            "save": lambda: sess.save(gid, d, 1), "release": lambda: sess.release(gid)}
+        for what, call in calls.items():
+          box["call"] = call
+          before = np.asarray(sess.get_state(gid)[0])
+          got = err(lambda: sess.run(gid, x))
+          results[f"{name} {what}"] = [got[0], what + "(graph" in got[1] and
+                                       "called from inside a run" in got[1],
+                                       bool(np.array_equal(np.asarray(sess.get_state(gid)[0]),
+                                                           before))]
+        box["call"] = lambda: sess.run(other, x)  # another graph's state: runs
+        results[f"{name} other"] = err(lambda: sess.run(gid, x))
+      print(json.dumps(results))
+    """), devices=1, timeout=240)
+    for key, got in out.items():
+      if key.endswith("other"):
+        self.assertIsNone(got, key)
+      else:
+        self.assertEqual(got, ["HostOpError", True, True], key)
 
 
 if __name__ == "__main__":
