@@ -146,6 +146,13 @@ def stepped_program(program, layout, spec, rest_tree, steps, leading=None, graph
                          if compiled else list) if s else (lambda a: [a] * steps)
                for st, s in zip(structs, leaf_steps(spec, leading))]
   stack = _Columns(jax.numpy.stack, eager=not compiled)
+  if graph is not None and graph.mesh is None:  # compiled with the run's other
+    # executables (a profiled graph records it as the run's compile, not as
+    # the first run's overhead: a break-it find); under a mesh, from the
+    # first step's outputs, laid out as the plan returns them
+    stack.prepare([[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                         weak_type=getattr(v.aval, "weak_type", False))
+                    for v in graph.outputs[layout.num_outputs:]]] * steps)
   run_flat = program.run_flat
 
   def run(*xs):

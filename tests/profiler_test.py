@@ -6,6 +6,7 @@ import json
 import os
 import re
 import tempfile
+import time
 
 from absl.testing import absltest
 import jax
@@ -436,6 +437,34 @@ class SessionWiringTest(absltest.TestCase):
     self.assertEqual(names, ["stateful_step", "stateful_step run(steps=3)"])
     self.assertGreater(sess.profiler.compiles()[-1].build_seconds, 0)
     self.assertIn("compile / Build", sess.profiler.summary(echo=False))
+
+  def test_no_compile_inside_a_plans_first_sunk_run(self):
+    # a graph with a host partition compiled its steps' stacking executable
+    # inside its first sunk run, which booked that XLA compile as the run's
+    # framework overhead (95% of the run; a break-it find)
+    compiled_at = []
+    def listen(event, duration, **kwargs):
+      if event.endswith("backend_compile_duration"):
+        compiled_at.append(time.perf_counter_ns())
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    self.addCleanup(jax.monitoring.unregister_event_duration_listener, listen)
+    def step(s, x):
+      z = jax.pure_callback(lambda v: np.asarray(v) * 2,
+                            jax.ShapeDtypeStruct(x.shape, x.dtype), x * 3.0)
+      return s + z.sum(), (z[0], x * z)
+    sess = js.Session(js.SessionOptions(enable_profiling=True))
+    x = _f32(16)
+    gid = sess.compile(step, jnp.float32(0.5), x, state_argnums=0)
+    xs = jnp.stack([x, x * 2.0, x - 1.0, x + 0.5, -x])
+    jax.block_until_ready(xs)
+    got = sess.run(gid, xs, steps=5)
+    run = sess.profiler.runs()[-1]
+    self.assertEqual([t for t in compiled_at if run.start_ns <= t <= run.end_ns], [])
+    self.assertIn("step run(steps=5)", [c.name for c in sess.profiler.compiles()])
+    want = jax.jit(lambda s, xs: jax.lax.scan(lambda c, x: step(c, x), s, xs))(
+        jnp.float32(0.5), xs)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want[1])):
+      np.testing.assert_array_equal(a, b)
 
   def test_runs_of_several_threads_get_tracks_of_their_own(self):
     """Concurrent runs on one track overlapped without nesting, which
