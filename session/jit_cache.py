@@ -76,6 +76,7 @@ class Signatures:
         except Exception:  # pylint: disable=broad-except
           pass  # released already (the session's own release)
     self.graphs.clear()
+    self.committed.clear()
 
 
 def acquire(fn, statics, session):

@@ -155,14 +155,22 @@ class Jitted:
     live = self.session._graphs  # pylint: disable=protected-access
     return tuple(g for g in gids if g in live)  # not those released by hand since
 
+  def clear_cache(self):
+    """Releases the graphs compiled for this function in this session (the
+    ones its wrappers with these statics share), as jax.jit's clear_cache
+    drops its executables; the next call compiles again."""
+    sigs = self._sigs
+    with sigs.lock:  # not while another thread compiles for it
+      sigs.release()
+
   def __get__(self, obj, objtype=None):  # a jitted method: bound as jax.jit binds it
     return self if obj is None else functools.partial(self, obj)
 
   def __getattr__(self, name):
     if name.startswith("__") or name in ("_fn", "_sigs", "_session", "graph_ids"):
       raise AttributeError(name)
-    raise AttributeError(f"jaxsession.jit offers calling only; for '{name}' use "
-                         f"jax.jit(fn).{name}")
+    raise AttributeError(f"jaxsession.jit offers calling and clear_cache only; for "
+                         f"'{name}' use jax.jit(fn).{name}")
 
   def _split(self, args, kwargs):
     """(static key, dynamic positional args, dynamic keyword args)."""

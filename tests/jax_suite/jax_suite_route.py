@@ -101,6 +101,10 @@ class RoutedJit:
       except (AttributeError, TypeError):
         pass
 
+  def clear_cache(self):  # both: the session's graphs go as jax.jit's executables do
+    self._ours.clear_cache()
+    self._real.clear_cache()
+
   def __getattr__(self, name):  # .lower, .trace, .eval_shape: the real jax.jit's
     STATS["attribute uses (not routed)"] += 1
     return getattr(self._real, name)
