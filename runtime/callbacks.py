@@ -15,6 +15,7 @@ from jax.extend import core as jcore
 from jaxsession.errors import HostOpError
 from jaxsession.graph.ir import Node
 from jaxsession.graph.op_properties import primitive_props
+from jaxsession.runtime.state import done_running, running_user_code
 
 
 def where(node):
@@ -28,6 +29,10 @@ class ErrorRecorder:
   def __init__(self):
     self._errors = {}
     self._lock = threading.Lock()
+    # the slot locks of the runs executing its executable now (Runner.call):
+    # a callback, on whatever thread XLA runs it, is refused a call into
+    # that state (runtime/state.py's refuse_reentry) instead of waiting on it
+    self.running = []
 
   def record(self, exc):
     with self._lock:
@@ -49,11 +54,15 @@ class _Recorded:
     self.recorder = recorder
 
   def __call__(self, *args, **kwargs):
+    held = running_user_code(*self.recorder.running) if self.recorder.running else None
     try:
       return self.fn(*args, **kwargs)
     except BaseException as exc:
       self.recorder.record(exc)
       raise
+    finally:
+      if held is not None:
+        done_running(held)
 
 
 def _wrap_params(params, recorder):

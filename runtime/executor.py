@@ -113,7 +113,7 @@ def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=N
   op = Op(call, (), (), partition=0)
   program = Program([op], [], 0, 0, [], frozenset(), frozenset(), [],
                     {0: memory_analysis(exe)}, {0: exe}, call, RECOVERABLE,
-                    recovery(call, conform, failure))
+                    recovery(call, conform, failure), recorders=(recorder,))
   return program
 
 
@@ -303,6 +303,7 @@ def call_path(program, layout, lock, where="run", user_code=False):
   # WholeSlots of one slot, the usual training step: gather and commit inline
   one = layout.slots[0] if layout.whole and len(layout.slots) == 1 else None
   passed = layout.passed
+  recorders = program.recorders
 
   if stateless:  # nothing to lock, gather, lose or commit: a Ctrl-C raises at once
     if bare:  # one executable, returning the user outputs alone
@@ -326,8 +327,10 @@ def call_path(program, layout, lock, where="run", user_code=False):
       acquire()
     marked = None
     try:
-      if user_code:  # its callbacks may call back into the session
-        marked = running_user_code(lock)
+      if user_code:  # its callbacks may call back into the session: on this
+        marked = running_user_code(lock)  # thread, or on XLA's (the recorders')
+        for recorder in recorders:
+          recorder.running.append(lock)
       special = maybe_special[0] and special_on()
       if donates and special:  # on after compile: the executables still
         state = _private(gather())  # donate, and jax raises after they
@@ -353,6 +356,8 @@ def call_path(program, layout, lock, where="run", user_code=False):
     finally:
       if marked is not None:
         done_running(marked)
+        for recorder in recorders:
+          recorder.running.remove(lock)
       release()
       if _pending:  # a Ctrl-C that came during the run (runtime/interrupts.py)
         interrupts.deliver()
@@ -408,6 +413,8 @@ def eager_program(graph, spec, rest_tree, layout, steps=None, leading=None):
           outs = host[0](*args)
         except Exception as exc:
           raise host[1](exc) from exc
+        if getattr(host[0], "bare", False):  # its one output itself
+          outs = (outs,)
       env.update(zip([o.id for o in node.outputs], outs))
     return [read(v) for v in graph.outputs]
 

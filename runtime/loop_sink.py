@@ -179,7 +179,8 @@ def stepped_program(program, layout, spec, rest_tree, steps, leading=None, graph
     return ([state[k] for k in layout.updated_idx],
             tree_util.tree_unflatten(rest_tree, stacked))
   return Program(program.ops, [], program.num_state, program.num_user, [], frozenset(),
-                 frozenset(), [], program.analyses, program.executables, run)
+                 frozenset(), [], program.analyses, program.executables, run,
+                 recorders=program.recorders)
 
 
 def whole_run(exc, graph, layout, spec, args, steps, leading):
@@ -254,7 +255,8 @@ def chunked_program(parts, layout, spec, rest_tree, steps, leading, graph=None):
                                                           for o in outs]))
   program = parts[0][1]
   return Program(program.ops, [], program.num_state, program.num_user, [], frozenset(),
-                 frozenset(), [], program.analyses, program.executables, run)
+                 frozenset(), [], program.analyses, program.executables, run,
+                 recorders=tuple(r for _, part in parts for r in part.recorders))
 
 
 def check_steps(steps):

@@ -293,11 +293,12 @@ def _underlying(lock):
   return lock.locks if type(lock) is _Locks else () if type(lock) is _NoLock else (lock,)
 
 
-def running_user_code(lock):
-  """Marks `lock` (a slots_lock, held) as held by a run on this thread that
-  may run user code; returns what `done_running` takes to unmark it."""
+def running_user_code(*locks):
+  """Marks `locks` (slots_locks, held) as held by a run whose user code runs
+  on this thread (its own, or the thread XLA runs a callback on); returns
+  what `done_running` takes to unmark them."""
   before = getattr(_RUNNING, "locks", frozenset())
-  _RUNNING.locks = before.union(_underlying(lock))
+  _RUNNING.locks = before.union(*(_underlying(lock) for lock in locks))
   return before
 
 

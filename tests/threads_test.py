@@ -206,6 +206,16 @@ class CallbackReentryTest(absltest.TestCase):
                                                            before))]
         box["call"] = lambda: sess.run(other, x)  # another graph's state: runs
         results[f"{name} other"] = err(lambda: sess.run(gid, x))
+      # an argument still being computed: XLA runs the executable, and its
+      # callback, on a thread of its own once the argument is ready (the
+      # mark on the run's thread was not seen there: a hang, a review's find)
+      heavy = jax.jit(lambda m: jnp.tanh(jnp.tanh(m @ m) @ m))
+      m0 = jnp.asarray(rng.standard_normal((700, 700)) * 1e-2, jnp.float32)
+      late = sess.compile(lambda s, m: in_scan(s, m[0, :4]), s0, m0, state_argnums=0)
+      heavy(m0).block_until_ready()
+      box["call"] = lambda: sess.get_state(late)
+      got = err(lambda: sess.run(late, heavy(m0)))
+      results["pipelined get_state"] = [got[0], "called from inside a run" in got[1], True]
       print(json.dumps(results))
     """), devices=1, timeout=240)
     for key, got in out.items():
