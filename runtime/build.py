@@ -208,6 +208,7 @@ class Op:
   error: Callable = None           # host ops: exc -> the HostOpError to raise
   transfer: int = None             # a transfer node's id, where the op runs one
   host_ins: Tuple[int, ...] = ()   # device ops: the positions of ins a host op made
+  bare: bool = False               # fn returns its one output itself, not in a list
   in_shardings: tuple = ()         # device ops: the layout each of ins is taken in
   node: Any = None                 # host ops: the node it runs
   fresh: Tuple[int, ...] = ()      # host ops: the positions of ins given as copies
@@ -233,6 +234,7 @@ class Program:
   recover: Callable = None     # fn(exc, state, args): a refused run retried, or its error
   run_flat: Callable = None    # a plan's: fn(state leaves, user leaves) -> outputs
   bare: bool = False           # run returns the user outputs alone (no state)
+  recorders: tuple = ()        # its executables' callbacks.ErrorRecorders
 
   def call(self, state, args):
     """run(*state, *args), a refusal or failure recovered: for a caller other
@@ -246,7 +248,8 @@ class Program:
 def host_op(node):
   """(fn, error) for one host node: fn runs its kernel on arrays and checks
   the results against the node's avals (a kernel with a `prepare` form
-  checks them itself); error(exc) is the HostOpError naming the node that
+  checks them itself; its fn may return its one output itself, not in a
+  list, saying so by `fn.bare`); error(exc) is the HostOpError naming the node that
   the executor raises from whatever fn raised."""
   kernel = kernel_fn(node)
   prepare = getattr(kernel, "prepare", None)
@@ -341,13 +344,18 @@ def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=N
   # outputs whose layout is fixed (new state under a mesh) keep it, so the
   # slot keeps its layout and is donated in place
   out_shardings = [fixed.get(v.id) for v in part.outputs] if fixed else None
-  exe, recorder, _ = compile_recorded(lambda *xs: body(*xs), recorder,
+  if len(part.outputs) == 1:  # returned bare: no 1-tuple to build and unpack a call
+    out_shardings = out_shardings and out_shardings[0]
+    lowered = lambda *xs: body(*xs)[0]  # noqa: E731
+  else:
+    lowered = lambda *xs: body(*xs)  # noqa: E731
+  exe, recorder, _ = compile_recorded(lowered, recorder,
                                    [_arg_struct(v, layouts) for v in inputs], donate, cache,
                                    None if key is None else (key, "partition", part.index),
                                    compiler_options, out_shardings)
   call = fast_call(exe)
   if not part.may_fail:
-    return call, exe
+    return call, exe, recorder
   if wait:  # a stateful graph: the failure before the commit (waited)
     call = waited(call)
 
@@ -358,7 +366,7 @@ def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=N
       if transfer_refused(exc):  # nothing ran: the plan moves its inputs (moved_on_refusal)
         raise
       raise callbacks.callback_failure(part.nodes, part.index, exc, recorder)
-  return run_device, exe
+  return run_device, exe, recorder
 
 
 def build_program(graph, partitions, plan, spec, platform, cache=None, key=None, hooks=None):
@@ -395,15 +403,17 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
       return literals[id(value)]
     return regs[value.id] if value.id in regs else register(value)
 
-  ops, analyses, executables = [], {}, {}
+  ops, analyses, executables, recorders = [], {}, {}, []
   layouts, fixed = _mesh_layouts(graph)
   for part in partitions:
     if part.place == "device":
-      fn, exe = build_device_step(part, plan.donated_to(part.index), graph.const_values,
-                                  cache, key, layouts, fixed, graph.compiler_options,
-                                  wait=bool(graph.inputs_of_kind("state")))
+      fn, exe, recorder = build_device_step(
+          part, plan.donated_to(part.index), graph.const_values, cache, key, layouts, fixed,
+          graph.compiler_options, wait=bool(graph.inputs_of_kind("state")))
+      recorders.append(recorder)
       if layouts is not None:  # later partitions take these values as laid out here
-        layouts.update((v.id, s) for v, s in zip(part.outputs, exe.output_shardings))
+        layouts.update((v.id, s) for v, s in zip(
+            part.outputs, jax.tree_util.tree_leaves(exe.output_shardings)))
       analyses[part.index] = memory_analysis(exe)
       executables[part.index] = exe
       inputs = device_inputs(part)
@@ -411,7 +421,7 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
                     prefetch=tuple(reg_of(v) for v in part.prefetch), partition=part.index,
                     host_ins=tuple(i for i, v in enumerate(inputs) if v.producer is not None
                                    and v.producer.place == "host"),
-                    in_shardings=_input_shardings(exe)))
+                    in_shardings=_input_shardings(exe), bare=len(part.outputs) == 1))
       continue
     for node in part.nodes:
       if is_transfer(node.op, "d2h") and platform == "cpu" and layouts is None:
@@ -421,7 +431,7 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
       fn, error = host_op(node)
       ops.append(Op(fn, ins, tuple(reg_of(v) for v in node.outputs), partition=part.index,
                     error=error, transfer=node.id if is_transfer(node.op) else None,
-                    node=node))
+                    node=node, bare=getattr(fn, "bare", False)))
   outputs = [reg_of(v) for v in graph.outputs]
   _set_frees(ops, outputs)
   for op in ops:  # the state's buffers, which an update takes over (donated)
@@ -462,7 +472,7 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
                           device=op.error is None, transfer=op.transfer)
   return Program(ops, template, num_state, len(flat), outputs, frozenset(copy_at),
                  frozenset(host_outputs), [(r,) + user_leaf[r] for r in checked], analyses,
-                 executables)
+                 executables, recorders=tuple(recorders))
 
 
 def _mesh_layouts(graph):
