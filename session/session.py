@@ -197,7 +197,7 @@ class Session:
     rest_tree = tree_util.tree_structure(out_shape[1])
     # traced again on types only, where weak types differ: the examples are not kept
     typed = [a if i in static_nums else None for i, a in enumerate(example_args)]
-    on_types = tracing.stateful_fn(fn, name, typed, state_nums, dyn_nums, updates)
+    on_types = tracing.types_fn(fn, name, typed, state_nums, dyn_nums, updates)
     typing = GraphTyping.make(on_types, closed, state_args, dyn_args, updates)
     weak_outputs = None
     if mesh_layout is None:

@@ -33,6 +33,9 @@ def _struct(x):
                               sharding=sharding)
 
 
+GONE = -2  # other_step's answer where the graph's function is gone
+
+
 class GraphTyping:
   """One graph's program, to be traced again on other state weak types: its
   function on types (`wrapped`: no example value kept), its state and run
@@ -61,7 +64,8 @@ class GraphTyping:
     one) whose program computes other arithmetic than the graph's where
     those state leaves are so typed; 0 where none does; -1 where the weak
     types each step returns still change after tracing.MAX_TRACED_STEPS
-    (jax.jit's later programs not vouched for)."""
+    (jax.jit's later programs not vouched for); GONE where the function
+    cannot be traced again (tracing.types_fn)."""
     key = frozenset(flips.items())
     step = self._answers.get(key)
     if step is None:
@@ -79,6 +83,8 @@ class GraphTyping:
       traced, (out, _) = jax.make_jaxpr(self.wrapped, return_shape=True)(tuple(state), *self.dyn)
       if tracing.arithmetic(traced.jaxpr) != self.base:
         return 1
+    except tracing.FunctionGone:
+      return GONE
     except Exception:  # pylint: disable=broad-except
       return 1  # jax.jit's trace would raise (strict promotion): another program too
     if not self.updates:
@@ -125,6 +131,9 @@ def why(step, together=""):
   elif step > 1:
     text = (f"jax.jit would compute other arithmetic from the {_nth(step)} run after it on "
             "(the weak types each step returns hand the change on)")
+  elif step == GONE:
+    text = ("whether that changes the program cannot be checked: the graph's function, a "
+            "method of an object since collected, cannot be traced again")
   else:
     text = (f"the weak types its steps return still change after {tracing.MAX_TRACED_STEPS} "
             "steps, so jax.jit's later programs are not vouched for")

@@ -5,6 +5,7 @@ jax tracing."""
 import functools
 import hashlib
 import inspect
+import weakref
 
 import jax
 import numpy as np
@@ -79,6 +80,30 @@ def stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates):
     return (tuple(static_leaves.hide(s) for s in out[:k]),
             None if not rest else rest[0] if len(rest) == 1 else rest)
   return _named_like(session_step, fn, dyn_nums)
+
+
+class FunctionGone(Exception):
+  """A graph's function, held weakly for tracing again on types, is gone."""
+
+
+def types_fn(fn, name, typed, state_nums, dyn_nums, updates):
+  """stateful_fn over `typed` (the static args alone: no example value is
+  kept), for a graph to trace again on other weak types later
+  (state_typing.py, weak_outputs.py). A bound method is held weakly: its
+  object (a model holding its parameters) goes when the caller drops it,
+  as jax.jit's cache lets it go (the graph kept it: a review's find); a
+  trace after that raises FunctionGone."""
+  if not inspect.ismethod(fn):
+    return stateful_fn(fn, name, typed, state_nums, dyn_nums, updates)
+  ref = weakref.WeakMethod(fn)
+
+  def traced(state, *dyn):
+    method = ref()
+    if method is None:
+      raise FunctionGone(f"compile({name}): the graph's function, a method of an object "
+                         "since collected, cannot be traced again")
+    return stateful_fn(method, name, typed, state_nums, dyn_nums, updates)(state, *dyn)
+  return traced
 
 
 def _check_returned(fn, out, first):

@@ -221,6 +221,40 @@ class ManyWeakStateLeavesTest(absltest.TestCase):
     assert_equal_signed(sess.run(gid, hb), jax.jit(later)(jnp.float32(float(a0) * 2), b0, hb)[2])
 
 
+class GraphKeepsNoModelTest(absltest.TestCase):
+
+  def test_a_bound_methods_object_goes_when_dropped(self):
+    # a mixed-precision graph keeps its function to trace again on other
+    # weak types: it kept a bound method's object (a model holding 64 MiB)
+    # alive until release (a review's find); held weakly, that check then
+    # refuses a value of other weak types, saying why
+    import gc  # pylint: disable=import-outside-toplevel
+    import weakref  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(51)
+
+    class Model:
+      def __init__(self):
+        self.big = np.zeros((1024, 1024), np.float32)
+
+      def step(self, scale, x):
+        return scale * 0.5, (x * scale).astype(jnp.bfloat16)
+    model = Model()
+    x = jnp.asarray(rng.standard_normal(4), jnp.bfloat16)
+    sess = js.Session()
+    gid = sess.compile(model.step, jnp.float32(1.5), x, state_argnums=0)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    self.assertIsNone(gone())
+    step = jax.jit(Model.step, static_argnums=0)
+    assert_equal_signed(sess.run(gid, x), step(Model, jnp.float32(1.5), x)[1])
+    with self.assertRaisesRegex(js.InputError, "weakly typed.*cannot be checked: the graph's "
+                                "function, a method of an object since collected"):
+      sess.set_state(gid, 2.0)
+    sess.set_state(gid, jnp.float32(2.0))
+    assert_equal_signed(sess.run(gid, x), step(Model, jnp.float32(2.0), x)[1])
+
+
 class GcPauseTest(absltest.TestCase):
 
   def test_compile_pauses_the_collector_and_puts_its_state_back(self):
