@@ -66,7 +66,8 @@ def check_typing(items, rows):
     if slot.typings:
       weak_types = slot.weak_types
       for j in slot.numeric:
-        weak = is_weak(row[j])
+        x = row[j]  # (an array's aval read directly: ~0.1 µs a leaf, is_weak ~0.4)
+        weak = x.aval.weak_type if type(x) is ARRAY else is_weak(x)
         if weak != weak_types[j]:
           flips.append((slot, j, weak))
           places.append((place, value))
