@@ -432,6 +432,38 @@ class CheckpointTest(absltest.TestCase):
     for got, w in zip(jax.tree.leaves(sess.get_state(gid)[0]), jax.tree.leaves(want_state)):
       assert_equal_signed(got, w)
 
+  def test_a_live_writers_save_is_not_taken_for_a_leftover(self):
+    # another process saving into the same directory: its step folder in
+    # place before its marker, under its claim; a save here removed it (any
+    # claim was taken for this writer's own: a review's find)
+    import socket  # pylint: disable=import-outside-toplevel
+    sess = js.Session()
+    w = np.float32([0.25, -0.0, 5.0])
+    gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
+    sess.save(gid, self.dir, 1)
+    sess.wait_until_saved()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    self.addCleanup(other.kill)
+    host = socket.gethostname().replace(".", "_")
+    shutil.copytree(os.path.join(self.dir, "1"), os.path.join(self.dir, "5"))
+    os.remove(os.path.join(self.dir, "5", "jaxsession_complete"))
+    claim = os.path.join(self.dir, f"jaxsession_saving.5.{host}.{other.pid}")
+    open(claim, "w").close()
+    sess.run(gid)
+    sess.save(gid, self.dir, 6)
+    sess.wait_until_saved()
+    self.assertTrue(os.path.isdir(os.path.join(self.dir, "5")))  # its writer runs
+    self.assertTrue(os.path.exists(claim))
+    other.kill()
+    other.wait()
+    sess.save(gid, self.dir, 7)  # its writer is gone: a leftover now
+    sess.wait_until_saved()
+    self.assertEqual(sorted(n for n in os.listdir(self.dir) if n.isdigit()),
+                     ["1", "6", "7"])
+    self.assertFalse(any(n.startswith("jaxsession_saving") for n in os.listdir(self.dir)))
+    self.assertEqual(sess.restore(gid, self.dir), 7)
+    assert_equal_signed(sess.get_state(gid)[0], w * 2)
+
   def test_other_writers_step_folders_are_kept(self):
     # orbax's own checkpoints and a user's folder named like a step, in the
     # directory given to save: the first save deleted every one of them
