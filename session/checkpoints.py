@@ -177,6 +177,9 @@ class Checkpointer:
     finally:
       if room:
         self._room.release()
+    if jax.process_count() > 1:  # written before it returns: orbax syncs the
+      self.wait()  # processes by collectives, which interleaved with the next run's
+      # in another order on each process and deadlocked (a review's find)
 
   def _enqueue(self, entry, where, path, manager, step):
     """Snapshots the state (between runs) and queues its write, the last thing

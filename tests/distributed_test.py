@@ -96,16 +96,20 @@ for specs in (None, "zero"):
                     zip(jax.tree.leaves(before), jax.tree.leaves(after)))
   losses.append(float(sess.run(gid, at(7))))
   state = sess.get_state(gid)
-  if specs is None:  # a checkpoint each process writes its shards of
+  if specs is None:  # a checkpoint each process writes its shards of; the
+    # loop goes on at once (a background write's collectives, interleaved
+    # with the next run's or gather's, deadlocked across processes)
     sess.save(gid, ckdir, 8)
-    sess.wait_until_saved()
     saved = gather(state)
+    sess.run(gid, at(0))
+    sess.save(gid, ckdir, 9)
+    sess.wait_until_saved()
   else:  # read back into the "zero" layout, from types only: resharded
     types = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, opt))
     back = js.Session(js.SessionOptions(mesh=mesh))
     bid = back.compile(mlp_adam.train_step, *types, at(0), state_argnums=(0, 1),
                        state_specs="zero")
-    out["restored_step"] = back.restore(bid, ckdir)
+    out["restored_step"] = back.restore(bid, ckdir, 8)
     restored = back.get_state(bid)
     out["restored_specs"] = [str(x.sharding.spec) for x in jax.tree.leaves(restored)]
     out["restored_equal"] = all(np.array_equal(a, b) for a, b in zip(
