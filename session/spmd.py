@@ -10,9 +10,11 @@ XLA options; Build compiles every executable for them.
 """
 import contextlib
 import dataclasses
+import zlib
 from typing import Any, List, Optional
 
 import jax
+import numpy as np
 from jax import tree_util
 
 from jaxsession.jax_api import real_jit
@@ -104,6 +106,42 @@ def traced_types(args):
   return [tree_util.tree_map(plain, a) for a in args]
 
 
+def _check_same_everywhere(where, dyn_flats, state_flats):
+  """InputError on every process unless all of them compile with run
+  examples of one type (each process's piece) and one initial state (its
+  types and values; a jax.ShapeDtypeStruct leaf by its type): examples that
+  differed compiled different programs, or made a replicated state differ
+  between processes, silently (a review's find). One allgather of a
+  checksum per process, at compile only; a run refused on some processes
+  only still leaves the others waiting in the step's collectives."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  digest = zlib.crc32(repr([(f.treedef, f.avals) for f in (*dyn_flats, *state_flats)]).encode())
+  for f in state_flats:
+    for x in f.leaves:
+      if not isinstance(x, jax.ShapeDtypeStruct) and getattr(x, "is_fully_addressable", True):
+        host = np.ascontiguousarray(np.asarray(x))
+        digest = zlib.crc32(host.reshape(-1).view(np.uint8), digest)
+  everyone = np.asarray(multihost_utils.process_allgather(np.int64(digest)))
+  if len(set(everyone.ravel().tolist())) > 1:
+    raise InputError(f"{where}: the processes compile with other examples (process "
+                     f"{jax.process_index()} of {jax.process_count()}: checksums "
+                     f"{everyone.ravel().tolist()} of the run examples' types and the initial "
+                     "state's types and values): every process must pass pieces of one type "
+                     "and the same initial state")
+
+
+def _global_example(where, arg_name, path, x, target):
+  """The global example this process's piece `x` makes with the others',
+  or InputError naming the argument (an indivisible batch raised jax's own
+  error, naming nothing: a review's find)."""
+  try:
+    return sharding.global_array(x, target)
+  except (ValueError, TypeError) as exc:
+    raise InputError(f"{where}: {arg_name} path {path or '(root)'}: this process's piece "
+                     f"(shape {tuple(np.shape(x))}) does not make a global example laid out "
+                     f"as {target.spec} over {jax.process_count()} processes: {exc}") from None
+
+
 def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, state_nums,
            state_flats, state_specs, source_slots):
   """(MeshLayout, dyn_args) for a compile under `options.mesh`; (None,
@@ -123,10 +161,13 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
              for row, arg_name in zip(arg_specs, arg_names)]
   local = jax.process_count() > 1 and any(not t.is_fully_addressable for row in targets
                                           for t in row)
+  if jax.process_count() > 1:  # one program on every process, or an error on each
+    _check_same_everywhere(where, dyn_flats, state_flats)
   if local:  # each process's example is its piece of the global batch
     dyn_args = [tree_util.tree_unflatten(f.treedef, [
-        sharding.global_array(x, t) for x, t in zip(f.leaves, row)])
-        for f, row in zip(dyn_flats, targets)]
+        _global_example(where, arg_name, path, x, t)
+        for x, t, path in zip(f.leaves, row, f.paths)])
+        for f, row, arg_name in zip(dyn_flats, targets, arg_names)]
     arg_avals = [[leaf_aval(x, type_only=True) for x in tree_util.tree_leaves(arg)]
                  for arg in dyn_args]
   leaf_names = [[f"{where}: {name_} path {p or '(root)'}" for p in f.paths]

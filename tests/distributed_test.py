@@ -134,11 +134,11 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def run_all(arg_lists, timeout=TIMEOUT_S):
-  """Runs CHILD once per argument list, all at once; returns each one's JSON.
-  Kills the rest when one fails (its peer would wait in a collective) or the
-  time is up, and raises with their output."""
-  procs = [subprocess.Popen([sys.executable, "-c", CHILD, *args], cwd=REPO,
+def run_all(arg_lists, timeout=TIMEOUT_S, script=CHILD):
+  """Runs `script` once per argument list, all at once; returns each one's
+  JSON. Kills the rest when one fails (its peer would wait in a collective)
+  or the time is up, and raises with their output."""
+  procs = [subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
            for args in arg_lists]
@@ -256,6 +256,55 @@ class TwoProcessTrainingTest(absltest.TestCase):
         # the reference's, which never saw a bad batch.
         np.testing.assert_allclose(proc[key]["losses"][-1], self.single[key]["losses"][-1],
                                    rtol=1e-6)  # gloo's summation order: the docstring
+
+
+MISMATCH_CHILD = r"""
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+pid = int(sys.argv[2])
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[3]}", num_processes=2, process_id=pid,
+                           initialization_timeout=120)
+import numpy as np
+import jax.numpy as jnp
+from jax.sharding import Mesh
+import jaxsession as js
+mesh = Mesh(np.array(jax.devices()), ("data",))
+rng = np.random.default_rng(9)
+w = rng.standard_normal((8, 3)).astype(np.float32)
+x = rng.standard_normal((16, 8)).astype(np.float32)[pid * 8:(pid + 1) * 8]
+step = lambda w, x: (w - 0.1 * x.T @ (x @ w), jnp.sum(x @ w))
+out = {}
+def attempt(name, *args):
+  try:
+    js.Session(js.SessionOptions(mesh=mesh)).compile(step, *args, state_argnums=0)
+    out[name] = None
+  except js.InputError as exc:
+    out[name] = str(exc)
+# pieces of other shapes, another initial state, a piece the mesh cannot divide
+attempt("rows", w, x if pid == 0 else x[:4])
+attempt("state", w if pid == 0 else w + 1.0, x)
+attempt("uneven", w, x[:5])
+attempt("same", w, x)
+print(json.dumps(out))
+"""
+
+
+class TwoProcessMismatchTest(absltest.TestCase):
+  """Examples that differ between the processes compiled different programs
+  (or a replicated state holding other values on each process) silently,
+  and an indivisible piece raised jax's raw error naming nothing (a review's
+  finds): an InputError on every process now, naming what is wrong."""
+
+  def test_every_process_refuses(self):
+    port = str(_free_port())
+    p0, p1 = run_all([["proc", "0", port], ["proc", "1", port]], script=MISMATCH_CHILD)
+    for out in (p0, p1):
+      for name in ("rows", "state"):
+        self.assertIn("the processes compile with other examples", out[name] or "", name)
+      self.assertIn("run argument at position 1 path (root): this process's piece (shape "
+                    "(5, 8)) does not make a global example", out["uneven"] or "")
+      self.assertIsNone(out["same"])
 
 
 if __name__ == "__main__":
