@@ -201,7 +201,8 @@ class Session:
     typing = GraphTyping.make(on_types, closed, state_args, dyn_args, updates)
     weak_outputs = None
     if mesh_layout is None:
-      weak_outputs = WeakOutputs.make(on_types, state_args, dyn_args, spec, out_shape[1])
+      weak_outputs = WeakOutputs.make(on_types, state_args, dyn_args, spec, out_shape[1],
+                                      closed)
     kinds, labels = tracing.input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels,
                                   host_callbacks=self.options.host_callbacks)

@@ -7,13 +7,19 @@ but jax.jit, which compiles again for the strong scalar, returns a strong
 and `out * bf16_params` is then bfloat16 instead of float32. So where a
 graph has scalar run arguments, `run` compares their weak types with the
 compiled ones; on a difference, the output weak types for that pattern are
-found once by tracing the function with those types (jax.eval_shape, no user
-code runs) and the outputs are retyped (runtime/state.py's with_weak_type:
-the same buffers under the other aval; only on such runs).
+found once by tracing the function with those types (no user code runs on
+values) and the outputs are retyped (runtime/state.py's with_weak_type: the
+same buffers under the other aval; only on such runs). That trace also
+compares the arithmetic with the compiled program's: scalars whose weak
+types change the program only together (two weak Python floats added, then
+times bfloat16: weak, where one strong scalar keeps it float32) are refused
+before the run, as one alone is (inputs.ArgSpec.weak_guard).
 """
 import jax
 from jax import tree_util
 
+from jaxsession import tracing
+from jaxsession.errors import InputError
 from jaxsession.inputs import is_weak
 from jaxsession.runtime.state import with_weak_type
 
@@ -21,8 +27,10 @@ from jaxsession.runtime.state import with_weak_type
 class WeakOutputs:
   """The guard of one graph: `guard(call)` wraps its run."""
 
-  def __init__(self, wrapped, state_structs, dyn_structs, spec, out_weak):
+  def __init__(self, wrapped, state_structs, dyn_structs, spec, out_weak, base=None):
     self.wrapped = wrapped
+    self.spec = spec
+    self.base = base  # tracing.arithmetic of the compiled program
     self.state_structs = tuple(state_structs)
     self.dyn_structs = list(dyn_structs)
     self.scalars = [(i, j) for i, avals in enumerate(spec.avals) for j, a in enumerate(avals)
@@ -31,15 +39,16 @@ class WeakOutputs:
     self.flags = {self.compiled: tuple(out_weak)}
 
   @classmethod
-  def make(cls, wrapped, state_args, dyn_args, spec, out_shape):
+  def make(cls, wrapped, state_args, dyn_args, spec, out_shape, closed):
     """The guard, or None where the graph has no scalar run argument."""
     if not any(_numeric_scalar(a) for avals in spec.avals for a in avals):
       return None
     def structs(tree):  # jax.typeof: Python scalars weak, extended dtypes kept
       return jax.tree.map(lambda x: _struct(jax.typeof(x)), tree)
     out_weak = [bool(getattr(a, "weak_type", False)) for a in tree_util.tree_leaves(out_shape)]
+    base = None if tracing.weak_type_is_moot(closed.jaxpr) else tracing.arithmetic(closed.jaxpr)
     return cls(wrapped, structs(tuple(state_args)), [structs(a) for a in dyn_args], spec,
-               out_weak)
+               out_weak, base)
 
   def out_flags(self, pattern):
     """The output weak types jax.jit gives for the scalars' weak `pattern`."""
@@ -50,12 +59,30 @@ class WeakOutputs:
         leaves[j] = jax.ShapeDtypeStruct((), leaves[j].dtype, weak_type=weak)
         dyn[i] = tree_util.tree_unflatten(treedef, leaves)
       try:
-        _, rest = jax.eval_shape(self.wrapped, self.state_structs, *dyn)
-        flags = tuple(bool(getattr(a, "weak_type", False)) for a in tree_util.tree_leaves(rest))
+        traced, (_, rest) = jax.make_jaxpr(self.wrapped, return_shape=True)(
+            self.state_structs, *dyn)
+        if self.base is not None and tracing.arithmetic(traced.jaxpr) != self.base:
+          flags = OTHER  # the scalars' weak types together change the program
+        else:
+          flags = tuple(bool(getattr(a, "weak_type", False))
+                        for a in tree_util.tree_leaves(rest))
       except Exception:  # pylint: disable=broad-except
         flags = None  # it does not trace so: the outputs stay as compiled
       self.flags[pattern] = flags
     return self.flags[pattern]
+
+  def refusal(self, pattern):
+    """The InputError for a run whose scalars' weak types change the program
+    together, or None where one alone does (ArgSpec.weak_guard, inside this
+    guard, refuses that one with its own message, a sunk run's included)."""
+    flipped = [(i, j) for (i, j), weak, was in zip(self.scalars, pattern, self.compiled)
+               if weak != was]
+    if len(flipped) == 1:
+      return None
+    places = [self.spec.place(i, j) for i, j in flipped]
+    return InputError(f"{'; '.join(places)}: the weak types of these scalars differ from "
+                      "the ones compiled, and together they change the program (jax.jit would "
+                      "compile another one). Pass them typed as the compile's examples were.")
 
   def guard(self, call, always=False):
     """`call` with its outputs retyped where the scalars' weak types differ
@@ -64,18 +91,23 @@ class WeakOutputs:
     scalars, compiled = self.scalars, None if always else self.compiled
 
     def run(args):
-      out = call(args)
       pattern = tuple(is_weak(tree_util.tree_leaves(args[i])[j]) for i, j in scalars)
       if pattern == compiled:
-        return out
+        return call(args)
       want = self.out_flags(pattern)
-      if want is None:
+      if want is OTHER and self.refusal(pattern) is not None:  # before anything runs
+        raise self.refusal(pattern)
+      out = call(args)
+      if want is None or want is OTHER:
         return out
       leaves, treedef = tree_util.tree_flatten(out)
       if len(leaves) != len(want):
         return out
       return tree_util.tree_unflatten(treedef, [with_weak_type(x, w) for x, w in zip(leaves, want)])
     return run
+
+
+OTHER = "other program"  # out_flags's answer where the pattern changes the arithmetic
 
 
 def _numeric_scalar(aval):

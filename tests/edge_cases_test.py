@@ -221,6 +221,29 @@ class ManyWeakStateLeavesTest(absltest.TestCase):
     assert_equal_signed(sess.run(gid, hb), jax.jit(later)(jnp.float32(float(a0) * 2), b0, hb)[2])
 
 
+class WeakRunScalarsTogetherTest(absltest.TestCase):
+
+  def test_two_weak_scalars_that_change_the_program_only_together(self):
+    # compiled with strong float32 a, b: (a + b) * x is float32. One weak
+    # scalar keeps it so; both weak make a weak sum, and jax.jit's product
+    # with the bfloat16 x is bfloat16 - the session ran float32 (a review's
+    # find): refused now, before the run
+    rng = np.random.default_rng(61)
+    x = jnp.asarray(rng.standard_normal(8), jnp.bfloat16)
+    g = lambda a, b, x: (a + b) * x
+    a, b = jnp.float32(0.4), jnp.float32(0.71)
+    sess = js.Session()
+    gid = sess.compile(g, a, b, x)
+    self.assertEqual(jax.jit(g)(0.4, 0.71, x).dtype, jnp.bfloat16)
+    with self.assertRaisesRegex(js.InputError, r"argument 0 .*; .*argument 1 .*together they "
+                                "change the program"):
+      sess.run(gid, 0.4, 0.71, x)
+    for args in ((0.4, b, x), (a, 0.71, x), (a, b, x)):  # one weak: the same program
+      got, want = sess.run(gid, *args), jax.jit(g)(*args)
+      assert_equal_signed(got, want)
+      self.assertEqual(got.weak_type, want.weak_type)
+
+
 class GraphKeepsNoModelTest(absltest.TestCase):
 
   def test_a_bound_methods_object_goes_when_dropped(self):
