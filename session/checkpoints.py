@@ -149,6 +149,7 @@ class Checkpointer:
     if any(slot.unset for slot in entry.slots):
       raise InputError(f"{where}: the state is unset (compiled from jax.ShapeDtypeStruct "
                        "examples; set_state or restore binds it)")
+    _check_writable(where, entry)
     path, manager = self._manager(where, directory, create=True)
     with self._lock:  # an earlier save's failure, raised here as orbax raises it
       errors, self._errors = self._errors, []
@@ -288,6 +289,25 @@ class Checkpointer:
                 with_weak_type(x, weak[j]) for j, x in enumerate(row)]
       values.append(tree_util.tree_unflatten(slot.treedef, leaves))
     return step, values
+
+
+def _check_writable(where, entry):
+  """InputError for a state leaf of a dtype orbax's TensorStore cannot write
+  (uint4, uint2, float8_e4m3): the background write failed later, in a
+  long orbax traceback (a review's find)."""
+  import tensorstore  # pylint: disable=import-outside-toplevel  (orbax's own)
+  writable = set()
+  for k, slot in enumerate(entry.slots):
+    for aval, path in zip(slot.avals, _paths(slot)):
+      if _is_key(aval) or aval.dtype in writable:
+        continue  # (a key: written as its key data)
+      try:
+        tensorstore.dtype(np.dtype(aval.dtype).name)
+        writable.add(aval.dtype)
+      except (ValueError, TypeError):
+        raise InputError(f"{where}: state arg {k} at path {path or '(root)'} is "
+                         f"{aval_str(aval)}, a dtype orbax (TensorStore) cannot write; "
+                         "nothing was saved") from None
 
 
 def _raise_interrupt(exc):

@@ -432,6 +432,19 @@ class CheckpointTest(absltest.TestCase):
     for got, w in zip(jax.tree.leaves(sess.get_state(gid)[0]), jax.tree.leaves(want_state)):
       assert_equal_signed(got, w)
 
+  def test_a_dtype_orbax_cannot_write_is_refused_by_save(self):
+    # uint4 (uint2, float8_e4m3): the background write failed later, in a
+    # long orbax traceback, raised only by wait_until_saved (a review's find)
+    state = {"q": jnp.asarray([1, 7, 3], jnp.uint4), "w": jnp.float32([0.5, -0.0, 2.0])}
+    sess = js.Session()
+    gid = sess.compile(lambda s: ({"q": s["q"], "w": s["w"] * 2.0}, s["w"].sum()), state,
+                       state_argnums=0)
+    with self.assertRaisesRegex(js.InputError, r"state arg 0 at path \['q'\] is u4\[3\], a "
+                                "dtype orbax .* cannot write; nothing was saved"):
+      sess.save(gid, self.dir, 1)
+    sess.wait_until_saved()  # nothing pending, nothing failed
+    self.assertEqual([n for n in os.listdir(self.dir) if n.isdigit()], [])
+
   def test_a_live_writers_save_is_not_taken_for_a_leftover(self):
     # another process saving into the same directory: its step folder in
     # place before its marker, under its claim; a save here removed it (any
