@@ -127,7 +127,9 @@ def owned_copies(xs, layouts=None, device=None):
 _SUB_BYTE = {}  # dtype -> narrower than a byte
 
 
-def _sub_byte(dtype):
+def sub_byte(dtype):
+  """Whether `dtype` is narrower than a byte (int4, int2, float4; a PRNG key
+  is not)."""
   narrow = _SUB_BYTE.get(dtype)
   if narrow is None:  # (1.4 us to decide: a conformed leaf a run, once a dtype)
     narrow = _SUB_BYTE[dtype] = (not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
@@ -135,18 +137,19 @@ def _sub_byte(dtype):
   return narrow
 
 
-def relaid(x):
+def relaid(x, device=None):
   """`x` as executables take it, where its dtype is narrower than a byte
   (int4, int2, float4) and it is committed to its one device (orbax reads
   arrays back so): jax's AOT executables refuse every such array ("compiled
   for input layouts that disagree", a jax quirk; jax.jit takes it), and no
   device copy helps; an uncommitted copy made through numpy, on the same
-  device, is taken, exactly. Any other array is returned as it is."""
+  device (`device`, where given: the graph's), is taken, exactly. Any other
+  array is returned as it is."""
   dtype = getattr(x, "dtype", None)
-  if dtype is None or not _sub_byte(dtype):
+  if dtype is None or not sub_byte(dtype):
     return x
   if isinstance(x, jax.Array) and x.committed and len(x.sharding.device_set) == 1:
-    with jax.default_device(next(iter(x.devices()))):
+    with jax.default_device(device or next(iter(x.devices()))):
       return jax.device_put(np.asarray(x))
   return x
 
@@ -186,7 +189,7 @@ class StateSlot:
     self.numeric = tuple(j for j, a in enumerate(self.avals)
                          if jax.numpy.issubdtype(a.dtype, jax.numpy.number))
     # the leaves of a dtype narrower than a byte: a bound value is relaid
-    self.sub_byte = tuple(j for j, a in enumerate(self.avals) if _sub_byte(a.dtype))
+    self.sub_byte = tuple(j for j, a in enumerate(self.avals) if sub_byte(a.dtype))
     # the non-array leaves kept static, in the treedef (runtime/static_leaves.py)
     self.statics = static_leaves.static_paths(
         tree_util.tree_unflatten(treedef, [None] * treedef.num_leaves))

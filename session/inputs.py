@@ -299,7 +299,7 @@ class ArgSpec:
                          "of that dtype)")
       return converted
     check_leaf(place, x, want, leading=leading, note=piece)
-    x = relaid(x)  # (an int4 array orbax read: refused as it is)
+    x = relaid(x, self.device if target is None else None)  # (a committed int4: refused)
     if target is not None:  # under a mesh: laid out as compiled
       if isinstance(x, jax.Array) and x.sharding != target:
         return jax.device_put(x, target)

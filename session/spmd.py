@@ -20,7 +20,9 @@ from jax import tree_util
 from jaxsession.jax_api import real_jit
 from jaxsession.errors import InputError
 from jaxsession.inputs import leaf_aval, paths_of
+from jaxsession.graph.ir import aval_str
 from jaxsession.runtime import collectives, compile_cache, sharding
+from jaxsession.runtime.state import sub_byte
 
 
 @dataclasses.dataclass
@@ -161,6 +163,16 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
              for row, arg_name in zip(arg_specs, arg_names)]
   local = jax.process_count() > 1 and any(not t.is_fully_addressable for row in targets
                                           for t in row)
+  for kind, flats, nums in (("run argument", dyn_flats, dyn_nums),
+                            ("state argument", state_flats, state_nums)):
+    for i, f in zip(nums, flats):
+      for path, aval in zip(f.paths, f.avals):
+        if sub_byte(aval.dtype):
+          raise InputError(
+              f"{where}: {kind} at position {i} path {path or '(root)'} is "
+              f"{aval_str(aval)}: a dtype narrower than a byte is not supported under a "
+              "mesh (jax's ahead-of-time executables refuse such arrays laid out over "
+              "devices, where jax.jit takes them); widen it (int8) for the session")
   if jax.process_count() > 1:  # one program on every process, or an error on each
     _check_same_everywhere(where, dyn_flats, state_flats)
   if local:  # each process's example is its piece of the global batch

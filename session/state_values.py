@@ -38,7 +38,7 @@ def check_values(place, slot, value):
     if not _exact(leaf, aval):  # the one leaf check, and its message, for the rest
       check_leaf(_leaf_place(place, slot, value, j), leaf, aval)
   for j in slot.sub_byte:  # (a committed int4 array: refused as it is)
-    leaves[j] = relaid(leaves[j])
+    leaves[j] = relaid(leaves[j], slot.device if slot.shardings is None else None)
   return leaves
 
 

@@ -248,6 +248,36 @@ class SubByteArgumentsTest(absltest.TestCase):
     assert_equal_signed(sess.get_state(state_gid)[0], q + jnp.int4(1))
 
 
+class SubByteDevicesTest(absltest.TestCase):
+
+  def test_another_device_and_a_mesh(self):
+    # an int4 value committed to another device was accepted by set_state,
+    # then every run raised jax's raw layout error; under a mesh the first
+    # run did (review finds): relaid onto the graph's device, and refused
+    # clearly at compile under a mesh
+    out = run_json(HELPERS + """
+import json
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh
+import jaxsession as js
+q = jnp.asarray(np.random.default_rng(14).integers(-8, 8, 8), jnp.int4)
+step = lambda q, x: (q + jnp.int4(1), q.astype(jnp.float32) * x)
+x = jnp.float32(1.5)
+sess = js.Session()
+gid = sess.compile(step, q, x, state_argnums=0)
+other = jax.device_put(q, jax.devices()[1])
+sess.set_state(gid, other)
+got = sess.run(gid, x)
+want = jax.jit(step)(other, x)[1]
+mesh = js.Session(js.SessionOptions(mesh=Mesh(np.array(jax.devices()), ("data",))))
+print(json.dumps([bool(np.array_equal(np.asarray(got), np.asarray(want))),
+                  err(lambda: mesh.compile(step, q, x, state_argnums=0))]))
+""", devices=2)
+    self.assertTrue(out[0])
+    self.assertEqual(out[1][0], "InputError")
+    self.assertIn("narrower than a byte is not supported under a mesh", out[1][1])
+
+
 class TracerTest(absltest.TestCase):
   """A tracer (run, set_state or run_op called inside jax.jit, grad or vmap)
   is an InputError naming the argument, and the state stays as it was."""
