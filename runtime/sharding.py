@@ -195,9 +195,10 @@ def put_global(x, sharding):
 
 def _put_global(x, sharding):
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    if x.sharding == sharding:
-      return real_jit(lambda a: a.copy(), out_shardings=sharding)(x)
-    return real_jit(lambda a: a, out_shardings=sharding)(x)  # a reshard copies
+    if x.sharding != sharding:  # resharded by device_put: a jitted reshard refuses
+      # the same devices in another order across processes (a review's find)
+      x = jax.device_put(x, sharding)
+    return real_jit(lambda a: a.copy(), out_shardings=sharding)(x)
   if isinstance(x, jax.Array) and sharding.is_fully_addressable:
     # device_put may keep the caller's buffer as the shard on its own device
     # (may_alias=False notwithstanding, measured with jax 0.10.2), and the

@@ -286,6 +286,17 @@ attempt("rows", w, x if pid == 0 else x[:4])
 attempt("state", w if pid == 0 else w + 1.0, x)
 attempt("uneven", w, x[:5])
 attempt("same", w, x)
+# a global value laid out on the same devices in another order: set_state
+# reshards it (a jitted reshard refused it with jax's raw ValueError)
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+sess = js.Session(js.SessionOptions(mesh=mesh))
+gid = sess.compile(step, w, x, state_argnums=0)
+other = NamedSharding(Mesh(np.array(jax.devices())[::-1], ("data",)), P("data"))
+v = jax.make_array_from_callback(w.shape, other, lambda i: (w * 2)[i])
+sess.set_state(gid, v)
+got = multihost_utils.process_allgather(sess.get_state(gid)[0], tiled=True)
+out["reordered"] = bool(np.array_equal(np.asarray(got), w * 2))
 print(json.dumps(out))
 """
 
@@ -305,6 +316,7 @@ class TwoProcessMismatchTest(absltest.TestCase):
       self.assertIn("run argument at position 1 path (root): this process's piece (shape "
                     "(5, 8)) does not make a global example", out["uneven"] or "")
       self.assertIsNone(out["same"])
+      self.assertTrue(out["reordered"])
 
 
 if __name__ == "__main__":
