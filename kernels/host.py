@@ -75,9 +75,7 @@ def run_pure_callback(node, *args):
   """Calls the user's callback as jax.jit does: on jax.Arrays on the CPU
   device, with the CPU as default device; results converted and checked the
   way jax.jit checks them."""
-  run = prepare_pure_callback(node)
-  outs = run(*args)
-  return [outs] if getattr(run, "bare", False) else outs
+  return prepare_pure_callback(node)(*args)
 
 
 def _direct(callback, num_args):
@@ -131,18 +129,16 @@ def prepare_pure_callback(node):
   if len(node.inputs) != 1 or count != 1:
     return run
 
-  def run_one(a):  # one array in, one out (most callbacks): run's checks, unrolled;
-    # the output returned bare (`bare`: no 1-list to build and unpack a call)
+  def run_one(a):  # one array in, one out (most callbacks): run's checks, unrolled
     if type(a) is not ARRAY or not cpu_backend or config.jax_default_device is not None:
-      return run(a)[0]
+      return run(a)
     out = callback(a)
     if type(out) is np.ndarray and out.dtype == dtype0 and out.shape == shape0:
-      return _private(out, 3)  # held by `out`
+      return [_private(out, 3)]  # held by `out`
     results = tree_util.tree_leaves(out)
     if len(results) != 1:
       raise TypeError(f"callback returned {len(results)} results, declared 1")
-    return _private(canonical_result(results[0], avals[0], 0), 2)
-  run_one.bare = True
+    return [_private(canonical_result(results[0], avals[0], 0), 2)]
   return run_one
 
 

@@ -208,7 +208,6 @@ class Op:
   error: Callable = None           # host ops: exc -> the HostOpError to raise
   transfer: int = None             # a transfer node's id, where the op runs one
   host_ins: Tuple[int, ...] = ()   # device ops: the positions of ins a host op made
-  bare: bool = False               # fn returns its one output itself, not in a list
   in_shardings: tuple = ()         # device ops: the layout each of ins is taken in
   node: Any = None                 # host ops: the node it runs
   fresh: Tuple[int, ...] = ()      # host ops: the positions of ins given as copies
@@ -248,8 +247,7 @@ class Program:
 def host_op(node):
   """(fn, error) for one host node: fn runs its kernel on arrays and checks
   the results against the node's avals (a kernel with a `prepare` form
-  checks them itself; its fn may return its one output itself, not in a
-  list, saying so by `fn.bare`); error(exc) is the HostOpError naming the node that
+  checks them itself); error(exc) is the HostOpError naming the node that
   the executor raises from whatever fn raised."""
   kernel = kernel_fn(node)
   prepare = getattr(kernel, "prepare", None)
@@ -344,12 +342,7 @@ def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=N
   # outputs whose layout is fixed (new state under a mesh) keep it, so the
   # slot keeps its layout and is donated in place
   out_shardings = [fixed.get(v.id) for v in part.outputs] if fixed else None
-  if len(part.outputs) == 1:  # returned bare: no 1-tuple to build and unpack a call
-    out_shardings = out_shardings and out_shardings[0]
-    lowered = lambda *xs: body(*xs)[0]  # noqa: E731
-  else:
-    lowered = lambda *xs: body(*xs)  # noqa: E731
-  exe, recorder, _ = compile_recorded(lowered, recorder,
+  exe, recorder, _ = compile_recorded(lambda *xs: body(*xs), recorder,
                                    [_arg_struct(v, layouts) for v in inputs], donate, cache,
                                    None if key is None else (key, "partition", part.index),
                                    compiler_options, out_shardings)
@@ -421,7 +414,7 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
                     prefetch=tuple(reg_of(v) for v in part.prefetch), partition=part.index,
                     host_ins=tuple(i for i, v in enumerate(inputs) if v.producer is not None
                                    and v.producer.place == "host"),
-                    in_shardings=_input_shardings(exe), bare=len(part.outputs) == 1))
+                    in_shardings=_input_shardings(exe)))
       continue
     for node in part.nodes:
       if is_transfer(node.op, "d2h") and platform == "cpu" and layouts is None:
@@ -431,7 +424,7 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
       fn, error = host_op(node)
       ops.append(Op(fn, ins, tuple(reg_of(v) for v in node.outputs), partition=part.index,
                     error=error, transfer=node.id if is_transfer(node.op) else None,
-                    node=node, bare=getattr(fn, "bare", False)))
+                    node=node))
   outputs = [reg_of(v) for v in graph.outputs]
   _set_frees(ops, outputs)
   for op in ops:  # the state's buffers, which an update takes over (donated)

@@ -106,8 +106,7 @@ def _ops(program, namespace, fixed, indent):
   lines, keep = [], set(program.outputs)
   for k, op in enumerate(program.ops):
     namespace[f"f{k}"] = op.fn
-    outs = f"r{op.outs[0]}" if op.bare else _names(op.outs) if op.outs else "_"
-    call = f"{outs} = f{k}({', '.join(f'r{r}' for r in op.ins)})"
+    call = f"{_names(op.outs) if op.outs else '_'} = f{k}({', '.join(f'r{r}' for r in op.ins)})"
     if op.error is not None:  # a host op: whatever it raises names the node
       namespace[f"e{k}"] = op.error
       lines += [f"{indent}try:", f"{indent}  {call}", f"{indent}except Exception as exc:",

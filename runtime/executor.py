@@ -413,8 +413,6 @@ def eager_program(graph, spec, rest_tree, layout, steps=None, leading=None):
           outs = host[0](*args)
         except Exception as exc:
           raise host[1](exc) from exc
-        if getattr(host[0], "bare", False):  # its one output itself
-          outs = (outs,)
       env.update(zip([o.id for o in node.outputs], outs))
     return [read(v) for v in graph.outputs]
 
