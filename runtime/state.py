@@ -188,6 +188,12 @@ class StateSlot:
     self.typings = {}
     self.numeric = tuple(j for j, a in enumerate(self.avals)
                          if jax.numpy.issubdtype(a.dtype, jax.numpy.number))
+    # the leaves whose weak type a bound value is checked for (state_typing.py):
+    # the numeric scalars and the weakly typed ones; a strong array is not
+    # (a weak array for it comes from jnp.full(shape, 0.5) at most; checking
+    # every leaf cost a KV cache reset ~1 us, benchmarks/decode.py)
+    self.numeric_weak = tuple((j, self.weak_types[j]) for j in self.numeric
+                              if self.avals[j].shape == () or self.weak_types[j])
     # the leaves of a dtype narrower than a byte: a bound value is relaid
     self.sub_byte = tuple(j for j, a in enumerate(self.avals) if sub_byte(a.dtype))
     # the non-array leaves kept static, in the treedef (runtime/static_leaves.py)
@@ -289,7 +295,12 @@ def slots_lock(slots):
 # (callbacks): a callback calling back into a graph whose state its run holds
 # (run, get_state, set_state, replace_state, save, release) would wait for
 # that run forever; it is refused instead (refuse_reentry).
-_RUNNING = threading.local()
+class _Running(threading.local):
+  locks = frozenset()  # (a class default: getattr with a default on a missing
+  # thread-local attribute raises and catches inside, ~1 us a call)
+
+
+_RUNNING = _Running()
 
 
 def _underlying(lock):
@@ -300,7 +311,7 @@ def running_user_code(*locks):
   """Marks `locks` (slots_locks, held) as held by a run whose user code runs
   on this thread (its own, or the thread XLA runs a callback on); returns
   what `done_running` takes to unmark them."""
-  before = getattr(_RUNNING, "locks", frozenset())
+  before = _RUNNING.locks
   _RUNNING.locks = before.union(*(_underlying(lock) for lock in locks))
   return before
 
@@ -312,7 +323,7 @@ def done_running(before):
 def refuse_reentry(lock, where):
   """InputError where this thread's own run holds `lock` (a callback calling
   back into the state its run holds): the call would wait forever."""
-  held = getattr(_RUNNING, "locks", None)
+  held = _RUNNING.locks
   if held and any(one in held for one in _underlying(lock)):
     raise InputError(f"{where}: called from inside a run (a callback) that holds this "
                      "graph's state, or state it shares; it would wait for that run "
