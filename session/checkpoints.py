@@ -5,7 +5,7 @@ the graph's slot locks it takes device copies of the leaves (so later runs,
 which donate the slots' buffers, cannot touch what is being written), then a
 background thread hands them to an orbax `CheckpointManager`, which writes
 the step into a temporary folder and renames it when complete; the session
-then marks the step complete (`MARKER`), and restore reads marked steps only
+then marks the step complete (checkpoint_steps.py), and restore reads marked steps only
 - a process killed mid-save leaves no half-written step that restores, and
 every earlier one as it was. `wait_until_saved()` waits for every pending save and raises
 the first error one met. `restore(gid, directory, step=None)` reads a step
@@ -24,8 +24,6 @@ import contextlib
 import numbers
 import os
 import queue
-import shutil
-import socket
 import sys
 import threading
 import weakref
@@ -35,13 +33,13 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from jaxsession import state_typing
+from jaxsession import checkpoint_steps as step_dirs, state_typing
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
 from jaxsession.runtime import debug_flags, interrupts
 from jaxsession.runtime.state import holding, private_copy, with_weak_type
 
-FORMAT = "jaxsession-checkpoint-1"
+FORMAT = step_dirs.FORMAT
 MAX_PENDING = 2  # saves being written or queued at once, per Session
 
 
@@ -158,7 +156,7 @@ class Checkpointer:
                          f"{errors[0]}") from errors[0]
     with self._lock:  # steps increase per directory, as orbax keeps them
       before = self._queued.get(path, -1)
-      newest = max([*_complete_steps(path), *_other_steps(path), before])
+      newest = max([*step_dirs.complete_steps(path), *step_dirs.other_steps(path), before])
       if step <= newest:
         raise InputError(f"{where}: step {step} is not after step {newest}, the newest "
                          f"checkpoint in {path}: steps must increase (save it as step "
@@ -205,23 +203,23 @@ class Checkpointer:
           self._errors.append(RuntimeError(f"{where}: writing step {step} to {path} "
                                            f"failed: {type(exc).__name__}: {exc}"))
           if self._queued.get(path) == step:  # a failed step may be saved again
-            self._queued[path] = max(_complete_steps(path), default=-1)
+            self._queued[path] = max(step_dirs.complete_steps(path), default=-1)
 
     def write_step():
       ocp = _ocp()
-      if _remove_incomplete(path):
+      if step_dirs.remove_incomplete(path):
         manager.reload()
       for row, saved in zip(leaves, meta["slots"]):  # read back, each must match
         saved["crc32"] = [_digest(x) for x in row]
-      _claim(path, step)
+      step_dirs.claim(path, step)
       manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
           state=ocp.args.StandardSave({"slots": [  # its shape and type are in the meta
               [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta)))
       manager.wait_until_finished()
-      _mark_complete(os.path.join(path, str(step)))
-      _unclaim(path, step)
+      step_dirs.mark_complete(os.path.join(path, str(step)))
+      step_dirs.unclaim(path, step)
       if self.keep is not None:
-        _drop_old(manager, path, self.keep)
+        step_dirs.drop_old(manager, path, self.keep)
     with self._lock:
       if self._worker is None:
         self._worker = threading.Thread(target=self._work, name="jaxsession-checkpoints",
@@ -252,7 +250,7 @@ class Checkpointer:
     except Exception as exc:  # pylint: disable=broad-except
       _raise_interrupt(exc)
       raise
-    steps = [k for k in manager.all_steps() if _complete(os.path.join(path, str(k)))]
+    steps = [k for k in manager.all_steps() if step_dirs.complete(os.path.join(path, str(k)))]
     if step is None:
       if not steps:
         raise InputError(f"{where}: no complete checkpoint in {path}")
@@ -321,169 +319,6 @@ def _raise_interrupt(exc):
       raise KeyboardInterrupt from exc
     seen.add(id(cur))
     cur = cur.__cause__ or cur.__context__
-
-
-# A step is complete once this file is in it, written after orbax finished
-# the step: a process killed during a save can leave orbax's step folder
-# renamed into place without all of its items (seen in the kill test).
-MARKER = "jaxsession_complete"
-
-
-def _mark_complete(step_dir):
-  # each process marks its own step when its save has finished (under
-  # jax.distributed orbax returns on every process once the step is whole)
-  tmp = os.path.join(step_dir, f"{MARKER}.{os.getpid()}.tmp")
-  with open(tmp, "w") as f:
-    f.write(FORMAT)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(step_dir, MARKER))
-
-
-def _drop_old(manager, path, keep):
-  """Deletes the complete steps older than the newest `keep`, each claimed
-  and made incomplete first (its marker removed), so a kill during the
-  deletion leaves a folder no restore takes and the next save removes (an
-  unclaimed one was kept as another writer's: a review's find). Only the
-  primary process deletes (orbax's delete is its own there)."""
-  if jax.process_index() != 0:
-    return
-  for old in sorted(_complete_steps(path))[:-keep]:
-    folder = os.path.join(path, str(old))
-    _claim(path, old)  # a kill from here on leaves a claimed leftover
-    try:
-      os.remove(os.path.join(folder, MARKER))
-    except FileNotFoundError:
-      pass
-    try:
-      manager.delete(old)
-    except FileNotFoundError:
-      shutil.rmtree(folder, ignore_errors=True)
-    _unclaim(path, old)
-  manager.reload()
-
-
-def _complete(step_dir):
-  return os.path.isfile(os.path.join(step_dir, MARKER))
-
-
-def _complete_steps(path):
-  if not os.path.isdir(path):
-    return []
-  return [int(n) for n in os.listdir(path) if n.isdigit() and _complete(os.path.join(path, n))]
-
-
-# A step this session began to write: a file beside the step folders, made
-# before orbax writes the step and removed once it is marked complete. Only a
-# step folder so claimed and not complete is a leftover of a killed save; any
-# other folder (another program's orbax checkpoints, a user's "2024") is not
-# the session's to delete (a break-it find: the first save deleted them).
-CLAIM = "jaxsession_saving."
-_HOST = socket.gethostname().replace(".", "_")
-_IN_FLIGHT = set()  # this process's claims whose saves (or deletions) run now
-_IN_FLIGHT_LOCK = threading.Lock()
-
-
-def _claim_name(step):
-  """A claim names its writer (host, process): another writer's save in
-  flight is never taken for a leftover (two sessions or processes saving
-  into one directory: a review's find)."""
-  return f"{CLAIM}{step}.{_HOST}.{os.getpid()}"
-
-
-def _claim(path, step):
-  if jax.process_index() == 0:
-    name = _claim_name(step)
-    with _IN_FLIGHT_LOCK:
-      _IN_FLIGHT.add(os.path.join(path, name))
-    with open(os.path.join(path, name), "w") as f:
-      f.flush()
-      os.fsync(f.fileno())
-
-
-def _unclaim(path, step):
-  if jax.process_index() == 0:
-    name = os.path.join(path, _claim_name(step))
-    try:
-      os.remove(name)
-    except FileNotFoundError:
-      pass
-    with _IN_FLIGHT_LOCK:
-      _IN_FLIGHT.discard(name)
-
-
-def _claims(path):
-  """(claim file name, its step, whether its writer is gone) per claim in
-  `path`. A writer is gone where it is this host's process no longer
-  running, or this process with no such save running now; a claim of
-  another host's is never taken for gone."""
-  out = []
-  for name in os.listdir(path):
-    if not name.startswith(CLAIM):
-      continue
-    parts = name[len(CLAIM):].split(".")
-    if not parts[0].isdigit():
-      continue
-    if len(parts) != 3 or not parts[2].isdigit():  # (an unnamed claim: an older save's)
-      out.append((name, parts[0], True))
-      continue
-    pid = int(parts[2])
-    if parts[1] != _HOST:
-      gone = False
-    elif pid == os.getpid():
-      with _IN_FLIGHT_LOCK:
-        gone = os.path.join(path, name) not in _IN_FLIGHT
-    else:
-      gone = not _process_alive(pid)
-    out.append((name, parts[0], gone))
-  return out
-
-
-def _process_alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # another user's: alive
-    return True
-  return True
-
-
-def _other_steps(path):
-  """The step folders of `path` that are neither complete nor claimed by a
-  save of this session's kind (in flight, or a killed one's leftover):
-  another program's, kept as they are and counted in the order of steps, as
-  orbax counts them."""
-  if not os.path.isdir(path):
-    return []
-  claimed = {step for _, step, _ in _claims(path)}
-  return [int(n) for n in os.listdir(path) if n.isdigit() and
-          os.path.isdir(os.path.join(path, n)) and not _complete(os.path.join(path, n))
-          and n not in claimed]
-
-
-def _remove_incomplete(path):
-  """Removes the step folders a killed save (or keep-N deletion) of this
-  kind left without the marker - orbax would count them as steps: keep-N
-  would keep them in place of complete ones, and a new save of that step
-  would collide - and their claims; a claim whose writer runs is left
-  alone. Only in a single-process job: there a folder without the marker is
-  no other process's save in flight. Whether anything was removed."""
-  if jax.process_count() > 1:
-    return False
-  removed = False
-  for name, step, gone in _claims(path):
-    if not gone:
-      continue
-    folder = os.path.join(path, step)
-    if os.path.isdir(folder) and not _complete(folder):
-      shutil.rmtree(folder, ignore_errors=True)
-      removed = True
-    try:
-      os.remove(os.path.join(path, name))
-    except FileNotFoundError:  # another writer removed it meanwhile
-      pass
-  return removed
 
 
 def _background_priority():

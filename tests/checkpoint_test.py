@@ -187,17 +187,17 @@ class CheckpointTest(absltest.TestCase):
     assert_equal_signed(sess.get_state(gid)[0], w)
 
   def test_a_failed_write_is_raised_by_the_next_save_not_by_an_unrelated_restore(self):
-    from jaxsession import checkpoints  # pylint: disable=import-outside-toplevel
+    from jaxsession import checkpoint_steps  # pylint: disable=import-outside-toplevel
     sess = js.Session()
     w = np.float32([0.5, -0.0, 7.0])
     gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
     other = os.path.join(self.dir, "other")
     sess.save(gid, other, 1)
     sess.wait_until_saved()
-    real = checkpoints._claim  # pylint: disable=protected-access
+    real = checkpoint_steps.claim
     def broken(path, step):
       raise OSError("disk full")
-    checkpoints._claim = broken  # pylint: disable=protected-access
+    checkpoint_steps.claim = broken
     try:
       sess.save(gid, self.dir, 1)
       sess.run(gid)
@@ -209,7 +209,7 @@ class CheckpointTest(absltest.TestCase):
                                   ".*writing step 1 .* failed: OSError: disk full"):
         sess.save(gid, self.dir, 2)
     finally:
-      checkpoints._claim = real  # pylint: disable=protected-access
+      checkpoint_steps.claim = real
     sess.wait_until_saved()  # raised once: nothing left
     sess.save(gid, self.dir, 2)
     sess.wait_until_saved()
@@ -651,7 +651,7 @@ import os, signal, sys
 import jax.numpy as jnp
 import numpy as np
 import jaxsession as js
-from jaxsession import checkpoints
+from jaxsession import checkpoint_steps
 sess = js.Session(js.SessionOptions(checkpoint_keep=1))
 w = np.float32([0.5, -0.0, 7.0])
 gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
@@ -659,7 +659,7 @@ sess.save(gid, sys.argv[1], 1)
 sess.wait_until_saved()
 sess.run(gid)
 # killed at the instant the new step is written and not yet marked complete
-checkpoints._mark_complete = lambda d: os.kill(os.getpid(), signal.SIGKILL)
+checkpoint_steps.mark_complete = lambda d: os.kill(os.getpid(), signal.SIGKILL)
 sess.save(gid, sys.argv[1], 2)
 sess.wait_until_saved()
 """

@@ -1,0 +1,184 @@
+"""The step folders of a checkpoint directory: which are complete, which are
+this session's kind's saves in flight or their leftovers, which are another
+writer's (session/checkpoints.py writes and reads them through orbax).
+
+A step is complete once its marker is in it, written after orbax finished
+the step. A save claims its step before orbax writes it (a file beside the
+step folders, naming the writer's host and process) and drops the claim
+once the step is marked; keep-N claims a step before unmarking and deleting
+it. Only a folder claimed by a writer that is gone and not complete is a
+leftover, removed by the next save; any other folder (another program's
+orbax checkpoints, a user's "2024") is kept and counted in the order of
+steps (break-it finds: the first save deleted them; two writers deleted
+each other's steps in flight).
+"""
+import os
+import shutil
+import socket
+import threading
+
+import jax
+
+FORMAT = "jaxsession-checkpoint-1"
+
+# A step is complete once this file is in it, written after orbax finished
+# the step: a process killed during a save can leave orbax's step folder
+# renamed into place without all of its items (seen in the kill test).
+MARKER = "jaxsession_complete"
+
+
+def mark_complete(step_dir):
+  # each process marks its own step when its save has finished (under
+  # jax.distributed orbax returns on every process once the step is whole)
+  tmp = os.path.join(step_dir, f"{MARKER}.{os.getpid()}.tmp")
+  with open(tmp, "w") as f:
+    f.write(FORMAT)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, os.path.join(step_dir, MARKER))
+
+
+def drop_old(manager, path, keep):
+  """Deletes the complete steps older than the newest `keep`, each claimed
+  and made incomplete first (its marker removed), so a kill during the
+  deletion leaves a folder no restore takes and the next save removes (an
+  unclaimed one was kept as another writer's: a review's find). Only the
+  primary process deletes (orbax's delete is its own there)."""
+  if jax.process_index() != 0:
+    return
+  for old in sorted(complete_steps(path))[:-keep]:
+    folder = os.path.join(path, str(old))
+    claim(path, old)  # a kill from here on leaves a claimed leftover
+    try:
+      os.remove(os.path.join(folder, MARKER))
+    except FileNotFoundError:
+      pass
+    try:
+      manager.delete(old)
+    except FileNotFoundError:
+      shutil.rmtree(folder, ignore_errors=True)
+    unclaim(path, old)
+  manager.reload()
+
+
+def complete(step_dir):
+  return os.path.isfile(os.path.join(step_dir, MARKER))
+
+
+def complete_steps(path):
+  if not os.path.isdir(path):
+    return []
+  return [int(n) for n in os.listdir(path) if n.isdigit() and complete(os.path.join(path, n))]
+
+
+# A step this session began to write: a file beside the step folders, made
+# before orbax writes the step and removed once it is marked complete. Only a
+# step folder so claimed and not complete is a leftover of a killed save; any
+# other folder (another program's orbax checkpoints, a user's "2024") is not
+# the session's to delete (a break-it find: the first save deleted them).
+CLAIM = "jaxsession_saving."
+_HOST = socket.gethostname().replace(".", "_")
+_IN_FLIGHT = set()  # this process's claims whose saves (or deletions) run now
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _claim_name(step):
+  """A claim names its writer (host, process): another writer's save in
+  flight is never taken for a leftover (two sessions or processes saving
+  into one directory: a review's find)."""
+  return f"{CLAIM}{step}.{_HOST}.{os.getpid()}"
+
+
+def claim(path, step):
+  if jax.process_index() == 0:
+    name = _claim_name(step)
+    with _IN_FLIGHT_LOCK:
+      _IN_FLIGHT.add(os.path.join(path, name))
+    with open(os.path.join(path, name), "w") as f:
+      f.flush()
+      os.fsync(f.fileno())
+
+
+def unclaim(path, step):
+  if jax.process_index() == 0:
+    name = os.path.join(path, _claim_name(step))
+    try:
+      os.remove(name)
+    except FileNotFoundError:
+      pass
+    with _IN_FLIGHT_LOCK:
+      _IN_FLIGHT.discard(name)
+
+
+def _claims(path):
+  """(claim file name, its step, whether its writer is gone) per claim in
+  `path`. A writer is gone where it is this host's process no longer
+  running, or this process with no such save running now; a claim of
+  another host's is never taken for gone."""
+  out = []
+  for name in os.listdir(path):
+    if not name.startswith(CLAIM):
+      continue
+    parts = name[len(CLAIM):].split(".")
+    if not parts[0].isdigit():
+      continue
+    if len(parts) != 3 or not parts[2].isdigit():  # (an unnamed claim: an older save's)
+      out.append((name, parts[0], True))
+      continue
+    pid = int(parts[2])
+    if parts[1] != _HOST:
+      gone = False
+    elif pid == os.getpid():
+      with _IN_FLIGHT_LOCK:
+        gone = os.path.join(path, name) not in _IN_FLIGHT
+    else:
+      gone = not _process_alive(pid)
+    out.append((name, parts[0], gone))
+  return out
+
+
+def _process_alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's: alive
+    return True
+  return True
+
+
+def other_steps(path):
+  """The step folders of `path` that are neither complete nor claimed by a
+  save of this session's kind (in flight, or a killed one's leftover):
+  another program's, kept as they are and counted in the order of steps, as
+  orbax counts them."""
+  if not os.path.isdir(path):
+    return []
+  claimed = {step for _, step, _ in _claims(path)}
+  return [int(n) for n in os.listdir(path) if n.isdigit() and
+          os.path.isdir(os.path.join(path, n)) and not complete(os.path.join(path, n))
+          and n not in claimed]
+
+
+def remove_incomplete(path):
+  """Removes the step folders a killed save (or keep-N deletion) of this
+  kind left without the marker - orbax would count them as steps: keep-N
+  would keep them in place of complete ones, and a new save of that step
+  would collide - and their claims; a claim whose writer runs is left
+  alone. Only in a single-process job: there a folder without the marker is
+  no other process's save in flight. Whether anything was removed."""
+  if jax.process_count() > 1:
+    return False
+  removed = False
+  for name, step, gone in _claims(path):
+    if not gone:
+      continue
+    folder = os.path.join(path, step)
+    if os.path.isdir(folder) and not complete(folder):
+      shutil.rmtree(folder, ignore_errors=True)
+      removed = True
+    try:
+      os.remove(os.path.join(path, name))
+    except FileNotFoundError:  # another writer removed it meanwhile
+      pass
+  return removed
