@@ -29,9 +29,12 @@ class ErrorRecorder:
   def __init__(self):
     self._errors = {}
     self._lock = threading.Lock()
-    # the slot locks of the runs executing its executable now (Runner.call):
-    # a callback, on whatever thread XLA runs it, is refused a call into
-    # that state (runtime/state.py's refuse_reentry) instead of waiting on it
+    # (slot lock, thread) of the runs executing its executable now
+    # (Runner.call): a callback on a thread of XLA's own is refused a call
+    # into that state (runtime/state.py's refuse_reentry) instead of waiting
+    # on it; one on a run's own thread carries that run's mark already. (Two
+    # graphs sharing a cached executable, run at once in two threads: a
+    # callback on XLA's thread cannot tell whose it is, and is refused both.)
     self.running = []
 
   def record(self, exc):
@@ -54,7 +57,11 @@ class _Recorded:
     self.recorder = recorder
 
   def __call__(self, *args, **kwargs):
-    held = running_user_code(*self.recorder.running) if self.recorder.running else None
+    running, held = self.recorder.running, None
+    if running:
+      me = threading.get_ident()
+      if all(thread != me for _, thread in running):  # a thread of XLA's
+        held = running_user_code(*[lock for lock, _ in running])
     try:
       return self.fn(*args, **kwargs)
     except BaseException as exc:

@@ -14,6 +14,8 @@ The state goes in and comes back in its layout's form
 program succeeded, so a failed call leaves the state as it was; a Ctrl-C in
 between waits for the commit (runtime/interrupts.py).
 """
+import threading
+
 import jax
 import numpy as np
 from jax import tree_util
@@ -329,8 +331,9 @@ def call_path(program, layout, lock, where="run", user_code=False):
     try:
       if user_code:  # its callbacks may call back into the session: on this
         marked = running_user_code(lock)  # thread, or on XLA's (the recorders')
+        running = (lock, threading.get_ident())
         for recorder in recorders:
-          recorder.running.append(lock)
+          recorder.running.append(running)
       special = maybe_special[0] and special_on()
       if donates and special:  # on after compile: the executables still
         state = _private(gather())  # donate, and jax raises after they
@@ -357,7 +360,7 @@ def call_path(program, layout, lock, where="run", user_code=False):
       if marked is not None:
         done_running(marked)
         for recorder in recorders:
-          recorder.running.remove(lock)
+          recorder.running.remove(running)
       release()
       if _pending:  # a Ctrl-C that came during the run (runtime/interrupts.py)
         interrupts.deliver()

@@ -203,7 +203,8 @@ class Jitted:
            _concrete_mesh())  # jax.set_mesh's devices: the abstract mesh has no order
     sigs = self._sigs
     gid = sigs.graphs.get(key)
-    if gid is None:
+    committed = sigs.committed.get(gid)  # read together: clear_cache may empty both
+    if gid is None or (gid is not _JAX and committed is None):
       with sigs.lock:
         gid = sigs.graphs.get(key)
         if gid is None:
@@ -214,6 +215,7 @@ class Jitted:
             sigs.committed[gid] = _commits(self.session.graph(gid), tree_util.tree_leaves(
                 ([dyn_kw[k] for k in sorted(dyn_kw)], dyn_args)))
           sigs.graphs[key] = gid
+        committed = sigs.committed.get(gid)
     if gid is _JAX:  # arguments committed to other devices or sharded over many:
       return self._under_trace()(*args, **kwargs)  # jax.jit runs where they are
     try:
@@ -226,7 +228,7 @@ class Jitted:
         if sigs.graphs.get(key) == gid:
           del sigs.graphs[key]
       return self(*args, **kwargs)
-    return _committed_as_jit(out, sigs.committed[gid])
+    return _committed_as_jit(out, committed)
 
   def _under_trace(self):
     return self._traced

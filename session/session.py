@@ -30,7 +30,8 @@ from jaxsession.weak_outputs import WeakOutputs
 from jaxsession.state_typing import GraphTyping
 from jaxsession.graph_entry import Entry
 from jaxsession.runtime.state import (StateSlot, check_structure, holding, owned_copies,
-                                      owned_copy, refuse_reentry, session_device, slots_lock)
+                                      owned_copy, refuse_reentry, relaid, session_device,
+                                      slots_lock)
 
 
 class Session:
@@ -199,10 +200,8 @@ class Session:
     typed = [a if i in static_nums else None for i, a in enumerate(example_args)]
     on_types = tracing.types_fn(fn, name, typed, state_nums, dyn_nums, updates)
     typing = GraphTyping.make(on_types, closed, state_args, dyn_args, updates)
-    weak_outputs = None
-    if mesh_layout is None:
-      weak_outputs = WeakOutputs.make(on_types, state_args, dyn_args, spec, out_shape[1],
-                                      closed)
+    weak_outputs = WeakOutputs.make(on_types, state_args, dyn_args, spec, out_shape[1],
+                                    closed, retype=mesh_layout is None)
     kinds, labels = tracing.input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels,
                                   host_callbacks=self.options.host_callbacks)
@@ -345,8 +344,10 @@ class Session:
       slots = []
       for k, (i, flat) in enumerate(zip(state_nums, state_flats)):
         row = layouts[k] if layouts else [None] * len(flat.leaves)
+        # (a committed int4 example: relaid, as a bound value is, state_values.py)
         slots.append(StateSlot(f"{name}:state{k}(arg {i})", flat.treedef, flat.avals,
-                               [None if isinstance(x, jax.ShapeDtypeStruct) else owned_copy(x, s)
+                               [None if isinstance(x, jax.ShapeDtypeStruct) else
+                                owned_copy(relaid(x, session_device()) if s is None else x, s)
                                 for x, s in zip(flat.leaves, row)]))
         slots[-1].owners = 1
         slots[-1].shardings = layouts[k] if layouts else None

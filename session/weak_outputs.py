@@ -27,8 +27,10 @@ from jaxsession.runtime.state import with_weak_type
 class WeakOutputs:
   """The guard of one graph: `guard(call)` wraps its run."""
 
-  def __init__(self, wrapped, state_structs, dyn_structs, spec, out_weak, base=None):
+  def __init__(self, wrapped, state_structs, dyn_structs, spec, out_weak, base=None,
+               retype=True):
     self.wrapped = wrapped
+    self.retype = retype  # under a mesh the outputs stay as compiled; the check stays
     self.spec = spec
     self.base = base  # tracing.arithmetic of the compiled program
     self.state_structs = tuple(state_structs)
@@ -39,8 +41,10 @@ class WeakOutputs:
     self.flags = {self.compiled: tuple(out_weak)}
 
   @classmethod
-  def make(cls, wrapped, state_args, dyn_args, spec, out_shape, closed):
-    """The guard, or None where the graph has no scalar run argument."""
+  def make(cls, wrapped, state_args, dyn_args, spec, out_shape, closed, retype=True):
+    """The guard, or None where the graph has no scalar run argument.
+    `retype`: False under a mesh, where the outputs keep the compiled weak
+    types (the refusal of scalars that change the program together holds)."""
     if not any(_numeric_scalar(a) for avals in spec.avals for a in avals):
       return None
     def structs(tree):  # jax.typeof: Python scalars weak, extended dtypes kept
@@ -48,7 +52,7 @@ class WeakOutputs:
     out_weak = [bool(getattr(a, "weak_type", False)) for a in tree_util.tree_leaves(out_shape)]
     base = None if tracing.weak_type_is_moot(closed.jaxpr) else tracing.arithmetic(closed.jaxpr)
     return cls(wrapped, structs(tuple(state_args)), [structs(a) for a in dyn_args], spec,
-               out_weak, base)
+               out_weak, base, retype)
 
   def out_flags(self, pattern):
     """The output weak types jax.jit gives for the scalars' weak `pattern`."""
@@ -66,6 +70,8 @@ class WeakOutputs:
         else:
           flags = tuple(bool(getattr(a, "weak_type", False))
                         for a in tree_util.tree_leaves(rest))
+      except tracing.FunctionGone:  # nothing can be checked: refused
+        flags = GONE
       except Exception:  # pylint: disable=broad-except
         flags = None  # it does not trace so: the outputs stay as compiled
       self.flags[pattern] = flags
@@ -95,10 +101,15 @@ class WeakOutputs:
       if pattern == compiled:
         return call(args)
       want = self.out_flags(pattern)
+      if want is GONE:
+        raise InputError(f"{self.spec.where}: scalar arguments typed otherwise than the "
+                         "compile's examples (weak or strong) cannot be checked: the graph's "
+                         "function, a method of an object since collected, cannot be traced "
+                         "again. Pass them typed as the examples were.")
       if want is OTHER and self.refusal(pattern) is not None:  # before anything runs
         raise self.refusal(pattern)
       out = call(args)
-      if want is None or want is OTHER:
+      if want is None or want is OTHER or not self.retype:
         return out
       leaves, treedef = tree_util.tree_flatten(out)
       if len(leaves) != len(want):
@@ -108,6 +119,7 @@ class WeakOutputs:
 
 
 OTHER = "other program"  # out_flags's answer where the pattern changes the arithmetic
+GONE = "function gone"  # ... where the function cannot be traced again
 
 
 def _numeric_scalar(aval):

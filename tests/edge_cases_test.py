@@ -261,6 +261,9 @@ class GraphKeepsNoModelTest(absltest.TestCase):
 
       def step(self, scale, x):
         return scale * 0.5, (x * scale).astype(jnp.bfloat16)
+
+      def scaled(self, scale, a, x):
+        return scale + 1.0, (x * (scale + a)).astype(jnp.bfloat16)
     model = Model()
     x = jnp.asarray(rng.standard_normal(4), jnp.bfloat16)
     sess = js.Session()
@@ -276,6 +279,19 @@ class GraphKeepsNoModelTest(absltest.TestCase):
       sess.set_state(gid, 2.0)
     sess.set_state(gid, jnp.float32(2.0))
     assert_equal_signed(sess.run(gid, x), step(Model, jnp.float32(2.0), x)[1])
+    # the run's scalars typed otherwise cannot be checked either: refused
+    # (accepted with the compiled program's bits, and the state advanced)
+    model = Model()
+    gid = sess.compile(model.scaled, jnp.float32(1.5), jnp.float32(0.5), x, state_argnums=0)
+    del model
+    gc.collect()
+    before = sess.get_state(gid)[0]
+    with self.assertRaisesRegex(js.InputError, "cannot be checked: the graph's function"):
+      sess.run(gid, 0.5, x)
+    assert_equal_signed(sess.get_state(gid)[0], before)
+    assert_equal_signed(sess.run(gid, jnp.float32(0.5), x),
+                        jax.jit(Model.scaled, static_argnums=0)(Model, before,
+                                                                jnp.float32(0.5), x)[1])
 
 
 class GcPauseTest(absltest.TestCase):

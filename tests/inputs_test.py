@@ -246,6 +246,11 @@ class SubByteArgumentsTest(absltest.TestCase):
     sess.set_state(state_gid, args[0], donate=True)
     assert_equal_signed(sess.run(state_gid, w), w * q.astype(jnp.float32))
     assert_equal_signed(sess.get_state(state_gid)[0], q + jnp.int4(1))
+    # a committed compile example of the state: every run raised too
+    committed = jax.device_put(q, dev)
+    first = sess.compile(lambda q, w: (q + jnp.int4(1), w * q.astype(jnp.float32)),
+                         committed, w, state_argnums=0)
+    assert_equal_signed(sess.run(first, w), w * q.astype(jnp.float32))
 
 
 class SubByteDevicesTest(absltest.TestCase):

@@ -123,6 +123,29 @@ class JitTest(absltest.TestCase):
       ours.lower(jnp.ones(2))
     self.assertEqual(ours.__name__, "sin")
 
+  def test_clear_cache_beside_calls_in_threads(self):
+    # a call between its graph lookup and its output's commitment lookup,
+    # with clear_cache emptying both, raised a raw KeyError (a review's find)
+    import threading  # pylint: disable=import-outside-toplevel
+    x = jnp.asarray(np.random.default_rng(7).standard_normal(8), jnp.float32)
+    f = lambda x: jnp.tanh(x) * 2.0
+    jf, want, errors, stop = js.jit(f), jax.jit(f)(x), [], []
+    def calls():
+      while not stop:
+        try:
+          assert_equal_signed(jf(x), want)
+        except Exception as exc:  # pylint: disable=broad-except
+          errors.append(repr(exc))
+    threads = [threading.Thread(target=calls) for _ in range(2)]
+    for t in threads:
+      t.start()
+    for _ in range(40):
+      jf.clear_cache()
+    stop.append(1)
+    for t in threads:
+      t.join()
+    self.assertEqual(errors, [])
+
   def test_clear_cache_releases_the_graphs_and_their_constants_at_once(self):
     # JAX's test_cond_memory_leak, routed: jg.clear_cache(); del jg;
     # gc.collect() must free the array a graph captured (the wrapper's

@@ -362,6 +362,11 @@ seen.clear()
 cbid = s1.compile(cb_step, w16, xw, state_argnums=0)
 got = s1.run(cbid, xw)
 s1.run(cbid, xw)
+# two run scalars whose weak types change the program only together: refused
+# under a mesh too (the guard was built without a mesh only)
+together = s1.compile(lambda a, b, x: (a + b) * x, np.float32(0.4), np.float32(0.7),
+                      xw.astype(jnp.bfloat16))
+out["weak_together_mesh"] = err(lambda: s1.run(together, 0.4, 0.7, xw.astype(jnp.bfloat16)))
 out["callback_whole_value"] = [
     jit_seen, [(str(v.sharding), list(v.addressable_data(0).shape)) for v in seen[:2]],
     bool(np.array_equal(np.asarray(got), np.asarray(want))),
@@ -375,6 +380,11 @@ class SpmdRegressionTest(SnippetTest):
   """What a review found: each case failed before its fix."""
 
   SNIPPET = REGRESSIONS
+
+  def test_weak_scalars_changing_the_program_together_are_refused(self):
+    kind, message = self.out["weak_together_mesh"]
+    self.assertEqual(kind, "InputError")
+    self.assertIn("together they change the program", message)
 
   def test_a_callback_gets_the_whole_value_on_one_device(self):
     jit_seen, seen, equal, kept = self.out["callback_whole_value"]

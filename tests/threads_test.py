@@ -216,10 +216,32 @@ class CallbackReentryTest(absltest.TestCase):
       box["call"] = lambda: sess.get_state(late)
       got = err(lambda: sess.run(late, heavy(m0)))
       results["pipelined get_state"] = [got[0], "called from inside a run" in got[1], True]
+      # two graphs of one function share a cached executable: B's callback
+      # reading A's state, while A runs in another thread, waits for A (it
+      # was refused: the shared recorder listed A's lock for B's callback)
+      import threading, time
+      def by_thread(v):  # A's run (thread "A") sleeps; B's reads A's state
+        if threading.current_thread().name == "A":
+          time.sleep(0.3)
+        else:
+          sess.get_state(box["ga"])
+        return np.asarray(v)
+      def share(s, x):  # in a scan: inside the executable, through its recorder
+        def body(c, _):
+          return c + jax.pure_callback(by_thread, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                       c), None
+        return s + 1.0, jax.lax.scan(body, s * x, None, length=1)[0]
+      ga = box["ga"] = sess.compile(share, s0, x, state_argnums=0)
+      gb = sess.compile(share, s0, x, state_argnums=0)
+      t = threading.Thread(target=lambda: sess.run(ga, x), name="A")
+      t.start()
+      time.sleep(0.05)
+      results["other graph, shared executable"] = err(lambda: sess.run(gb, x))
+      t.join()
       print(json.dumps(results))
     """), devices=1, timeout=240)
     for key, got in out.items():
-      if key.endswith("other"):
+      if key.endswith("other") or key.endswith("shared executable"):
         self.assertIsNone(got, key)
       else:
         self.assertEqual(got, ["HostOpError", True, True], key)
