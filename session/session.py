@@ -175,7 +175,7 @@ class Session:
       self._check_shared(name, state_nums, state_flats, state_from, source, shared)
     mesh_layout, dyn_args = spmd.layout(  # bad specs: InputError
         self.options, self.platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, state_nums,
-        state_flats, state_specs, shared)
+        state_flats, state_specs, shared, tracing.positional_names(fn))
     if mesh_layout is not None:  # the types alone, where an example is on an Explicit mesh
       state_args, dyn_args = spmd.traced_types(state_args), spmd.traced_types(dyn_args)
     wrapped = tracing.stateful_fn(fn, name, example_args, state_nums, dyn_nums, updates)

@@ -145,9 +145,10 @@ def _global_example(where, arg_name, path, x, target):
 
 
 def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, state_nums,
-           state_flats, state_specs, source_slots):
+           state_flats, state_specs, source_slots, params=()):
   """(MeshLayout, dyn_args) for a compile under `options.mesh`; (None,
-  dyn_args) without one. `dyn_flats` and `state_flats` are the checked
+  dyn_args) without one (`params`: fn's positional parameter names, or None
+  each, for messages). `dyn_flats` and `state_flats` are the checked
   examples (inputs.flatten_example). With `source_slots` (state_from) the
   state keeps the source's layout. Many processes: `dyn_args` come back as
   the global arrays of each process's example piece."""
@@ -155,7 +156,10 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
   mesh = sharding.auto_axes(options.mesh)
   if mesh is None:
     return None, dyn_args
-  arg_names = [f"run argument at position {i}" for i in dyn_nums]
+  # named by fn's parameter where it has one: js.jit's keyword arguments come
+  # first in its call, and a position alone named another argument
+  arg_names = [f"run argument {params[i]!r} at position {i}" if i < len(params) and params[i]
+               else f"run argument at position {i}" for i in dyn_nums]
   arg_avals = [list(f.avals) for f in dyn_flats]
   arg_specs = sharding.leaf_specs("in_specs", mesh, in_specs, dyn_args, arg_names, arg_avals,
                                   sharding.data_parallel)

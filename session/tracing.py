@@ -147,6 +147,22 @@ def _named_like(step, fn, dyn_nums):
                 + params)
 
 
+def positional_names(fn):
+  """fn's positional parameter names, in order (None for what has none:
+  after a *args), or () where it has no signature."""
+  try:
+    params = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):
+    return ()
+  names = []
+  for p in params:
+    if p.kind == p.VAR_POSITIONAL:
+      break
+    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+      names.append(p.name)
+  return tuple(names)
+
+
 def arg_parameters(fn, positions):
   """inspect.Parameters naming fn's positional arguments at `positions`
   (increasing): its own parameter names, and past them its `*args` (one

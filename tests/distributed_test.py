@@ -313,7 +313,7 @@ class TwoProcessMismatchTest(absltest.TestCase):
     for out in (p0, p1):
       for name in ("rows", "state"):
         self.assertIn("the processes compile with other examples", out[name] or "", name)
-      self.assertIn("run argument at position 1 path (root): this process's piece (shape "
+      self.assertIn("run argument 'x' at position 1 path (root): this process's piece (shape "
                     "(5, 8)) does not make a global example", out["uneven"] or "")
       self.assertIsNone(out["same"])
       self.assertTrue(out["reordered"])

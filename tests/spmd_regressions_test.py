@@ -340,7 +340,11 @@ finally:
 # js.jit given a mesh session compiles as that session does: its default
 # in_specs split each argument's leading axis over the first mesh axis
 out["jit_mesh_session"] = [err(lambda: js.jit(jnp.cumsum, session=sess)(jnp.arange(5.0))),
-                           float(js.jit(jnp.sum, session=sess)(jnp.arange(8.0)))]
+                           float(js.jit(jnp.sum, session=sess)(jnp.arange(8.0))),
+                           # a keyword argument comes first in its call: the
+                           # message named the position there (a review's find)
+                           err(lambda: js.jit(lambda x, w, t: x * w * t, session=sess)(
+                               jnp.ones((6, 3)), jnp.ones(3), t=jnp.ones(4)))]
 # a top-level callback gets the whole value on one device, as under jax.jit
 # (it got the executable's 8-device array, sharded over 'data'), and what it
 # keeps of the state stays valid after the update takes the state over
@@ -443,6 +447,9 @@ class SpmdRegressionTest(SnippetTest):
     self.assertEqual(kind, "InputError")
     self.assertIn("do not divide over the 4 devices of mesh axis 'data'", message)
     self.assertEqual(self.out["jit_mesh_session"][1], 28.0)
+    kind, message = self.out["jit_mesh_session"][2]
+    self.assertEqual(kind, "InputError")
+    self.assertIn("run argument 'x' at position 1", message)
 
   def test_zero_on_the_optimizer_state_only(self):
     params_spec, moment_spec = self.out["zero1_specs"]
