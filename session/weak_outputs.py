@@ -21,6 +21,7 @@ from jax import tree_util
 from jaxsession import tracing
 from jaxsession.errors import InputError
 from jaxsession.inputs import is_weak
+from jaxsession.jax_api import ARRAY
 from jaxsession.runtime.state import with_weak_type
 
 
@@ -35,8 +36,12 @@ class WeakOutputs:
     self.base = base  # tracing.arithmetic of the compiled program
     self.state_structs = tuple(state_structs)
     self.dyn_structs = list(dyn_structs)
+    # the numeric leaves whose weak types the guard reads each run: the
+    # scalars, and the arrays beside them (a weak scalar and a weak array may
+    # change the program only together: a review's find)
     self.scalars = [(i, j) for i, avals in enumerate(spec.avals) for j, a in enumerate(avals)
-                    if _numeric_scalar(a)]
+                    if jax.numpy.issubdtype(a.dtype, jax.numpy.number)]
+    self.args = sorted({i for i, _ in self.scalars})  # the arguments flattened each run
     self.compiled = tuple(bool(spec.avals[i][j].weak_type) for i, j in self.scalars)
     self.flags = {self.compiled: tuple(out_weak)}
 
@@ -60,7 +65,7 @@ class WeakOutputs:
       dyn = list(self.dyn_structs)
       for (i, j), weak in zip(self.scalars, pattern):
         leaves, treedef = tree_util.tree_flatten(dyn[i])
-        leaves[j] = jax.ShapeDtypeStruct((), leaves[j].dtype, weak_type=weak)
+        leaves[j] = jax.ShapeDtypeStruct(leaves[j].shape, leaves[j].dtype, weak_type=weak)
         dyn[i] = tree_util.tree_unflatten(treedef, leaves)
       try:
         traced, (_, rest) = jax.make_jaxpr(self.wrapped, return_shape=True)(
@@ -86,7 +91,7 @@ class WeakOutputs:
     if len(flipped) == 1:
       return None
     places = [self.spec.place(i, j) for i, j in flipped]
-    return InputError(f"{'; '.join(places)}: the weak types of these scalars differ from "
+    return InputError(f"{'; '.join(places)}: the weak types of these arguments differ from "
                       "the ones compiled, and together they change the program (jax.jit would "
                       "compile another one). Pass them typed as the compile's examples were.")
 
@@ -95,9 +100,12 @@ class WeakOutputs:
     from the compiled ones; `always`: on every call (a sunk run, whose
     joins of a plan's outputs do not keep the compiled types either)."""
     scalars, compiled = self.scalars, None if always else self.compiled
+    watched_args = self.args
 
     def run(args):
-      pattern = tuple(is_weak(tree_util.tree_leaves(args[i])[j]) for i, j in scalars)
+      flat = {i: tree_util.tree_leaves(args[i]) for i in watched_args}
+      pattern = tuple(x.aval.weak_type if type(x) is ARRAY else is_weak(x)  # (~0.1 µs, ~0.4)
+                      for x in (flat[i][j] for i, j in scalars))
       if pattern == compiled:
         return call(args)
       want = self.out_flags(pattern)

@@ -242,6 +242,17 @@ class WeakRunScalarsTogetherTest(absltest.TestCase):
       got, want = sess.run(gid, *args), jax.jit(g)(*args)
       assert_equal_signed(got, want)
       self.assertEqual(got.weak_type, want.weak_type)
+    # a weak scalar and a weakly typed array together (the array was not
+    # watched: accepted with float32 bits, a review's find)
+    v = jnp.asarray(rng.standard_normal(8), jnp.float32)
+    gv = sess.compile(g, a, v, x)
+    weak_v = jnp.broadcast_to(0.3, (8,))
+    self.assertTrue(weak_v.weak_type)
+    self.assertEqual(jax.jit(g)(0.4, weak_v, x).dtype, jnp.bfloat16)
+    with self.assertRaisesRegex(js.InputError, "together they change the program"):
+      sess.run(gv, 0.4, weak_v, x)
+    for args in ((0.4, v, x), (a, weak_v, x)):
+      assert_equal_signed(sess.run(gv, *args), jax.jit(g)(*args))
 
 
 class GraphKeepsNoModelTest(absltest.TestCase):
