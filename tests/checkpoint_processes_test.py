@@ -1,0 +1,217 @@
+"""Checkpoints in fresh interpreters: a process killed (SIGKILL) at random
+instants during saves, or with checkpoint_keep=1 between a step's write and
+its marker, leaves every complete step restorable; a save pending as the
+script ends is written; x64 leaves round-trip bit for bit."""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl.testing import absltest
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsession as js
+from subproc import run_json
+from exact import assert_equal_signed
+
+
+KILLED_CHILD = r"""
+import sys
+import numpy as np, jax, jax.numpy as jnp
+import jaxsession as js
+directory = sys.argv[1]
+sess = js.Session(js.SessionOptions(checkpoint_keep=3))
+w = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: a save takes a while
+gid = sess.compile(lambda w: (w + 1.0, jnp.sum(w)), w, state_argnums=0)
+step = 0
+while True:
+  sess.run(gid)
+  step += 1
+  sess.save(gid, directory, step)
+  if step % 3 == 0:
+    sess.wait_until_saved()
+"""
+
+RESTORE_CHILD = r"""
+import json, os, sys
+import numpy as np, jax, jax.numpy as jnp
+import jaxsession as js
+sess = js.Session()
+w = np.arange(1 << 18, dtype=np.float32)
+gid = sess.compile(lambda w: (w + 1.0, jnp.sum(w)), w, state_argnums=0)
+trials = []
+for directory in sys.argv[1:]:  # one killed run's checkpoints each
+  folders = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+  steps, bad, refused = [], [], []
+  for step in folders:  # a folder the kill left half-written must refuse, never restore
+    try:
+      sess.restore(gid, directory, step=step)
+    except js.InputError as exc:
+      refused.append(step)
+      if steps and not np.array_equal(sess.get_state(gid)[0], w + steps[-1]):
+        bad.append(("changed by a refused restore", step))
+      continue
+    steps.append(step)
+    if not np.array_equal(sess.get_state(gid)[0], w + step):
+      bad.append(step)
+  latest = sess.restore(gid, directory) if steps else None
+  trials.append({"steps": steps, "bad": bad, "latest": latest, "refused": refused})
+print(json.dumps(trials))
+"""
+
+X64_CHILD = r"""
+import json, os, sys, tempfile
+import numpy as np, jax, jax.numpy as jnp
+import jaxsession as js
+rng = np.random.default_rng(5)
+state = {"f64": rng.standard_normal(6), "i64": rng.integers(-2**62, 2**62, 5),
+         "u64": np.array([2**64 - 1, 0, 2**63], np.uint64),
+         "c128": (rng.standard_normal(3) + 1j * rng.standard_normal(3))}
+state["f64"][:3] = [-0.0, np.nan, 5e-324]  # a signed zero, a nan, the smallest subnormal
+step = lambda s, x: (jax.tree.map(lambda a: a * 3 if a.dtype.kind != "u" else a + 1, s),
+                     jnp.sum(s["f64"]) * x)
+sess = js.Session()
+gid = sess.compile(step, state, 1.5, state_argnums=0)
+sess.run(gid, 1.5)
+with tempfile.TemporaryDirectory() as folder:
+  sess.save(gid, folder, 1)
+  sess.wait_until_saved()
+  other = js.Session()
+  gid2 = other.compile(step, state, 1.5, state_argnums=0)
+  other.restore(gid2, folder)
+dump = lambda s: {k: [str(v.dtype), np.asarray(v).tobytes().hex()] for k, v in s.items()}
+print(json.dumps({"saved": dump(sess.get_state(gid)[0]), "restored": dump(other.get_state(gid2)[0]),
+                  "next": [np.asarray(s.run(g, 1.5)).tobytes().hex()
+                           for s, g in ((sess, gid), (other, gid2))]}))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter with x64
+class X64CheckpointTest(absltest.TestCase):
+
+  def test_x64_leaves_round_trip_bit_for_bit(self):
+    out = run_json(X64_CHILD, devices=1, x64=True)
+    self.assertEqual(out["restored"], out["saved"])
+    self.assertEqual({k: v[0] for k, v in out["saved"].items()},
+                     {"f64": "float64", "i64": "int64", "u64": "uint64", "c128": "complex128"})
+    self.assertEqual(out["next"][0], out["next"][1])
+
+
+KEEP_ONE_CHILD = r"""
+import os, signal, sys
+import jax.numpy as jnp
+import numpy as np
+import jaxsession as js
+from jaxsession import checkpoint_steps
+sess = js.Session(js.SessionOptions(checkpoint_keep=1))
+w = np.float32([0.5, -0.0, 7.0])
+gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
+sess.save(gid, sys.argv[1], 1)
+sess.wait_until_saved()
+sess.run(gid)
+# killed at the instant the new step is written and not yet marked complete
+checkpoint_steps.mark_complete = lambda d: os.kill(os.getpid(), signal.SIGKILL)
+sess.save(gid, sys.argv[1], 2)
+sess.wait_until_saved()
+"""
+
+
+EXIT_CHILD = r"""
+import sys
+import numpy as np
+import jaxsession as js
+sess = js.Session()
+w = np.float32([0.5, -0.0, 7.0])
+gid = sess.compile(lambda w, x: (w * x, w.sum()), w, np.float32(3.0), state_argnums=0)
+sess.save(gid, sys.argv[1], 0)
+sess.wait_until_saved()
+sess.run(gid, np.float32(3.0))
+sess.save(gid, sys.argv[1], 1)  # pending as the script ends
+if sys.argv[2] == "ctrl-c":
+  raise KeyboardInterrupt
+"""
+
+
+@pytest.mark.slow
+class KilledSaveTest(absltest.TestCase):
+
+  def test_a_save_pending_as_the_script_ends_is_written(self):
+    """A script that ends (or is ended by a Ctrl-C) with a save still queued:
+    the exit hook ran after concurrent.futures had shut down, so orbax
+    refused the write and the final checkpoint was lost without a word."""
+    with tempfile.TemporaryDirectory() as tmp:
+      script = os.path.join(tmp, "child.py")
+      with open(script, "w") as f:
+        f.write(EXIT_CHILD)
+      for how in ("return", "ctrl-c"):
+        with self.subTest(how=how):
+          directory = os.path.join(tmp, how)
+          proc = subprocess.run([sys.executable, script, directory, how], capture_output=True,
+                                text=True, timeout=300)
+          self.assertEqual(proc.returncode, 0 if how == "return" else -signal.SIGINT,
+                           proc.stderr[-2000:])
+          self.assertNotIn("was not written", proc.stderr)
+          sess = js.Session()
+          w = np.float32([0.5, -0.0, 7.0])
+          gid = sess.compile(lambda w, x: (w * x, w.sum()), w, np.float32(3.0),
+                             state_argnums=0)
+          self.assertEqual(sess.restore(gid, directory), 1)
+          assert_equal_signed(sess.get_state(gid)[0], w * np.float32(3.0))
+
+  def test_keep_one_killed_before_the_new_step_is_marked(self):
+    """checkpoint_keep=1: orbax's own keep-N deleted step 1 inside the save
+    of step 2, before its marker: a kill between the two left no complete
+    step. The old step now goes only after the new one is complete."""
+    with tempfile.TemporaryDirectory() as tmp:
+      script, directory = os.path.join(tmp, "child.py"), os.path.join(tmp, "ckpt")
+      with open(script, "w") as f:
+        f.write(KEEP_ONE_CHILD)
+      proc = subprocess.run([sys.executable, script, directory], capture_output=True,
+                            timeout=300)
+      self.assertEqual(proc.returncode, -signal.SIGKILL, proc.stderr[-2000:])
+      sess = js.Session(js.SessionOptions(checkpoint_keep=1))
+      w = np.float32([0.5, -0.0, 7.0])
+      gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w + 1, state_argnums=0)
+      self.assertEqual(sess.restore(gid, directory), 1)
+      assert_equal_signed(sess.get_state(gid)[0], w)
+      sess.save(gid, directory, 3)  # the leftover of step 2 is removed, step 1 dropped
+      sess.wait_until_saved()
+      self.assertEqual(sorted(os.listdir(directory)), ["3"])
+
+  def test_a_kill_at_any_instant_leaves_complete_steps_restorable(self):
+    rng = np.random.default_rng(7)
+    with tempfile.TemporaryDirectory() as tmp:
+      script = os.path.join(tmp, "child.py")
+      with open(script, "w") as f:
+        f.write(KILLED_CHILD)
+      directories = []
+      for trial in range(6):
+        directory = os.path.join(tmp, f"ckpt{trial}")
+        directories.append(directory)
+        proc = subprocess.Popen([sys.executable, script, directory],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline and not (
+            os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))):
+          time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))  # a random instant, mid-save or between saves
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+      latest = 0
+      for out in run_json(RESTORE_CHILD, args=directories, devices=1, timeout=300):
+        self.assertEqual(out["bad"], [], out)
+        # the step being written (and one keep-N was deleting) may refuse: an
+        # InputError that changes nothing, never wrong data
+        self.assertLessEqual(len(out["refused"]), 2, out)
+        if out["steps"]:
+          self.assertEqual(out["latest"], max(out["steps"]))
+          latest = max(latest, out["latest"])
+      self.assertGreater(latest, 1)  # the trials did get past their first saves
+
+
+if __name__ == "__main__":
+  absltest.main()
