@@ -210,7 +210,6 @@ class Op:
   host_ins: Tuple[int, ...] = ()   # device ops: the positions of ins a host op made
   in_shardings: tuple = ()         # device ops: the layout each of ins is taken in
   node: Any = None                 # host ops: the node it runs
-  fresh: Tuple[int, ...] = ()      # host ops: the positions of ins given as copies
 
 
 @dataclasses.dataclass
@@ -432,7 +431,6 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
       fresh = tuple(i for i, r in enumerate(op.ins) if r < num_state)
       if fresh:
         op.fn = fresh_arguments(op.fn, fresh)
-        op.fresh = fresh
         note = (f"argument(s) {list(fresh)} given to the user's code as copies each run: "
                 "the state's own buffers, which an update takes over (donated)")
         if note not in op.node.notes:

@@ -1,19 +1,24 @@
-"""Output weak types that follow the run's scalars, as jax.jit's do.
+"""Output weak types that follow the run's scalars, as jax.jit's do, and the
+refusal of argument weak types that change the program together.
 
 A graph compiled with a Python float `s` and run with a strong float32 `s`
 computes the same arithmetic (else the weak guard refuses the run: inputs.py),
 but jax.jit, which compiles again for the strong scalar, returns a strong
 `s * 2` where the graph's executable returns the weak one it was compiled for -
 and `out * bf16_params` is then bfloat16 instead of float32. So where a
-graph has scalar run arguments, `run` compares their weak types with the
-compiled ones; on a difference, the output weak types for that pattern are
+graph has scalar run arguments, `run` compares their weak types (and those
+of the numeric array arguments beside them) with the compiled ones; on a
+difference, the output weak types for that pattern are
 found once by tracing the function with those types (no user code runs on
 values) and the outputs are retyped (runtime/state.py's with_weak_type: the
 same buffers under the other aval; only on such runs). That trace also
-compares the arithmetic with the compiled program's: scalars whose weak
+compares the arithmetic with the compiled program's: leaves whose weak
 types change the program only together (two weak Python floats added, then
-times bfloat16: weak, where one strong scalar keeps it float32) are refused
-before the run, as one alone is (inputs.ArgSpec.weak_guard).
+times bfloat16: weak, where one strong scalar keeps it float32; a weak
+scalar and a weak array likewise) are refused before the run, as one alone
+is (inputs.ArgSpec.weak_guard). Under a mesh the outputs keep the compiled
+weak types; the refusal holds. Where the graph's function is a method of an
+object since collected, a new pattern is refused: it cannot be traced.
 """
 import jax
 from jax import tree_util
@@ -39,10 +44,10 @@ class WeakOutputs:
     # the numeric leaves whose weak types the guard reads each run: the
     # scalars, and the arrays beside them (a weak scalar and a weak array may
     # change the program only together: a review's find)
-    self.scalars = [(i, j) for i, avals in enumerate(spec.avals) for j, a in enumerate(avals)
+    self.watched = [(i, j) for i, avals in enumerate(spec.avals) for j, a in enumerate(avals)
                     if jax.numpy.issubdtype(a.dtype, jax.numpy.number)]
-    self.args = sorted({i for i, _ in self.scalars})  # the arguments flattened each run
-    self.compiled = tuple(bool(spec.avals[i][j].weak_type) for i, j in self.scalars)
+    self.args = sorted({i for i, _ in self.watched})  # the arguments flattened each run
+    self.compiled = tuple(bool(spec.avals[i][j].weak_type) for i, j in self.watched)
     self.flags = {self.compiled: tuple(out_weak)}
 
   @classmethod
@@ -60,10 +65,10 @@ class WeakOutputs:
                out_weak, base, retype)
 
   def out_flags(self, pattern):
-    """The output weak types jax.jit gives for the scalars' weak `pattern`."""
+    """The output weak types jax.jit gives for the watched leaves' weak `pattern`."""
     if pattern not in self.flags:
       dyn = list(self.dyn_structs)
-      for (i, j), weak in zip(self.scalars, pattern):
+      for (i, j), weak in zip(self.watched, pattern):
         leaves, treedef = tree_util.tree_flatten(dyn[i])
         leaves[j] = jax.ShapeDtypeStruct(leaves[j].shape, leaves[j].dtype, weak_type=weak)
         dyn[i] = tree_util.tree_unflatten(treedef, leaves)
@@ -86,7 +91,7 @@ class WeakOutputs:
     """The InputError for a run whose scalars' weak types change the program
     together, or None where one alone does (ArgSpec.weak_guard, inside this
     guard, refuses that one with its own message, a sunk run's included)."""
-    flipped = [(i, j) for (i, j), weak, was in zip(self.scalars, pattern, self.compiled)
+    flipped = [(i, j) for (i, j), weak, was in zip(self.watched, pattern, self.compiled)
                if weak != was]
     if len(flipped) == 1:
       return None
@@ -99,13 +104,13 @@ class WeakOutputs:
     """`call` with its outputs retyped where the scalars' weak types differ
     from the compiled ones; `always`: on every call (a sunk run, whose
     joins of a plan's outputs do not keep the compiled types either)."""
-    scalars, compiled = self.scalars, None if always else self.compiled
+    watched, compiled = self.watched, None if always else self.compiled
     watched_args = self.args
 
     def run(args):
       flat = {i: tree_util.tree_leaves(args[i]) for i in watched_args}
       pattern = tuple(x.aval.weak_type if type(x) is ARRAY else is_weak(x)  # (~0.1 µs, ~0.4)
-                      for x in (flat[i][j] for i, j in scalars))
+                      for x in (flat[i][j] for i, j in watched))
       if pattern == compiled:
         return call(args)
       want = self.out_flags(pattern)
