@@ -28,7 +28,9 @@ mean gave other bits in 64 of 64 elements).
 
 A result larger than `SessionOptions.fold_limit_bytes` is not folded. Only
 nodes that op_properties calls foldable are evaluated: never control flow,
-callbacks (compile runs no user code), effects or random draws. Needs nothing
+callbacks (compile runs no user code), effects or random draws. A pure node
+whose outputs hold no element at all (a callback's too) becomes empty
+constants without being run, as XLA drops such instructions. Needs nothing
 before it; DCE afterwards drops the const inputs nobody reads any more.
 """
 import jax
@@ -111,6 +113,18 @@ def _memo_key(node, args):
                                   np.ascontiguousarray(a).tobytes()) for a in args))
 
 
+def _zero_size(node):
+  """Whether every output of a pure node holds no element: its value is
+  known without running it, and XLA removes such an instruction under
+  jax.jit (so a pure_callback of an empty result is never called there)."""
+  if not node.outputs or not node.props.pure:
+    return False
+  try:
+    return all(0 in o.aval.shape and np.dtype(o.aval.dtype) is not None for o in node.outputs)
+  except TypeError:  # extended dtypes (PRNG keys) have no numpy form
+    return False
+
+
 class Evaluator:
   """`evaluate` with the results of one pass run remembered: CSE leaves
   constant subexpressions to XLA, so a program can hold many equal ones, and
@@ -139,6 +153,15 @@ class FoldConstants(Pass):
     folded = []
     fold = Evaluator(ctx.platform)
     for node in graph.nodes:
+      if _zero_size(node):  # XLA drops it whatever its inputs (a pure_callback too)
+        for out in node.outputs:
+          const = graph.add_input(out.aval, kind="const",
+                                  const_value=np.zeros(out.aval.shape, out.aval.dtype),
+                                  name=f"empty {node.op}")
+          known[const.id] = graph.const_values[const.id]
+          graph.replace_uses(out, const)
+        folded.append(node)
+        continue
       if not self._foldable(node, known, limit):
         continue
       reads_const = any(isinstance(v, Value) and v.id in from_const for v in node.inputs)

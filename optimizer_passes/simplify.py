@@ -13,6 +13,8 @@ engine drops the matched nodes itself when nobody else reads them).
 """
 import threading
 
+from jax import lax
+from jax.core import ShapedArray
 import jax.numpy as jnp
 import numpy as np
 
@@ -126,6 +128,24 @@ def reshape_chain(r, x, inner):
   return r.emit("reshape", r.root.prim, dict(r.root.params), [x], [r.root.outputs[0].aval])
 
 
+def select_constant(r, which, a, b):
+  """select_n(c, a, b) with c one constant: the case it selects (XLA drops
+  the other, and what only it reads: a pure_callback is then never called)."""
+  chosen = int(np.asarray(which.value))
+  return keep_x(r, (a, b)[chosen]) if chosen in (0, 1) else None
+
+
+def zero_int(r, x):
+  """x * 0 for integers: zeros (wrap-around or not), as XLA's simplifier
+  makes it; x and what only it reads are left to DCE."""
+  out = r.root.outputs[0]
+  if not is_kind(x, jnp.integer) or not same_aval(out, x):
+    return None
+  zero = Literal(np.zeros((), out.aval.dtype)[()], ShapedArray((), out.aval.dtype))
+  return r.bind(lax.broadcast_in_dim_p, [zero], shape=tuple(out.aval.shape),
+                broadcast_dimensions=(), sharding=None)
+
+
 def broadcast_chain(r, x, inner):
   """broadcast(broadcast(x, d1), d2) = broadcast(x, d2[d1])."""
   d1 = inner.producer.params["broadcast_dimensions"]
@@ -141,6 +161,9 @@ SIMPLIFY_RULES = [
     Rule(Pat(ADDS, x, Pat.lit(-0.0)), keep_float),                    # x+(-0.0) -> x
     Rule(Pat(ADDS, x, Pat.lit(0)), keep_int),                         # x+0 -> x (ints only)
     Rule(Pat("sub", x, Pat.lit(0)), keep_real),                       # x-0 -> x (+0 only)
+    Rule(Pat("mul", x, Pat.lit(0)), zero_int),                        # x*0 -> 0 (ints only)
+    Rule(Pat("select_n", Pat.lit(name="which"), Pat.var("a"), Pat.var("b")),
+         select_constant),                                            # where(True, a, b) -> a
     Rule(Pat("div", x, Pat.lit(1)), keep_real),                       # x/1 -> x (not complex)
     Rule(Pat("pow", x, Pat.lit(1)), keep_real),                       # x**1 -> x
     Rule(Pat("integer_pow", x, params={"y": 1}), keep_x),             # x**1 -> x

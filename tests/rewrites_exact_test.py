@@ -10,6 +10,7 @@ NaN, +-inf, values past 2**24 (past 2**53 with x64) and weak-typed scalars.
   6. only fold_constants on: an optax Adam step stays bit-identical
   7. two rng_uniform draws stay two draws
   8. a nested jit (jax.nn.relu, silu) stays the call jax.jit lowers it as
+  9. a pure_callback XLA drops under jax.jit is not called either
 """
 from absl.testing import absltest
 import pytest
@@ -497,6 +498,51 @@ class DivisorsStayApartTest(absltest.TestCase):
           sess.run(gid, jnp.float32(lr))
           want = jax.jit(step)(want, jnp.float32(lr))[0]
         assert_same_bits(sess.get_state(gid)[0], want, name)
+
+
+class DeadCallbackTest(absltest.TestCase):
+  """Bug 9 (a break-it find): a pure_callback whose result holds no element,
+  or that a constant select or an integer `* 0` discards, was called at every
+  run where XLA drops it under jax.jit - and a raising one failed the run."""
+
+  def _never_called(self, fn, *args):
+    def refuse(*_):
+      raise AssertionError("called")
+    sess = js.Session()
+    gid = sess.compile(lambda s, *a: fn(refuse, s, *a), args[0], *args[1:], state_argnums=0)
+    want_s = args[0]
+    for _ in range(2):
+      got = sess.run(gid, *args[1:])
+      want_s, *want = jax.jit(lambda s, *a: fn(refuse, s, *a))(want_s, *args[1:])
+      assert_same_bits(got, want[0] if len(want) == 1 else tuple(want), "outputs")
+    assert_same_bits(sess.get_state(gid)[0], want_s, "state")
+    self.assertNotIn("pure_callback", _ops(sess, gid))
+    return sess, gid
+
+  def test_an_empty_result(self):
+    empty = jax.ShapeDtypeStruct((0, 4), jnp.float32)
+    def fn(cb, s, x):
+      e = jax.pure_callback(cb, empty, x[:0])
+      return s + e.sum(), e, jnp.zeros((0,), jnp.int32) + x[:0, 0].astype(jnp.int32)
+    self._never_called(fn, with_specials(normal(RNG, 4)), normal(RNG, 3, 4))
+
+  def test_a_select_with_a_constant_predicate(self):
+    spec = jax.ShapeDtypeStruct((5,), jnp.float32)
+    x = with_specials(normal(RNG, 5))
+    for which, cases in ((np.bool_(False), lambda c, x: (x * 2, c)),
+                         (np.int32(1), lambda c, x: (c, x - 1))):
+      fn = lambda cb, s, x, w=which, k=cases: (  # noqa: E731
+          s, lax.select_n(w, *k(jax.pure_callback(cb, spec, x), x)))
+      self._never_called(fn, normal(RNG, 2), x)
+
+  def test_an_integer_times_zero(self):
+    spec = jax.ShapeDtypeStruct((4,), jnp.int32)
+    big = jnp.asarray([2**31 - 1, -(2**31), 12345, -1], jnp.int32)
+    fn = lambda cb, s, i: (s + jax.pure_callback(cb, spec, i) * 0, s * 0)  # noqa: E731
+    sess, gid = self._never_called(fn, big, big)
+    self.assertEqual(sess.run(gid, big).dtype, jnp.int32)
+    gid = sess.compile(lambda x: x * 0, with_specials(normal(RNG, 6)))  # floats stay
+    self.assertIn("mul", _ops(sess, gid))
 
 
 if __name__ == "__main__":
