@@ -110,7 +110,7 @@ def _leaf_key(x):
                             "the type jax.jit gives it (jax.jit raises OverflowError too)")
     return (type(x),)
   # numpy arrays and scalars, anything else jax takes (custom element types); not
-  # a JAX type: jax's own TypeError, as jax.jit raises
+  # a JAX type: a TypeError, on which __call__ hands the call to jax.jit
   aval = jax.api_util.shaped_abstractify(x)
   return (type(x), aval.shape, aval.dtype, getattr(aval, "weak_type", False))
 
@@ -199,7 +199,11 @@ class Jitted:
       return self._under_trace()(*args, **kwargs)
     # the trace-time configuration is part of the signature, as in jax.jit's
     # cache (threefry_partitionable, dtype and rank promotion, the mesh...)
-    key = (statics, treedef, tuple(map(_leaf_key, leaves)), _trace_context(),
+    try:
+      leaf_keys = tuple(map(_leaf_key, leaves))
+    except TypeError:  # a leaf of no JAX type: jax.jit's own error, naming fn and the
+      return self._under_trace()(*args, **kwargs)  # path (or its run, if it takes it)
+    key = (statics, treedef, leaf_keys, _trace_context(),
            _concrete_mesh())  # jax.set_mesh's devices: the abstract mesh has no order
     sigs = self._sigs
     gid = sigs.graphs.get(key)

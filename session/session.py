@@ -138,6 +138,7 @@ class Session:
     """compile without buckets."""
     start = time.perf_counter()
     if isinstance(fn, jcore.ClosedJaxpr):
+      tracing.check_jaxpr_examples(fn, example_args, f"compile({name or 'closed_jaxpr'})")
       fn = tracing.closed_jaxpr_fn(fn)
     if not callable(fn):
       raise InputError(f"compile: fn must be a callable or a ClosedJaxpr, got "
@@ -388,12 +389,13 @@ class Session:
     cached). Equals `op.bind(*args, **params)`."""
     return self._ops.run(op, *args, **params)
 
-  def run(self, graph_id, *args, steps=None, in_axes=None):
+  def run(self, graph_id, *args, steps=None, in_axes=None, **keywords):
     """Runs one step (or `steps` steps, loop-sunk) and returns fn's non-state
     outputs. State advances only if the whole call succeeds. With `steps`,
     every argument carries the steps on a new leading axis, or per
     `in_axes` (one 0 or None per argument): None passes that argument as
-    it is, the same value every step (as vmap's in_axes)."""
+    it is, the same value every step (as vmap's in_axes). Arguments go by
+    position: any other keyword is an InputError."""
     try:
       entry = self._graphs[graph_id]
     except (KeyError, TypeError):
@@ -401,6 +403,11 @@ class Session:
     else:
       if type(graph_id) is not int:  # a float or bool key that hashes like an int
         entry = self._entry(graph_id)
+    if keywords:
+      raise InputError(f"{entry.spec.where}: run takes the graph's arguments by position "
+                       f"({len(entry.spec.treedefs)} here); got keyword argument(s) "
+                       f"{', '.join(map(repr, keywords))} (its only keywords are steps "
+                       "and in_axes)")
     leading = None
     try:
       if steps is None and in_axes is None:

@@ -13,7 +13,8 @@ from jax import tree_util
 from jax.extend import core as jcore
 
 from jaxsession.errors import InputError
-from jaxsession.inputs import check_aval, leaf_aval, paths_of, weak_type_error
+from jaxsession.graph.ir import aval_str
+from jaxsession.inputs import check_aval, example_place, leaf_aval, paths_of, weak_type_error
 from jaxsession.runtime import static_leaves
 from jaxsession.runtime.state import tree_difference
 
@@ -37,6 +38,25 @@ def note_traced_numbers(exc, name, state_nums, state_args):
                  f"traces them (arrays inside the function): {'; '.join(found)}. To keep "
                  "them static, close over them or pass only the arrays as state "
                  "(eqx.partition(model, eqx.is_array)).")
+
+
+def check_jaxpr_examples(closed, example_args, where):
+  """InputError unless the examples are one array per input of `closed`,
+  each of that input's shape and dtype (a jaxpr's shapes are baked into its
+  equations: another shape traced through it silently computed with them)."""
+  want = closed.in_avals
+  if len(example_args) != len(want):
+    raise InputError(f"{where}: the ClosedJaxpr takes {len(want)} inputs "
+                     f"({', '.join(map(aval_str, want))}), got {len(example_args)} "
+                     "example arguments")
+  for i, (x, aval) in enumerate(zip(example_args, want)):
+    place = example_place(where, i, "")
+    leaves = tree_util.tree_leaves(x)
+    if len(leaves) != 1 or leaves[0] is not x:
+      raise InputError(f"{place}: the ClosedJaxpr's input {i} is one array "
+                       f"({aval_str(aval)}), got a {type(x).__name__} holding "
+                       f"{len(leaves)} leaves")
+    check_aval(place, leaf_aval(x, place, type_only=True), aval)
 
 
 def closed_jaxpr_fn(closed):

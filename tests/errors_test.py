@@ -3,6 +3,7 @@ from unittest import mock
 
 from absl.testing import absltest
 import jax
+from jax.extend import core as jcore
 import jax.numpy as jnp
 import numpy as np
 
@@ -58,6 +59,41 @@ class BadInputTest(absltest.TestCase):
   def test_wrong_arity(self):
     self.assert_input_error(r"expected 1 positional argument.*got 2", self.batch, self.batch)
     self.assert_input_error(r"expected 1 positional argument.*got 0")
+
+  def test_a_keyword_argument(self):
+    self.assert_input_error(r"by position \(1 here\); got keyword argument\(s\) 'batch'",
+                            batch=self.batch)
+    self.assert_input_error(r"keyword argument\(s\) 'step'", self.batch, step=2)
+
+  def test_a_closed_jaxprs_examples_are_its_input_types(self):
+    # the jaxpr's shapes are baked into its equations (a.shape[0] became 3.0):
+    # another example shape used to compile and compute with them silently
+    closed = jax.make_jaxpr(lambda a, b: (jnp.sin(a) + b, a.shape[0] * a))(
+        jnp.ones(3), jnp.float32(2))
+    x = self.batch["x"][0, :3]
+    for args, regex in (((x,), r"takes 2 inputs \(f32\[3\], f32\[\]\), got 1"),
+                        ((x, x[0], x), r"got 3 example"),
+                        ((jnp.ones(4), x[0]), r"position 0.*expected f32\[3\], got f32\[4\]"),
+                        ((x.astype(jnp.int32), x[0]), r"expected f32\[3\], got i32\[3\]"),
+                        (({"a": x}, x[0]), r"input 0 is one array \(f32\[3\]\), got a dict")):
+      with self.assertRaisesRegex(js.InputError, regex):
+        self.sess.compile(closed, *args)
+    gid = self.sess.compile(closed, x, x[0])
+    np.testing.assert_array_equal(self.sess.run(gid, x, x[1]),
+                                  jax.jit(jcore.jaxpr_as_fun(closed))(x, x[1]))
+    self.assert_state_unchanged()
+
+  def test_js_jit_names_a_non_array_leaf_as_jax_jit_does(self):
+    cfg = {"lr": jnp.float32(0.1), "opt": {"name": "adam"}}
+    def step(cfg, x):
+      return x * cfg["lr"]
+    messages = []
+    for jit in (jax.jit, js.jit):
+      with self.assertRaises(TypeError) as caught:
+        jit(step)(cfg, self.batch["x"])
+      messages.append(str(caught.exception))
+    self.assertIn("at path cfg['opt']['name']", messages[1])
+    self.assertEqual(messages[0], messages[1])
 
   def test_wrong_shape_names_argument_and_path(self):
     bad = {"x": self.batch["x"][:5]}
