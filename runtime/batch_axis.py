@@ -18,10 +18,15 @@ What one trace cannot see (the caller's part): Python that reads the batch
 size into the program (`x / x.shape[0]`, `x.reshape(4, -1)`) looks like any
 literal or shape; a batch size equal to another axis's makes a merge look like
 a kept axis. Analyse a trace at a batch size unlike the other sizes, and check
-the bucket's trace is the same program. Bit-exact buckets also need kernels
+the bucket's trace is the same program. A value made from the batch size as
+an array (`jnp.ones(x.shape[0])`) is the same program at every size, so the
+analysis itself refuses an op that reads across an axis of the batch's extent
+of a row-free value, as its rows rule would refuse it on rows (`_batch_sized`). Bit-exact buckets also need kernels
 that round a row the same at every batch size; XLA on CPU does not by default
 (tests/batch_axis_test.py says which options it takes).
 """
+
+import dataclasses
 
 import numpy as np
 from jax.extend import core as jcore
@@ -226,6 +231,17 @@ def step(eqn):
     return [Fact(mixed_by=mixed)] * len(eqn.out_avals)
   rule = rule_for(eqn.op)
   if all(f.axis is None for f in eqn.facts):
+    for sized in _batch_sized(eqn):  # a value made from the batch size, read across it
+      try:
+        if rule is None:
+          raise Mixing(f"no batch rule for {eqn.op}")
+        rule.rows(sized)
+      except Mixing as exc:
+        raise Mixing(f"{exc.reason}, on a value sized by the batch that does not come from "
+                     "the rows (made from the batch size: jnp.ones(x.shape[0]), an arange of "
+                     "it); padded rows would count") from None
+      except (KeyError, IndexError, ValueError, TypeError, AttributeError):
+        pass  # a rule that cannot read it: the uniform rule below knows less
     try:
       return (rule.uniform if rule is not None else no_uniform)(eqn)
     except Exception:  # noqa: BLE001 - knowing less is always allowed
@@ -243,6 +259,20 @@ def step(eqn):
     if fact.axis is not None and (fact.axis >= len(shape) or shape[fact.axis] != eqn.batch):
       raise Mixing(f"changes the extent of the batch axis (output {k} axis {fact.axis})")
   return outs
+
+
+def _batch_sized(eqn):
+  """The operation as its rows rule would see it were the axes of the batch's
+  extent (the probe sizes no example axis has) rows: one Eqn per such axis of
+  an operand with several. A value made from the batch size (`jnp.ones(
+  x.shape[0])`) holds no row, yet a sum or an argmax across it counts the
+  padded rows: the rows rule then says it mixes."""
+  sized = [[d for d, n in enumerate(eqn.shape(i)) if n == eqn.batch]
+           for i in range(len(eqn.facts))]
+  for k in range(max(map(len, sized), default=0)):
+    facts = [Fact(axis=axes[min(k, len(axes) - 1)]) if axes else f
+             for axes, f in zip(sized, eqn.facts)]
+    yield dataclasses.replace(eqn, facts=facts)
 
 
 def _const_uniform(value):

@@ -408,6 +408,12 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
     with self.assertRaisesRegex(InputError, "depends on the batch size"):
       sess.compile(lambda n, x: (n + x.shape[0], x * 2), jnp.int32(0), x, state_argnums=0,
                    buckets={1: [4, 8]})
+    # made from the batch size by an array, not a literal: the same program at
+    # every size, yet padded rows counted (a break-it find: state 4, jax.jit's 3)
+    for buckets in ([4, 8], "auto"):
+      with self.assertRaisesRegex(InputError, "'reduce_sum'.*sized by the batch"):
+        sess.compile(lambda n, x: (n + jnp.sum(jnp.ones(x.shape[0], jnp.int32)), x * 2),
+                     jnp.int32(0), x, state_argnums=0, buckets={1: buckets})
 
   def test_a_callback_defined_in_fn_is_the_same_program_at_every_size(self):
     """A lambda made inside fn is another object at each probe trace: it was
