@@ -114,14 +114,16 @@ class Checkpointer:
         self._queue.task_done()
 
   def _manager(self, where, directory, create):
-    path = os.path.abspath(os.fspath(directory))
+    path = _local_path(where, directory)
     with self._lock:
       manager = self._managers.get(path)
-      if manager is None:
-        if not create and not os.path.isdir(path):
+      if not os.path.isdir(path):  # removed since its manager was made: made again,
+        manager = None  # as the first save makes it (its manager's save failed there)
+        if not create:
           raise InputError(f"{where}: checkpoint directory {path!r} does not exist")
-        if os.path.exists(path) and not os.path.isdir(path):
+        if os.path.exists(path):
           raise InputError(f"{where}: {path!r} is a file, not a directory")
+      if manager is None:
         ocp = _ocp()
         # keep-N is applied here after the new step is marked complete:
         # orbax's max_to_keep deleted the old step inside save(), before the
@@ -141,9 +143,7 @@ class Checkpointer:
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
       raise InputError(f"{where}: step must be an int >= 0, got {step!r}")
     step = int(step)  # a numpy integer too, as run's steps=
-    if not isinstance(directory, (str, os.PathLike)):
-      raise InputError(f"{where}: directory must be a str or os.PathLike, got "
-                       f"{type(directory).__name__}")
+    _local_path(where, directory)
     if any(slot.unset for slot in entry.slots):
       raise InputError(f"{where}: the state is unset (compiled from jax.ShapeDtypeStruct "
                        "examples; set_state or restore binds it)")
@@ -218,6 +218,9 @@ class Checkpointer:
       manager.wait_until_finished()
       step_dirs.mark_complete(os.path.join(path, str(step)))
       step_dirs.unclaim(path, step)
+      with self._lock:  # on the disk now: the order is read there (a folder
+        if self._queued.get(path) == step:  # removed by hand takes any step again)
+          del self._queued[path]
       if self.keep is not None:
         step_dirs.drop_old(manager, path, self.keep)
     with self._lock:
@@ -240,9 +243,7 @@ class Checkpointer:
                              or step < 0):
       raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
     step = None if step is None else int(step)
-    if not isinstance(directory, (str, os.PathLike)):
-      raise InputError(f"{where}: directory must be a str or os.PathLike, got "
-                       f"{type(directory).__name__}")
+    _local_path(where, directory)
     self._queue.join()  # the pending saves written (their errors stay for wait/save)
     path, manager = self._manager(where, directory, create=False)
     try:
@@ -287,6 +288,22 @@ class Checkpointer:
                 with_weak_type(x, weak[j]) for j, x in enumerate(row)]
       values.append(tree_util.tree_unflatten(slot.treedef, leaves))
     return step, values
+
+
+def _local_path(where, directory):
+  """The absolute path of a checkpoint directory: a local one (the step
+  folders' markers and claims are local files; a URL such as gs://... became
+  a relative folder named 'gs:' and failed in the background)."""
+  if not isinstance(directory, (str, os.PathLike)):
+    raise InputError(f"{where}: directory must be a str or os.PathLike, got "
+                     f"{type(directory).__name__}")
+  text = os.fspath(directory)
+  if not isinstance(text, str) or not text:
+    raise InputError(f"{where}: directory must be a non-empty path, got {directory!r}")
+  if "://" in text:
+    raise InputError(f"{where}: directory {text!r} is a URL; checkpoints go to a local "
+                     "(or locally mounted) directory")
+  return os.path.abspath(text)
 
 
 def _check_writable(where, entry):

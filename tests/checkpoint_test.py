@@ -507,6 +507,24 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(sess.restore(gid, self.dir), 3001)
     assert_equal_signed(sess.get_state(gid)[0], w * 2)
 
+  def test_a_folder_removed_between_saves_is_made_again(self):
+    p, o, k, xs = examples()
+    sess = js.Session()
+    gid = sess.compile(train, p, o, k, xs[0], state_argnums=(0, 1, 2))
+    folder = os.path.join(self.dir, "ck")
+    sess.save(gid, folder, 3)
+    sess.wait_until_saved()
+    shutil.rmtree(folder)  # every later save failed: its manager's folder was gone
+    with self.assertRaisesRegex(js.InputError, "does not exist"):
+      sess.restore(gid, folder)
+    sess.run(gid, xs[1])
+    sess.save(gid, folder, 1)  # a new folder: "step 1 is not after step 3" before
+    sess.wait_until_saved()
+    before = state_bytes(sess, gid)
+    sess.run(gid, xs[2])
+    self.assertEqual(sess.restore(gid, folder), 1)
+    self.assertEqual(state_bytes(sess, gid), before)
+
   def test_what_does_not_fit_is_an_input_error_and_changes_nothing(self):
     p, o, k, xs = examples()
     sess = js.Session()
@@ -549,6 +567,10 @@ class CheckpointTest(absltest.TestCase):
     with self.assertRaisesRegex(js.InputError, "cannot be used: NotADirectoryError"):
       sess.save(gid, os.path.join(a_file, "sub"), 1)  # was the raw OSError
     os.remove(a_file)
+    for bad, message in (("", "non-empty path"), ("gs://bucket/run", "is a URL")):
+      for call in (lambda: sess.save(gid, bad, 2), lambda: sess.restore(gid, bad)):
+        with self.assertRaisesRegex(js.InputError, message):  # was written into the
+          call()  # current folder, or a local folder 'gs:' that failed in the background
     # a corrupted checkpoint: the array files truncated
     for root, _, files in os.walk(os.path.join(self.dir, "1", "state")):
       for name in files:
