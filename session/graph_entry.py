@@ -25,6 +25,7 @@ class Entry:
   weak_outputs: Any = None  # weak_outputs.WeakOutputs: output weak types follow the scalars
   sunk: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # (steps, leading) -> call
   chunks: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # (steps, leading) -> Runner
+  first_steps: int = None   # the first steps value run: its own executable per in_axes
   released: bool = False
   bucketed: Any = None      # a BucketedGraph: run dispatches to its sub-graphs
 
@@ -93,14 +94,18 @@ class Entry:
   def sunk_call(self, steps, leading):
     """The call of run(steps=steps) (`leading`: loop_sink.check_in_axes's),
     built on first use: the first steps value a graph runs compiles its own
-    executable; any other runs as chunks of power-of-two steps (64 + 32 + 4
+    executable (one per in_axes pattern it runs with); any other runs as chunks of power-of-two steps (64 + 32 + 4
     for 100), each chunk's executable compiled once and shared by every
     steps value - the short last chunk of an epoch compiles at most
     log2(steps) + 1 small ones, once."""
     kind = "one executable (lax.scan)" if self.runner.layout.one_executable else \
         "the plan, once per step"
     sizes = loop_sink.chunk_sizes(steps)
-    if not self.chunks or len(sizes) == 1:
+    if self.first_steps is None:
+      self.first_steps = steps
+    # the first steps value, under any in_axes, runs as one scan (chunks are
+    # loops of other lengths: another in_axes there was 1 ulp off, a break-it find)
+    if steps == self.first_steps or len(sizes) == 1:
       runner = self.chunks[steps, leading] = self.make_sunk(steps, leading)
       self.report.loop_sink[steps] = kind
       return self._sunk_guards(self._wrap(runner, steps), leading)

@@ -346,6 +346,27 @@ class StepsValuesTest(absltest.TestCase):
     self.assertEqual(sorted(k for k, _ in sess._entry(gid).chunks), [1, 2, 4, 32, 64, 100])
     self.assertIn("chunks of 32 + 4 + 1 steps", sess.report(gid).loop_sink[37])
 
+  def test_the_first_steps_value_under_another_in_axes_is_one_scan(self):
+    # a break-it find: it ran as chunks of 4 + 1, 1 ulp off jax.jit's one scan
+    rng = np.random.default_rng(0)
+    def step(w, m, x, lr, tbl):
+      y = jnp.tanh(x @ w) * lr + tbl[m % 4]
+      return w - lr * (x.T @ y), m + 1, (jnp.sum(y), y)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    w, m, xs, tbl = f32(3, 3), np.int32(0), f32(5, 2, 3), jnp.asarray(f32(4))
+    lr = np.float32(0.1)
+    scan = jax.jit(lambda w, m, xs: jax.lax.scan(
+        lambda c, x: (lambda w, m, o: ((w, m), o))(*step(*c, x, lr, tbl)), (w, m), xs))
+    sess = js.Session()
+    gid = sess.compile(step, w, m, xs[0], lr, tbl, state_argnums=(0, 1))
+    sess.run(gid, xs, f32(5) * 0.1, tbl, steps=5, in_axes=(0, 0, None))
+    sess.set_state(gid, w, m)
+    got = sess.run(gid, xs, lr, tbl, steps=5, in_axes=(0, None, None))
+    state, want = scan(w, m, xs)
+    self.assertEqual(sess.report(gid).loop_sink[5], "one executable (lax.scan)")
+    assert_same_bits(got, want, "outputs")
+    assert_same_bits(sess.get_state(gid), state, "state")
+
   def test_a_chunked_run_gives_the_bits_of_its_chunks_scans_in_sequence(self):
     # what docs/numerics.md promises for a chunked run: jax.jit(lax.scan) over
     # 8 steps, then over 1, bit for bit (a single scan over 9 steps may differ
