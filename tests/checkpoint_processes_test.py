@@ -130,6 +130,12 @@ gid = sess.compile(lambda w, x: (w * x, w.sum()), w, np.float32(3.0), state_argn
 sess.save(gid, sys.argv[1], 0)
 sess.wait_until_saved()
 sess.run(gid, np.float32(3.0))
+if sys.argv[2] == "ctrl-c-at-exit":  # step 1's write still going when the Ctrl-C comes
+  import os, signal, threading, time
+  from jaxsession import checkpoint_steps
+  marked = checkpoint_steps.mark_complete
+  checkpoint_steps.mark_complete = lambda *a: (time.sleep(3), marked(*a))
+  threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
 sess.save(gid, sys.argv[1], 1)  # pending as the script ends
 if sys.argv[2] == "ctrl-c":
   raise KeyboardInterrupt
@@ -161,6 +167,25 @@ class KilledSaveTest(absltest.TestCase):
                              state_argnums=0)
           self.assertEqual(sess.restore(gid, directory), 1)
           assert_equal_signed(sess.get_state(gid)[0], w * np.float32(3.0))
+
+  def test_a_ctrl_c_while_the_exit_waits_for_a_save_ends_by_sigint(self):
+    """It exited 0, the newest checkpoint lost (a break-it find: a shell
+    script took it for success), or aborted in the interpreter's teardown."""
+    with tempfile.TemporaryDirectory() as tmp:
+      script, directory = os.path.join(tmp, "child.py"), os.path.join(tmp, "ckpt")
+      with open(script, "w") as f:
+        f.write(EXIT_CHILD)
+      proc = subprocess.run([sys.executable, script, directory, "ctrl-c-at-exit"],
+                            capture_output=True, text=True, timeout=300)
+      self.assertEqual(proc.returncode, -signal.SIGINT, proc.stderr[-2000:])
+      self.assertIn("interrupted while checkpoints were still being written at exit",
+                    proc.stderr)
+      sess = js.Session()
+      w = np.float32([0.5, -0.0, 7.0])
+      gid = sess.compile(lambda w, x: (w * x, w.sum()), w * 2, np.float32(3.0),
+                         state_argnums=0)
+      self.assertEqual(sess.restore(gid, directory), 0)  # step 1 never completed
+      assert_equal_signed(sess.get_state(gid)[0], w)
 
   def test_keep_one_killed_before_the_new_step_is_marked(self):
     """checkpoint_keep=1: orbax's own keep-N deleted step 1 inside the save
