@@ -118,9 +118,13 @@ def instrumented(nodes, recorder):
 def callback_failure(nodes, index, exc, recorder):
   """The HostOpError for a runtime error of the executable of partition
   `index`: names its callback nodes, keeps the user's exception as the cause
-  (or the runtime error, when no callback recorded one)."""
+  (or the runtime error, when no callback recorded one). A KeyboardInterrupt
+  or SystemExit the callback raised is returned as it is: wrapped in an
+  Exception, an `except Exception` of the caller's swallowed a Ctrl-C."""
   culprits = ", ".join(where(n) for n in nodes if n.props.user_code) or "an effectful node"
   user = recorder.take()
+  if user is not None and not isinstance(user, Exception):
+    return user  # KeyboardInterrupt, SystemExit: themselves, as a host-placed callback's
   if user is not None:
     what = f"{type(user).__name__}: {user}"
   else:

@@ -497,5 +497,59 @@ class VerifyTest(absltest.TestCase):
       shaped.verify()
 
 
+class CallbackRaisesKeyboardInterruptTest(absltest.TestCase):
+  """A callback that raises KeyboardInterrupt (or SystemExit) itself: raised
+  as it is wherever the callback runs, the state as before. From inside an
+  executable it was a HostOpError, an Exception that a caller's `except
+  Exception` swallowed, where a host-placed callback's was raw."""
+
+  def test_raised_as_it_is_and_the_state_kept(self):
+    spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+    raising = [None]
+
+    def cb(v):
+      if raising[0] is not None:
+        raise raising[0]()
+      return np.asarray(v) * np.float32(0.5)
+
+    def top(s, x):
+      y = jax.pure_callback(cb, spec, x * s)
+      return s + y, y.sum()
+
+    def in_scan(s, x):
+      c, _ = jax.lax.scan(lambda c, _: (c + jax.pure_callback(cb, spec, c * x), None), s,
+                          None, length=2)
+      return c, x.sum()
+
+    def in_cond(s, x):
+      return jax.lax.cond(x[0] > 0, lambda: s + jax.pure_callback(cb, spec, x),
+                          lambda: s), x.sum()
+
+    rng = np.random.default_rng(3)
+    s0, x = rng.standard_normal(4).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    x[0], s0[1] = abs(x[0]) + 0.5, -0.0
+    cases = [(top, js.SessionOptions(), None), (top, js.SessionOptions(host_callbacks=False), None),
+             (in_scan, js.SessionOptions(), None), (in_cond, js.SessionOptions(), None),
+             (top, js.SessionOptions(), 3), (in_scan, js.SessionOptions(), 3)]
+    for fn, options, steps in cases:
+      for kind in (KeyboardInterrupt, SystemExit):
+        with self.subTest(fn=fn.__name__, host_callbacks=options.host_callbacks, steps=steps,
+                          kind=kind.__name__):
+          raising[0] = None
+          sess = js.Session(options)
+          gid = sess.compile(fn, s0, x, state_argnums=0)
+          args = (x,) if steps is None else (np.stack([x] * steps),)
+          sess.run(gid, *args, steps=steps)
+          before = np.asarray(sess.get_state(gid)[0])
+          raising[0] = kind
+          with self.assertRaises(kind) as caught:
+            sess.run(gid, *args, steps=steps)
+          self.assertNotIsInstance(caught.exception, js.HostOpError)
+          np.testing.assert_array_equal(sess.get_state(gid)[0], before)
+          raising[0] = None
+          sess.run(gid, x)
+          np.testing.assert_array_equal(sess.get_state(gid)[0], jax.jit(fn)(before, x)[0])
+
+
 if __name__ == "__main__":
   absltest.main()
