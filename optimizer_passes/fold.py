@@ -119,8 +119,9 @@ def _zero_size(node):
   jax.jit (so a pure_callback of an empty result is never called there)."""
   if not node.outputs or not node.props.pure:
     return False
-  try:
-    return all(0 in o.aval.shape and np.dtype(o.aval.dtype) is not None for o in node.outputs)
+  try:  # (a weak one stays: a constant is passed strong, and a callback's never is weak)
+    return all(0 in o.aval.shape and not o.aval.weak_type and np.dtype(o.aval.dtype) is not None
+               for o in node.outputs)
   except TypeError:  # extended dtypes (PRNG keys) have no numpy form
     return False
 

@@ -141,7 +141,8 @@ def zero_int(r, x):
   out = r.root.outputs[0]
   if not is_kind(x, jnp.integer) or not same_aval(out, x):
     return None
-  zero = Literal(np.zeros((), out.aval.dtype)[()], ShapedArray((), out.aval.dtype))
+  zero = Literal(np.zeros((), out.aval.dtype)[()],
+                 ShapedArray((), out.aval.dtype, weak_type=out.aval.weak_type))
   return r.bind(lax.broadcast_in_dim_p, [zero], shape=tuple(out.aval.shape),
                 broadcast_dimensions=(), sharding=None)
 

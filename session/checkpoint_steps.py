@@ -110,6 +110,17 @@ def unclaim(path, step):
       _IN_FLIGHT.discard(name)
 
 
+def abandon(path, step):
+  """After a failed write: its claim is a gone writer's, and the folder it
+  left is removed with the claim (at once, or by the next save)."""
+  with _IN_FLIGHT_LOCK:
+    _IN_FLIGHT.discard(os.path.join(path, _claim_name(step)))
+  try:
+    remove_incomplete(path)
+  except OSError:  # the folder itself is gone, or not ours to clean
+    pass
+
+
 def _claims(path):
   """(claim file name, its step, whether its writer is gone) per claim in
   `path`. A writer is gone where it is this host's process no longer

@@ -200,11 +200,12 @@ class Checkpointer:
         with debug_flags.checks_off():
           write_step()
       except BaseException as exc:  # pylint: disable=broad-except
+        step_dirs.abandon(path, step)
         with self._lock:
           self._errors.append(RuntimeError(f"{where}: writing step {step} to {path} "
                                            f"failed: {type(exc).__name__}: {exc}"))
-          if self._queued.get(path) == step:  # a failed step may be saved again
-            self._queued[path] = max(step_dirs.complete_steps(path), default=-1)
+          if self._queued.get(path) == step:  # a failed step may be saved again: the
+            del self._queued[path]  # order is the disk's (the folder may go meanwhile)
 
     def write_step():
       ocp = _ocp()

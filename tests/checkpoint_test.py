@@ -184,6 +184,18 @@ class CheckpointTest(absltest.TestCase):
     sess.run(gid)
     self.assertEqual(sess.restore(gid, self.dir), 1)
     assert_equal_signed(sess.get_state(gid)[0], w)
+    # failed after its claim (a review's find): the claim and the half-written
+    # folder stayed, and with the folder removed by hand the order was stale
+    from jaxsession import checkpoint_steps  # pylint: disable=import-outside-toplevel
+    with mock.patch.object(checkpoint_steps, "mark_complete", side_effect=OSError("disk full")):
+      sess.save(gid, self.dir, 2)
+      with self.assertRaisesRegex(RuntimeError, "writing step 2 .* failed: OSError: disk full"):
+        sess.wait_until_saved()
+    self.assertEqual(sorted(os.listdir(self.dir)), ["1"])
+    shutil.rmtree(self.dir)
+    sess.save(gid, self.dir, 0)  # a folder made again: its steps start afresh
+    sess.wait_until_saved()
+    self.assertEqual(sess.restore(gid, self.dir), 0)
 
   def test_a_failed_write_is_raised_by_the_next_save_not_by_an_unrelated_restore(self):
     from jaxsession import checkpoint_steps  # pylint: disable=import-outside-toplevel

@@ -203,7 +203,7 @@ class JitTest(absltest.TestCase):
         jax.jit(two, **bad)
       with self.assertRaisesRegex(ValueError, "static_arg"):
         js.jit(two, **bad)
-    with self.assertRaisesRegex(TypeError, "not a valid JAX type"):  # jax.jit's error
+    with self.assertRaisesRegex(TypeError, "interpreting argument .* at path s"):  # jax.jit's
       js.jit(lambda s: s)("abc")
     for big in (2**31, -2**31 - 1, 2**40):  # jax.jit's OverflowError (without x64)
       with self.assertRaises(OverflowError):

@@ -256,6 +256,20 @@ class SimplifyRespectsValuesTest(absltest.TestCase):
     self.assertTrue(sess.run(gid, 2.5).weak_type)
 
 
+  def test_a_folded_or_rewritten_weak_value_stays_weak(self):
+    # found in review: a folded literal (a numpy scalar), the zeros of x * 0
+    # and an empty constant came back strong where jax.jit's are weak
+    fns = (lambda s: s * 0, lambda s: (s * 0) + 3, lambda s: s + jnp.asarray(2.5) * 1,
+           lambda s: (s + 1, jnp.asarray(2.5) * 1), lambda s: jnp.full((0,), s) * 2)
+    for fn in fns:
+      for arg in (5, -0.0, 2.5):
+        sess = js.Session()
+        got, want = sess.run(sess.compile(fn, arg), arg), jax.jit(fn)(arg)
+        assert_same_bits(got, want, "session vs jax.jit")  # weak types included
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+          self.assertEqual((g + jnp.int8(1)).dtype, (w + jnp.int8(1)).dtype)
+
+
 class FoldComputesWhatXlaComputesTest(absltest.TestCase):
   """Bug 5: numpy max/min folded signed zeros unlike XLA; eager folding used
   the CPU kernels, which flush subnormals and approximate exp and tanh."""

@@ -65,7 +65,9 @@ def lower_nodes(nodes, in_values, out_values, consts=None):
   meshes = [node_mesh(n) for n in nodes]
 
   def read(env, value):
-    return value.value if isinstance(value, Literal) else env[value.id]
+    if isinstance(value, Literal):  # (a folded weak one: its weak type kept)
+      return value.value if type(value.value) in _PY_SCALARS else literal_output(value)
+    return env[value.id]
 
   def run_nodes(*arrays):
     env = dict(bound)
@@ -86,9 +88,24 @@ def lower_nodes(nodes, in_values, out_values, consts=None):
         env[value.id] = out
       for vid in free:
         del env[vid]
-    return [read(env, v) for v in out_values]
+    return [literal_output(v) if isinstance(v, Literal) else env[v.id] for v in out_values]
 
   return run_nodes
+
+
+_PY_SCALARS = (bool, int, float, complex)
+
+
+def literal_output(literal):
+  """A Literal as a traced function reads or returns it, in its aval's dtype
+  and weak type (a folded one's value is a numpy scalar: taken as it is, a
+  weakly typed result came back strong, and promoted otherwise: a break-it
+  find)."""
+  value = np.asarray(literal.value, literal.aval.dtype)
+  if not getattr(literal.aval, "weak_type", False):
+    return value
+  from jax._src.lax import lax as lax_internal  # pylint: disable=import-outside-toplevel
+  return lax_internal._convert_element_type(value, value.dtype, weak_type=True)  # pylint: disable=protected-access
 
 
 def lower_graph(graph):
