@@ -198,10 +198,12 @@ RULES = {
     "random_unwrap": not_along(lambda e: (), ""),
     **{op: BatchRule(refuse("the host callback sees every row, padded rows included"))
        for op in ("pure_callback", "io_callback", "debug_callback", "debug_print")},
-    "cond": BatchRule(cond),
-    "scan": BatchRule(scan),
-    "while": BatchRule(while_),
-    **{op: BatchRule(call) for op in INLINE_RULES},
+    # control flow and calls: their bodies analysed with or without rows (a
+    # body may make a value of the batch's extent and reduce it: Mixing)
+    "cond": BatchRule(cond, cond),
+    "scan": BatchRule(scan, scan),
+    "while": BatchRule(while_, while_),
+    **{op: BatchRule(call, call) for op in INLINE_RULES},
 }
 
 
@@ -243,9 +245,12 @@ def step(eqn):
       except (KeyError, IndexError, ValueError, TypeError, AttributeError):
         pass  # a rule that cannot read it: the uniform rule below knows less
     try:
-      return (rule.uniform if rule is not None else no_uniform)(eqn)
+      outs = (rule.uniform if rule is not None else no_uniform)(eqn)
+    except Mixing:  # a body that reads across a value of the batch's extent
+      raise
     except Exception:  # noqa: BLE001 - knowing less is always allowed
       return no_uniform(eqn)
+    return [o if isinstance(o, Fact) else Fact(axis=o) for o in outs]
   if eqn.effects:
     raise Mixing("has effects: they would see the padded rows")
   if rule is None:
@@ -258,7 +263,19 @@ def step(eqn):
     shape = _shape(eqn.out_avals[k])
     if fact.axis is not None and (fact.axis >= len(shape) or shape[fact.axis] != eqn.batch):
       raise Mixing(f"changes the extent of the batch axis (output {k} axis {fact.axis})")
+    second = [d for d, n in enumerate(shape) if n == eqn.batch and d != fact.axis]
+    if fact.axis is not None and second:  # (the probe sizes are primes no example axis has)
+      raise Mixing(f"output {k} has a second axis of the batch's extent (axis {second[0]}) "
+                   "beside the rows: made from the batch size (jnp.ones((1, x.shape[0])), "
+                   "an arange of it) or from the rows themselves, padded rows would count "
+                   "across it")
   return outs
+
+
+# reductions whose result over a value the same along an axis does not depend
+# on how long that axis is (any(ones_like(ids) == 0), as Hugging Face's models ask)
+SAME_ON_REPEATS = frozenset(("reduce_max", "reduce_min", "reduce_and", "reduce_or",
+                             "argmax", "argmin"))
 
 
 def _batch_sized(eqn):
@@ -267,8 +284,10 @@ def _batch_sized(eqn):
   an operand with several. A value made from the batch size (`jnp.ones(
   x.shape[0])`) holds no row, yet a sum or an argmax across it counts the
   padded rows: the rows rule then says it mixes."""
-  sized = [[d for d, n in enumerate(eqn.shape(i)) if n == eqn.batch]
-           for i in range(len(eqn.facts))]
+  keeps = eqn.op in SAME_ON_REPEATS  # a maximum over copies of one value is that value
+  sized = [[d for d, n in enumerate(eqn.shape(i))
+            if n == eqn.batch and not (keeps and d in f.uniform)]
+           for i, f in enumerate(eqn.facts)]
   for k in range(max(map(len, sized), default=0)):
     facts = [Fact(axis=axes[min(k, len(axes) - 1)]) if axes else f
              for axes, f in zip(sized, eqn.facts)]

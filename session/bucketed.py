@@ -144,8 +144,9 @@ class BucketedGraph:
   def compile_first(self, size, probes):
     """The first bucket (Session.compile checks the examples and the
     keywords), then the padding analysis on traces at two `probes` row
-    counts (at least 2, and sizes no other axis of the example has, so a row
-    axis cannot pass for another or for a broadcast); a refusal releases the
+    counts (primes no other axis of the example has, so a row axis cannot
+    pass for another or for a broadcast, nor an axis the model makes itself,
+    such as a head's width of 64, for one of the batch's extent); a refusal releases the
     first bucket. The two traces must be the same program once the row count
     is named: a program that reads the batch size (x / x.shape[0], an arange
     of it, a Python branch on it) is refused, naming the first node that
@@ -280,6 +281,10 @@ class BucketedGraph:
     return f"<shape buckets of graph '{self.name}': {self.describe()}>"
 
 
+def _prime(n):
+  return n >= 2 and all(n % k for k in range(2, int(n ** 0.5) + 1))
+
+
 def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_buckets, hint,
                      state_nums, run_positions):
   """Session.compile with buckets: checks the spec, runs the padding analysis
@@ -303,10 +308,10 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
   first = policy.first_size(n0)
   other = {d for i, arg in enumerate(example_args) for leaf in tree_util.tree_leaves(arg)
            for d in tuple(getattr(leaf, "shape", ()))[1 if i in positions else 0:]}
-  probes = []
+  probes = []  # primes: a model's own axes (a head of 64) are rarely prime
   candidate = max([2, n0] + list(policy.sizes or []))
   while len(probes) < 2:
-    if candidate not in other:
+    if candidate not in other and _prime(candidate):
       probes.append(candidate)
     candidate += 1
   dispatcher.compile_first(first, probes)

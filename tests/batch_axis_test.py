@@ -250,6 +250,12 @@ ACCEPTED = {
     "scatter_in_rows": Program(scatter_in_rows, (), lambda rng, n: (floats(rng, n, F),)),
     "per_example_grads": Program(per_example_grads, (weights(13, F, H),),
                                  lambda rng, n: (floats(rng, n, F),)),
+    # the same along the batch axis, through a nested jit's cumsum and an any()
+    # (Hugging Face's position ids and mask check: refused until a review's find)
+    "position_ids": Program(lambda ids: ids + jnp.cumsum(jnp.ones_like(ids), -1), (),
+                            lambda rng, n: (jnp.asarray(rng.integers(0, V, (n, T)), jnp.int32),)),
+    "mask_check": Program(lambda x: jnp.where(jnp.any(jnp.ones_like(x) == 0), 0.0, x * 2), (),
+                          lambda rng, n: (floats(rng, n, F),)),
 }
 # (real rows, bucket) pairs: 1..17 rows, each padded to a bigger bucket
 SIZES = ((1, 4), (2, 8), (3, 4), (5, 8), (8, 16), (13, 16), (17, 32))
@@ -373,6 +379,14 @@ REFUSED = {  # name: (f, args, op named, words of the reason)
                       "reduce_sum", "on a value sized by the batch"),
     "last_row_index": (lambda x: (x + 1, jnp.max(jnp.arange(x.shape[0]))), (X,),
                        "reduce_max", "on a value sized by the batch"),
+    "ones_summed_in_a_cond": (lambda x: (x * 2, lax.cond(True, lambda: jnp.ones(x.shape[0]).sum(),
+                                                         lambda: 0.0)), (X,), "cond",
+                              "on a value sized by the batch"),
+    "ones_summed_in_a_loop": (lambda x: (x * 2, lax.fori_loop(
+        0, 3, lambda i, c: c + jnp.ones(x.shape[0]).sum(), 0.0)), (X,), "scan",
+                              "on a value sized by the batch"),
+    "second_axis_of_ones": (lambda x: (x[:, :1] * jnp.ones((1, x.shape[0]))).sum(1), (X,), "mul",
+                            "second axis of the batch's extent"),
     "mean_inside_scan_body": (lambda x: lax.scan(lambda c, t: (c + t.mean(), None), 0.0,
                                                  jnp.swapaxes(x, 0, 1))[0], (XT,), "scan",
                               "in its body: 'reduce_sum'"),

@@ -415,6 +415,17 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
         sess.compile(lambda n, x: (n + jnp.sum(jnp.ones(x.shape[0], jnp.int32)), x * 2),
                      jnp.int32(0), x, state_argnums=0, buckets={1: buckets})
 
+  def test_an_axis_the_model_makes_of_a_bucket_size_is_not_the_batch(self):
+    # heads of width 64 with buckets up to 64: the probe trace at 64 rows took
+    # the head axis for a second batch axis and refused (a review's find)
+    def heads(x):
+      h = x.reshape(x.shape[0], 2, 64)
+      return (jax.nn.softmax(h, axis=-1) * h).reshape(x.shape[0], 128)
+    sess = js.Session()
+    x = np.random.default_rng(5).standard_normal((24, 128)).astype(np.float32)
+    gid = sess.compile(heads, x[:8], buckets={0: [8, 16, 32, 64]})
+    np.testing.assert_array_equal(sess.run(gid, x[:5]), jax.jit(heads)(x[:5]))
+
   def test_a_callback_defined_in_fn_is_the_same_program_at_every_size(self):
     """A lambda made inside fn is another object at each probe trace: it was
     taken for a program that reads the batch size (a break-it find). One that
