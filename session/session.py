@@ -112,6 +112,9 @@ class Session:
     if buckets is not None and self.options.mesh is not None:
       raise InputError("compile: buckets= under a mesh is not supported (each bucket's "
                        "batch would have to divide over the mesh); compile exact shapes")
+    if buckets is not None and isinstance(fn, jcore.ClosedJaxpr):
+      raise InputError("compile: buckets= needs a function: a ClosedJaxpr's shapes are "
+                       "fixed (each bucket traces fn at its own batch size)")
     if buckets is not None:
       nargs = len(example_args)
       state_nums = _argnums(state_argnums, "state_argnums", nargs)

@@ -78,6 +78,8 @@ class BadInputTest(absltest.TestCase):
                         (({"a": x}, x[0]), r"input 0 is one array \(f32\[3\]\), got a dict")):
       with self.assertRaisesRegex(js.InputError, regex):
         self.sess.compile(closed, *args)
+    with self.assertRaisesRegex(js.InputError, "buckets= needs a function"):
+      self.sess.compile(closed, x, x[0], buckets={0: [4, 8]})  # was a raw TypeError
     gid = self.sess.compile(closed, x, x[0])
     np.testing.assert_array_equal(self.sess.run(gid, x, x[1]),
                                   jax.jit(jcore.jaxpr_as_fun(closed))(x, x[1]))
