@@ -38,7 +38,7 @@ from jaxsession.runtime.batch_rules import (  # the facts and the row rules
     _shape, constant_along, _one_axis, no_uniform, BatchRule, elementwise,
     not_along, _param, _partial_slices, _partial_sizes, _windowed, broadcast_in_dim,
     reshape, squeeze, reduction, dot_general, dot_uniform, matmul_bias_add,
-    normalization, gather, scatter, conv_general_dilated, refuse)
+    normalization, gather, gather_uniform, scatter, conv_general_dilated, refuse)
 
 
 # -- control flow: the same table through the sub-jaxprs ------------------------------
@@ -182,7 +182,7 @@ RULES = {
        for op in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
     "sort": not_along(_param("dimension"), "sorts"),
     "top_k": not_along(lambda e: (e.params.get("axis", e.rank(0) - 1),), "takes the top k"),
-    "gather": BatchRule(gather),
+    "gather": BatchRule(gather, gather_uniform),
     **{op: BatchRule(scatter) for op in ("scatter", "scatter-add", "scatter_add", "scatter-mul",
                                          "scatter_mul", "scatter-min", "scatter_min",
                                          "scatter-max", "scatter_max")},

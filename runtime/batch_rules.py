@@ -331,6 +331,18 @@ def gather(eqn):
   return [dn.offset_dims[window.index(oa)]]
 
 
+def gather_uniform(eqn):
+  """No rows: an output axis that indexes along an axis of the indices on
+  which they are the same (position ids broadcast over the batch) is the
+  same along it."""
+  dn = eqn.params["dimension_numbers"]
+  if tuple(dn.operand_batching_dims):
+    return no_uniform(eqn)
+  batch_pos = [d for d in range(len(eqn.out_shape())) if d not in tuple(dn.offset_dims)]
+  return [Fact(uniform=frozenset(batch_pos[k] for k in range(eqn.rank(1) - 1)
+                                 if k in eqn.facts[1].uniform))]
+
+
 def scatter(eqn):
   """Row-wise when the rows ride along a full update window that no index
   moves, or along matching batching dims of operand, indices and updates."""

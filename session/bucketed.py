@@ -141,17 +141,25 @@ class BucketedGraph:
       self.released = True
       return list(self.sizes.values())
 
-  def compile_first(self, size, probes):
+  def compile_first(self, size, start, other):
     """The first bucket (Session.compile checks the examples and the
-    keywords), then the padding analysis on traces at two `probes` row
-    counts (primes no other axis of the example has, so a row axis cannot
-    pass for another or for a broadcast, nor an axis the model makes itself,
-    such as a head's width of 64, for one of the batch's extent); a refusal releases the
-    first bucket. The two traces must be the same program once the row count
-    is named: a program that reads the batch size (x / x.shape[0], an arange
-    of it, a Python branch on it) is refused, naming the first node that
-    differs."""
+    keywords), then the padding analysis on traces at two probe row counts
+    from `start` on: primes that no axis of the examples (`other`: their
+    axes but the batch's) nor of the first bucket's program has, so that a
+    row axis cannot pass for another or for a broadcast, nor an axis the
+    model makes or closes over (a head's width of 64, a vocabulary of 11)
+    for one of the batch's extent. A refusal releases the first bucket. The
+    two traces must be the same program once the row count is named: a
+    program that reads the batch size (x / x.shape[0], an arange of it, a
+    Python branch on it) is refused, naming the first node that differs."""
     gid = self.compile_one(size)
+    other = set(other) | {d for v in self.session.graph(gid).values()
+                          for d in tuple(getattr(v.aval, "shape", ()))}
+    probes = []  # primes: a model's own axes are rarely prime
+    while len(probes) < 2:
+      if start not in other and _prime(start):
+        probes.append(start)
+      start += 1
     try:
       for probe in probes:
         self.check_graph(probe)
@@ -308,13 +316,7 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
   first = policy.first_size(n0)
   other = {d for i, arg in enumerate(example_args) for leaf in tree_util.tree_leaves(arg)
            for d in tuple(getattr(leaf, "shape", ()))[1 if i in positions else 0:]}
-  probes = []  # primes: a model's own axes (a head of 64) are rarely prime
-  candidate = max([2, n0] + list(policy.sizes or []))
-  while len(probes) < 2:
-    if candidate not in other and _prime(candidate):
-      probes.append(candidate)
-    candidate += 1
-  dispatcher.compile_first(first, probes)
+  dispatcher.compile_first(first, max([2, n0] + list(policy.sizes or [])), other)
   if session.options.precompile_buckets:
     dispatcher.precompile()
   return dispatcher

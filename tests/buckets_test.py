@@ -425,6 +425,15 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
     x = np.random.default_rng(5).standard_normal((24, 128)).astype(np.float32)
     gid = sess.compile(heads, x[:8], buckets={0: [8, 16, 32, 64]})
     np.testing.assert_array_equal(sess.run(gid, x[:5]), jax.jit(heads)(x[:5]))
+    # position embeddings gathered by ids broadcast over the batch, from a
+    # closed-over table of 11 rows: the probe at 11 rows took it for the batch
+    table = jnp.asarray(x[:11, :6])
+    def embed(ids):
+      return table[ids] + table[jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)]
+    ids = np.random.default_rng(6).integers(0, 11, (9, 5)).astype(np.int32)
+    gid = sess.compile(embed, ids[:3], buckets={0: [4, 8]})
+    for n in (1, 3, 6):
+      np.testing.assert_array_equal(sess.run(gid, ids[:n]), jax.jit(embed)(ids[:n]))
 
   def test_a_callback_defined_in_fn_is_the_same_program_at_every_size(self):
     """A lambda made inside fn is another object at each probe trace: it was
