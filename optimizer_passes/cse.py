@@ -36,10 +36,13 @@ def _divisor_cones(graph):
   as under jax.jit: XLA rewrites a division by what makes its divisor and
   how many read it (a / sqrt(b) into a * rsqrt(b), a / broadcast(s) into
   a * (1 / s), where that node has one reader), so a divisor each leaf
-  computes, merged into one with several readers, gave other bits."""
+  computes, merged into one with several readers, gave other bits, and so
+  did x / s written twice, merged into one division: s then had one reader
+  (a fuzzer's find). The divisions are left unmerged as well."""
   cone, stack = set(), []
   for node in graph.nodes:
     if node.op in op_properties.DIVIDES and len(node.inputs) > 1:
+      cone.add(node.id)  # the divisions too: two merged, their divisor had one reader
       stack.append(node.inputs[1])
   while stack:
     value = stack.pop()

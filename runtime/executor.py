@@ -167,6 +167,8 @@ def plan_program(graph, program, spec, rest_tree, layout):
   literal_outputs = {i: bool(getattr(v.aval, "weak_type", False))  # output -> its weak type
                      for i, v in enumerate(graph.outputs) if isinstance(v, Literal)}
   plain_outputs = not (program.copy_at or program.host_outputs or literal_outputs)
+  copy_weak = {i: bool(getattr(graph.outputs[i].aval, "weak_type", False))
+               for i in program.copy_at}
   keep = [(i, s) for i in layout.updated_idx
           if (s := _kept_layout(graph, layout, i)) is not None]
   base, user_checked = program.num_state, program.user_checked
@@ -211,7 +213,9 @@ def plan_program(graph, program, spec, rest_tree, layout):
       # callback's buffer, which the callback may reuse (jax.jit copies too);
       # device_put may read its source after it returns: give it a private copy
       return placed(np.array(out), host)
-    return jax.numpy.array(out, copy=True) if n in program.copy_at else out
+    if n in program.copy_at:  # a graph input returned (a weak Python scalar conformed
+      return with_weak_type(jax.numpy.array(out, copy=True), copy_weak[n])  # to an array)
+    return out
 
   def finish(outs):
     if keep:  # new state made on the host, laid out as its slot

@@ -559,5 +559,27 @@ class DeadCallbackTest(absltest.TestCase):
     self.assertIn("mul", _ops(sess, gid))
 
 
+class DivisorReadersTest(absltest.TestCase):
+  """XLA rewrites x / broadcast(s) as x * (1 / s) where s has no other
+  reader: CSE merging x / s written twice left it one (a fuzzer's find)."""
+
+  def test_a_division_written_twice_stays_two(self):
+    x = jnp.float32([-1.6911025, -2.617795, 1.0, 3.0])
+    for s in (jnp.float32(-2.5), jnp.float32(3.3), jnp.float32(-0.0)):
+      _check(self, lambda x, s: (x / s, x / s), x, s)
+
+  def test_a_state_divisor_changed_keeps_the_bits_and_one_returned_is_1_ulp(self):
+    x = jnp.float32([-1.6911025, -2.617795, 1.0, 3.0])
+    for changed in (True, False):
+      step = lambda s, x, c=changed: (s * 1.5 if c else s, x / s)  # noqa: E731
+      sess = js.Session()
+      gid = sess.compile(step, jnp.float32(-2.5), x, state_argnums=0)
+      got, want = sess.run(gid, x), jax.jit(step)(jnp.float32(-2.5), x)[1]
+      if changed:
+        assert_same_bits(got, want, "changed divisor")
+      else:  # numerics.md: the session's executable does not return s (1 ulp)
+        np.testing.assert_array_max_ulp(got, want, maxulp=1)
+
+
 if __name__ == "__main__":
   absltest.main()

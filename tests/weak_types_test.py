@@ -185,6 +185,23 @@ class GraphKeepsNoModelTest(absltest.TestCase):
                                                                 jnp.float32(0.5), x)[1])
 
 
+class PassedThroughArgumentTest(absltest.TestCase):
+
+  def test_a_weak_argument_returned_beside_a_host_callback_stays_weak(self):
+    # a plan returned the argument as conformed (strong): a fuzzer's find
+    cb = lambda x: jax.pure_callback(  # noqa: E731
+        lambda b: np.asarray(b).sum().astype(np.float32), jax.ShapeDtypeStruct((), jnp.float32), x)
+    fn = lambda x, a: (cb(x), a, a * 1)  # noqa: E731
+    x = jnp.float32([0.5, -0.0, 3.0])
+    sess = js.Session()
+    gid = sess.compile(fn, x, 2.5)
+    for a in (2.5, jnp.float32(2.5), -0.0):
+      got, want = sess.run(gid, x, a), jax.jit(fn)(x, a)
+      self.assertEqual([g.weak_type for g in got], [w.weak_type for w in want])
+      for g, w in zip(got, want):
+        assert_equal_signed(g, w)
+
+
 class WeakTypesTest(absltest.TestCase):
   """A weak type that changes the program is refused (jax.jit would compile
   another program); one that changes nothing runs on the same executable."""
