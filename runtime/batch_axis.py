@@ -232,8 +232,9 @@ def step(eqn):
   if mixed is not None:
     return [Fact(mixed_by=mixed)] * len(eqn.out_avals)
   rule = rule_for(eqn.op)
+  padding = type(eqn.batch) is PaddedBatch
   if all(f.axis is None for f in eqn.facts):
-    for sized in _batch_sized(eqn):  # a value made from the batch size, read across it
+    for sized in _batch_sized(eqn) if padding else ():  # a value made from the batch size, read across it
       try:
         if rule is None:
           raise Mixing(f"no batch rule for {eqn.op}")
@@ -264,12 +265,20 @@ def step(eqn):
     if fact.axis is not None and (fact.axis >= len(shape) or shape[fact.axis] != eqn.batch):
       raise Mixing(f"changes the extent of the batch axis (output {k} axis {fact.axis})")
     second = [d for d, n in enumerate(shape) if n == eqn.batch and d != fact.axis]
-    if fact.axis is not None and second:  # (the probe sizes are primes no example axis has)
+    if padding and fact.axis is not None and second:  # (probes: primes no other axis has)
       raise Mixing(f"output {k} has a second axis of the batch's extent (axis {second[0]}) "
                    "beside the rows: made from the batch size (jnp.ones((1, x.shape[0])), "
                    "an arange of it) or from the rows themselves, padded rows would count "
                    "across it")
   return outs
+
+
+class PaddedBatch(int):
+  """The batch size of the padding analysis (`analyze`): an int that also
+  says padding is what is asked about. Values made from the batch size are
+  refused only then - the all-reduce planner (runtime/allreduce.py) follows
+  rows through the same `step` at the real batch size, where such a value
+  is fine and an axis of the batch's extent may well be another one."""
 
 
 # reductions whose result over a value the same along an axis does not depend
@@ -347,7 +356,7 @@ def _input_facts(graph, dynamic):
     sizes.add(shape[axis])
   if len(sizes) > 1:
     raise ValueError(f"the dynamic inputs disagree on the batch size: {sorted(sizes)}")
-  return (sizes.pop() if sizes else None), facts
+  return (PaddedBatch(sizes.pop()) if sizes else None), facts
 
 
 def _blame(value, reason):
