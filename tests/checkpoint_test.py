@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 import jaxsession as js
+from jaxsession import checkpoint_steps, checkpoints
 from subproc import run_json
 from exact import assert_equal_signed
 
@@ -165,7 +166,6 @@ class CheckpointTest(absltest.TestCase):
       strong.restore(gid3, directory)
 
   def test_a_step_whose_write_failed_can_be_saved_again(self):
-    from jaxsession import checkpoints  # pylint: disable=import-outside-toplevel
     sess = js.Session()
     w = np.float32([0.5, -0.0, 7.0])
     gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
@@ -186,7 +186,6 @@ class CheckpointTest(absltest.TestCase):
     assert_equal_signed(sess.get_state(gid)[0], w)
     # failed after its claim (a review's find): the claim and the half-written
     # folder stayed, and with the folder removed by hand the order was stale
-    from jaxsession import checkpoint_steps  # pylint: disable=import-outside-toplevel
     with mock.patch.object(checkpoint_steps, "mark_complete", side_effect=OSError("disk full")):
       sess.save(gid, self.dir, 2)
       with self.assertRaisesRegex(RuntimeError, "writing step 2 .* failed: OSError: disk full"):
@@ -198,7 +197,6 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(sess.restore(gid, self.dir), 0)
 
   def test_a_failed_write_is_raised_by_the_next_save_not_by_an_unrelated_restore(self):
-    from jaxsession import checkpoint_steps  # pylint: disable=import-outside-toplevel
     sess = js.Session()
     w = np.float32([0.5, -0.0, 7.0])
     gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
@@ -269,7 +267,6 @@ class CheckpointTest(absltest.TestCase):
     """A Ctrl-C held through the snapshot is raised after it, once the step
     number is reserved: nothing was queued, so the step may be saved again
     (the retry was refused as "not after step 2", which was never written)."""
-    from jaxsession import checkpoints  # pylint: disable=import-outside-toplevel
     sess = js.Session()
     w = np.float32([0.5, -0.0, 7.0])
     gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
