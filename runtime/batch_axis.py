@@ -38,7 +38,8 @@ from jaxsession.runtime.batch_rules import (  # the facts and the row rules
     _shape, constant_along, _one_axis, no_uniform, BatchRule, elementwise,
     not_along, _param, _partial_slices, _partial_sizes, _windowed, broadcast_in_dim,
     reshape, squeeze, reduction, dot_general, dot_uniform, matmul_bias_add,
-    normalization, gather, gather_uniform, scatter, conv_general_dilated, refuse)
+    normalization, gather, gather_uniform, scatter, conv_general_dilated, refuse,
+    PaddedBatch)
 
 
 # -- control flow: the same table through the sub-jaxprs ------------------------------
@@ -271,14 +272,6 @@ def step(eqn):
                    "an arange of it) or from the rows themselves, padded rows would count "
                    "across it")
   return outs
-
-
-class PaddedBatch(int):
-  """The batch size of the padding analysis (`analyze`): an int that also
-  says padding is what is asked about. Values made from the batch size are
-  refused only then - the all-reduce planner (runtime/allreduce.py) follows
-  rows through the same `step` at the real batch size, where such a value
-  is fine and an axis of the batch's extent may well be another one."""
 
 
 # reductions whose result over a value the same along an axis does not depend

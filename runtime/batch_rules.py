@@ -35,6 +35,14 @@ class Fact:
 FREE = Fact()
 
 
+class PaddedBatch(int):
+  """The batch size of the padding analysis (batch_axis.analyze): an int
+  that also says padding is what is asked about. Values made from the batch
+  size are refused only then - the all-reduce planner (runtime/allreduce.py)
+  follows rows through the same rules at the real batch size, where such a
+  value is fine and an axis of the batch's extent may well be another one."""
+
+
 @dataclasses.dataclass
 class Problem:
   node_id: int   # None when no node is to blame (a graph input returned as it is)
@@ -322,6 +330,11 @@ def gather(eqn):
     _rows_at(eqn, 1, ibd[j])
     return [batch_pos[ibd[j]]]
   if oa is None:
+    if type(eqn.batch) is PaddedBatch and any(eqn.shape(0)[d] == eqn.batch
+                                              for d in dn.start_index_map):
+      raise Mixing("gathers by the rows from a value sized by the batch (made from the "
+                   "batch size): an index out of range is clipped or filled against its "
+                   "length, which padding changes")
     return [batch_pos[ia]]
   window = [d for d in range(eqn.rank(0)) if d not in tuple(dn.collapsed_slice_dims) + obd]
   if oa in tuple(dn.start_index_map) or oa not in window or sizes[oa] != eqn.shape(0)[oa]:

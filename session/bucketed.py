@@ -63,6 +63,7 @@ class BucketedGraph:
     self.output_axes = None           # per run output leaf: the row axis or None
     self.verdict = None
     self.signatures = []              # the probe traces' programs, row count named
+    self.exact_one = False            # fn at 1 row is another program: run 1 row exactly
     self.released = False
     self.lock = threading.Lock()
     self.where = f"run(graph '{name}')"  # with the public id once it has one (bind)
@@ -145,16 +146,19 @@ class BucketedGraph:
     """The first bucket (Session.compile checks the examples and the
     keywords), then the padding analysis on traces at two probe row counts
     from `start` on: primes that no axis of the examples (`other`: their
-    axes but the batch's) nor of the first bucket's program has, so that a
-    row axis cannot pass for another or for a broadcast, nor an axis the
-    model makes or closes over (a head's width of 64, a vocabulary of 11)
-    for one of the batch's extent. A refusal releases the first bucket. The
+    axes but the batch's) nor any number of the first bucket's program
+    (axes, params) is, so that a row axis cannot pass for another or for a
+    broadcast, nor an axis or param of the model's own (a head's width of
+    64, a vocabulary of 11, x[:, 17:]) for the batch's. A refusal releases the first bucket. The
     two traces must be the same program once the row count is named: a
     program that reads the batch size (x / x.shape[0], an arange of it, a
     Python branch on it) is refused, naming the first node that differs."""
     gid = self.compile_one(size)
-    other = set(other) | {d for v in self.session.graph(gid).values()
-                          for d in tuple(getattr(v.aval, "shape", ()))}
+    # every number the program holds: its axes, its params (a slice's 17, a
+    # conv's dimension numbers), its nested jaxprs' shapes - the signatures
+    # would take one equal to a probe for the row count
+    text = "\n".join(program_signature(self.session.graph(gid), -1))
+    other = set(other) | {int(t) for t in re.findall(r"\d+", text) if len(t) < 7}
     probes = []  # primes: a model's own axes are rarely prime
     while len(probes) < 2:
       if start not in other and _prime(start):
@@ -170,10 +174,25 @@ class BucketedGraph:
             f"compile({self.name}): the program depends on the batch size itself (traced "
             f"at {probes[0]} and {probes[1]} rows it differs at: {where}); padding would "
             "change its result. Compile without buckets= to run every batch size exactly.")
+      self.exact_one = 1 not in (self.policy.sizes or ()) and self._one_row_differs(probes[-1])
     except BaseException:
       self.session.release(gid)
       raise
     self.sizes[size] = self.first = gid
+
+  def _one_row_differs(self, probe):
+    """Whether fn traced at 1 row is another program than at `probe` rows,
+    by its ops and the ranks of their results: `jnp.squeeze()` drops the
+    batch axis of one row alone (a review's find: a regression head returned
+    (1,) where jax.jit returns ()). Such a graph runs one row exactly."""
+    def ranks(size):
+      graph = self.trace(size)[0]
+      return [(n.op, tuple(len(getattr(o.aval, "shape", ())) for o in n.outputs))
+              for n in graph.nodes]
+    try:
+      return ranks(1) != ranks(probe)
+    except Exception:  # pylint: disable=broad-except  (fails at 1 row: run it so, as jax.jit)
+      return True
 
   def examples(self, size):
     """The example args with the bucketed ones at `size` rows (types only)."""
@@ -267,7 +286,7 @@ class BucketedGraph:
     axis = 0 if steps is None else 1
     self.precheck(args, steps)
     n = self.batch_size(args, axis)
-    size = self.policy.target(n, self.sizes)
+    size = 1 if n == 1 and self.exact_one else self.policy.target(n, self.sizes)
     gid = self.executable(size)
     if size != n:
       args = tuple(tree_util.tree_map(lambda x: policy_lib.pad_rows(x, size, axis), a)

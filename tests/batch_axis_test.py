@@ -385,6 +385,9 @@ REFUSED = {  # name: (f, args, op named, words of the reason)
     "ones_summed_in_a_loop": (lambda x: (x * 2, lax.fori_loop(
         0, 3, lambda i, c: c + jnp.ones(x.shape[0]).sum(), 0.0)), (X,), "scan",
                               "on a value sized by the batch"),
+    "gather_from_a_batch_sized_table": (lambda i: (jnp.arange(i.shape[0]) * 10)[i],
+                                        (jnp.arange(EXAMPLE_ROWS, dtype=jnp.uint32),), "gather",
+                                        "from a value sized by the batch"),
     "second_axis_of_ones": (lambda x: (x[:, :1] * jnp.ones((1, x.shape[0]))).sum(1), (X,), "mul",
                             "second axis of the batch's extent"),
     "mean_inside_scan_body": (lambda x: lax.scan(lambda c, t: (c + t.mean(), None), 0.0,

@@ -435,6 +435,20 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
     for n in (1, 3, 6):
       np.testing.assert_array_equal(sess.run(gid, ids[:n]), jax.jit(embed)(ids[:n]))
 
+  def test_one_row_runs_exactly_where_fn_treats_it_otherwise(self):
+    # review finds: squeeze() drops the batch axis of one row alone ((1,) came
+    # back where jax.jit returns ()); a probe equal to a param (x[:, 17:] with
+    # probes 17 and 19) was taken for the row count
+    sess = js.Session()
+    x = np.random.default_rng(8).standard_normal((9, 32)).astype(np.float32)
+    w = jnp.asarray(x[0, :4, None])
+    for fn in (lambda x: (x[:, :4] @ w).squeeze(), lambda x: x[:, 17:] * 2):
+      gid = sess.compile(fn, x[:4], buckets={0: [4, 8, 16]})
+      for n in (1, 3, 9):
+        got, want = sess.run(gid, x[:n]), jax.jit(fn)(x[:n])
+        self.assertEqual(got.shape, want.shape)
+        assert_within_ulp(got, want, 8, f"n={n}")  # a dot's rows: numerics.md
+
   def test_a_callback_defined_in_fn_is_the_same_program_at_every_size(self):
     """A lambda made inside fn is another object at each probe trace: it was
     taken for a program that reads the batch size (a break-it find). One that
