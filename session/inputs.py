@@ -96,6 +96,11 @@ def check_leaf(place, x, want, weak=None, leading=None, note="", type_only=False
                           "another one)", "Pass " + ("a Python scalar (or jnp.asarray of "
                                                      "one)" if weak else
                                                      "an array of that dtype") + ".")
+  if weak is not None and is_weak(x) and not weak and got.dtype != want.dtype:
+    raise InputError(f"{place}: the Python scalar {x!r} is a weakly typed {aval_str(got)} to "
+                     f"jax.jit, which here computes otherwise than the {aval_str(want)} "
+                     "compiled (jax.jit would compile another program); pass an array of "
+                     f"dtype {np.dtype(want.dtype).name}")
   check_aval(place, got, want, leading, note)
   return got
 

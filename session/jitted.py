@@ -94,6 +94,7 @@ def _resolve_statics(fn, argnums, argnames):
 
 
 _PY_SCALARS = (bool, int, float, complex)
+_NO_STATICS = ((), ())
 
 
 def _leaf_key(x):
@@ -203,7 +204,10 @@ class Jitted:
       leaf_keys = tuple(map(_leaf_key, leaves))
     except TypeError:  # a leaf of no JAX type: jax.jit's own error, naming fn and the
       return self._under_trace()(*args, **kwargs)  # path (or its run, if it takes it)
-    key = (statics, treedef, leaf_keys, _trace_context(),
+    # a static's type too, as jax.jit's cache keys it: 2 and 2.0 are equal and
+    # hash alike, yet trace other programs (a fuzzer's find)
+    types = tuple(type(v) for _, v in statics[0] + statics[1]) if statics != _NO_STATICS else ()
+    key = ((statics, types), treedef, leaf_keys, _trace_context(),
            _concrete_mesh())  # jax.set_mesh's devices: the abstract mesh has no order
     sigs = self._sigs
     gid = sigs.graphs.get(key)

@@ -456,9 +456,47 @@ def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
       flipped[j] = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
       args = list(dyn_args)
       args[i] = tree_util.tree_unflatten(treedef, flipped)
-      if _traces_other(lambda args=args: jax.make_jaxpr(wrapped)(state, *args), base):
+      if _traces_other(lambda args=args: jax.make_jaxpr(wrapped)(state, *args), base) or \
+          _python_scalar_traces_other(wrapped, state, dyn_args, i, treedef, leaves, j, aval):
         found.append((i, j, bool(aval.weak_type)))
   return found
+
+
+_DEFAULTS = {"f": np.float64, "i": np.int64, "c": np.complex128}
+_KINDS = (("f", np.floating), ("i", np.integer), ("c", np.complexfloating))  # bf16: kind 'V'
+
+
+
+def _python_scalar_traces_other(wrapped, state, dyn_args, i, treedef, leaves, j, aval):
+  """For a strong scalar leaf of a narrower dtype than a Python scalar's
+  (bfloat16, int8): whether jax.jit, given a Python scalar there - a weak
+  scalar of the default dtype - traces other arithmetic than the compiled
+  program after the conversion run makes (`x_f32 + s` adds in float32 what
+  the bfloat16 program rounds to bfloat16 first: a fuzzer's find)."""
+  if aval.shape != () or aval.weak_type:
+    return False
+  kind = next((k for k, t in _KINDS if jax.numpy.issubdtype(aval.dtype, t)), None)
+  if kind is None:
+    return False
+  default = jax.dtypes.canonicalize_dtype(_DEFAULTS[kind])
+  if np.dtype(aval.dtype) == default:
+    return False  # the weak flip above asked already
+  as_python = list(leaves)
+  as_python[j] = jax.ShapeDtypeStruct((), default, weak_type=True)
+  args = list(dyn_args)
+  args[i] = tree_util.tree_unflatten(treedef, as_python)
+
+  def converted(state, *args):  # what run computes: the scalar converted first
+    args = list(args)
+    flat = tree_util.tree_flatten(args[i])[0]
+    flat[j] = jax.lax.convert_element_type(flat[j], aval.dtype)
+    args[i] = tree_util.tree_unflatten(treedef, flat)
+    return wrapped(state, *args)
+  try:
+    want = arithmetic(jax.make_jaxpr(converted)(state, *args).jaxpr)
+  except Exception:  # pylint: disable=broad-except
+    return True
+  return _traces_other(lambda: jax.make_jaxpr(wrapped)(state, *args), want)
 
 
 def input_labels(state_nums, state_args, dyn_nums, dyn_args):

@@ -202,6 +202,31 @@ class PassedThroughArgumentTest(absltest.TestCase):
         assert_equal_signed(g, w)
 
 
+class NarrowScalarArgumentTest(absltest.TestCase):
+
+  def test_a_python_scalar_where_a_narrow_scalar_was_compiled(self):
+    # a fuzzer's find: 0.1 for a bfloat16 s was rounded to bfloat16 first,
+    # where jax.jit adds the weak float32 to x in float32
+    xb, xf = jnp.bfloat16([1.0, -0.0]), jnp.float32([1.0, -0.0])
+    cases = [(lambda x, s: x * s, (xb, jnp.bfloat16(1)), 0.1, True),
+             (lambda x, s: x + s, (xf, jnp.bfloat16(1)), 0.1, False),
+             (lambda x, s: x + s, (jnp.int8([1, -128]), jnp.int8(1)), 3, True),
+             (lambda x, s: (x, s), (jnp.int8([1, 2]), jnp.int8(1)), 3, False)]
+    for fn, examples, scalar, exact in cases:
+      sess = js.Session()
+      gid = sess.compile(fn, *examples)
+      if exact:
+        got, want = sess.run(gid, examples[0], scalar), jax.jit(fn)(examples[0], scalar)
+        assert_equal_signed(got, want)
+        self.assertEqual(got.dtype, want.dtype)
+      else:
+        with self.assertRaisesRegex(js.InputError, "Python scalar .*jax.jit would compile"):
+          sess.run(gid, examples[0], scalar)
+      for got, want in zip(jax.tree.leaves(sess.run(gid, *examples)),
+                           jax.tree.leaves(jax.jit(fn)(*examples))):
+        assert_equal_signed(got, want)
+
+
 class WeakTypesTest(absltest.TestCase):
   """A weak type that changes the program is refused (jax.jit would compile
   another program); one that changes nothing runs on the same executable."""
