@@ -159,6 +159,9 @@ def is_weak(x):
   return bool(getattr(x, "weak_type", False))
 
 
+_THROUGH_F32 = (np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
+
+
 def python_scalar(x, dtype):
   """`x` (a Python scalar) as a 0-d array of `dtype`, converted the way jax.jit
   converts it (a float rounds to the float type), or None when jax.jit would
@@ -179,9 +182,13 @@ def python_scalar(x, dtype):
     if kind not in "fc":
       return None
     # jax.jit takes a Python float as a weak float of the default width
-    # (float32 without x64), then converts: two roundings, reproduced here
+    # (float32 without x64), then converts: two roundings, reproduced here;
+    # XLA converts a float64 to bfloat16 or float16 through float32 (a third)
     with np.errstate(over="ignore"):
-      return np.asarray(np.asarray(x, jax.dtypes.canonicalize_dtype(np.float64)), dtype)
+      x = np.asarray(x, jax.dtypes.canonicalize_dtype(np.float64))
+      if dtype in _THROUGH_F32:
+        x = x.astype(np.float32)
+      return np.asarray(x, dtype)
   return np.asarray(x, dtype) if kind == "c" else None
 
 

@@ -10,9 +10,11 @@ from absl.testing import absltest
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxsession as js
 from exact import assert_equal_signed
+from subproc import run_json
 
 
 class ManyWeakStateLeavesTest(absltest.TestCase):
@@ -225,6 +227,28 @@ class NarrowScalarArgumentTest(absltest.TestCase):
       for got, want in zip(jax.tree.leaves(sess.run(gid, *examples)),
                            jax.tree.leaves(jax.jit(fn)(*examples))):
         assert_equal_signed(got, want)
+
+
+  @pytest.mark.slow  # a fresh interpreter with x64
+  def test_a_python_float_converts_as_xla_converts_a_float64(self):
+    # XLA converts a float64 to bfloat16 or float16 through float32: two
+    # roundings, where numpy's one gave the next value up (a fuzzer's find)
+    out = run_json("""
+      import json
+      import jax.numpy as jnp, numpy as np
+      import jaxsession as js
+      f = lambda x, s: x * s
+      result = []
+      for dt, v in ((jnp.bfloat16, 1 + 2**-8 + 2**-30), (jnp.float16, 1 + 2**-11 + 2**-30)):
+        x = jnp.asarray([1.0, -2.0], dt)
+        sess = js.Session()
+        gid = sess.compile(f, x, jnp.asarray(1, dt))
+        result.append([np.asarray(sess.run(gid, x, v)).astype(float).tolist(),
+                       np.asarray(jax.jit(f)(x, v)).astype(float).tolist()])
+      print(json.dumps(result))
+      """, devices=1, x64=True)
+    for got, want in out:
+      self.assertEqual(got, want)
 
 
 class WeakTypesTest(absltest.TestCase):
