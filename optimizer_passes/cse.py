@@ -10,7 +10,6 @@ Not under a mesh (see `run`). Run after DCE (fewer nodes to hash); DCE again
 afterwards is not needed since the merged node's outputs are redirected, not
 left dead.
 """
-from jaxsession.graph import op_properties
 from jaxsession.graph.ir import Literal, param_key
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
@@ -23,36 +22,6 @@ def node_key(node):
     return None
   inputs = tuple(v.key() if isinstance(v, Literal) else v.id for v in node.inputs)
   return (node.op, params, inputs)
-
-
-# ops a divisor's value passes through unchanged in kind: XLA's division
-# rewrites see through them to what made it
-_THROUGH = ("broadcast_in_dim", "reshape", "squeeze")
-
-
-def _divisor_cones(graph):
-  """Ids of the nodes that make a divisor (of div or rem), and of those
-  behind it through elementwise and reshaping ops. They are left unmerged,
-  as under jax.jit: XLA rewrites a division by what makes its divisor and
-  how many read it (a / sqrt(b) into a * rsqrt(b), a / broadcast(s) into
-  a * (1 / s), where that node has one reader), so a divisor each leaf
-  computes, merged into one with several readers, gave other bits, and so
-  did x / s written twice, merged into one division: s then had one reader
-  (a fuzzer's find). The divisions are left unmerged as well."""
-  cone, stack = set(), []
-  for node in graph.nodes:
-    if node.op in op_properties.DIVIDES and len(node.inputs) > 1:
-      cone.add(node.id)  # the divisions too: two merged, their divisor had one reader
-      stack.append(node.inputs[1])
-  while stack:
-    value = stack.pop()
-    node = getattr(value, "producer", None)
-    if node is None or node.id in cone:
-      continue
-    cone.add(node.id)
-    if op_properties.facts(node.op).elementwise or node.op in _THROUGH:
-      stack.extend(node.inputs)
-  return cone
 
 
 class CommonSubexpressionElimination(Pass):
@@ -69,7 +38,10 @@ class CommonSubexpressionElimination(Pass):
     seen = {}
     merged = []
     constant = {v.id for v in graph.inputs_of_kind("const")}
-    divisors = _divisor_cones(graph)
+    # what makes a divisor, and the divisions, stay unmerged: XLA rewrites a
+    # division by what makes its divisor and how many read it (KernelGraph.
+    # divisor_cone); merged, x / s written twice gave other bits (a fuzzer's find)
+    divisors = graph.divisor_cone()[0]
     for node in graph.nodes:
       if not node.props.deterministic or node.props.opaque or node.id in divisors:
         continue  # an opaque node (a barrier, a kept jit call) is XLA's to merge

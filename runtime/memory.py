@@ -218,13 +218,21 @@ def decide_donations(graph, partitions, allow=True):
   decisions = []
   updates = dict((s.id, new) for s, new in graph.state_updates())
   one_executable = len(partitions) == 1 and partitions[0].place == "device"
-  for state in graph.inputs_of_kind("state"):
+  states = graph.inputs_of_kind("state")
+  passed = set(graph.passed_state())
+  returned_anyway = {s.id for i, (s, new) in enumerate(graph.state_updates())
+                     if new is s and i not in passed}
+  for state in states:
     new_value = updates.get(state.id, state)
     readers = sorted({part_of[u.id] for u in state.users})
     last = readers[-1] if readers else -1
     returned = _returned_as(graph, state, new_value)
     if not graph.updates_state:
       reason, donate = "the graph only reads the state (no new value returned)", False
+    elif new_value is state and state.id in returned_anyway:
+      reason = ("returned unchanged, yet by the executable, as jax.jit's returns it: a "
+                "scalar a division reads, which XLA rewrites by how many read it")
+      donate = False
     elif new_value is state:
       reason, donate = "read-only: the step returns it unchanged, no copy is made", False
     elif not allow:

@@ -42,11 +42,13 @@ class StateLayout:
     # plan; a leaf with its own buffer in a packed slot may be): the leaves
     # a failed sunk run or a debug_nans run copies first
     self.donated_idx = [i for i, s in enumerate(states) if s.id in donated]
-    self.updated_idx = [i for i, (s, new) in enumerate(graph.state_updates())
-                        if new is not s]
+    # every leaf but those the step returns as they came (a scalar divisor is
+    # returned by the executable all the same: KernelGraph.passed_state)
+    passed = graph.passed_state()
+    self.updated_idx = [i for i in range(self.num_outputs) if i not in passed]
     # (index, name) of the leaves the step returns as they came (call_path's
     # debug_nans/infs check)
-    self.passed = [(i, states[i].name or f"state {i}") for i in graph.passed_state()]
+    self.passed = [(i, states[i].name or f"state {i}") for i in passed]
     self.state_avals = [s.aval for s in states]
     self.state_shardings = [s.sharding for s in states]  # None without a mesh
     self._updated_refs = [leaf_slots[i] for i in self.updated_idx]
