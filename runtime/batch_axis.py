@@ -149,7 +149,13 @@ IDENTITY = BatchRule(lambda eqn: eqn.facts[:len(eqn.out_avals)])  # each output 
 # (`rule_for`); any other op mixes.
 RULES = {
     **{op: IDENTITY for op in ("optimization_barrier", "device_put", "sharding_constraint",
-                               "random_clone")},
+                               "random_clone", "name")},  # name: checkpoint_name's
+    # the total-order comparisons of jnp.digitize and searchsorted
+    **{op: ELEMENTWISE for op in ("lt_to", "le_to")},
+    "fft": not_along(lambda e: range(e.rank(0) - len(e.params["fft_lengths"]), e.rank(0)),
+                     "transforms"),
+    "approx_top_k": not_along(lambda e: (e.params["reduction_dimension"] % e.rank(0),),
+                              "takes the top k"),
     # the last axis packs into wider elements when the width grows
     "bitcast_convert_type": not_along(
         lambda e: (e.rank(0) - 1,) if len(e.out_shape()) < e.rank(0) else (), "packs"),

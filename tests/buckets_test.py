@@ -449,6 +449,21 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
         self.assertEqual(got.shape, want.shape)
         assert_within_ulp(got, want, 8, f"n={n}")  # a dot's rows: numerics.md
 
+  def test_row_wise_primitives_without_rules_before(self):
+    # a review's finds, refused as "no batch rule": an rfft per row,
+    # checkpoint_name in a model, approx_max_k over classes
+    from jax.ad_checkpoint import checkpoint_name  # pylint: disable=import-outside-toplevel
+    x = np.random.default_rng(9).standard_normal((7, 16)).astype(np.float32)
+    for fn in (lambda x: jnp.abs(jnp.fft.rfft(x, axis=-1)),
+               lambda x: checkpoint_name(jax.nn.relu(x), "hidden") * 2,
+               lambda x: jax.lax.approx_max_k(x, 3)[1]):
+      sess = js.Session()
+      gid = sess.compile(fn, x[:4], buckets={0: [4, 8]})
+      for n in (1, 3, 7):
+        # the FFT's rows may round otherwise at another row count, as a dot's
+        # (numerics.md, shape buckets); the other two are exact
+        assert_within_ulp(sess.run(gid, x[:n]), jax.jit(fn)(x[:n]), 8, f"n={n}")
+
   def test_a_callback_defined_in_fn_is_the_same_program_at_every_size(self):
     """A lambda made inside fn is another object at each probe trace: it was
     taken for a program that reads the batch size (a break-it find). One that
