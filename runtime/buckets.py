@@ -212,7 +212,7 @@ class BucketPolicy:
   def target(self, n, compiled=()):
     """The size to run a batch of n rows at (n itself: exact); `compiled`:
     the sizes that have an executable already."""
-    if n:  # an empty batch runs on the smallest bucket; it takes no bucket slot
+    if n:  # an empty batch takes no bucket slot (a BucketedGraph runs it exactly)
       self.seen[n] += 1
     self.rows += n
     if self.sizes is None:  # learning the traffic: pad to the learning bucket

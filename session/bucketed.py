@@ -286,7 +286,9 @@ class BucketedGraph:
     axis = 0 if steps is None else 1
     self.precheck(args, steps)
     n = self.batch_size(args, axis)
-    size = 1 if n == 1 and self.exact_one else self.policy.target(n, self.sizes)
+    # an empty batch runs at its exact size: padded, a maximum or an any over
+    # a value made from the batch size saw rows where jax.jit sees none
+    size = n if n == 0 or (n == 1 and self.exact_one) else self.policy.target(n, self.sizes)
     gid = self.executable(size)
     if size != n:
       args = tuple(tree_util.tree_map(lambda x: policy_lib.pad_rows(x, size, axis), a)

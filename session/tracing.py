@@ -492,11 +492,54 @@ def _python_scalar_traces_other(wrapped, state, dyn_args, i, treedef, leaves, j,
     flat[j] = jax.lax.convert_element_type(flat[j], aval.dtype)
     args[i] = tree_util.tree_unflatten(treedef, flat)
     return wrapped(state, *args)
+  at = next(k for k, leaf in enumerate(tree_util.tree_leaves((state, *args)))
+            if leaf is as_python[j])
+  integer = kind == "i"
   try:
-    want = arithmetic(jax.make_jaxpr(converted)(state, *args).jaxpr)
-  except Exception:  # pylint: disable=broad-except
+    traces = [jax.make_jaxpr(fn)(state, *args).jaxpr for fn in (wrapped, converted)]
+  except Exception:  # pylint: disable=broad-except  (jax.jit would raise there)
     return True
-  return _traces_other(lambda: jax.make_jaxpr(wrapped)(state, *args), want)
+  jit_uses, run_uses = (_scalar_uses(t, t.invars[at], aval.dtype, integer) for t in traces)
+  return jit_uses != run_uses
+
+
+def _scalar_uses(jaxpr, scalar, dtype, integer):
+  """What `jaxpr` computes from the input `scalar` (a weak scalar of the
+  default dtype), its converts followed: jax.jit converts a weak scalar at
+  each use where run converts it once before the program (x * s + s
+  converts it twice under jax.jit), so a value converted to `dtype` is one
+  label, "S:dtype", wherever it was made. An integer's value fits `dtype`
+  (run refuses one that does not), so whatever widths it passed through, a
+  convert of it gives the same value as from the scalar; a float's rounding
+  to `dtype` is not
+  (x_f32 + s adds the float32 value where the bfloat16 program adds its
+  rounding). A value returned keeps its dtype: another program."""
+  default = np.dtype(scalar.aval.dtype)
+  labels = {scalar: "S"}
+  def kind(v):
+    return labels.get(v) or (tuple(v.aval.shape), v.aval.dtype)
+  out = []
+  for eqn in jaxpr.eqns:
+    src = eqn.invars[0] if eqn.invars else None
+    if eqn.primitive.name == "convert_element_type" and src in labels:
+      got, to = np.dtype(src.aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
+      if to == got:  # the weak type alone
+        labels[eqn.outvars[0]] = labels[src]
+        continue
+      if labels[src] == "S" and to == np.dtype(dtype):
+        labels[eqn.outvars[0]] = f"S:{to}"
+        continue
+      if integer:  # one integer value, whichever width it passed through
+        labels[eqn.outvars[0]] = "S" if to == default else f"S:{to}"
+        continue
+    subs = tuple(_arithmetic(p.jaxpr if hasattr(p, "jaxpr") else p)
+                 for value in eqn.params.values()
+                 for p in (value if isinstance(value, (tuple, list)) else (value,))
+                 if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr)))
+    out.append((eqn.primitive.name, tuple(map(kind, eqn.invars)),
+                tuple(map(kind, eqn.outvars)), subs))
+  out.append(tuple((kind(v), getattr(v.aval, "dtype", None)) for v in jaxpr.outvars))
+  return out
 
 
 def input_labels(state_nums, state_args, dyn_nums, dyn_args):

@@ -449,6 +449,19 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
         self.assertEqual(got.shape, want.shape)
         assert_within_ulp(got, want, 8, f"n={n}")  # a dot's rows: numerics.md
 
+  def test_an_empty_batch_runs_exactly(self):
+    # padded, a maximum or an any over a value made from the batch size saw
+    # rows where jax.jit sees none (a review's find)
+    fn = lambda x: (x * 2, jnp.max(jnp.ones(x.shape[0]), initial=-5.0),  # noqa: E731
+                    jnp.any(jnp.ones(x.shape[0], bool)))
+    sess = js.Session()
+    gid = sess.compile(fn, jnp.ones((4, 3)), buckets={0: [2, 4, 8]})
+    for n in (0, 3):
+      x = jnp.full((n, 3), -0.0)
+      for got, want in zip(sess.run(gid, x), jax.jit(fn)(x)):
+        np.testing.assert_array_equal(got, want)
+        self.assertEqual(got.shape, want.shape)
+
   def test_row_wise_primitives_without_rules_before(self):
     # a review's finds, refused as "no batch rule": an rfft per row,
     # checkpoint_name in a model, approx_max_k over classes

@@ -213,7 +213,13 @@ class NarrowScalarArgumentTest(absltest.TestCase):
     cases = [(lambda x, s: x * s, (xb, jnp.bfloat16(1)), 0.1, True),
              (lambda x, s: x + s, (xf, jnp.bfloat16(1)), 0.1, False),
              (lambda x, s: x + s, (jnp.int8([1, -128]), jnp.int8(1)), 3, True),
-             (lambda x, s: (x, s), (jnp.int8([1, 2]), jnp.int8(1)), 3, False)]
+             (lambda x, s: (x, s), (jnp.int8([1, 2]), jnp.int8(1)), 3, False),
+             # a review's: read twice (jax.jit converts at each use), an int
+             # widened again, a float returned as it came
+             (lambda x, s: x * s + s, (xb, jnp.bfloat16(1)), 0.1, True),
+             (lambda x, s: x + s, (jnp.int32([1, -7]), jnp.int8(1)), 3, True),
+             (lambda x, s: x * s, (xf, jnp.int8(1)), -3, True),
+             (lambda x, s: (x * s, s), (xb, jnp.bfloat16(1)), 0.1, False)]
     for fn, examples, scalar, exact in cases:
       sess = js.Session()
       gid = sess.compile(fn, *examples)
