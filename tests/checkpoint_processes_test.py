@@ -132,10 +132,19 @@ sess.wait_until_saved()
 sess.run(gid, np.float32(3.0))
 if sys.argv[2] == "ctrl-c-at-exit":  # step 1's write still going when the Ctrl-C comes
   import os, signal, threading, time
+  # (a shell's background job starts with SIGINT ignored - tests/subproc.py)
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   from jaxsession import checkpoint_steps
+  exiting = threading.Event()  # set by an exit hook that runs just before the wait's
+  threading._register_atexit(exiting.set)
   marked = checkpoint_steps.mark_complete
-  checkpoint_steps.mark_complete = lambda *a: (time.sleep(3), marked(*a))
-  threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+  def late_mark(*a):  # the Ctrl-C comes while the exit waits for this write
+    exiting.wait(60)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(3)
+    return marked(*a)
+  checkpoint_steps.mark_complete = late_mark
   import atexit  # the user's exit work still runs, as Python runs it on a Ctrl-C
   atexit.register(lambda: open(sys.argv[1] + ".atexit", "w").close())
 sess.save(gid, sys.argv[1], 1)  # pending as the script ends
