@@ -21,7 +21,8 @@ a kept axis. Analyse a trace at a batch size unlike the other sizes, and check
 the bucket's trace is the same program. A value made from the batch size as
 an array (`jnp.ones(x.shape[0])`) is the same program at every size, so the
 analysis itself refuses an op that reads across an axis of the batch's extent
-of a row-free value, as its rows rule would refuse it on rows (`_batch_sized`). Bit-exact buckets also need kernels
+of a row-free value, as its rows rule would refuse it on rows (`_batch_sized`;
+padding alone: PaddedBatch). Bit-exact buckets also need kernels
 that round a row the same at every batch size; XLA on CPU does not by default
 (tests/batch_axis_test.py says which options it takes).
 """
@@ -241,7 +242,7 @@ def step(eqn):
   rule = rule_for(eqn.op)
   padding = type(eqn.batch) is PaddedBatch
   if all(f.axis is None for f in eqn.facts):
-    for sized in _batch_sized(eqn) if padding else ():  # a value made from the batch size, read across it
+    for sized in _batch_sized(eqn) if padding else ():  # made from the batch size
       try:
         if rule is None:
           raise Mixing(f"no batch rule for {eqn.op}")
@@ -272,7 +273,7 @@ def step(eqn):
     if fact.axis is not None and (fact.axis >= len(shape) or shape[fact.axis] != eqn.batch):
       raise Mixing(f"changes the extent of the batch axis (output {k} axis {fact.axis})")
     second = [d for d, n in enumerate(shape) if n == eqn.batch and d != fact.axis]
-    if padding and fact.axis is not None and second:  # (probes: primes no other axis has)
+    if padding and fact.axis is not None and second:  # (no number of the program's)
       raise Mixing(f"output {k} has a second axis of the batch's extent (axis {second[0]}) "
                    "beside the rows: made from the batch size (jnp.ones((1, x.shape[0])), "
                    "an arange of it) or from the rows themselves, padded rows would count "
@@ -288,7 +289,7 @@ SAME_ON_REPEATS = frozenset(("reduce_max", "reduce_min", "reduce_and", "reduce_o
 
 def _batch_sized(eqn):
   """The operation as its rows rule would see it were the axes of the batch's
-  extent (the probe sizes no example axis has) rows: one Eqn per such axis of
+  extent (a probe size, which no number of the program is) rows: one Eqn per such axis of
   an operand with several. A value made from the batch size (`jnp.ones(
   x.shape[0])`) holds no row, yet a sum or an argmax across it counts the
   padded rows: the rows rule then says it mixes."""

@@ -149,10 +149,11 @@ class BucketedGraph:
     axes but the batch's) nor any number of the first bucket's program
     (axes, params) is, so that a row axis cannot pass for another or for a
     broadcast, nor an axis or param of the model's own (a head's width of
-    64, a vocabulary of 11, x[:, 17:]) for the batch's. A refusal releases the first bucket. The
-    two traces must be the same program once the row count is named: a
-    program that reads the batch size (x / x.shape[0], an arange of it, a
-    Python branch on it) is refused, naming the first node that differs."""
+    64, a vocabulary of 11, x[:, 17:]) for the batch's. A refusal releases
+    the first bucket. The two traces must be the same program once the row
+    count is named: a program that reads the batch size (x / x.shape[0], an
+    arange of it, a Python branch on it) is refused, naming the first node
+    that differs."""
     gid = self.compile_one(size)
     # every number the program holds: its axes, its params (a slice's 17, a
     # conv's dimension numbers), its nested jaxprs' shapes - the signatures

@@ -466,7 +466,6 @@ _DEFAULTS = {"f": np.float64, "i": np.int64, "c": np.complex128}
 _KINDS = (("f", np.floating), ("i", np.integer), ("c", np.complexfloating))  # bf16: kind 'V'
 
 
-
 def _python_scalar_traces_other(wrapped, state, dyn_args, i, treedef, leaves, j, aval):
   """For a strong scalar leaf of a narrower dtype than a Python scalar's
   (bfloat16, int8): whether jax.jit, given a Python scalar there - a weak
@@ -511,9 +510,9 @@ def _scalar_uses(jaxpr, scalar, dtype, integer):
   label, "S:dtype", wherever it was made. An integer's value fits `dtype`
   (run refuses one that does not), so whatever widths it passed through, a
   convert of it gives the same value as from the scalar; a float's rounding
-  to `dtype` is not
-  (x_f32 + s adds the float32 value where the bfloat16 program adds its
-  rounding). A value returned keeps its dtype: another program."""
+  to `dtype` is not (x_f32 + s adds the float32 value where the bfloat16
+  program adds its rounding). A value returned keeps its dtype: another
+  program."""
   default = np.dtype(scalar.aval.dtype)
   labels = {scalar: "S"}
   def kind(v):
