@@ -10,6 +10,7 @@ Not under a mesh (see `run`). Run after DCE (fewer nodes to hash); DCE again
 afterwards is not needed since the merged node's outputs are redirected, not
 left dead.
 """
+from jaxsession.graph.divisors import divisor_cone
 from jaxsession.graph.ir import Literal, param_key
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
@@ -39,9 +40,9 @@ class CommonSubexpressionElimination(Pass):
     merged = []
     constant = {v.id for v in graph.inputs_of_kind("const")}
     # what makes a divisor, and the divisions, stay unmerged: XLA rewrites a
-    # division by what makes its divisor and how many read it (KernelGraph.
-    # divisor_cone); merged, x / s written twice gave other bits (a fuzzer's find)
-    divisors = graph.divisor_cone()[0]
+    # division by what makes its divisor and how many read it (graph/
+    # divisors.py); merged, x / s written twice gave other bits (a fuzzer's find)
+    divisors = divisor_cone(graph)[0]
     for node in graph.nodes:
       if not node.props.deterministic or node.props.opaque or node.id in divisors:
         continue  # an opaque node (a barrier, a kept jit call) is XLA's to merge

@@ -450,8 +450,7 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
         assert_within_ulp(got, want, 8, f"n={n}")  # a dot's rows: numerics.md
 
   def test_an_empty_batch_runs_exactly(self):
-    # padded, a maximum or an any over a value made from the batch size saw
-    # rows where jax.jit sees none (a review's find)
+    # padded, a max or any over a value made from the batch size saw rows (a review's find)
     fn = lambda x: (x * 2, jnp.max(jnp.ones(x.shape[0]), initial=-5.0),  # noqa: E731
                     jnp.any(jnp.ones(x.shape[0], bool)))
     sess = js.Session()
@@ -473,8 +472,7 @@ class BatchSizeReadByTheProgramTest(absltest.TestCase):
       sess = js.Session()
       gid = sess.compile(fn, x[:4], buckets={0: [4, 8]})
       for n in (1, 3, 7):
-        # the FFT's rows may round otherwise at another row count, as a dot's
-        # (numerics.md, shape buckets); the other two are exact
+        # an FFT's rows may round otherwise at another row count (numerics.md)
         assert_within_ulp(sess.run(gid, x[:n]), jax.jit(fn)(x[:n]), 8, f"n={n}")
 
   def test_a_callback_defined_in_fn_is_the_same_program_at_every_size(self):

@@ -15,11 +15,8 @@ import weakref
 import numpy as np
 import jax
 
-from jaxsession.graph.op_properties import CALLS, DIVIDES, facts, node_props
-
-# ops a divisor's value passes through unchanged in kind: XLA's division
-# rewrites see through them to what made it (KernelGraph.divisor_cone)
-_DIVISOR_THROUGH = ("broadcast_in_dim", "reshape", "squeeze")
+from jaxsession.graph.divisors import divisor_cone
+from jaxsession.graph.op_properties import CALLS, node_props
 
 INPUT_KINDS = ("input", "state", "const")
 
@@ -296,7 +293,7 @@ class KernelGraph:
   def passed_state(self):
     """Indices of the state leaves the graph returns as they came (no
     executable returns them; jax.jit's debug_nans check sees them). Not a
-    scalar a division reads (divisor_cone): XLA rewrites x / broadcast(s) as
+    scalar a division reads (divisors.py): XLA rewrites x / broadcast(s) as
     x * (1 / s) where s has no other reader, and jax.jit's executable
     returns s (a fuzzer's find: 1 ulp); the executable returns it too."""
     divisors = None
@@ -304,38 +301,11 @@ class KernelGraph:
     for i, (s, new) in enumerate(self.state_updates()):
       if new is s:
         if s.aval.shape == ():
-          divisors = self.divisor_cone()[1] if divisors is None else divisors
+          divisors = divisor_cone(self)[1] if divisors is None else divisors
           if s.id in divisors:
             continue
         passed.append(i)
     return passed
-
-  def divisor_cone(self):
-    """(ids of the nodes that make a divisor of div or rem, with the
-    divisions themselves; ids of the graph inputs they read), through
-    elementwise and reshaping ops: XLA rewrites a division by what makes its
-    divisor and how many read it (a / sqrt(b) into a * rsqrt(b),
-    a / broadcast(s) into a * (1 / s) where s has one reader), so a pass
-    that changes those readers changes the bits."""
-    nodes, inputs, stack = set(), set(), []
-    for node in self.nodes:
-      if node.op in DIVIDES and len(node.inputs) > 1:
-        nodes.add(node.id)
-        stack.append(node.inputs[1])
-    while stack:
-      value = stack.pop()
-      if not hasattr(value, "producer"):  # a literal
-        continue
-      node = value.producer
-      if node is None:
-        inputs.add(value.id)
-        continue
-      if node.id in nodes:
-        continue
-      nodes.add(node.id)
-      if facts(node.op).elementwise or node.op in _DIVISOR_THROUGH:
-        stack.extend(node.inputs)
-    return nodes, inputs
 
   def verify(self, stages=(), skip=None, structure=True, shapes=True):
     """Checks the invariants; raises ValueError naming the first violation.
