@@ -132,7 +132,12 @@ class Jitted:
     self._argnums, self._argnames = static_argnums, static_argnames
     # jax.jit(fn, ...), for calls under a trace; made here, so that statics
     # the signature does not have raise jax's own ValueError, as jax.jit does
-    self._traced = real_jit(fn, static_argnums=static_argnums, static_argnames=static_argnames)
+    # static_argnums None where none are given: jax.jit (whose default it is)
+    # then finds the positions of static_argnames, so that a positional call
+    # under a trace passes them as statics (with () it did not: a user's find)
+    empty = isinstance(static_argnums, (tuple, list)) and not static_argnums
+    self._traced = real_jit(fn, static_argnums=None if empty else static_argnums,
+                            static_argnames=static_argnames)
     functools.update_wrapper(self, fn)
     self._session = session  # held here; the shared graphs hold it weakly
     self._sigs = jit_cache.acquire(fn, (self._static_nums, self._static_names), session)
