@@ -502,7 +502,7 @@ def _python_scalar_traces_other(wrapped, state, dyn_args, i, treedef, leaves, j,
   return jit_uses != run_uses
 
 
-def _scalar_uses(jaxpr, scalar, dtype, integer):
+def _scalar_uses(jaxpr, scalar, dtype, integer, labels=None):
   """What `jaxpr` computes from the input `scalar` (a weak scalar of the
   default dtype), its converts followed: jax.jit converts a weak scalar at
   each use where run converts it once before the program (x * s + s
@@ -512,33 +512,65 @@ def _scalar_uses(jaxpr, scalar, dtype, integer):
   convert of it gives the same value as from the scalar; a float's rounding
   to `dtype` is not (x_f32 + s adds the float32 value where the bfloat16
   program adds its rounding). A value returned keeps its dtype: another
-  program."""
-  default = np.dtype(scalar.aval.dtype)
-  labels = {scalar: "S"}
+  program. Bodies (a scan's, a nested jit's) are followed with the labels
+  of what they are given (`labels`: var -> label, `scalar` None)."""
+  default = np.dtype(jax.dtypes.canonicalize_dtype(_DEFAULTS["i" if integer else "f"])) \
+      if scalar is None else np.dtype(scalar.aval.dtype)
+  labels = dict(labels or {}) if scalar is None else {scalar: "S"}
+
+  def label(v):  # (a Literal cannot be hashed: a review's find)
+    return None if isinstance(v, jcore.Literal) else labels.get(v)
+
   def kind(v):
-    return labels.get(v) or (tuple(v.aval.shape), v.aval.dtype)
+    return label(v) or (tuple(v.aval.shape), v.aval.dtype)
   out = []
   for eqn in jaxpr.eqns:
-    src = eqn.invars[0] if eqn.invars else None
-    if eqn.primitive.name == "convert_element_type" and src in labels:
-      got, to = np.dtype(src.aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
+    src = label(eqn.invars[0]) if eqn.invars else None
+    if eqn.primitive.name == "convert_element_type" and src is not None:
+      got, to = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
       if to == got:  # the weak type alone
-        labels[eqn.outvars[0]] = labels[src]
+        labels[eqn.outvars[0]] = src
         continue
-      if labels[src] == "S" and to == np.dtype(dtype):
+      if src == "S" and to == np.dtype(dtype):
         labels[eqn.outvars[0]] = f"S:{to}"
         continue
       if integer:  # one integer value, whichever width it passed through
         labels[eqn.outvars[0]] = "S" if to == default else f"S:{to}"
         continue
-    subs = tuple(_arithmetic(p.jaxpr if hasattr(p, "jaxpr") else p)
-                 for value in eqn.params.values()
-                 for p in (value if isinstance(value, (tuple, list)) else (value,))
-                 if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr)))
-    out.append((eqn.primitive.name, tuple(map(kind, eqn.invars)),
-                tuple(map(kind, eqn.outvars)), subs))
+    subs = tuple(_body_uses(eqn, body, [label(v) for v in eqn.invars], dtype, integer)
+                 for body in _bodies(eqn))
+    # a body's operands are its uses' to say (a labelled one passes in as it is)
+    ins = tuple("S*" if subs and label(v) else kind(v) for v in eqn.invars)
+    out.append((eqn.primitive.name, ins, tuple(map(kind, eqn.outvars)), subs))
   out.append(tuple((kind(v), getattr(v.aval, "dtype", None)) for v in jaxpr.outvars))
   return out
+
+
+def _bodies(eqn):
+  return [p.jaxpr if hasattr(p, "jaxpr") else p
+          for value in eqn.params.values()
+          for p in (value if isinstance(value, (tuple, list)) else (value,))
+          if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))]
+
+
+def _body_uses(eqn, body, given, dtype, integer):
+  """_scalar_uses of a body, its inputs labelled as the operands that feed
+  them: one for one (a jit call, scan, remat, custom_jvp/vjp), a cond's
+  branches all but the index, a while's cond and body their consts and
+  the carries; anything else: its arithmetic alone."""
+  n = len(body.invars)
+  if eqn.primitive.name == "while":
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    fed = (given[:cn] + given[cn + bn:]) if n == len(given) - bn else \
+        given[cn:cn + bn] + given[cn + bn:]
+  elif n == len(given):
+    fed = given
+  elif n == len(given) - 1 and eqn.primitive.name == "cond":
+    fed = given[1:]
+  else:
+    return _arithmetic(body)
+  return tuple(_scalar_uses(body, None, dtype, integer,
+                            {v: g for v, g in zip(body.invars, fed) if g}))
 
 
 def input_labels(state_nums, state_args, dyn_nums, dyn_args):

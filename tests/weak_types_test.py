@@ -219,7 +219,11 @@ class NarrowScalarArgumentTest(absltest.TestCase):
              (lambda x, s: x * s + s, (xb, jnp.bfloat16(1)), 0.1, True),
              (lambda x, s: x + s, (jnp.int32([1, -7]), jnp.int8(1)), 3, True),
              (lambda x, s: x * s, (xf, jnp.int8(1)), -3, True),
-             (lambda x, s: (x * s, s), (xb, jnp.bfloat16(1)), 0.1, False)]
+             (lambda x, s: (x * s, s), (xb, jnp.bfloat16(1)), 0.1, False),
+             # a literal beside it (compile raised TypeError), a scan body
+             (lambda x, s: x * s + 1, (xb, jnp.bfloat16(1)), 0.1, True),
+             (lambda x, s: jax.lax.scan(lambda c, _: (c * s, None), x, None, length=2)[0],
+              (xb, jnp.bfloat16(1)), 0.1, True)]
     for fn, examples, scalar, exact in cases:
       sess = js.Session()
       gid = sess.compile(fn, *examples)
