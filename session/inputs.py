@@ -174,12 +174,13 @@ def python_scalar(x, dtype):
   if isinstance(x, bool) or kind == "b":
     return np.asarray(x, dtype) if isinstance(x, bool) and kind == "b" else None
   if isinstance(x, int):
-    if kind in "iu":
-      info = np.iinfo(dtype)
-      return np.asarray(x, dtype) if info.min <= x <= info.max else None
+    if kind in "iu":  # and in the default int's range, where jax.jit raises OverflowError
+      info, weak = np.iinfo(dtype), np.iinfo(jax.dtypes.canonicalize_dtype(np.int64))
+      return np.asarray(x, dtype) if max(info.min, weak.min) <= x <= min(info.max,
+                                                                          weak.max) else None
     return None
   if isinstance(x, float):
-    if kind not in "fc":
+    if kind != "f":  # a weak float to jax.jit, not a complex: sqrt(-4.0) is nan there
       return None
     # jax.jit takes a Python float as a weak float of the default width
     # (float32 without x64), then converts: two roundings, reproduced here;

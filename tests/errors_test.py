@@ -143,6 +143,14 @@ class BadInputTest(absltest.TestCase):
     gi = sess.compile(lambda x, k: x + k, jnp.arange(3), jnp.int32(2))
     with self.assertRaisesRegex(js.InputError, r"Python scalar 2.5 does not fit i32"):
       sess.run(gi, jnp.arange(3), 2.5)
+    # a review's finds: a float is a weak float32 to jax.jit, not a complex
+    # (sqrt(-4.0) is nan there), and an int past int32 its OverflowError
+    gc = sess.compile(lambda s: jnp.sqrt(s), jnp.complex64(1))
+    with self.assertRaisesRegex(js.InputError, r"Python scalar -4.0 does not fit c64"):
+      sess.run(gc, -4.0)
+    gu = sess.compile(lambda x, k: x + k, jnp.arange(3, dtype=jnp.uint32), jnp.uint32(2))
+    with self.assertRaisesRegex(js.InputError, r"Python scalar 3000000000 does not fit u32"):
+      sess.run(gu, jnp.arange(3, dtype=jnp.uint32), 3_000_000_000)
 
   def test_bad_compile_arguments(self):
     with self.assertRaisesRegex(js.InputError, r"state_argnums entry 5"):
