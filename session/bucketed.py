@@ -64,6 +64,7 @@ class BucketedGraph:
     self.verdict = None
     self.signatures = []              # the probe traces' programs, row count named
     self.exact_one = False            # fn at 1 row is another program: run 1 row exactly
+    self.probe_ranks = None           # the last probe trace's ops and result ranks
     self.released = False
     self.lock = threading.Lock()
     self.where = f"run(graph '{name}')"  # with the public id once it has one (bind)
@@ -74,6 +75,7 @@ class BucketedGraph:
     import of jax.make_jaxpr, nothing compiled): InputError naming every node
     that mixes rows; else the row axis of every run output."""
     graph, dyn_args = self.trace(size)
+    self.probe_ranks = _ranks(graph)
     dynamic, first = {}, 0
     leaf_ids = [v.id for v in graph.inputs_of_kind("input")]
     for i, (position, arg) in enumerate(zip(self.dyn_nums, dyn_args)):
@@ -175,23 +177,19 @@ class BucketedGraph:
             f"compile({self.name}): the program depends on the batch size itself (traced "
             f"at {probes[0]} and {probes[1]} rows it differs at: {where}); padding would "
             "change its result. Compile without buckets= to run every batch size exactly.")
-      self.exact_one = 1 not in (self.policy.sizes or ()) and self._one_row_differs(probes[-1])
+      self.exact_one = 1 not in (self.policy.sizes or ()) and self._one_row_differs()
     except BaseException:
       self.session.release(gid)
       raise
     self.sizes[size] = self.first = gid
 
-  def _one_row_differs(self, probe):
-    """Whether fn traced at 1 row is another program than at `probe` rows,
-    by its ops and the ranks of their results: `jnp.squeeze()` drops the
-    batch axis of one row alone (a review's find: a regression head returned
-    (1,) where jax.jit returns ()). Such a graph runs one row exactly."""
-    def ranks(size):
-      graph = self.trace(size)[0]
-      return [(n.op, tuple(len(getattr(o.aval, "shape", ())) for o in n.outputs))
-              for n in graph.nodes]
+  def _one_row_differs(self):
+    """Whether fn traced at 1 row is another program than at the last probe's
+    rows, by its ops and the ranks of their results: `jnp.squeeze()` drops
+    the batch axis of one row alone (a review's find: a regression head
+    returned (1,) where jax.jit returns ()). Such a graph runs one row exactly."""
     try:
-      return ranks(1) != ranks(probe)
+      return _ranks(self.trace(1)[0]) != self.probe_ranks
     except Exception:  # pylint: disable=broad-except  (fails at 1 row: run it so, as jax.jit)
       return True
 
@@ -309,6 +307,11 @@ class BucketedGraph:
 
   def __repr__(self):  # report.buckets, printed alone
     return f"<shape buckets of graph '{self.name}': {self.describe()}>"
+
+
+def _ranks(graph):
+  return [(n.op, tuple(len(getattr(o.aval, "shape", ())) for o in n.outputs))
+          for n in graph.nodes]
 
 
 def _prime(n):

@@ -94,10 +94,10 @@ class Entry:
   def sunk_call(self, steps, leading):
     """The call of run(steps=steps) (`leading`: loop_sink.check_in_axes's),
     built on first use: the first steps value a graph runs compiles its own
-    executable (one per in_axes pattern it runs with); any other runs as chunks of power-of-two steps (64 + 32 + 4
-    for 100), each chunk's executable compiled once and shared by every
-    steps value - the short last chunk of an epoch compiles at most
-    log2(steps) + 1 small ones, once."""
+    executable (one per in_axes pattern it runs with); any other runs as
+    chunks of power-of-two steps (64 + 32 + 4 for 100), each chunk's
+    executable compiled once and shared by every steps value - the short
+    last chunk of an epoch compiles at most log2(steps) + 1 small ones, once."""
     kind = "one executable (lax.scan)" if self.runner.layout.one_executable else \
         "the plan, once per step"
     sizes = loop_sink.chunk_sizes(steps)

@@ -166,8 +166,10 @@ def python_scalar(x, dtype):
   """`x` (a Python scalar) as a 0-d array of `dtype`, converted the way jax.jit
   converts it (a float rounds to the float type), or None when jax.jit would
   trace another program for it or the value would change: a float for an
-  int, an int for a float or complex (jax.jit traces a weak int: int
-  arithmetic), an int past the int's range, a bool for anything but a bool."""
+  int or a complex (jax.jit traces a weak float), an int for a float or
+  complex (a weak int: int arithmetic), an int past the range of the leaf's
+  int or of the default int (jax.jit's OverflowError), a bool for anything
+  but a bool."""
   dtype = np.dtype(dtype)
   kind = ("f" if jax.numpy.issubdtype(dtype, jax.numpy.floating) else
           "c" if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating) else dtype.kind)

@@ -359,11 +359,7 @@ def _arithmetic(jaxpr):
     outs = tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars)
     if eqn.primitive.name == "convert_element_type" and ins == outs:
       continue
-    subs = tuple(_arithmetic(p.jaxpr if hasattr(p, "jaxpr") else p)
-                 for value in eqn.params.values()
-                 for p in (value if isinstance(value, (tuple, list)) else (value,))
-                 if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr)))
-    out.append((eqn.primitive.name, ins, outs, subs))
+    out.append((eqn.primitive.name, ins, outs, tuple(map(_arithmetic, _bodies(eqn)))))
   return tuple(out)
 
 
@@ -547,6 +543,7 @@ def _scalar_uses(jaxpr, scalar, dtype, integer, labels=None):
 
 
 def _bodies(eqn):
+  """The sub-jaxprs an equation's params hold (bodies, branches), as Jaxprs."""
   return [p.jaxpr if hasattr(p, "jaxpr") else p
           for value in eqn.params.values()
           for p in (value if isinstance(value, (tuple, list)) else (value,))
@@ -559,10 +556,10 @@ def _body_uses(eqn, body, given, dtype, integer):
   branches all but the index, a while's cond and body their consts and
   the carries; anything else: its arithmetic alone."""
   n = len(body.invars)
-  if eqn.primitive.name == "while":
-    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    fed = (given[:cn] + given[cn + bn:]) if n == len(given) - bn else \
-        given[cn:cn + bn] + given[cn + bn:]
+  if eqn.primitive.name == "while":  # (told apart by identity: cond_nconsts may equal
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]  # body_nconsts)
+    fed = (given[:cn] if body is eqn.params["cond_jaxpr"].jaxpr else
+           given[cn:cn + bn]) + given[cn + bn:]
   elif n == len(given):
     fed = given
   elif n == len(given) - 1 and eqn.primitive.name == "cond":

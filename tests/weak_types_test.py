@@ -223,6 +223,10 @@ class NarrowScalarArgumentTest(absltest.TestCase):
              # a literal beside it (compile raised TypeError), a scan body
              (lambda x, s: x * s + 1, (xb, jnp.bfloat16(1)), 0.1, True),
              (lambda x, s: jax.lax.scan(lambda c, _: (c * s, None), x, None, length=2)[0],
+              (xb, jnp.bfloat16(1)), 0.1, True),
+             # a while whose cond and body take one const each: told apart
+             (lambda x, s: jax.lax.while_loop(lambda c: c[0] < (x[0] > 5).astype(int) + 2,
+                                              lambda c: (c[0] + 1, c[1] * s), (0, x))[1],
               (xb, jnp.bfloat16(1)), 0.1, True)]
     for fn, examples, scalar, exact in cases:
       sess = js.Session()
