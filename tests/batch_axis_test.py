@@ -343,6 +343,7 @@ X = jnp.ones((EXAMPLE_ROWS, F))
 XT = jnp.ones((EXAMPLE_ROWS, T, F))
 PERM = np.arange(EXAMPLE_ROWS)[::-1].copy()
 
+ONES_SUM = lambda x: jnp.ones(x.shape[0]).sum()  # noqa: E731  (made from the batch size)
 REFUSED = {  # name: (f, args, op named, words of the reason)
     "mean_loss": (lambda w, x: jnp.mean((x @ w - 1.0) ** 2), (weights(1, F, H), X),
                   "reduce_sum", "sums over the batch axis 0"),
@@ -379,12 +380,12 @@ REFUSED = {  # name: (f, args, op named, words of the reason)
                       "reduce_sum", "on a value sized by the batch"),
     "last_row_index": (lambda x: (x + 1, jnp.max(jnp.arange(x.shape[0]))), (X,),
                        "reduce_max", "on a value sized by the batch"),
-    "ones_summed_in_a_cond": (lambda x: (x * 2, lax.cond(True, lambda: jnp.ones(x.shape[0]).sum(),
-                                                         lambda: 0.0)), (X,), "cond",
-                              "on a value sized by the batch"),
-    "ones_summed_in_a_loop": (lambda x: (x * 2, lax.fori_loop(
-        0, 3, lambda i, c: c + jnp.ones(x.shape[0]).sum(), 0.0)), (X,), "scan",
-                              "on a value sized by the batch"),
+    "ones_summed_in_a_cond": (lambda x: (x * 2, lax.cond(True, lambda: ONES_SUM(x), lambda: 0.)),
+                              (X,), "cond", "on a value sized by the batch"),
+    "ones_summed_in_a_loop": (lambda x: (x * 2, lax.fori_loop(0, 3, lambda i, c: c + ONES_SUM(x),
+                                                              0.0)), (X,), "scan", "sized by"),
+    "ones_summed_in_a_jit": (lambda x: (x * 2, jax.jit(lambda n=x.shape[0]: jnp.ones(n).sum(),
+                                                       static_argnums=0)()), (X,), "jit", "sized by"),
     "gather_from_a_batch_sized_table": (lambda i: (jnp.arange(i.shape[0]) * 10)[i],
                                         (jnp.arange(EXAMPLE_ROWS, dtype=jnp.uint32),), "gather",
                                         "from a value sized by the batch"),
