@@ -342,7 +342,6 @@ BN_VARS = FlaxBN().init(jax.random.key(0), jnp.ones((2, F)))
 X = jnp.ones((EXAMPLE_ROWS, F))
 XT = jnp.ones((EXAMPLE_ROWS, T, F))
 PERM = np.arange(EXAMPLE_ROWS)[::-1].copy()
-
 ONES_SUM = lambda x: jnp.ones(x.shape[0]).sum()  # noqa: E731  (made from the batch size)
 REFUSED = {  # name: (f, args, op named, words of the reason)
     "mean_loss": (lambda w, x: jnp.mean((x @ w - 1.0) ** 2), (weights(1, F, H), X),
