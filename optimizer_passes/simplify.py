@@ -147,6 +147,26 @@ def zero_int(r, x):
                 broadcast_dimensions=(), sharding=None)
 
 
+def _nonnegative_iota(value):
+  """An iota of an integer dtype that holds its largest index, or a
+  broadcast or reshape of one: never < 0."""
+  node = getattr(value, "producer", None)  # a literal has none
+  while node is not None and node.op in ("broadcast_in_dim", "reshape"):
+    value = node.inputs[0]
+    node = getattr(value, "producer", None)
+  if node is None or node.op != "iota" or not is_kind(value, jnp.integer):
+    return False
+  return value.aval.shape[node.params["dimension"]] - 1 <= jnp.iinfo(value.aval.dtype).max
+
+
+def select_nonnegative(r, i, a, b):
+  """select_n(iota < 0, a, b): a, the predicate being false everywhere - the
+  negative-index normalisation of jnp's x[jnp.arange(n), ...], whose other
+  case adds n, the batch size under shape buckets (session/bucketed.py)."""
+  del i
+  return keep_x(r, a)
+
+
 def broadcast_chain(r, x, inner):
   """broadcast(broadcast(x, d1), d2) = broadcast(x, d2[d1])."""
   d1 = inner.producer.params["broadcast_dimensions"]
@@ -165,6 +185,8 @@ SIMPLIFY_RULES = [
     Rule(Pat("mul", x, Pat.lit(0)), zero_int),                        # x*0 -> 0 (ints only)
     Rule(Pat("select_n", Pat.lit(name="which"), Pat.var("a"), Pat.var("b")),
          select_constant),                                            # where(True, a, b) -> a
+    Rule(Pat("select_n", Pat("lt", Pat.var("i", where=_nonnegative_iota), Pat.lit(0)),
+             Pat.var("a"), Pat.var("b")), select_nonnegative),        # where(iota<0, b, a) -> a
     Rule(Pat("div", x, Pat.lit(1)), keep_real),                       # x/1 -> x (not complex)
     Rule(Pat("pow", x, Pat.lit(1)), keep_real),                       # x**1 -> x
     Rule(Pat("integer_pow", x, params={"y": 1}), keep_x),             # x**1 -> x

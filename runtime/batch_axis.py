@@ -40,7 +40,7 @@ from jaxsession.runtime.batch_rules import (  # the facts and the row rules
     not_along, _param, _partial_slices, _partial_sizes, _windowed, broadcast_in_dim,
     reshape, squeeze, reduction, dot_general, dot_uniform, matmul_bias_add,
     normalization, gather, gather_uniform, scatter, conv_general_dilated, refuse,
-    PaddedBatch)
+    PaddedBatch, ALL)
 
 
 # -- control flow: the same table through the sub-jaxprs ------------------------------
@@ -132,7 +132,24 @@ def broadcast_uniform(eqn):
 
 
 def iota_uniform(eqn):
-  return [Fact(uniform=frozenset(range(len(eqn.out_shape()))) - {eqn.params["dimension"]})]
+  """Constant but along its dimension; along the batch's extent, in a padded
+  program, the rows' own indices (Fact.position): padding appends rows, so a
+  real row's index is the same at every batch size."""
+  shape, dim = eqn.out_shape(), eqn.params["dimension"]
+  if type(eqn.batch) is PaddedBatch and shape[dim] == eqn.batch and \
+      shape.count(eqn.batch) == 1 and np.dtype(eqn.params["dtype"]).itemsize >= 4:
+    return [Fact(axis=dim, position=ALL, sized=True)]  # (a wide index: no bucket wraps it)
+  return [Fact(uniform=frozenset(range(len(shape))) - {dim})]
+
+
+def convert(eqn):
+  """Elementwise; a row's own index stays one in an integer of 32 bits or more."""
+  out = elementwise(eqn)
+  if eqn.facts[0].position == ALL:
+    dtype = np.dtype(eqn.params["new_dtype"])
+    if dtype.kind in "iu" and dtype.itemsize >= 4:
+      return [Fact(axis=out[0], position=ALL)]
+  return out
 
 
 def transpose_uniform(eqn):
@@ -161,6 +178,7 @@ RULES = {
     "bitcast_convert_type": not_along(
         lambda e: (e.rank(0) - 1,) if len(e.out_shape()) < e.rank(0) else (), "packs"),
     "broadcast_in_dim": BatchRule(broadcast_in_dim, broadcast_uniform),
+    "convert_element_type": BatchRule(convert, elementwise_uniform),
     "iota": BatchRule(refuse("iota takes no operands"), iota_uniform),
     "reshape": BatchRule(reshape),
     "transpose": BatchRule(lambda e: [tuple(e.params["permutation"]).index(e.axes[0])],
@@ -248,9 +266,7 @@ def step(eqn):
           raise Mixing(f"no batch rule for {eqn.op}")
         rule.rows(sized)
       except Mixing as exc:
-        raise Mixing(f"{exc.reason}, on a value sized by the batch that does not come from "
-                     "the rows (made from the batch size: jnp.ones(x.shape[0]), an arange of "
-                     "it); padded rows would count") from None
+        raise _sized(exc) from None
       except (KeyError, IndexError, ValueError, TypeError, AttributeError):
         pass  # a rule that cannot read it: the uniform rule below knows less
     try:
@@ -264,10 +280,16 @@ def step(eqn):
     raise Mixing("has effects: they would see the padded rows")
   if rule is None:
     raise Mixing(f"no batch rule for {eqn.op}")
+  # rows made from the batch size alone (Fact.sized): an arange of it
+  sized = padding and all(f.sized for f in eqn.facts if f.axis is not None)
   try:
     outs = [o if isinstance(o, Fact) else Fact(axis=o) for o in rule.rows(eqn)]
   except (KeyError, IndexError, ValueError, TypeError, AttributeError) as exc:
     raise Mixing(f"its batch rule cannot read it ({type(exc).__name__}: {exc})") from None
+  except Mixing as exc:
+    raise _sized(exc) if sized else exc from None
+  if sized:
+    outs = [dataclasses.replace(o, sized=True) if o.axis is not None else o for o in outs]
   for k, fact in enumerate(outs):  # a safety net under every rule
     shape = _shape(eqn.out_avals[k])
     if fact.axis is not None and (fact.axis >= len(shape) or shape[fact.axis] != eqn.batch):
@@ -279,6 +301,12 @@ def step(eqn):
                    "an arange of it) or from the rows themselves, padded rows would count "
                    "across it")
   return outs
+
+
+def _sized(exc):
+  return Mixing(f"{exc.reason}, on a value sized by the batch that does not come from the "
+                "rows (made from the batch size: jnp.ones(x.shape[0]), an arange of it); "
+                "padded rows would count")
 
 
 # reductions whose result over a value the same along an axis does not depend

@@ -26,10 +26,21 @@ class Fact:
     dynamic inputs only), or None when the value does not depend on the rows.
   uniform: for axis None, axes along which the value is provably constant.
   mixed_by: the node whose mixing this value depends on (graph level only).
+  position: for a value with rows, where it holds the row's own index (padding
+    alone: an arange of the batch size, whose real rows padding leaves as they
+    are): ALL (everywhere), or the indices along its last axis that do (the
+    columns of an index vector: x[jnp.arange(B), labels]).
+  sized: rows made from the batch size alone (an arange of it), not from the
+    real rows (padding alone): a refusal says so.
   """
   axis: int = None
   uniform: frozenset = frozenset()
   mixed_by: int = None
+  position: object = None
+  sized: bool = False
+
+
+ALL = "all"  # Fact.position: every element is its row's index
 
 
 FREE = Fact()
@@ -176,6 +187,8 @@ def not_along(axes_of, verb):
     for i in range(len(eqn.facts)):
       if eqn.rank(i) == eqn.rank(0):  # not the scalar operands (indices, padding value)
         _same_for_every_row(eqn, i, axis)
+    if eqn.op == "concatenate" and any(f.position for f in eqn.facts):
+      return [Fact(axis=axis, position=positions(eqn, axis))]
     return [axis] * len(eqn.out_avals)
 
   def uniform(eqn):  # constant along an axis it does not work along stays so
@@ -218,7 +231,22 @@ def broadcast_in_dim(eqn):
   out = eqn.params["broadcast_dimensions"][a]
   if eqn.out_shape()[out] != eqn.shape(0)[a]:
     raise Mixing(f"broadcasts the batch axis {a}")
-  return [out]
+  return [Fact(axis=out, position=ALL if eqn.facts[0].position == ALL else None)]
+
+
+def positions(eqn, axis):
+  """The output's Fact.position where operands are joined along the last
+  axis (concatenate): each operand's position columns, shifted."""
+  last = len(eqn.out_shape()) - 1
+  if eqn.params.get("dimension") != last or axis == last:
+    return None
+  cols, start = set(), 0
+  for i, f in enumerate(eqn.facts):
+    width = eqn.shape(i)[last]
+    mine = range(width) if f.position == ALL else (f.position or ())
+    cols.update(start + c for c in mine)
+    start += width
+  return frozenset(cols) or None
 
 
 def reshape(eqn):
@@ -329,19 +357,44 @@ def gather(eqn):
     _rows_at(eqn, 0, obd[j])
     _rows_at(eqn, 1, ibd[j])
     return [batch_pos[ibd[j]]]
+  own = own_row(eqn, oa, ia, tuple(dn.start_index_map), tuple(dn.collapsed_slice_dims))
+  if own is not None:  # x[jnp.arange(B), labels]: row r reads row r alone
+    _rows_at(eqn, 0, own)
+    return [batch_pos[ia]]
+  sized_table = Mixing("gathers by the rows from a value sized by the batch (made from the "
+                       "batch size): an index out of range is clipped or filled against its "
+                       "length, which padding changes")
   if oa is None:
     if type(eqn.batch) is PaddedBatch and any(eqn.shape(0)[d] == eqn.batch
                                               for d in dn.start_index_map):
-      raise Mixing("gathers by the rows from a value sized by the batch (made from the "
-                   "batch size): an index out of range is clipped or filled against its "
-                   "length, which padding changes")
+      raise sized_table
     return [batch_pos[ia]]
+  if eqn.facts[0].sized and ia is not None and oa in tuple(dn.start_index_map):
+    raise sized_table  # (an arange of the batch size: Fact.sized)
   window = [d for d in range(eqn.rank(0)) if d not in tuple(dn.collapsed_slice_dims) + obd]
   if oa in tuple(dn.start_index_map) or oa not in window or sizes[oa] != eqn.shape(0)[oa]:
     raise Mixing(f"gathers along the batch axis {oa}: which rows it reads depends on its indices")
   if ia is not None:
     raise Mixing("gathers rows at indices that carry rows themselves")
   return [dn.offset_dims[window.index(oa)]]
+
+
+def own_row(eqn, oa, ia, index_map, one_wide):
+  """The operand axis along which indices (operand 1) carrying the rows on
+  axis `ia` put each row's element at that row's own index (Fact.position),
+  one element wide there (`one_wide`: the operand axes a gather collapses or
+  a scatter inserts) - each row then reads, or writes, its own row of the
+  operand alone, in range at every batch size - or None. `oa`: the
+  operand's row axis; `index_map`: the operand axis of each index column."""
+  position = eqn.facts[1].position
+  if ia is None or position is None:
+    return None
+  columns = range(len(index_map)) if position == ALL else position
+  found = [index_map[c] for c in columns if c < len(index_map) and index_map[c] in one_wide
+           and eqn.shape(0)[index_map[c]] == eqn.batch]
+  if oa is not None:
+    return oa if oa in found else None
+  return found[0] if len(found) == 1 else None
 
 
 def gather_uniform(eqn):
@@ -365,6 +418,13 @@ def scatter(eqn):
   uwd = tuple(dn.update_window_dims)
   window = [d for d in range(eqn.rank(0)) if d not in tuple(dn.inserted_window_dims) + obd]
   upd_scatter = [d for d in range(eqn.rank(2)) if d not in uwd]
+  own = own_row(eqn, oa, ia, tuple(dn.scatter_dims_to_operand_dims),
+                tuple(dn.inserted_window_dims)) if ia is not None and ia < eqn.rank(1) - 1 \
+      else None
+  if own is not None:  # x.at[jnp.arange(B), i].set(v): row r writes row r alone
+    _rows_at(eqn, 0, own)
+    _rows_at(eqn, 2, upd_scatter[ia])
+    return [own]
   target = oa
   if target is None and ua is not None:
     if ua in uwd:

@@ -57,7 +57,9 @@ class _Recorded:
     self.recorder = recorder
 
   def __call__(self, *args, **kwargs):
-    running, held = self.recorder.running, None
+    # a snapshot (one C-level copy, atomic under the GIL): a run on another
+    # thread removing its entry meanwhile would make a list iteration skip one
+    running, held = tuple(self.recorder.running), None
     if running:
       me = threading.get_ident()
       if all(thread != me for _, thread in running):  # a thread of XLA's
