@@ -34,9 +34,8 @@ from jaxsession.optimizer_passes.simplify import Simplify
 from jaxsession.runtime import buckets as policy_lib, static_leaves
 from jaxsession.runtime.state import session_device, with_weak_type
 
-
-
 CLEANUPS = (Simplify(), DeadCodeElimination())  # run on each trace of fn (trace)
+
 
 class BucketedGraph:
   """Dispatch for one bucketed graph (the Session keeps one per graph id)."""
