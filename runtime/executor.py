@@ -202,12 +202,18 @@ def plan_program(graph, program, spec, rest_tree, layout):
   recover = recovery(plan, conform_leaves, failure)
 
   # a host-made output: a CPU array, on the graph's device where that is one
-  # (jax.jit's callback result is in its executable's output there)
+  # (jax.jit's callback result is in its executable's output there); under a
+  # mesh replicated over it, as jax.jit returns it (a break-it find: on
+  # device 0 alone, a sum with another output of the run failed)
   host = spec.device if spec.device.platform == "cpu" else jax.local_devices(backend="cpu")[0]
+  if graph.mesh is not None:
+    host = jax.sharding.NamedSharding(graph.mesh, jax.sharding.PartitionSpec())
 
   def output(n, out):
     if n in literal_outputs:
       # a fresh array per run, typed as jax.jit returns it (2.0: weak f32)
+      if graph.mesh is not None:
+        return with_weak_type(placed(np.asarray(out), host), literal_outputs[n])
       return with_weak_type(jax.numpy.asarray(out), literal_outputs[n])
     if n in program.host_outputs:  # made on the host: stays there, a copy of the
       # callback's buffer, which the callback may reuse (jax.jit copies too);

@@ -76,6 +76,12 @@ def axis_size(mesh, entry):
 def check_axes(mesh, spec, where):
   """InputError unless every mesh axis `spec` names is the mesh's; the
   NamedSharding otherwise."""
+  partial = [f"{kind}={set(axes)}" for kind in ("unreduced", "reduced")
+             for axes in [getattr(spec, kind, ())] if axes]
+  if partial:  # a partial sum held per device: jax.jit's own layouts, no value's
+    raise InputError(f"{where}: PartitionSpec {spec} has {' and '.join(partial)}: a state "
+                     "leaf or run argument is a whole value, laid out by partitions alone "
+                     "(PartitionSpec(*spec) without them)")
   for entry in spec:
     names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
     for name in names:

@@ -21,6 +21,22 @@ except ImportError:  # an internal path: the isinstance alone decides
   ARRAY = None
 
 
+try:  # the caller's context meshes (jax.set_mesh), read without a public call's
+  # ~0.5 µs: a set_state of the decode reset reads them
+  from jax._src import config as _config
+
+  def context_meshes():
+    """(concrete, abstract) context mesh of this thread, None where unset."""
+    return _config.device_context.value, _config.abstract_mesh_context_manager.value
+  from jax._src.core import trace_state_clean  # jax.set_mesh runs only where this holds
+except ImportError:  # an internal path: the public calls
+  def trace_state_clean():
+    return False  # (unknown: the caller's context stays)
+
+  def context_meshes():
+    concrete, abstract = jax.sharding.get_mesh(), jax.sharding.get_abstract_mesh()
+    return (None if concrete.empty else concrete), (None if abstract.empty else abstract)
+
 
 def transfer_refused(exc):
   """Whether a transfer guard (jax.transfer_guard) refused a transfer: an

@@ -130,7 +130,7 @@ class Session:
     if bucket_sizes_hint is not None:
       raise InputError("compile: bucket_sizes_hint is given without buckets=")
     # no cyclic GC while the graph is built (gc_pause.py)
-    with gc_pause.paused(), spmd.compile_context(self.options):
+    with gc_pause.paused(), spmd.own_context(self.options, tracing=True):
       return self._compile(fn, example_args, state_argnums, static_argnums, state_from,
                            updates_state, name, in_specs=in_specs, state_specs=state_specs,
                            state_map=state_map)
@@ -437,7 +437,7 @@ class Session:
           call = entry.sunk.get((steps, leading))
           if call is None:
             start = time.perf_counter()
-            with spmd.compile_context(self.options, entry.spec.device):
+            with spmd.own_context(self.options, entry.spec.device):
               call = entry.sunk[steps, leading] = entry.sunk_call(steps, leading)
             took = time.perf_counter() - start  # a run's own compile: Build alone
             self.profiler.record_compile(graph_id, f"{entry.name} run(steps={steps})", (),
@@ -453,7 +453,7 @@ class Session:
           and not isinstance(exc, SessionError)):
         # an executable refuses to run under jax.disable_jit() before it runs
         # anything: run op by op, as jax.jit does there
-        with spmd.compile_context(self.options, entry.spec.device):
+        with spmd.own_context(self.options, entry.spec.device):
           return entry.make_eager(steps, leading).call(args)
       raise
 
@@ -463,9 +463,10 @@ class Session:
     buffers are copied, so later runs cannot invalidate what you hold)."""
     entry = self._entry(graph_id)
     entry.check_set("get_state")
-    return holding(entry.lock, lambda: tuple(static_leaves.show(tree_util.tree_unflatten(
-        s.treedef, owned_copies(s.leaves, s.shardings, s.device))) for s in entry.slots),
-                   f"get_state(graph {graph_id} '{entry.name}')")
+    with spmd.own_context(self.options):  # the copies on the state's devices
+      return holding(entry.lock, lambda: tuple(static_leaves.show(tree_util.tree_unflatten(
+          s.treedef, owned_copies(s.leaves, s.shardings, s.device))) for s in entry.slots),
+                     f"get_state(graph {graph_id} '{entry.name}')")
 
   def set_state(self, graph_id, *values, donate=False):
     """Replaces the state args' values; checks every value before changing
@@ -477,9 +478,11 @@ class Session:
     if len(values) != len(entry.slots):
       raise InputError(f"{where}: expected {len(entry.slots)} value(s), one per state arg, "
                        f"got {len(values)}")
-    new = state_values.new_leaves(where, [(f"{where}: value {k}", slot, value) for k, (slot, value)
-                                          in enumerate(zip(entry.slots, values))], donate)
-    state_values.bind(entry.lock, entry.slots, new, where)
+    with spmd.own_context(self.options):  # the copies on the slots' devices
+      new = state_values.new_leaves(where, [(f"{where}: value {k}", slot, value)
+                                            for k, (slot, value)
+                                            in enumerate(zip(entry.slots, values))], donate)
+      state_values.bind(entry.lock, entry.slots, new, where)
 
   def replace_state(self, graph_id, index, value, donate=False):
     """Replaces one state arg (`index`: its position in state_argnums) with
@@ -492,9 +495,10 @@ class Session:
     where = f"replace_state(graph {graph_id} '{entry.name}')"
     indices, values = _replaced(where, index, value, len(entry.slots))
     slots = [entry.slots[k] for k in indices]
-    new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, v) for k, slot, v
-                                          in zip(indices, slots, values)], donate)
-    state_values.bind(slots_lock(slots), slots, new, where)
+    with spmd.own_context(self.options):  # the copies on the slots' devices
+      new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, v)
+                                            for k, slot, v in zip(indices, slots, values)], donate)
+      state_values.bind(slots_lock(slots), slots, new, where)
 
   # -- checkpoints ----------------------------------------------------------
   def save(self, graph_id, directory, step):
@@ -504,7 +508,8 @@ class Session:
     (a process killed meanwhile leaves the earlier steps as they were);
     SessionOptions(checkpoint_keep=N) keeps the newest N."""
     entry = self._entry(graph_id)
-    self._checkpoints.save(entry, f"save(graph {graph_id} '{entry.name}')", directory, step)
+    with spmd.own_context(self.options):  # the snapshot on the state's devices
+      self._checkpoints.save(entry, f"save(graph {graph_id} '{entry.name}')", directory, step)
 
   def wait_until_saved(self):
     """Blocks until every pending save is written; raises the first error a
@@ -518,10 +523,12 @@ class Session:
     checkpoint that cannot be read, is an InputError and changes nothing."""
     entry = self._entry(graph_id)
     where = f"restore(graph {graph_id} '{entry.name}')"
-    step, values = self._checkpoints.restore(entry, where, directory, step)
-    new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, value) for k, (slot, value)
-                                          in enumerate(zip(entry.slots, values))], donate=True)
-    state_values.bind(entry.lock, entry.slots, new, where)
+    with spmd.own_context(self.options):  # read and laid out on the slots' devices
+      step, values = self._checkpoints.restore(entry, where, directory, step)
+      new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, value)
+                                            for k, (slot, value)
+                                            in enumerate(zip(entry.slots, values))], donate=True)
+      state_values.bind(entry.lock, entry.slots, new, where)
     return step
 
   def release(self, graph_id):

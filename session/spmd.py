@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from jaxsession.jax_api import real_jit
+from jaxsession.jax_api import context_meshes, real_jit, trace_state_clean
 from jaxsession.errors import InputError
 from jaxsession.inputs import leaf_aval, paths_of
 from jaxsession.graph.ir import aval_str
@@ -83,14 +83,46 @@ def check_compiler_options(opts, platform):
                      f"{platform} compiler: {str(exc).splitlines()[0]}") from None
 
 
-def compile_context(options, device=None):
-  """The context a compile or a run's first build under `options.mesh` runs
-  in (sharding.auto_context); without a mesh, under `device` where given (a
-  run's later build: its graph's device, whatever the caller's default
-  device is now), else the caller's context as it is."""
-  if options.mesh is not None:
-    return sharding.auto_context()
-  return contextlib.nullcontext() if device is None else jax.default_device(device)
+def own_context(options, device=None, tracing=False):
+  """The context the session traces, compiles and copies in: the caller's
+  as it is, but for a context mesh (`with jax.set_mesh(...)` around the
+  call), on which jax.jit lays its programs out. A session mesh's own
+  devices there stay, as its Auto copy (sharding.auto_context), for code
+  that names its axes; another mesh (other devices, or another order of
+  them) gives way to the session's. Without a session mesh, the context
+  mesh is cleared for what the session makes of a graph already traced
+  (a run's later build, the state's copies, a checkpoint): a run(steps=)
+  built inside one took a single-device state onto the mesh's devices, and
+  every later run failed (a break-it find). A compile (`tracing`) keeps it:
+  the user's code may name its axes. `device`: without a session mesh, the
+  graph's device, for a run's later build (whatever the caller's default
+  device is now)."""
+  concrete, abstract = context_meshes()
+  mesh = options.mesh
+  if concrete is None and abstract is None:  # the usual case: nothing to clear
+    return contextlib.nullcontext() if device is None or mesh is not None \
+        else jax.default_device(device)
+  if mesh is not None:
+    if concrete is None or tuple(concrete.devices.flat) == tuple(mesh.devices.flat):
+      return sharding.auto_context()
+    return _replaced(mesh, None)
+  if tracing:
+    return contextlib.nullcontext() if device is None else jax.default_device(device)
+  return _replaced(None, device)
+
+
+@contextlib.contextmanager
+def _replaced(mesh, device):
+  """The context mesh `mesh` (None: none), as its Auto copy, under `device`
+  where given; inside a trace, where jax.set_mesh refuses to run, the
+  caller's mesh stays."""
+  with contextlib.ExitStack() as stack:
+    if trace_state_clean():
+      stack.enter_context(jax.set_mesh(mesh))
+      stack.enter_context(sharding.auto_context())
+    if device is not None:
+      stack.enter_context(jax.default_device(device))
+    yield
 
 
 def traced_types(args):

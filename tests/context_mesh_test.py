@@ -1,0 +1,145 @@
+"""A caller's `with jax.set_mesh(...)` around session calls (a break-it
+round's finds): a session without a mesh keeps its state and programs on
+its device, and a session whose mesh has other devices keeps them on its
+mesh - set_state, a first run(steps=), get_state, save, restore and compile
+inside such a block work and leave the graph usable after it, with results
+equal to jax.jit's bit for bit. Under a mesh a host callback's result comes
+back replicated on the mesh, as jax.jit returns it; a PartitionSpec with
+unreduced/reduced axes is an InputError. In a subprocess with 8 CPU devices."""
+from absl.testing import absltest
+import pytest
+
+from subproc import SnippetTest
+
+pytestmark = pytest.mark.slow  # a subprocess with 8 CPU devices
+
+SNIPPET = r"""
+import json, tempfile
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jaxsession as js
+
+devs = jax.devices()
+A = Mesh(np.array(devs[:4]), ("data",))
+OTHER = Mesh(np.array(devs[4:]), ("data",))
+REVERSED = Mesh(np.array(devs[:4][::-1]), ("data",))
+rng = np.random.default_rng(38)
+W = rng.standard_normal((8, 12)).astype(np.float32)
+W[0, :3] = [-0.0, np.inf, 3e38]
+X = rng.standard_normal((4, 8)).astype(np.float32)
+XS = rng.standard_normal((3, 4, 8)).astype(np.float32)
+ids = lambda a: sorted(d.id for d in a.devices())
+same = lambda a, b: bool(np.asarray(a).tobytes() == np.asarray(b).tobytes())
+out = {}
+
+def step(w, x):
+  return w * 0.5 - 0.1 * (x.T @ jnp.tanh(x @ w)), jnp.sum(x @ w)
+scan = jax.jit(lambda w, xs: jax.lax.scan(step, w, xs))
+one = jax.jit(step)
+
+# a session without a mesh, its graph compiled outside any block
+sess = js.Session()
+gid = sess.compile(step, W, X, state_argnums=0)
+d = tempfile.mkdtemp()
+res = {}
+with jax.set_mesh(A):  # device 0 is the mesh's: nothing fails, the state stays put
+  sess.set_state(gid, W)
+  res["sunk"] = sess.run(gid, XS, steps=3)
+  res["state_devices"] = ids(sess.get_state(gid)[0])
+  sess.save(gid, d, 1)
+  sess.wait_until_saved()
+  res["restored"] = sess.restore(gid, d)
+w_ref, l_ref = scan(jnp.asarray(W), XS)
+res["after_steps_2"] = sess.run(gid, XS[:2], steps=2)
+res["after_run"] = sess.run(gid, X)
+w2, l2 = jax.lax.scan(step, w_ref, XS[:2])
+w3, l3 = one(w2, X)
+out["no_mesh"] = {
+    "sunk_equal": same(res["sunk"], l_ref), "state_devices": res["state_devices"],
+    "restored": res["restored"], "steps_2_equal": same(res["after_steps_2"], l2),
+    "run_equal": same(res["after_run"], l3), "final_equal": same(sess.get_state(gid)[0], w3),
+    "final_devices": ids(sess.get_state(gid)[0])}
+with jax.set_mesh(OTHER):
+  out["no_mesh"]["get_state_in_other"] = ids(sess.get_state(gid)[0])
+
+# a session on mesh A, called inside blocks of other meshes
+for name, ctx in (("other_devices", OTHER), ("reversed", REVERSED)):
+  sess = js.Session(js.SessionOptions(mesh=A))
+  gid = sess.compile(step, W, X, state_argnums=0, state_specs="zero")
+  d = tempfile.mkdtemp()
+  sess.save(gid, d, 1)
+  sess.wait_until_saved()
+  got = {}
+  with jax.set_mesh(ctx):
+    got["get_state"] = ids(sess.get_state(gid)[0])
+    got["restore"] = sess.restore(gid, d)
+    got["sunk"] = same(sess.run(gid, XS, steps=3), l_ref)
+    gid2 = sess.compile(lambda w, x: (w * 2, (x @ w).sum()), W, X, state_argnums=0)
+    got["compiled"] = same(sess.run(gid2, X), jnp.sum(X @ W))
+  got["after"] = same(sess.run(gid, X), one(w_ref, X)[1])
+  got["state"] = str(sess.get_state(gid)[0].sharding.spec)
+  out[name] = got
+
+# a host callback's result under a mesh: replicated on it, as jax.jit returns it
+def cb_step(w, x):
+  y = jax.pure_callback(lambda v: (np.asarray(v) * 2).astype(np.float32),
+                        jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+  return w * 0.5, (y, (x @ w).sum(), 2.0)
+sess = js.Session(js.SessionOptions(mesh=OTHER))
+gid = sess.compile(cb_step, W, X, state_argnums=0)
+y, l, lit = sess.run(gid, X)
+jy, jl, jlit = jax.jit(cb_step, in_shardings=(NamedSharding(OTHER, P()),
+                                              NamedSharding(OTHER, P("data"))))(W, X)[1]
+out["callback"] = {"y": ids(y), "literal": ids(lit), "jit_y": ids(jy), "jit_literal": ids(jlit),
+                   "y_equal": same(y, jy), "sum": same(y.sum() + l, jy.sum() + jl),
+                   "literal_weak": [lit.weak_type, jlit.weak_type]}
+
+sess = js.Session(js.SessionOptions(mesh=Mesh(np.array(devs[:4]).reshape(2, 2), ("data", "model"))))
+out["unreduced"] = err(lambda: sess.compile(lambda w, x: (w * 2, (x @ w).sum()), W, X,
+                                            state_argnums=0,
+                                            state_specs=P(None, "model", unreduced={"data"})))
+out["reduced"] = err(lambda: sess.compile(lambda w, x: (w * 2, (x @ w).sum()), W, X,
+                                          state_argnums=0, in_specs=P("data", reduced={"model"})))
+print(json.dumps(out))
+"""
+
+
+class ContextMeshTest(SnippetTest):
+  SNIPPET = SNIPPET
+
+  def test_a_session_without_a_mesh_keeps_its_device_inside_set_mesh(self):
+    got = self.out["no_mesh"]
+    self.assertEqual(got["state_devices"], [0])
+    self.assertEqual(got["final_devices"], [0])
+    self.assertEqual(got["get_state_in_other"], [0])
+    self.assertEqual(got["restored"], 1)
+    for key in ("sunk_equal", "steps_2_equal", "run_equal", "final_equal"):
+      self.assertTrue(got[key], key)
+
+  def test_a_mesh_session_keeps_its_mesh_inside_another_meshs_block(self):
+    for name in ("other_devices", "reversed"):
+      got = self.out[name]
+      self.assertEqual(got["get_state"], [0, 1, 2, 3], name)
+      self.assertEqual(got["restore"], 1, name)
+      for key in ("sunk", "compiled", "after"):
+        self.assertTrue(got[key], f"{name}: {key}")
+      self.assertEqual(got["state"], "P(None, 'data')", name)
+
+  def test_a_callback_result_comes_back_replicated_on_the_mesh(self):
+    got = self.out["callback"]
+    self.assertEqual(got["y"], got["jit_y"])
+    self.assertEqual(got["y"], [4, 5, 6, 7])
+    self.assertEqual(got["literal"], got["jit_literal"])
+    self.assertTrue(got["y_equal"])
+    self.assertTrue(got["sum"])
+    self.assertEqual(got["literal_weak"][0], got["literal_weak"][1])
+
+  def test_unreduced_and_reduced_specs_are_input_errors(self):
+    for key, words in (("unreduced", "unreduced={'data'}"), ("reduced", "reduced={'model'}")):
+      kind, text = self.out[key]
+      self.assertEqual(kind, "InputError", text)
+      self.assertIn(words, text)
+
+
+if __name__ == "__main__":
+  absltest.main()
