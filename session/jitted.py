@@ -12,9 +12,10 @@ output keeps `fn`'s pytree, as jax.jit's does.
 
 Called under a trace (inside grad, vmap, another jit: a tracer among the
 arguments), it traces `fn` inline as jax.jit does - it *is* jax.jit there -
-and under `jax.disable_jit()` it calls `fn` op by op, as jax.jit does. What
-jax.jit offers beyond calling (`lower`, `trace`, `eval_shape`, ...) is an
-AttributeError naming jax.jit. Every wrapper of one function with the same
+and under `jax.disable_jit()` it calls `fn` op by op, as jax.jit does. Its
+`lower`, `trace` and `eval_shape` are jax.jit's own, of the same function
+and statics (flax's `tabulate` lowers through them); anything else jax.jit
+offers is an AttributeError naming jax.jit. Every wrapper of one function with the same
 statics and session shares its graphs, as jax.jit's cache is keyed by the
 function (`js.jit(f)(x)` wrapped anew at each call compiles once); they are
 kept a while after its last wrapper goes (session/jit_cache.py). Outputs are
@@ -116,6 +117,9 @@ def _leaf_key(x):
   return (type(x), aval.shape, aval.dtype, getattr(aval, "weak_type", False))
 
 
+AOT = ("lower", "trace", "eval_shape")  # jax.jit's, forwarded as they are
+
+
 class Jitted:
   """What `jit` returns: call it as `fn`."""
 
@@ -126,6 +130,10 @@ class Jitted:
     if session is not None and not isinstance(session, Session):
       raise InputError(f"jaxsession.jit: session must be a jaxsession.Session or None, got "
                        f"{type(session).__name__}")
+    # first: the __dict__ it copies from fn may be another wrapper's (jax.grad
+    # and jax.vmap of a js.jit function forward it), whose own attributes
+    # must not replace this one's (a break-it find: the inner function ran)
+    functools.update_wrapper(self, fn)
     self._fn = fn
     self._static_nums, self._static_names = _resolve_statics(fn, static_argnums,
                                                              static_argnames)
@@ -138,7 +146,6 @@ class Jitted:
     empty = isinstance(static_argnums, (tuple, list)) and not static_argnums
     self._traced = real_jit(fn, static_argnums=None if empty else static_argnums,
                             static_argnames=static_argnames)
-    functools.update_wrapper(self, fn)
     self._session = session  # held here; the shared graphs hold it weakly
     self._sigs = jit_cache.acquire(fn, (self._static_nums, self._static_names), session)
     weakref.finalize(self, jit_cache.dropped, self._sigs)
@@ -173,10 +180,18 @@ class Jitted:
     return self if obj is None else functools.partial(self, obj)
 
   def __getattr__(self, name):
-    if name.startswith("__") or name in ("_fn", "_sigs", "_session", "graph_ids"):
+    if name.startswith("__") or name in ("_fn", "_sigs", "_session", "_traced", "graph_ids"):
       raise AttributeError(name)
-    raise AttributeError(f"jaxsession.jit offers calling and clear_cache only; for "
-                         f"'{name}' use jax.jit(fn).{name}")
+    if name in AOT:  # jax.jit's own, of fn and these statics
+      return getattr(self._traced, name)
+    raise AttributeError(f"jaxsession.jit offers calling, clear_cache and {', '.join(AOT)} "
+                         f"only; for '{name}' use jax.jit(fn).{name}")
+
+  def __copy__(self):  # a function: copy.copy and copy.deepcopy give it back
+    return self
+
+  def __deepcopy__(self, memo):
+    return self
 
   def _split(self, args, kwargs):
     """(static key, dynamic positional args, dynamic keyword args)."""

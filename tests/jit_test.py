@@ -117,10 +117,10 @@ class JitTest(absltest.TestCase):
       same(self, ours(x), x * 2)
     self.assertIs(seen[-1], type(x))  # fn saw the concrete array, no tracer
 
-  def test_offers_calling_and_clear_cache_only(self):
+  def test_offers_calling_clear_cache_and_jits_aot_calls_only(self):
     ours = js.jit(jnp.sin)
-    with self.assertRaisesRegex(AttributeError, r"jax\.jit\(fn\)\.lower"):
-      ours.lower(jnp.ones(2))
+    with self.assertRaisesRegex(AttributeError, r"jax\.jit\(fn\)\.as_text"):
+      ours.as_text()  # (lower, trace, eval_shape: tests/jit_wrappers_test.py)
     self.assertEqual(ours.__name__, "sin")
 
   def test_clear_cache_beside_calls_in_threads(self):

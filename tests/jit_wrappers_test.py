@@ -1,0 +1,88 @@
+"""jaxsession.jit among other wrappers, as libraries use jax.jit (a break-it
+round's finds): js.jit of jax.grad / jax.vmap / functools.wraps of a js.jit
+function computes what jax.jit computes (the inner wrapper's attributes,
+forwarded by those transforms, ran the inner function instead); a wrapper
+deep-copies as a function does; `lower`, `trace` and `eval_shape` are
+jax.jit's own."""
+import copy
+import functools
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from exact import assert_same_bits
+
+RNG = np.random.default_rng(43)
+
+
+def _x(*shape):
+  x = RNG.standard_normal(shape).astype(np.float32)
+  x.flat[0] = -0.0
+  return jnp.asarray(x)
+
+
+def loss(x):
+  return jnp.sum(jnp.sin(x) * x)
+
+
+TRANSFORMS = {  # name: (transform of a jitted function, argument)
+    "grad": (jax.grad, _x(5)),
+    "value_and_grad": (jax.value_and_grad, _x(5)),
+    "vmap": (jax.vmap, _x(3, 5)),
+    "vmap_of_grad": (lambda g: jax.vmap(jax.grad(g)), _x(3, 5)),
+    "wraps": (lambda g: functools.wraps(g)(lambda v: g(v) * 2.0), _x(5)),
+    "jacrev": (jax.jacrev, _x(4)),
+}
+
+
+class WrappersTest(absltest.TestCase):
+
+  def test_transforms_of_a_jitted_function_jitted_again_equal_jit(self):
+    sess = js.Session()
+    for name, (transform, x) in TRANSFORMS.items():
+      with self.subTest(name):
+        got = js.jit(transform(js.jit(loss, session=sess)), session=sess)(x)
+        assert_same_bits(got, jax.jit(transform(jax.jit(loss)))(x), name)
+
+  def test_a_jitted_loss_under_value_and_grad_jitted_as_libraries_do(self):
+    # `jax.jit = js.jit`: a @jax.jit loss, then jax.jit(jax.value_and_grad(loss))
+    sess = js.Session()
+    params = {"w": _x(4, 3), "b": _x(3)}
+    x = _x(6, 4)
+    inner = js.jit(lambda p, x: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2), session=sess)
+    value, grads = js.jit(jax.value_and_grad(inner), session=sess)(params, x)
+    want = jax.jit(jax.value_and_grad(
+        jax.jit(lambda p, x: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2))))(params, x)
+    assert_same_bits((value, grads), want)
+
+  def test_a_wrapper_copies_as_a_function_does(self):
+    f = js.jit(lambda x: x * 2.0 + 1.0, session=js.Session())
+    holder = {"fn": f, "n": [1, 2]}
+    x = _x(3)
+    for called in (False, True):
+      if called:
+        f(x)
+      for copied in (copy.copy(f), copy.deepcopy(f), copy.deepcopy(holder)["fn"]):
+        self.assertIs(copied, f)
+        assert_same_bits(copied(x), x * 2.0 + 1.0)
+
+  def test_lower_trace_and_eval_shape_are_jits_own(self):
+    def scaled(x, n):
+      return x * n + 1.0
+    f = js.jit(scaled, static_argnums=1, session=js.Session())
+    x = _x(4)
+    assert_same_bits(f.lower(x, 3).compile()(x), jax.jit(scaled, static_argnums=1)(x, 3))
+    self.assertEqual(f.trace(x, 3).jaxpr.out_avals, jax.jit(scaled, static_argnums=1).trace(
+        x, 3).jaxpr.out_avals)
+    shape = f.eval_shape(x, 3)
+    self.assertEqual((shape.shape, shape.dtype), ((4,), jnp.float32))
+    with self.assertRaisesRegex(AttributeError, "jax.jit"):
+      f.out_shardings  # pylint: disable=pointless-statement
+    self.assertEqual(f.graph_ids, ())  # the AOT calls compiled nothing in the session
+
+
+if __name__ == "__main__":
+  absltest.main()
