@@ -105,12 +105,13 @@ def _leaf_key(x):
     return (type(x), x.shape, x.dtype, getattr(x, "weak_type", False),
             x.sharding if x.committed else None)
   if type(x) in _PY_SCALARS:
-    if type(x) is int:  # out of the default int's range: jax.jit's OverflowError
-      bits = 64 if jax.config.jax_enable_x64 else 32
+    if type(x) is int:  # out of the default int's range: jax.jit's OverflowError,
+      bits = 64 if jax.config.jax_enable_x64 else 32  # naming the argument's path
       if not -(1 << (bits - 1)) <= x < (1 << (bits - 1)):
-        raise OverflowError(f"jaxsession.jit: the Python int {x} does not fit int{bits}, "
-                            "the type jax.jit gives it (jax.jit raises OverflowError too)")
+        raise TypeError("to jax.jit")
     return (type(x),)
+  if isinstance(x, jax.ShapeDtypeStruct):  # a type, no value: jax.jit's TypeError
+    raise TypeError("to jax.jit")
   # numpy arrays and scalars, anything else jax takes (custom element types); not
   # a JAX type: a TypeError, on which __call__ hands the call to jax.jit
   aval = jax.api_util.shaped_abstractify(x)
@@ -202,17 +203,16 @@ class Jitted:
     static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names))
     dyn_kw = {k: v for k, v in kwargs.items() if k not in self._static_names}
     statics = (static_pos, static_kw)
-    try:
-      hash(statics)
-    except TypeError as exc:
-      raise InputError(f"jaxsession.jit({_name(self._fn)}): a static argument is not "
-                       f"hashable ({exc}); jax.jit refuses it too") from None
+    hash(statics)  # unhashable: a TypeError, on which __call__ hands the call to jax.jit
     return statics, dyn_args, dyn_kw
 
   def __call__(self, *args, **kwargs):
     if jax.config.jax_disable_jit:  # jax.jit runs fn op by op here
       return self._fn(*args, **kwargs)
-    statics, dyn_args, dyn_kw = self._split(args, kwargs)
+    try:
+      statics, dyn_args, dyn_kw = self._split(args, kwargs)
+    except TypeError:  # an unhashable static: jax.jit's own ValueError, naming it
+      return self._under_trace()(*args, **kwargs)
     leaves, treedef = tree_util.tree_flatten((dyn_args, dyn_kw))
     if not _top_level() or any(isinstance(x, jax.core.Tracer) for x in leaves):
       # under a trace (even with concrete arguments: a collective over vmap's
@@ -222,8 +222,9 @@ class Jitted:
     # cache (threefry_partitionable, dtype and rank promotion, the mesh...)
     try:
       leaf_keys = tuple(map(_leaf_key, leaves))
-    except TypeError:  # a leaf of no JAX type: jax.jit's own error, naming fn and the
-      return self._under_trace()(*args, **kwargs)  # path (or its run, if it takes it)
+    except TypeError:  # a leaf of no JAX type, a type without a value, an int past the
+      # default int: jax.jit's own error, naming fn and the path (or its run, if it takes it)
+      return self._under_trace()(*args, **kwargs)
     # a static's type too, as jax.jit's cache keys it: 2 and 2.0 are equal and
     # hash alike, yet trace other programs (a fuzzer's find)
     types = tuple(type(v) for _, v in statics[0] + statics[1]) if statics != _NO_STATICS else ()
