@@ -392,9 +392,12 @@ def own_row(eqn, oa, ia, index_map, one_wide):
   columns = range(len(index_map)) if position == ALL else position
   found = [index_map[c] for c in columns if c < len(index_map) and index_map[c] in one_wide
            and eqn.shape(0)[index_map[c]] == eqn.batch]
-  if oa is not None:
-    return oa if oa in found else None
-  return found[0] if len(found) == 1 else None
+  own = oa if oa in found else None if oa is not None else found[0] if len(found) == 1 else None
+  # another indexed axis of the batch's extent (a (B, B) table): its index is
+  # clipped or filled against a length padding changes (a review's find)
+  if own is None or any(eqn.shape(0)[a] == eqn.batch for a in index_map if a != own):
+    return None
+  return own
 
 
 def gather_uniform(eqn):

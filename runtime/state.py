@@ -74,7 +74,12 @@ def owned_copy(x, layout=None, device=None):
       if debug_flags.MAYBE[0] and debug_flags.on():
         return private_copy(x)  # a jitted copy would raise on the nan it holds
       return _copy_on(device, [x])[0]
-    return jax.device_put(x, device)
+    moved = jax.device_put(x, device)
+    if device in x.devices():  # laid out over several devices, the slot's among them:
+      # device_put gives that shard's own buffer (even with may_alias=False),
+      # which a run then donated - the caller's array was deleted (a review's find)
+      return private_copy(moved)  # (no computation: x may be typed by an Explicit mesh)
+    return moved
   # a copy first: on the CPU device_put may keep an aligned numpy buffer as
   # the array's own, and the caller may refill it (a break-it find)
   return jax.device_put(np.array(x, copy=True), device)

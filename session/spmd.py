@@ -103,12 +103,27 @@ def own_context(options, device=None, tracing=False):
     return contextlib.nullcontext() if device is None or mesh is not None \
         else jax.default_device(device)
   if mesh is not None:
-    if concrete is None or tuple(concrete.devices.flat) == tuple(mesh.devices.flat):
+    if _same_mesh(concrete, mesh) and _same_mesh(abstract, mesh):
       return sharding.auto_context()
     return _replaced(mesh, None)
   if tracing:
     return contextlib.nullcontext() if device is None else jax.default_device(device)
   return _replaced(None, device)
+
+
+def _same_mesh(context, mesh):
+  """Whether a context mesh (None: unset) is the session's `mesh` but for its
+  axis types: its axes by name and size, and (a concrete one) its devices in
+  order - a mesh of the same devices under other names made the step's
+  own specs a raw error (a review's find)."""
+  if context is None:
+    return True
+  if tuple(context.axis_names) != tuple(mesh.axis_names) or \
+      tuple(context.axis_sizes) != tuple(mesh.axis_sizes):
+    return False
+  if not isinstance(context, jax.sharding.Mesh):  # an AbstractMesh has no devices
+    return True
+  return tuple(context.devices.flat) == tuple(mesh.devices.flat)
 
 
 @contextlib.contextmanager

@@ -397,59 +397,34 @@ def _dtypes_of(jaxpr, found):
   return found
 
 
-class _Typed:
-  """A value as jnp.result_type reads it: a dtype and a weak flag."""
-
-  def __init__(self, dtype, weak):
-    self.aval = jax.core.ShapedArray((), dtype, weak_type=weak)
-    self.dtype = self.aval.dtype
-
-
-_PYTHON_SCALARS = (1, 1.0, 1j)  # weak, of each kind
-
-
 def weak_type_is_moot(jaxpr):
-  """True when no weak type of any input can change the program's
-  arithmetic, under JAX's standard promotion: no weak flag changes the dtype
-  of any promotion among the dtypes the program holds. Every promotion the
-  trace made had operands of those dtypes or Python scalars (jnp converts
-  its operands to the result, which the program then holds), so a flipped
-  input - and every value whose flag it flips in turn - promotes to the same
-  dtypes, and weak_sensitive need not trace again. The dtypes are closed
-  under the promotions first (a join of three operands meets the dtype of
-  two of them). All float32 with int32 steps (optax's count: 303 traces of
-  a 100-leaf Adam step under js.jit, a break-it find) is moot; bfloat16 or
-  float16 beside float32 is not (a weak float32 times a bfloat16 stays
-  bfloat16). tests/compile_cache_test.py checks this against the retrace."""
+  """True when no weak type of any input can change the program: every value
+  of the traced program is of one dtype d, the default dtype of its kind
+  (float32, int32 or complex64 without x64), or bool, and promotion is
+  JAX's standard. Then every promotion the trace did had operands among
+  bool, d (strong or weak) and Python scalars (weak, of a kind no higher than
+  d's - else the result would not be d or bool), and it gives d however the
+  d operands' weak flags are set: with one strong d operand d is the least
+  upper bound, with none the bound is d's weak kind, whose dtype is the
+  default of the kind, d again; a bool result has no numeric operand. So
+  flipping weak types (one leaf or several) traces the same arithmetic, and
+  weak_sensitive need not trace again (tests/compile_cache_test.py checks
+  this against the retrace)."""
   if jax.config.jax_numpy_dtype_promotion != "standard":
     return False
   dtypes = _dtypes_of(jaxpr, set())
   if None in dtypes:  # a value without a dtype (a token, a ref): not reasoned about
     return False
+  dtypes.discard(np.dtype(bool))
+  if len(dtypes) != 1:
+    return len(dtypes) == 0
+  (d,) = dtypes
   try:
-    dtypes = {np.dtype(d) for d in dtypes}
-    if any(jax.dtypes.issubdtype(d, jax.dtypes.extended) for d in dtypes):
-      return False  # PRNG keys: not reasoned about
-    return _promotions_moot(frozenset(dtypes), jax.config.jax_enable_x64)
-  except TypeError:
+    d = np.dtype(d)
+  except TypeError:  # extended dtypes (PRNG keys)
     return False
-
-
-@functools.lru_cache(maxsize=256)
-def _promotions_moot(dtypes, x64):
-  """weak_type_is_moot's lattice check for one set of dtypes (`x64`: keys the
-  cache; the promotions differ with it)."""
-  del x64
-  closed = set(dtypes)
-  while True:
-    values = [_Typed(d, w) for d in sorted(closed, key=str) for w in (False, True)]
-    joined = {jax.numpy.result_type(a, b) for a in values for b in values + list(_PYTHON_SCALARS)}
-    if joined <= closed:
-      break
-    closed |= joined
-  values = [_Typed(d, w) for d in sorted(closed, key=str) for w in (False, True)]
-  return all(jax.numpy.result_type(_Typed(d, False), b) == jax.numpy.result_type(_Typed(d, True), b)
-             for d in closed for b in values + list(_PYTHON_SCALARS))
+  defaults = {"f": np.float64, "i": np.int64, "c": np.complex128}
+  return d.kind in defaults and d == jax.dtypes.canonicalize_dtype(defaults[d.kind])
 
 
 def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
@@ -460,13 +435,12 @@ def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
   numeric leaf's weak type flipped on its own (flipping two at once can
   cancel out: weak bf16 times weak f32 is f32 again), no user code running.
   With `fast`, a program whose dtypes make every weak type moot
-  (weak_type_is_moot) is not traced again with flipped types; a narrow
-  scalar still is, with a Python scalar in its place. The state's weak types
-  are asked about when a value of other ones comes (state_typing.py), not
-  here: a trace per scalar state leaf made compile time quadratic in their
-  count."""
-  flips = not (fast and weak_type_is_moot(closed.jaxpr))
-  base = arithmetic(closed.jaxpr) if flips else None
+  (weak_type_is_moot) is not traced again. The state's weak types are asked
+  about when a value of other ones comes (state_typing.py), not here: a
+  trace per scalar state leaf made compile time quadratic in their count."""
+  if fast and weak_type_is_moot(closed.jaxpr):
+    return []
+  base = arithmetic(closed.jaxpr)
   state = tuple(state_args)
   found = []
   for i, arg in enumerate(dyn_args):
@@ -479,8 +453,7 @@ def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
       flipped[j] = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
       args = list(dyn_args)
       args[i] = tree_util.tree_unflatten(treedef, flipped)
-      if (flips and _traces_other(lambda args=args: jax.make_jaxpr(wrapped)(state, *args),
-                                  base)) or \
+      if _traces_other(lambda args=args: jax.make_jaxpr(wrapped)(state, *args), base) or \
           python_scalar_traces_other(wrapped, state, dyn_args, i, treedef, leaves, j, aval):
         found.append((i, j, bool(aval.weak_type)))
   return found

@@ -502,22 +502,15 @@ class WeakTypeCheckCostTest(absltest.TestCase):
         ("f32 where, comparisons", lambda x, s: jnp.where(x > s, x * 2, s), (f32(5), 0.1),
          True),
         ("f32 scan", lambda x, s: scan(x, s), (f32(4), 0.3), True),
-        ("f32 cond (an int32 branch index)",
-         lambda x, s: jax.lax.cond(s > 0, lambda: x * s, lambda: x), (f32(4), 0.3), True),
+        ("f32 cond (an int32 branch index: not moot, checked by retracing)",
+         lambda x, s: jax.lax.cond(s > 0, lambda: x * s, lambda: x), (f32(4), 0.3), False),
         ("int32 with python ints", lambda i, j: i * 2 + j // 3,
          (jnp.arange(4, dtype=jnp.int32), 7), True),
         ("bf16 times a weak f32", lambda x, lr: x * lr, (f32(3).astype(jnp.bfloat16), 0.1),
          False),
-        ("f32 plus an int32 arange", lambda x, s: x * s + jnp.arange(3), (f32(3), 2.0), True),
-        ("int32 divided: f32", lambda i, s: i / s, (jnp.arange(3, dtype=jnp.int32), 2), True),
+        ("f32 plus an int32 arange", lambda x, s: x * s + jnp.arange(3), (f32(3), 2.0), False),
+        ("int32 divided: f32", lambda i, s: i / s, (jnp.arange(3, dtype=jnp.int32), 2), False),
         ("f16 mixed with f32", lambda x, s: x.astype(jnp.float16) * s, (f32(3), 0.5), False),
-        # an Adam step's int32 count beside float32 (optax): every flag moot
-        ("f32 with an int32 count", lambda p, c, g: (p - 0.1 * g / (1 - 0.9 ** (c + 1)), c + 1),
-         (f32(3), jnp.int32(4), f32(3)), True),
-        ("int8 plus int32 (a weak int32 stays int8)", lambda i, j: i + j,
-         (jnp.arange(3, dtype=jnp.int8), jnp.int32(3)), False),
-        ("uint32 plus a strong int32", lambda i, j: i * j,
-         (jnp.arange(3, dtype=jnp.uint32), jnp.int32(3)), False),
     ]
 
   def test_skip_agrees_with_the_retraces(self):
@@ -560,6 +553,7 @@ class WeakTypeCheckCostTest(absltest.TestCase):
       return x * s
     js.Session().compile(mixed, jnp.ones(3, jnp.bfloat16), 0.5)
     self.assertGreater(len(traces), 1)  # the check traces again: the weak type matters
+
 
 class ManyScalarArgumentsTest(absltest.TestCase):
 

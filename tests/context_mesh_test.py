@@ -100,6 +100,30 @@ out["unreduced"] = err(lambda: sess.compile(lambda w, x: (w * 2, (x @ w).sum()),
                                             state_specs=P(None, "model", unreduced={"data"})))
 out["reduced"] = err(lambda: sess.compile(lambda w, x: (w * 2, (x @ w).sum()), W, X,
                                           state_argnums=0, in_specs=P("data", reduced={"model"})))
+# an array laid out over several devices, the session's among them, given to
+# set_state/replace_state: copied, so a run's donation leaves the caller's array
+rep = NamedSharding(Mesh(np.array(devs), ("d",)), P())
+kept = []
+for how in ("set_state", "replace_state"):
+  sess = js.Session()
+  gid = sess.compile(lambda w, x: (w + 1.0, x * w[0]), np.ones(4, np.float32),
+                     np.ones(4, np.float32), state_argnums=0)
+  v = jax.device_put(jnp.arange(4.0), rep)
+  sess.set_state(gid, v) if how == "set_state" else sess.replace_state(gid, 0, v)
+  sess.run(gid, np.ones(4, np.float32))
+  kept.append([v.is_deleted(), same(v, np.arange(4.0, dtype=np.float32)),
+               same(sess.get_state(gid)[0], np.arange(4.0, dtype=np.float32) + 1)])
+out["replicated_given"] = kept
+
+# the session mesh's devices under other axis names, around a compile whose
+# step names the session's axis
+sess = js.Session(js.SessionOptions(mesh=A))
+named = lambda w, x: (w * 2, jax.lax.with_sharding_constraint(x * 2, P("data")).sum())
+with jax.set_mesh(A):  # the step's P("data") names the session mesh's axis
+  outside = sess.run(sess.compile(named, W, X, state_argnums=0), X)
+with jax.set_mesh(Mesh(np.array(devs[:4]), ("zz",))):
+  gid = sess.compile(named, W, X, state_argnums=0)
+  out["other_names"] = same(sess.run(gid, X), outside)  # the same program's bits
 print(json.dumps(out))
 """
 
@@ -133,6 +157,15 @@ class ContextMeshTest(SnippetTest):
     self.assertTrue(got["y_equal"])
     self.assertTrue(got["sum"])
     self.assertEqual(got["literal_weak"][0], got["literal_weak"][1])
+
+  def test_an_array_over_several_devices_is_copied_into_the_state(self):
+    for deleted, value_kept, state_ok in self.out["replicated_given"]:
+      self.assertFalse(deleted)
+      self.assertTrue(value_kept)
+      self.assertTrue(state_ok)
+
+  def test_a_context_mesh_of_the_sessions_devices_under_other_names(self):
+    self.assertTrue(self.out["other_names"])
 
   def test_unreduced_and_reduced_specs_are_input_errors(self):
     for key, words in (("unreduced", "unreduced={'data'}"), ("reduced", "reduced={'model'}")):

@@ -399,3 +399,24 @@ class MeshTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class PackedSpecialValuesTest(absltest.TestCase):
+
+  def test_a_nan_state_binds_reads_and_saves_under_debug_nans(self):
+    # the packing's own moves (a concatenate, slices) tripped the nan check: a
+    # bare FloatingPointError from compile, get_state, set_state, save, restore
+    state = {"a": np.array([np.nan, 1.0], np.float32), "b": np.array([2.0, np.inf], np.float32)}
+    step = lambda s, x: ({"a": s["a"], "b": s["b"] * 0 + x}, x)  # noqa: E731
+    x = np.array([3.0, -0.0], np.float32)
+    with jax.debug_nans(True), jax.debug_infs(True), tempfile.TemporaryDirectory() as d:
+      sess = js.Session(PACK)
+      gid = sess.compile(step, state, x, state_argnums=0)
+      self.assertIn("packed", sess.graph(gid).dump())
+      assert_same_bits(sess.get_state(gid)[0], state)
+      sess.set_state(gid, state)
+      sess.save(gid, d, 1)
+      sess.wait_until_saved()
+      sess.set_state(gid, {"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)})
+      self.assertEqual(sess.restore(gid, d), 1)
+      assert_same_bits(sess.get_state(gid)[0], state)

@@ -61,6 +61,15 @@ REFUSED = {  # name: (fn, words of the refusal)
                     "meets the rows"),
     "scatter_to_previous_row": (lambda lp, y, k: lp.at[_rows(lp) - 1, y].set(0.0),
                                 "scatters along the batch axis"),
+    # a (B, B) table: the labels' index into its second axis is clipped against
+    # a length padding changes (a review's find: accepted, and wrong)
+    "square_table_gather": (lambda lp, y, k: jnp.zeros((lp.shape[0],) * 2)[_rows(lp), y],
+                            "sized by the batch"),
+    "square_table_fill": (lambda lp, y, k: jax.lax.broadcasted_iota(
+        jnp.int32, (lp.shape[0],) * 2, 1).at[_rows(lp), y].get(mode="fill", fill_value=-1),
+                          "batch"),
+    "square_table_scatter": (lambda lp, y, k: jnp.zeros((lp.shape[0],) * 2).at[
+        _rows(lp), y].set(1.0), "batch"),
 }
 
 

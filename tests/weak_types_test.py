@@ -13,32 +13,8 @@ import numpy as np
 import pytest
 
 import jaxsession as js
-from exact import assert_equal_signed, assert_same_bits
+from exact import assert_equal_signed
 from subproc import run_json
-
-
-class WeakCheckTracesTest(absltest.TestCase):
-  """compile's weak-type check traces again only where a weak type can
-  change the program (tracing.weak_type_is_moot)."""
-
-  def test_an_adam_step_under_jit_traces_once(self):
-    # float32 leaves and optax's int32 count, all run arguments under js.jit:
-    # the check traced once per leaf (303 traces of a 100-leaf step)
-    import optax  # pylint: disable=import-outside-toplevel
-    rng = np.random.default_rng(17)
-    params = {f"w{i}": jnp.asarray(rng.standard_normal(3), jnp.float32) for i in range(20)}
-    tx = optax.adam(1e-2)
-    traces = []
-
-    def step(p, o, x):
-      traces.append(1)
-      g = jax.grad(lambda p: sum(jnp.sum(jnp.tanh(v * x)) for v in p.values()))(p)
-      u, o = tx.update(g, o, p)
-      return optax.apply_updates(p, u), o
-    opt = tx.init(params)
-    got = js.jit(step, session=js.Session())(params, opt, jnp.float32(0.7))
-    self.assertLen(traces, 1)
-    assert_same_bits(got, jax.jit(step)(params, opt, jnp.float32(0.7)))
 
 
 class ManyWeakStateLeavesTest(absltest.TestCase):
