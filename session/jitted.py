@@ -284,9 +284,10 @@ class Jitted:
       return own()(*full, **dict(static_kw), **dict(zip(keys, dyn[:k])))
     params = tracing.arg_parameters(fn, [i for i in range(n) if i not in static_at])
     tracing.signed(call, fn, _keyword_parameters(fn, keys, {p.name for p in params}) + params)
-    try:
-      return self.session.compile(call, *[dyn_kw[key] for key in keys], *dyn_args,
-                                  updates_state=False, name=_name(fn))
+    try:  # (its signatures key every leaf's weak type: nothing for run to guard)
+      with tracing.keyed_by_weak_types():
+        return self.session.compile(call, *[dyn_kw[key] for key in keys], *dyn_args,
+                                    updates_state=False, name=_name(fn))
     finally:  # (tracing errors name fn through it, at compile)
       call.__dict__.pop("__wrapped__", None)
 

@@ -2,9 +2,11 @@
 the checks of its new state, and the weak-type analysis (which scalars'
 weak types change the traced program). Nothing here runs user code beyond
 jax tracing."""
+import contextlib
 import functools
 import hashlib
 import inspect
+import threading
 import weakref
 
 import jax
@@ -427,6 +429,25 @@ def weak_type_is_moot(jaxpr):
   return d.kind in defaults and d == jax.dtypes.canonicalize_dtype(defaults[d.kind])
 
 
+_KEYED = threading.local()  # keyed_by_weak_types: set while such a caller compiles
+
+
+@contextlib.contextmanager
+def keyed_by_weak_types():
+  """Compiles in this block belong to a caller that runs each graph only
+  with the argument types it was compiled for, weak types and Python scalar
+  types included (js.jit: its signatures are jax.jit's cache keys), so
+  weak_sensitive has nothing to guard and traces nothing again - an optax
+  step's N leaves were 3N traces of the user's function at js.jit's first
+  call (a break-it find: 100 leaves, 47-78 s)."""
+  before = getattr(_KEYED, "on", False)
+  _KEYED.on = True
+  try:
+    yield
+  finally:
+    _KEYED.on = before
+
+
 def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
   """The run args' leaves whose weak type changes the traced program (mixed
   precision: a weak Python float times a bfloat16 stays bfloat16, a float32
@@ -438,7 +459,7 @@ def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
   (weak_type_is_moot) is not traced again. The state's weak types are asked
   about when a value of other ones comes (state_typing.py), not here: a
   trace per scalar state leaf made compile time quadratic in their count."""
-  if fast and weak_type_is_moot(closed.jaxpr):
+  if fast and (getattr(_KEYED, "on", False) or weak_type_is_moot(closed.jaxpr)):
     return []
   base = arithmetic(closed.jaxpr)
   state = tuple(state_args)

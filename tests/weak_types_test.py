@@ -13,8 +13,46 @@ import numpy as np
 import pytest
 
 import jaxsession as js
-from exact import assert_equal_signed
+from exact import assert_equal_signed, assert_same_bits
 from subproc import run_json
+
+
+class JitTracesOnceTest(absltest.TestCase):
+  """js.jit keys its graphs by every leaf's type and weak type, as jax.jit's
+  cache does: compile's weak-type check, which traces the function again per
+  numeric leaf for Session.run's guard, has nothing to guard there."""
+
+  def test_an_adam_step_under_jit_traces_once(self):
+    # float32 leaves and optax's int32 count: 3 traces per leaf before
+    import optax  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(17)
+    params = {f"w{i}": jnp.asarray(rng.standard_normal(3), jnp.float32) for i in range(20)}
+    tx = optax.adam(1e-2)
+    traces = []
+
+    def step(p, o, x):
+      traces.append(1)
+      g = jax.grad(lambda p: sum(jnp.sum(jnp.tanh(v * x)) for v in p.values()))(p)
+      u, o = tx.update(g, o, p)
+      return optax.apply_updates(p, u), o
+    opt = tx.init(params)
+    f = js.jit(step, session=js.Session())
+    got = f(params, opt, jnp.float32(0.7))
+    self.assertLen(traces, 1)
+    assert_same_bits(got, jax.jit(step)(params, opt, jnp.float32(0.7)))
+    # a Python float where a strong float32 was: another signature, its own graph
+    assert_same_bits(f(params, opt, 0.7), jax.jit(step)(params, opt, 0.7))
+    self.assertLen(f.graph_ids, 2)
+
+  def test_a_mixed_precision_step_keeps_each_typing_apart(self):
+    # bf16 times a scalar: a weak and a strong float32 scalar trace other programs
+    x = jnp.asarray(np.random.default_rng(5).standard_normal(7), jnp.bfloat16)
+    f = js.jit(lambda x, s: x * s + 1, session=js.Session())
+    for s in (0.3, jnp.float32(0.3), 0.3, jnp.float32(0.3)):
+      got, want = f(x, s), jax.jit(lambda x, s: x * s + 1)(x, s)
+      assert_same_bits(got, want)
+      self.assertEqual(got.weak_type, want.weak_type)
+    self.assertLen(f.graph_ids, 2)
 
 
 class ManyWeakStateLeavesTest(absltest.TestCase):
