@@ -28,10 +28,11 @@ try:  # the caller's context meshes (jax.set_mesh), read without a public call's
   def context_meshes():
     """(concrete, abstract) context mesh of this thread, None where unset."""
     return _config.device_context.value, _config.abstract_mesh_context_manager.value
-  from jax._src.core import trace_state_clean  # jax.set_mesh runs only where this holds
+  # whether no jax transformation traces now: jax.set_mesh runs only there
+  from jax._src.core import trace_state_clean
 except ImportError:  # an internal path: the public calls
   def trace_state_clean():
-    return False  # (unknown: the caller's context stays)
+    return True  # (unknown: as outside a trace)
 
   def context_meshes():
     concrete, abstract = jax.sharding.get_mesh(), jax.sharding.get_abstract_mesh()

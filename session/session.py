@@ -523,6 +523,7 @@ class Session:
     checkpoint that cannot be read, is an InputError and changes nothing."""
     entry = self._entry(graph_id)
     where = f"restore(graph {graph_id} '{entry.name}')"
+    state_values.refuse_under_trace(where)  # before the checkpoint is read
     with spmd.own_context(self.options):  # read and laid out on the slots' devices
       step, values = self._checkpoints.restore(entry, where, directory, step)
       new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, value)

@@ -133,8 +133,12 @@ def _replaced(mesh, device):
   caller's mesh stays."""
   with contextlib.ExitStack() as stack:
     if trace_state_clean():
-      stack.enter_context(jax.set_mesh(mesh))
-      stack.enter_context(sharding.auto_context())
+      try:
+        stack.enter_context(jax.set_mesh(mesh))
+      except ValueError:  # refused all the same (inside a trace)
+        pass
+      else:
+        stack.enter_context(sharding.auto_context())
     if device is not None:
       stack.enter_context(jax.default_device(device))
     yield

@@ -16,7 +16,7 @@ from jax import tree_util
 from jaxsession.errors import InputError
 from jaxsession import state_typing
 from jaxsession.inputs import check_leaf, is_weak
-from jaxsession.jax_api import ARRAY, real_jit
+from jaxsession.jax_api import ARRAY, real_jit, trace_state_clean
 from jaxsession.runtime import debug_flags, static_leaves
 from jaxsession.runtime.state import (check_structure, holding, owned_copies, relaid,
                                       with_weak_type)
@@ -93,6 +93,16 @@ def _fits(x, slot, j):
   return x.devices() == {slot.device}
 
 
+def refuse_under_trace(where):
+  """InputError while a jax transformation traces (inside jax.jit, grad,
+  vmap...): the session's copies would be the trace's values, and the state
+  would hold its tracers (a review's find: every later call raised)."""
+  if not trace_state_clean():
+    raise InputError(f"{where}: called while a jax transformation traces (inside jax.jit, "
+                     "grad, vmap...): the state would hold its tracers; bind the state "
+                     "outside the traced function")
+
+
 def new_leaves(where, items, donate=False):
   """`items`: (place, slot, value) triples. Every value checked against its
   slot first; then, per item, the row of leaves `bind` writes: copies (one
@@ -101,6 +111,7 @@ def new_leaves(where, items, donate=False):
   marked to be taken over by `bind`, after every copy."""
   if not isinstance(donate, bool):
     raise InputError(f"{where}: donate must be True or False, got {donate!r}")
+  refuse_under_trace(where)
   rows = [check_values(place, slot, value) for place, slot, value in items]  # fresh lists
   if not rows:
     return rows

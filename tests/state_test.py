@@ -1,5 +1,8 @@
 """Device-resident state: training through the session equals the plain loop;
 shared state across graphs; loop sink equals separate runs; get/set_state."""
+import shutil
+import tempfile
+
 from absl.testing import absltest
 import pytest
 import jax
@@ -207,6 +210,30 @@ class SetStateTest(absltest.TestCase):
     gid = sess.compile(closed, x)
     y = jnp.asarray(rng.standard_normal((2, 3)), jnp.float32)
     np.testing.assert_allclose(sess.run(gid, y), jnp.tanh(y) @ y.T, rtol=1e-6)
+
+
+
+class BindUnderATraceTest(absltest.TestCase):
+
+  def test_binding_inside_a_jax_transformation_is_refused_and_loses_nothing(self):
+    # the session's copies, made inside jax.jit's trace, were tracers: the
+    # state held them, and every later call raised (a review's find)
+    sess = js.Session()
+    w = np.random.default_rng(6).standard_normal(4).astype(np.float32)
+    gid = sess.compile(lambda w, x: (w + x, w * x), w, w, state_argnums=0)
+    d = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, d, True)
+    sess.save(gid, d, 1)
+    sess.wait_until_saved()
+    calls = {"set_state": lambda: sess.set_state(gid, np.ones(4, np.float32)),
+             "replace_state": lambda: sess.replace_state(gid, 0, np.ones(4, np.float32)),
+             "restore": lambda: sess.restore(gid, d)}
+    for name, call in calls.items():
+      with self.subTest(name):
+        with self.assertRaisesRegex(js.InputError, "while a jax transformation traces"):
+          jax.jit(lambda x, call=call: (call(), x)[1])(jnp.ones(4))
+        np.testing.assert_array_equal(sess.get_state(gid)[0], w)
+    np.testing.assert_array_equal(sess.run(gid, w), w * w)
 
 
 if __name__ == "__main__":
