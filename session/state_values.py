@@ -111,8 +111,8 @@ def new_leaves(where, items, donate=False):
   marked to be taken over by `bind`, after every copy."""
   if not isinstance(donate, bool):
     raise InputError(f"{where}: donate must be True or False, got {donate!r}")
-  refuse_under_trace(where)
   rows = [check_values(place, slot, value) for place, slot, value in items]  # fresh lists
+  refuse_under_trace(where)  # (after the values' checks: a tracer value is named there)
   if not rows:
     return rows
   check_typing(items, rows)
