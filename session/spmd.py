@@ -88,8 +88,8 @@ def own_context(options, device=None, tracing=False):
   as it is, but for a context mesh (`with jax.set_mesh(...)` around the
   call), on which jax.jit lays its programs out. A session mesh's own
   devices there stay, as its Auto copy (sharding.auto_context), for code
-  that names its axes; another mesh (other devices, or another order of
-  them) gives way to the session's. Without a session mesh, the context
+  that names its axes; another mesh (other devices, another order of them,
+  other axis names or sizes) gives way to the session's. Without a session mesh, the context
   mesh is cleared for what the session makes of a graph already traced
   (a run's later build, the state's copies, a checkpoint): a run(steps=)
   built inside one took a single-device state onto the mesh's devices, and
