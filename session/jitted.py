@@ -32,6 +32,7 @@ import weakref
 
 from absl import logging
 import jax
+import numpy as np
 from jax import tree_util
 
 from jaxsession import jit_cache, tracing
@@ -95,6 +96,14 @@ def _resolve_statics(fn, argnums, argnames):
 
 
 _PY_SCALARS = (bool, int, float, complex)
+# A Python int, float or complex is keyed as the weakly typed scalar array of
+# the default dtype that jax.jit takes it for: one signature, as in its cache
+# (flax's TrainState step, a Python 0 and then the step's int32 output, was
+# compiled twice: a break-it find); a bool as a strong bool scalar
+_PY_KEYS = {(t, x64): (ARRAY, (), np.dtype(names[x64]), t is not bool, None)
+            for t, names in ((int, ("int32", "int64")), (float, ("float32", "float64")),
+                             (complex, ("complex64", "complex128")), (bool, ("bool", "bool")))
+            for x64 in (False, True)}
 _NO_STATICS = ((), ())
 
 
@@ -105,11 +114,12 @@ def _leaf_key(x):
     return (type(x), x.shape, x.dtype, getattr(x, "weak_type", False),
             x.sharding if x.committed else None)
   if type(x) in _PY_SCALARS:
+    x64 = jax.config.jax_enable_x64
     if type(x) is int:  # out of the default int's range: jax.jit's OverflowError,
-      bits = 64 if jax.config.jax_enable_x64 else 32  # naming the argument's path
+      bits = 64 if x64 else 32  # naming the argument's path
       if not -(1 << (bits - 1)) <= x < (1 << (bits - 1)):
         raise TypeError("to jax.jit")
-    return (type(x),)
+    return _PY_KEYS[type(x), x64]
   if isinstance(x, jax.ShapeDtypeStruct):  # a type, no value: jax.jit's TypeError
     raise TypeError("to jax.jit")
   # numpy arrays and scalars, anything else jax takes (custom element types); not

@@ -84,5 +84,32 @@ class WrappersTest(absltest.TestCase):
     self.assertEqual(f.graph_ids, ())  # the AOT calls compiled nothing in the session
 
 
+class PythonScalarSignatureTest(absltest.TestCase):
+
+  def test_a_python_scalar_and_its_weak_array_share_one_graph(self):
+    # jax.jit's cache takes a Python int for a weak int32 scalar: flax's
+    # TrainState step (a Python 0, then the step's own int32 output) was
+    # compiled twice (a break-it find)
+    traces = []
+
+    def step(x, n, lr):
+      traces.append(1)
+      return x * lr + n, n + 1
+    f = js.jit(step, session=js.Session())
+    ref = jax.jit(lambda x, n, lr: (x * lr + n, n + 1))  # (its traces not counted)
+    x, n = _x(4), 0
+    for lr in (0.5, jnp.asarray(0.25), 0.125):
+      got = f(x, n, lr)
+      want = ref(x, n, lr)
+      assert_same_bits(got, want)
+      self.assertEqual([a.weak_type for a in got], [a.weak_type for a in want])
+      x, n = got
+    self.assertLen(traces, 1)
+    self.assertLen(f.graph_ids, 1)
+    strong = f(x, np.int32(3), 0.5)  # a strong int32: another signature, as in jax.jit
+    assert_same_bits(strong, ref(x, np.int32(3), 0.5))
+    self.assertLen(f.graph_ids, 2)
+
+
 if __name__ == "__main__":
   absltest.main()
