@@ -125,7 +125,10 @@ def _leaf_key(x):
   # numpy arrays and scalars, anything else jax takes (custom element types); not
   # a JAX type: a TypeError, on which __call__ hands the call to jax.jit
   aval = jax.api_util.shaped_abstractify(x)
-  return (type(x), aval.shape, aval.dtype, getattr(aval, "weak_type", False))
+  # a numpy value as the uncommitted array jax.jit takes it for: one graph for
+  # np.float32(1) and jnp.float32(1), as in jax.jit's cache
+  kind = ARRAY if isinstance(x, (np.ndarray, np.generic)) else type(x)
+  return (kind, aval.shape, aval.dtype, getattr(aval, "weak_type", False), None)
 
 
 AOT = ("lower", "trace", "eval_shape")  # jax.jit's, forwarded as they are

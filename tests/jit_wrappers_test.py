@@ -109,6 +109,12 @@ class PythonScalarSignatureTest(absltest.TestCase):
     strong = f(x, np.int32(3), 0.5)  # a strong int32: another signature, as in jax.jit
     assert_same_bits(strong, ref(x, np.int32(3), 0.5))
     self.assertLen(f.graph_ids, 2)
+    # a numpy value and the jax array of its type share a signature too
+    for n in (jnp.int32(4), np.int32(5)):
+      assert_same_bits(f(np.asarray(x), n, 0.5), ref(np.asarray(x), n, 0.5))
+    assert_same_bits(f(x, np.int32(6), 0.5), ref(x, np.int32(6), 0.5))
+    self.assertLen(f.graph_ids, 2)
+    self.assertLen(traces, 2)
 
 
 if __name__ == "__main__":
