@@ -37,13 +37,11 @@ from jax import tree_util
 
 from jaxsession import jit_cache, tracing
 from jaxsession.errors import InputError, UnknownGraphError
-from jaxsession.jax_api import ARRAY, real_jit
+# _top_level: True outside every trace (vmap with an axis name, grad, jit, ...);
+# where jax lacks the internal API, tracer arguments alone tell a trace
+from jaxsession.jax_api import ARRAY, real_jit, trace_state_clean as _top_level
 from jaxsession.runtime.state import with_weak_type
 
-try:  # True outside every trace (vmap with an axis name, grad, jit, ...)
-  from jax._src.core import trace_state_clean as _top_level
-except ImportError:  # an internal API: tracer arguments alone tell a trace then
-  _top_level = lambda: True  # noqa: E731
 
 _DEFAULT = []                 # the process's default Session, made on first use
 _DEFAULT_LOCK = threading.Lock()

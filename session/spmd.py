@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from jaxsession.jax_api import context_meshes, real_jit, trace_state_clean
+from jaxsession.jax_api import context_meshes, real_jit
 from jaxsession.errors import InputError
 from jaxsession.inputs import leaf_aval, paths_of
 from jaxsession.graph.ir import aval_str
@@ -89,8 +89,8 @@ def own_context(options, device=None, tracing=False):
   call), on which jax.jit lays its programs out. A session mesh's own
   devices there stay, as its Auto copy (sharding.auto_context), for code
   that names its axes; another mesh (other devices, another order of them,
-  other axis names or sizes) gives way to the session's. Without a session mesh, the context
-  mesh is cleared for what the session makes of a graph already traced
+  other axis names or sizes) gives way to the session's. Without a session
+  mesh, the context mesh is cleared for what the session makes of a graph already traced
   (a run's later build, the state's copies, a checkpoint): a run(steps=)
   built inside one took a single-device state onto the mesh's devices, and
   every later run failed (a break-it find). A compile (`tracing`) keeps it:
@@ -99,14 +99,11 @@ def own_context(options, device=None, tracing=False):
   device is now)."""
   concrete, abstract = context_meshes()
   mesh = options.mesh
-  if concrete is None and abstract is None:  # the usual case: nothing to clear
-    return contextlib.nullcontext() if device is None or mesh is not None \
-        else jax.default_device(device)
   if mesh is not None:
     if _same_mesh(concrete, mesh) and _same_mesh(abstract, mesh):
       return sharding.auto_context()
     return _replaced(mesh, None)
-  if tracing:
+  if tracing or (concrete is None and abstract is None):  # nothing to clear
     return contextlib.nullcontext() if device is None else jax.default_device(device)
   return _replaced(None, device)
 
@@ -132,13 +129,12 @@ def _replaced(mesh, device):
   where given; inside a trace, where jax.set_mesh refuses to run, the
   caller's mesh stays."""
   with contextlib.ExitStack() as stack:
-    if trace_state_clean():
-      try:
-        stack.enter_context(jax.set_mesh(mesh))
-      except ValueError:  # refused all the same (inside a trace)
-        pass
-      else:
-        stack.enter_context(sharding.auto_context())
+    try:
+      stack.enter_context(jax.set_mesh(mesh))
+    except ValueError:  # inside a trace: jax.set_mesh refuses to run there
+      pass
+    else:
+      stack.enter_context(sharding.auto_context())
     if device is not None:
       stack.enter_context(jax.default_device(device))
     yield
