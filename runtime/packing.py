@@ -61,13 +61,19 @@ def _contracted(value):
   return None
 
 
-def _eligible(state, threshold):
-  """Why `state` cannot be packed, or None."""
+def _eligible(state, new, threshold):
+  """Why `state` (whose new value the step returns as `new`, None where it
+  only reads it) cannot be packed, or None."""
   aval = state.aval
   if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
     return "a PRNG key: its dtype has no flat buffer"
   if getattr(aval, "weak_type", False):
     return "weakly typed (a Python scalar): a slice of a buffer would be strong"
+  if new is not None and getattr(new.aval, "weak_type", False):
+    # the step's weak value is the state as jax.jit returns it (a break-it
+    # find: packed, get_state gave it back strong)
+    return ("its new value is weakly typed (a Python scalar): a slice of a buffer "
+            "would be strong")
   size = aval_bytes(aval)
   if size == 0:
     return "empty"
@@ -92,6 +98,7 @@ def decide(graph, partitions, threshold, slot_leaves):
   if slot_leaves is None:
     slot_leaves = [SlotLeaf(0, j) for j in range(len(states))]
   one = len(partitions) == 1 and partitions[0].place == "device"
+  new_of = {state.id: new for state, new in graph.state_updates()}
   why, groups = {}, {}
   for state, where in zip(states, slot_leaves):
     if where.shared:
@@ -102,7 +109,7 @@ def decide(graph, partitions, threshold, slot_leaves):
       why[state.id] = (f"the graph runs as {len(partitions)} partitions: a plan takes its "
                        "state leaf by leaf")
     else:
-      why[state.id] = _eligible(state, threshold)
+      why[state.id] = _eligible(state, new_of.get(state.id), threshold)
     if why[state.id] is None:
       key = (where.slot, str(state.aval.dtype), state.sharding)
       groups.setdefault(key, []).append((where.leaf, state))

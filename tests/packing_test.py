@@ -111,6 +111,32 @@ class DecisionTest(absltest.TestCase):
     with self.assertRaisesRegex(js.InputError, "pack_state_below_bytes"):
       js.SessionOptions(pack_state_below_bytes=-1)
 
+  def test_a_weak_new_value_keeps_its_own_buffer(self):
+    # a strong leaf the step replaces with a weakly typed value: jax.jit
+    # returns it weak; a slice of a packed buffer would come back strong
+    fn = lambda s, x: ({"a": jnp.asarray(2.5), "b": s["b"] - x,  # noqa: E731
+                        "c": s["c"] * -1.5}, x)
+    state = {"a": jnp.float32(RNG.normal()), "b": normal(RNG, 4), "c": normal(RNG, 3)}
+    xs = normal(RNG, 3, 4)
+    sess = js.Session(PACK)
+    gid = sess.compile(fn, state, xs[0], state_argnums=0)
+    got = packed_decisions(sess, gid)
+    self.assertFalse(got["a"][0])
+    self.assertIn("new value is weakly typed", got["a"][1])
+    self.assertTrue(got["b"][0] and got["c"][0])
+    want, _ = jit_steps(fn, state, xs[:1])
+    sess.run(gid, xs[0])
+    have = sess.get_state(gid)[0]
+    for name in want:
+      assert_same_bits(have[name], want[name])
+      self.assertEqual(have[name].weak_type, want[name].weak_type, name)
+    want, _ = jit_steps(fn, want, xs[1:])
+    sess.run(gid, xs[1:], steps=2)
+    have = sess.get_state(gid)[0]
+    for name in want:
+      assert_same_bits(have[name], want[name])
+      self.assertEqual(have[name].weak_type, want[name].weak_type, name)
+
   def test_a_plan_does_not_pack(self):
     host = lambda a: np.asarray(a) - 1  # noqa: E731
     fn = lambda s, x: ((s[0] - jax.pure_callback(  # noqa: E731
