@@ -9,6 +9,7 @@ what was compiled - used by `run`, `set_state`, compile's examples,
 written here once; each names the argument, the pytree path, what was
 expected and what came.
 """
+import contextlib
 import dataclasses
 from typing import Any, Tuple
 
@@ -195,6 +196,10 @@ def python_scalar(x, dtype):
   return np.asarray(x, dtype) if kind == "c" else None
 
 
+def _no_context(device):  # pylint: disable=unused-argument
+  return contextlib.nullcontext()
+
+
 class ArgSpec:
   """The positional arguments a graph's `run` takes: one pytree each.
 
@@ -206,11 +211,14 @@ class ArgSpec:
   (many processes: run gets each process's piece of the batch) and
   `weak_sensitive` ([(argument, leaf, compiled weak type)] where a weak type
   changes the program), `device` (the device its executables run on, jax's
-  default one at compile). The examples may be arrays or jax.ShapeDtypeStructs.
+  default one at compile), `context` (context(device) is the context
+  manager the moves `conform` makes run in: the session's own,
+  spmd.own_context, where the caller's context mesh is another).
+  The examples may be arrays or jax.ShapeDtypeStructs.
   """
 
   def __init__(self, where, positions, example_args, shardings=None, local_pieces=False,
-               weak_sensitive=()):
+               weak_sensitive=(), context=None):
     flats = [flatten_example(where, p, a) for p, a in zip(positions, example_args)]
     values = dict(
         where=where, positions=tuple(positions),
@@ -218,7 +226,7 @@ class ArgSpec:
         avals=tuple(f.avals for f in flats),
         shardings=None if shardings is None else tuple(tuple(row) for row in shardings),
         local_pieces=bool(local_pieces), weak_sensitive=tuple(weak_sensitive),
-        device=session_device())  # the graph's: the default device at its compile
+        device=session_device(), context=context or _no_context)  # the graph's: the default device at its compile
     for name, value in values.items():
       object.__setattr__(self, name, value)
 
@@ -317,16 +325,23 @@ class ArgSpec:
     x = relaid(x, self.device if target is None else None)  # (a committed int4: refused)
     if target is not None:  # under a mesh: laid out as compiled
       if isinstance(x, jax.Array) and x.sharding != target:
-        return jax.device_put(x, target)
+        return self._moved(x, target)
       return x
     if isinstance(x, jax.Array):
       device = self.device
       if x.committed and x.devices() != {device}:  # the executables run on the graph's device
-        return jax.device_put(x, device)
+        return self._moved(x, device)
       kind = getattr(x.sharding, "memory_kind", None)
       if kind is not None and kind != device.default_memory().kind:
         # in host memory (pinned_host, unpinned_host): the executables were
         # compiled for the device's default memory (jax.jit would compile
         # another program for it): moved there
-        return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
+        return self._moved(x, jax.sharding.SingleDeviceSharding(device))
     return x
+
+  def _moved(self, x, where):
+    """jax.device_put(x, where) in the session's context: under a caller's
+    context mesh of the same devices in another order, a move to the
+    session mesh was jax's raw error (a break-it find)."""
+    with self.context(self.device):
+      return jax.device_put(x, where)

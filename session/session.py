@@ -198,7 +198,8 @@ class Session:
     spec = ArgSpec(f"run(graph {gid} '{name}')", dyn_nums, dyn_args,
                    shardings=mesh_layout and mesh_layout.args,
                    local_pieces=bool(mesh_layout and mesh_layout.local_pieces),
-                   weak_sensitive=weak_dyn)
+                   weak_sensitive=weak_dyn,
+                   context=functools.partial(spmd.own_context, self.options))
     rest_tree = tree_util.tree_structure(out_shape[1])
     # traced again on types only, where weak types differ: the examples are not kept
     typed = [a if i in static_nums else None for i, a in enumerate(example_args)]

@@ -1,7 +1,7 @@
 """A caller's `with jax.set_mesh(...)` around session calls (a break-it
 round's finds): a session without a mesh keeps its state and programs on
 its device, and a session whose mesh has other devices keeps them on its
-mesh - set_state, a first run(steps=), get_state, save, restore and compile
+mesh - set_state, a first run(steps=), a run, get_state, save, restore and compile
 inside such a block work and leave the graph usable after it, with results
 equal to jax.jit's bit for bit. Under a mesh a host callback's result comes
 back replicated on the mesh, as jax.jit returns it; a PartitionSpec with
@@ -74,9 +74,12 @@ for name, ctx in (("other_devices", OTHER), ("reversed", REVERSED)):
     got["get_state"] = ids(sess.get_state(gid)[0])
     got["restore"] = sess.restore(gid, d)
     got["sunk"] = same(sess.run(gid, XS, steps=3), l_ref)
+    # one step, its argument a jax.Array on device 0 (moved to the session
+    # mesh in the session's context: under REVERSED this was jax's raw error)
+    got["single"] = same(sess.run(gid, jnp.asarray(X)), one(w_ref, X)[1])
     gid2 = sess.compile(lambda w, x: (w * 2, (x @ w).sum()), W, X, state_argnums=0)
     got["compiled"] = same(sess.run(gid2, X), jnp.sum(X @ W))
-  got["after"] = same(sess.run(gid, X), one(w_ref, X)[1])
+  got["after"] = same(sess.run(gid, X), one(one(w_ref, X)[0], X)[1])
   got["state"] = str(sess.get_state(gid)[0].sharding.spec)
   out[name] = got
 
@@ -145,7 +148,7 @@ class ContextMeshTest(SnippetTest):
       got = self.out[name]
       self.assertEqual(got["get_state"], [0, 1, 2, 3], name)
       self.assertEqual(got["restore"], 1, name)
-      for key in ("sunk", "compiled", "after"):
+      for key in ("sunk", "single", "compiled", "after"):
         self.assertTrue(got[key], f"{name}: {key}")
       self.assertEqual(got["state"], "P(None, 'data')", name)
 
