@@ -38,7 +38,7 @@ from jaxsession.runtime.batch_rules import (  # the facts and the row rules
     Mixing, Fact, FREE, Problem, BatchVerdict, Eqn,
     _shape, constant_along, _one_axis, no_uniform, BatchRule, elementwise,
     not_along, _param, _partial_slices, _partial_sizes, _windowed, broadcast_in_dim,
-    reshape, squeeze, reduction, dot_general, dot_uniform, matmul_bias_add,
+    reshape, squeeze, squeeze_uniform, reduction, dot_general, dot_uniform, matmul_bias_add,
     normalization, gather, gather_uniform, scatter, conv_general_dilated, refuse,
     PaddedBatch, ALL)
 
@@ -83,15 +83,49 @@ def fixed_point(body, consts, carry, rest, avals, batch, where):
 def scan(eqn):
   p = eqn.params
   nc, nk = p["num_consts"], p["num_carry"]
+  if any(f.axis == 0 for f in eqn.facts[nc + nk:]):
+    return scan_over_rows(eqn)
+  if type(eqn.batch) is PaddedBatch and p["length"] == eqn.batch:
+    raise Mixing("runs as many steps as the batch has rows (a loop over x.shape[0]): a "
+                 "padded batch would run more")
   xs = []
   for f in eqn.facts[nc + nk:]:
-    if f.axis == 0:
-      raise Mixing("scans over the batch axis: the rows become loop steps")
     xs.append(Fact(axis=f.axis - 1) if f.axis is not None
               else Fact(uniform=frozenset(d - 1 for d in f.uniform if d > 0)))
   carry, ys = fixed_point(p["jaxpr"], eqn.facts[:nc], eqn.facts[nc:nc + nk], xs,
                           eqn.in_avals[nc:nc + nk], eqn.batch, "in its body")
   return carry + [None if y.axis is None else y.axis + 1 for y in ys]
+
+
+def scan_over_rows(eqn):
+  """A scan whose steps are the rows (lax.map, a vmap written as a loop) is
+  row-wise when each step sees its own row alone: every carry passed through
+  unchanged (a padded row's extra step changes nothing a real row sees), every
+  other sequence the same at every step, and no step output reading a value
+  that carries rows (the whole batch closed over). Each output is then its
+  step's row."""
+  p = eqn.params
+  nc, nk = p["num_consts"], p["num_carry"]
+  body = p["jaxpr"].jaxpr
+  if any(out is not var for var, out in zip(body.invars[nc:nc + nk], body.outvars[:nk])):
+    raise Mixing("scans over the batch axis with a carry that changes: the rows become loop "
+                 "steps, each carrying into the next (padded steps included)")
+  xs = []
+  for f, aval in zip(eqn.facts[nc + nk:], eqn.in_avals[nc + nk:]):
+    if f.axis == 0:
+      xs.append(FREE)  # one row per step: within a step, nothing to mix
+    elif f.axis is None and constant_along(f, aval, 0):
+      xs.append(Fact(uniform=frozenset(d - 1 for d in f.uniform if d > 0)))
+    else:
+      raise Mixing("scans over the batch axis a sequence that differs along it without "
+                   "being the rows" if f.axis is None else
+                   f"scans over the batch axis a sequence carrying rows on its axis {f.axis}")
+  outs = analyze_jaxpr(p["jaxpr"], list(eqn.facts[:nc + nk]) + xs, eqn.batch,
+                       "in its body (a step per row)")
+  if any(y.axis is not None for y in outs[nk:]):
+    raise Mixing("scans over the batch axis, and a step's output reads every row of a value "
+                 "passed into the scan")
+  return list(eqn.facts[nc:nc + nk]) + [0] * (len(outs) - nk)
 
 
 def while_(eqn):
@@ -183,7 +217,7 @@ RULES = {
     "reshape": BatchRule(reshape),
     "transpose": BatchRule(lambda e: [tuple(e.params["permutation"]).index(e.axes[0])],
                            transpose_uniform),
-    "squeeze": BatchRule(squeeze),
+    "squeeze": BatchRule(squeeze, squeeze_uniform),
     "slice": not_along(_partial_slices, "slices"),
     "dynamic_slice": not_along(_partial_sizes(_param("slice_sizes")), "slices"),
     # a full-size update starts at 0 (the start is clamped), so it moves no row
@@ -194,6 +228,7 @@ RULES = {
     "rev": not_along(_param("dimensions"), "reverses"),
     "concatenate": not_along(_param("dimension"), "concatenates"),
     "split": not_along(_param("axis"), "splits"),
+    "tile": not_along(lambda e: [d for d, r in enumerate(e.params["reps"]) if r != 1], "tiles"),
     "dot_general": BatchRule(dot_general, dot_uniform),
     **{op: reduction(verb) for op, verb in (
         ("reduce_sum", "sums"), ("reduce_max", "takes the maximum"),

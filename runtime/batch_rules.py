@@ -269,6 +269,14 @@ def squeeze(eqn):
   return [a - sum(d < a for d in dims)]
 
 
+def squeeze_uniform(eqn):
+  """The kept axes keep their constancy, renumbered (a gather's size-1 slice
+  axis squeezed away: searchsorted's lookups)."""
+  dims = tuple(d % eqn.rank(0) for d in eqn.params["dimensions"])
+  kept = [d for d in range(eqn.rank(0)) if d not in dims]
+  return [Fact(uniform=frozenset(k for k, d in enumerate(kept) if d in eqn.facts[0].uniform))]
+
+
 def reduction(verb, param="axes"):
   """Over other axes row-wise (the row axis renumbered); over rows mixing."""
   def rows(eqn):

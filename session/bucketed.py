@@ -411,7 +411,10 @@ def program_signature(graph, rows):
   name = lambda text: pattern.sub("B", text)
   lines = [name(" ".join(aval_str(v.aval) for v in graph.inputs))]
   for node in graph.nodes:
-    params = ", ".join(f"{k}={_param_text(v, name)}" for k, v in sorted(node.params.items()))
+    # a scan's step count: the row count where its steps are the rows (lax.map;
+    # the analysis refuses any other scan of that many steps)
+    params = ", ".join(f"{k}=B" if node.op == "scan" and k == "length" and v == rows
+                       else f"{k}={_param_text(v, name)}" for k, v in sorted(node.params.items()))
     # literal values stay as they are: a literal equal to the row count is the
     # program reading it (n + x.shape[0])
     ins = ", ".join(repr(v) if isinstance(v, Literal) else name(aval_str(v.aval))

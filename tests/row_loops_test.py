@@ -1,0 +1,88 @@
+"""Shape buckets over loops whose steps are the rows (`lax.map`, a scan that
+passes its carry through) and over lookups into a sorted table
+(`jnp.searchsorted`, `jnp.histogram`, `jnp.digitize`), and `jnp.tile` along
+other axes: each row's result is its own row's, so padding is safe; the
+runs equal jax.jit at the exact size bit for bit. Loops that carry one row
+into the next, or run as many steps as the batch has rows, stay refused."""
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from jaxsession.errors import InputError
+from exact import assert_same_bits
+
+RNG = np.random.default_rng(39)
+B, D = 12, 6
+BUCKETS = {0: [8, 16]}
+EDGES = jnp.asarray(np.sort(RNG.standard_normal(7)).astype(np.float32))
+
+
+def _rows():
+  x = RNG.standard_normal((B, D)).astype(np.float32)
+  x[0, 0], x[1, 1], x[2, 2], x[3, 3], x[4, 4] = -0.0, np.inf, np.nan, -np.inf, 3e38
+  return jnp.asarray(x)
+
+
+ACCEPTED = {
+    "map": lambda x: jax.lax.map(lambda r: jnp.sin(r) * r.sum(), x),
+    "map_pytree_out": lambda x: jax.lax.map(lambda r: {"s": r.max(), "o": jnp.sort(r)}, x),
+    "nested_map": lambda x: jax.lax.map(lambda r: jax.lax.map(lambda e: e * 2.0 - 1.0, r), x),
+    "map_with_row_index": lambda x: jax.lax.map(
+        lambda a: a[0] * a[1], (x, jnp.arange(x.shape[0], dtype=jnp.float32))),
+    "map_reads_a_table": lambda x: jax.lax.map(lambda r: r * jnp.arange(D, dtype=x.dtype), x),
+    "carry_passed_through": lambda x: jax.lax.scan(lambda c, r: (c, r * c), 2.5, x)[1],
+    "reversed_steps": lambda x: jax.lax.scan(lambda c, r: (c, jnp.cumsum(r)), 0.0, x,
+                                             reverse=True)[1],
+    "searchsorted": lambda x: jnp.searchsorted(EDGES, x),
+    "digitize": lambda x: jnp.digitize(x, EDGES),
+    "histogram_per_row": lambda x: jax.vmap(
+        lambda r: jnp.histogram(r, bins=4, range=(-2.0, 2.0))[0])(x),
+    "tile_columns": lambda x: jnp.tile(x, (1, 3)) - 1.0,
+}
+
+REFUSED = {  # name: (fn, words of the refusal)
+    "running_sum": (lambda x: jax.lax.scan(lambda c, r: (c + r, c + r), jnp.zeros(D), x)[1],
+                    "a carry that changes"),
+    "final_carry": (lambda x: jax.lax.scan(lambda c, r: (c + r, r), jnp.zeros(D), x)[0],
+                    "a carry that changes"),
+    "step_counter": (lambda x: jax.lax.scan(lambda c, r: (c + 1.0, r * c), 0.0, x)[1],
+                     "a carry that changes"),
+    "map_closes_over_the_batch": (lambda x: jax.lax.map(lambda r: r - x.mean(0), x),
+                                  "over the batch axis"),
+    "loop_of_batch_size_steps": (lambda x: jax.lax.fori_loop(0, x.shape[0],
+                                                             lambda i, c: c * 0.5, x),
+                                 "as many steps as the batch has rows"),
+    "map_over_a_table_of_batch_length": (lambda x: jax.lax.map(
+        lambda a: a[0] * a[1], (x, jnp.linspace(0.0, 1.0, x.shape[0]))), "batch"),
+    "tile_rows": (lambda x: jnp.tile(x, (2, 1)), "tiles along the batch axis"),
+}
+
+
+class RowLoopsTest(absltest.TestCase):
+
+  def test_row_wise_loops_and_lookups_run_bucketed_and_equal_jit(self):
+    x = _rows()
+    sess = js.Session()
+    for name, fn in ACCEPTED.items():
+      with self.subTest(name):
+        gid = sess.compile(fn, x, buckets=BUCKETS)  # refused before this change
+        for n in (1, 3, 8, 11, 12):  # padded to 8 or 16; 1 row, and full buckets too
+          assert_same_bits(sess.run(gid, x[:n]), jax.jit(fn)(x[:n]), f"{name} at {n} rows")
+        self.assertIn("compiled sizes [8, 16]", sess.report(gid).buckets.describe())
+
+  def test_loops_that_carry_rows_or_count_them_stay_refused(self):
+    x = _rows()
+    sess = js.Session()
+    for name, (fn, words) in REFUSED.items():
+      with self.subTest(name):
+        with self.assertRaises(InputError) as ctx:
+          sess.compile(fn, x, buckets=BUCKETS)
+        self.assertIn(words, str(ctx.exception))
+        gid = sess.compile(fn, x)  # without buckets: runs, equal to jax.jit
+        assert_same_bits(sess.run(gid, x), jax.jit(fn)(x), name)
+
+
+if __name__ == "__main__":
+  absltest.main()
