@@ -46,11 +46,14 @@ class ScheduleDecision:
   peak_original: int
   peak_reordered: int
   reason: str
+  moved_into_readers: int = 0  # move_into_readers: device nodes moved after a host run
 
   def __str__(self):
+    moved = (f"; {self.moved_into_readers} device node(s) moved into their readers' "
+             "partition" if self.moved_into_readers else "")
     return (f"{self.kept} order kept: {self.reason} (partitions {self.partitions_original}"
             f" -> {self.partitions_reordered}, live bytes by node order, before "
-            f"donation and reuse, {self.peak_original} B -> {self.peak_reordered} B)")
+            f"donation and reuse, {self.peak_original} B -> {self.peak_reordered} B){moved}")
 
 
 def count_partitions(nodes):

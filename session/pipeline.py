@@ -23,6 +23,7 @@ from jaxsession.optimizer_passes.cse import CommonSubexpressionElimination
 from jaxsession.optimizer_passes.dce import DeadCodeElimination
 from jaxsession.optimizer_passes.fold import FoldConstants
 from jaxsession.optimizer_passes.fusion import FuseAddN, FuseGelu, FuseMatmulBias, FuseSoftmax
+from jaxsession.optimizer_passes.move_into_readers import MoveIntoReaders
 from jaxsession.optimizer_passes.nops import RemoveNops
 from jaxsession.optimizer_passes.norm_fusion import FuseLayerNorm, FuseNormAffine, FuseRmsNorm
 from jaxsession.optimizer_passes.partition_nodes import PartitionNodes
@@ -61,6 +62,7 @@ PIPELINE = {
         PlanAllReduce(),           # under a mesh with allreduce_bucket_bytes only
         PlaceNodes(),              # picks the kernels of the nodes the two above made
         ReorderForPartitions(),    # needs places
+        MoveIntoReaders(),         # on the kept order: jax.jit's bits across host work
         InsertTransfers(),         # on the final order
         PartitionNodes(),          # needs transfers
     ),

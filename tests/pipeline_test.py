@@ -194,7 +194,8 @@ class StageTableTest(absltest.TestCase):
         self.assertRegex(sys.modules[cls.__module__].__doc__,  # says what must run first
                          r"[Nn]eeds|[Rr]uns? (after|before|first)|before it")
     required = [p.name for passes in pipeline.PIPELINE.values() for p in passes if p.required]
-    self.assertEqual(required, ["select_kernels", "place_nodes", "insert_transfers",
+    self.assertEqual(required, ["select_kernels", "place_nodes", "move_into_readers",
+                                "insert_transfers",
                                 "partition_nodes", "assign_streams", "plan_memory"])
 
   def test_disabled_and_user_passes_keep_the_table_order(self):

@@ -73,10 +73,10 @@ def _host_mix(s, x, flag):
 
 
 def stateful_step(w, v, x, flag):
-  """d h d: `v` is updated before the callback (partition 0), `w` after it
-  (its last reader is partition 2)."""
-  s = jnp.tanh(w) * 2.0
+  """d h d: `v` is updated before the callback (partition 0: the callback
+  reads it), `w` after it (its last reader is partition 2)."""
   new_v = v * 0.75 + x
+  s = jnp.tanh(w) * 2.0 - new_v
   h = _cb(_host_mix, s, x, flag, like=x)
   new_w = w * 0.5 + h
   return new_w, new_v, new_w * x - new_v

@@ -1,0 +1,121 @@
+"""move_into_readers (HardwareOptimize): device arithmetic that only a later
+device partition reads runs in that partition.
+
+`t = a * b` before a host callback and `t + r` after it: jax.jit's one
+executable fuses the multiply with the add, and XLA:CPU contracts them into
+an FMA (one rounding); two executables round the product first (a break-it
+find: a quarter to a half of the elements off, up to thousands of ulp near
+zero; `log(exp(a))`, a division by a square root alike). So each elementwise
+device node (or a broadcast or reshape XLA fuses through) whose readers all
+run in one later device partition moves into that run, at the place its id
+(the user's order) takes among the run's nodes where its readers allow; the
+latest nodes go first, so a chain moves whole. Its inputs come before its
+old run, so the order stays valid, and it joins a run of its own place: no
+partition is added (one it empties goes). XLA then sees the elementwise
+chain between a partition's boundary values and its reader as jax.jit's
+executable has it
+(tests/host_split_test.py). Each moved node says so in its notes; the count
+is in `report.schedule`. A state leaf updated there is donated to that
+partition, after the host work that may fail.
+
+Required: exactness is not optional. Needs place_nodes and the final order
+(after reorder_for_partitions), before insert_transfers.
+"""
+import heapq
+
+from jaxsession.graph.op_properties import facts
+from jaxsession.optimizer_passes.base import Pass, PassResult
+
+# ops XLA fuses with their elementwise readers and rewrites through (a
+# multiply broadcast into an add still contracts into an FMA)
+_FUSED_THROUGH = ("broadcast_in_dim", "reshape", "squeeze")
+
+
+def _sinkable(node):
+  return (node.place == "device" and not node.props.effects and not node.props.may_fail
+          and (facts(node.op).elementwise or node.op in _FUSED_THROUGH))
+
+
+def move_into_readers(order):
+  """`order` with each elementwise device node whose readers all run in one
+  later device partition moved into that run (latest nodes first, so a chain
+  moves whole); (the new order, the moved nodes). The run keeps its own
+  nodes' order and takes each moved node as early as its id (the user's
+  order) allows before its readers (`_merged`). Its inputs come before its
+  old run, so the order stays valid; it joins a run of its own place, so no
+  partition is added."""
+  phase, k = {}, 0
+  for i, node in enumerate(order):
+    if i and node.place != order[i - 1].place:
+      k += 1
+    phase[id(node)] = k
+  into = {}  # phase -> the nodes moved into it
+  for node in reversed(order):
+    readers = [user for out in node.outputs for user in out.users]
+    if not readers or not _sinkable(node) or any(r.place != "device" for r in readers):
+      continue
+    targets = {phase[id(user)] for user in readers}
+    if len(targets) == 1 and next(iter(targets)) > phase[id(node)]:
+      phase[id(node)] = targets.pop()
+      into.setdefault(phase[id(node)], []).append(node)
+  if not into:
+    return order, []
+  moved = {id(n) for nodes in into.values() for n in nodes}
+  runs = {}  # phase -> its nodes that stay, in order (every target run keeps some)
+  for node in order:
+    if id(node) not in moved:
+      runs.setdefault(phase[id(node)], []).append(node)
+  out = []
+  for q, run in runs.items():  # (dicts keep the phases' order)
+    out.extend(_merged(run, into[q]) if q in into else run)
+  return out, [n for n in order if id(n) in moved]
+
+
+def _merged(run, moved):
+  """`run` (in its order) and the nodes `moved` into it, topologically, the
+  smallest node id first among those ready: `run` keeps its order (each
+  waits for the one before it), a moved node waits for the moved nodes it
+  reads, and a node for the moved nodes it reads."""
+  members = run + moved
+  inside = {id(n) for n in members}
+  preds = {id(n): set() for n in members}
+  for before, node in zip(run, run[1:]):
+    preds[id(node)].add(id(before))
+  for node in members:
+    for value in node.inputs:
+      producer = getattr(value, "producer", None)
+      if producer is not None and id(producer) in inside:
+        preds[id(node)].add(id(producer))
+  readers = {id(n): [] for n in members}
+  for node in members:
+    for pred in preds[id(node)]:
+      readers[pred].append(node)
+  waiting = {id(n): len(preds[id(n)]) for n in members}
+  ready = [(n.id, n) for n in members if not waiting[id(n)]]
+  heapq.heapify(ready)
+  out = []
+  while ready:
+    _, node = heapq.heappop(ready)
+    out.append(node)
+    for reader in readers[id(node)]:
+      waiting[id(reader)] -= 1
+      if not waiting[id(reader)]:
+        heapq.heappush(ready, (reader.id, reader))
+  return out
+
+
+class MoveIntoReaders(Pass):
+  name = "move_into_readers"
+  required = True  # jax.jit's bits across a host split
+
+  def run(self, graph, ctx):
+    order, moved = move_into_readers(graph.nodes)
+    for node in moved:
+      node.notes.append("moved into its readers' device partition, after the host work "
+                        "before it: XLA fuses it with them as in jax.jit's one executable "
+                        "(a multiply and an add contract into an FMA there)")
+    if graph.schedule is not None:
+      graph.schedule.moved_into_readers = len(moved)
+    if moved:
+      graph.nodes = order
+    return PassResult(bool(moved))

@@ -1,0 +1,134 @@
+"""Arithmetic on both sides of a host callback keeps jax.jit's bits.
+
+`t = a * b` written before a `pure_callback` and `t + r` after it: jax.jit's
+one executable fuses the multiply with the add and XLA:CPU contracts them
+into an FMA (one rounding); the session ran the callback between two
+executables, and the product was rounded before the add (a break-it find: a
+quarter to a half of the elements off, up to thousands of ulp near zero).
+ReorderForPartitions now moves device arithmetic that only a later device
+partition reads into that partition (optimizer_passes/reorder.py:
+sink_into_readers), so XLA sees the same expression as under jax.jit."""
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from exact import assert_same_bits
+
+RNG = np.random.default_rng(41)
+N = 2048
+
+
+def _inputs():
+  xs = [RNG.standard_normal(N).astype(np.float32) * 3 for _ in range(3)]
+  xs[0][:6] = [-0.0, np.nan, np.inf, -np.inf, 3e38, 1e-40]
+  xs[1][:6] = [5.0, 2.0, -0.0, 0.5, 2.0, 1e30]
+  return [jnp.asarray(x) for x in xs]
+
+
+def _const(v):  # the host's result: the same small array every call
+  del v
+  return np.full((1,), 0.3, np.float32)
+
+
+def _split(pre, post):
+  def fn(a, b, c):
+    t = pre(a, b)  # before the callback, which does not read it
+    r = jax.pure_callback(_const, jax.ShapeDtypeStruct((1,), jnp.float32), c * 2)
+    return post(t, a, b, r)
+  return fn
+
+
+CASES = {
+    "multiply_then_add": _split(lambda a, b: a * b, lambda t, a, b, r: t + r),
+    "divide_then_add": _split(lambda a, b: a / 7.0, lambda t, a, b, r: t + r),
+    "exp_product_then_add": _split(lambda a, b: jnp.exp(a * 0.1),
+                                   lambda t, a, b, r: t * jnp.exp(b * 0.1) + r),
+    "log_of_exp": _split(lambda a, b: jnp.exp(a * 0.1), lambda t, a, b, r: jnp.log(t) + r),
+    "divide_by_sqrt": _split(lambda a, b: jnp.sqrt(jnp.abs(b)), lambda t, a, b, r: a / t + r),
+    "product_also_returned": _split(lambda a, b: a * b, lambda t, a, b, r: (t, t + r)),
+    "broadcast_product": _split(lambda a, b: (a * b)[None, :],
+                                lambda t, a, b, r: jnp.sum(t + r, axis=0)),
+}
+
+
+def _layer(x, w, g):
+  h = x @ w
+  hg = h * g
+  std = jax.pure_callback(lambda v: np.float32(np.asarray(v).std()),
+                          jax.ShapeDtypeStruct((), jnp.float32), h)
+  return hg + std
+
+
+def _reads_product(a, b, c):  # the callback reads t: it stays before it
+  del c
+  t = a * b
+  r = jax.pure_callback(lambda v: np.full(np.shape(v), 0.3, np.float32),
+                        jax.ShapeDtypeStruct(t.shape, t.dtype), t)
+  return t + r
+
+
+class HostSplitTest(absltest.TestCase):
+
+  def test_arithmetic_split_by_a_callback_equals_jit(self):
+    args = _inputs()
+    sess = js.Session()
+    for name, fn in CASES.items():
+      with self.subTest(name):
+        want = jax.jit(fn)(*args)
+        gid = sess.compile(fn, *args)
+        assert_same_bits(sess.run(gid, *args), want, name)
+        assert_same_bits(js.jit(fn)(*args), want, f"{name} through js.jit")
+        self.assertGreater(sess.report(gid).schedule.moved_into_readers, 0)
+
+  def test_without_the_reorder_too(self):
+    # move_into_readers is required: disabling the reorder keeps jax.jit's bits
+    args = _inputs()
+    sess = js.Session(js.SessionOptions(disabled_passes=["reorder_for_partitions"]))
+    for name, fn in CASES.items():
+      with self.subTest(name):
+        assert_same_bits(sess.run(sess.compile(fn, *args), *args), jax.jit(fn)(*args), name)
+
+  def test_a_layer_with_a_host_statistic(self):
+    x, w, g = (jnp.asarray(RNG.standard_normal((64, 64)), jnp.float32) for _ in range(3))
+    sess = js.Session()
+    gid = sess.compile(_layer, x, w, g)
+    assert_same_bits(sess.run(gid, x, w, g), jax.jit(_layer)(x, w, g))
+    dump = sess.graph(gid).dump()
+    self.assertIn("moved into its readers' device partition", dump)
+    self.assertIn("1 device node(s) moved into their readers' partition",
+                  str(sess.report(gid).schedule))
+
+  def test_a_product_the_callback_reads_stays_before_it(self):
+    args = _inputs()
+    sess = js.Session()
+    gid = sess.compile(_reads_product, *args)
+    assert_same_bits(sess.run(gid, *args), jax.jit(_reads_product)(*args))
+    self.assertEqual(sess.report(gid).schedule.moved_into_readers, 0)
+    self.assertEqual([p.place for p in sess.graph(gid).partitions], ["device", "host", "device"])
+
+  def test_state_updated_after_the_callback_is_donated_and_kept_on_failure(self):
+    # the new value moves after the callback: the state leaf is donated to the
+    # last partition, and a failing callback leaves it as it was
+    def step(w, x, fail):
+      new_w = w * 0.5 + 1.0
+      r = jax.pure_callback(lambda f: np.float32(1.0 / (1 - int(f))) if int(f) == 0 else
+                            (_ for _ in ()).throw(RuntimeError("host failed")),
+                            jax.ShapeDtypeStruct((), jnp.float32), fail)
+      return new_w * r, jnp.sum(x)
+    w, x = _inputs()[:2]
+    sess = js.Session()
+    gid = sess.compile(step, w, x, jnp.int32(0), state_argnums=0)
+    donated = [d for d in sess.report(gid).donations if d.donated]
+    self.assertLen(donated, 1)
+    before = sess.get_state(gid)
+    with self.assertRaises(js.HostOpError):
+      sess.run(gid, x, jnp.int32(1))
+    assert_same_bits(sess.get_state(gid), before, "state after the failed run")
+    sess.run(gid, x, jnp.int32(0))
+    assert_same_bits(sess.get_state(gid)[0], jax.jit(step)(before[0], x, jnp.int32(0))[0])
+
+
+if __name__ == "__main__":
+  absltest.main()
