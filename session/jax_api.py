@@ -39,6 +39,15 @@ except ImportError:  # an internal path: the public calls
     return (None if concrete.empty else concrete), (None if abstract.empty else abstract)
 
 
+try:  # TypeError for a dtype no JAX array holds (datetime64, void), as jax.jit raises it
+  from jax._src.dtypes import check_valid_dtype
+except ImportError:  # an internal path: numeric kinds and jax's extended dtypes
+  def check_valid_dtype(dtype):
+    if dtype.kind not in "biufc" and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) \
+        and dtype.name not in {"bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4"}:
+      raise TypeError(f"Dtype {dtype} is not a valid JAX array type")
+
+
 def transfer_refused(exc):
   """Whether a transfer guard (jax.transfer_guard) refused a transfer: an
   executable's implicit one of an argument, before it ran anything, or an
@@ -61,4 +70,4 @@ def placed(x, where=None):
       return jax.device_put(x, where)
 
 
-__all__ = ["real_jit", "ARRAY", "transfer_refused", "placed"]
+__all__ = ["real_jit", "ARRAY", "transfer_refused", "placed", "check_valid_dtype"]

@@ -43,12 +43,13 @@ os.register_at_fork(after_in_child=_REAPER.clear)
 
 class Signatures:
   """One function's graphs in one session, per signature."""
-  __slots__ = ("graphs", "committed", "lock", "session_ref", "wrappers", "fn_id", "fn_ref",
-               "key")
+  __slots__ = ("graphs", "lock", "session_ref", "wrappers", "fn_id", "fn_ref", "key")
 
   def __init__(self, session, fn_id, fn_ref, key):
-    self.graphs = {}     # signature -> graph id (or jitted._JAX)
-    self.committed = {}  # graph id -> whether jax.jit commits its outputs
+    # signature -> (graph id or jitted._JAX, whether jax.jit commits the
+    # outputs): signatures that differ by arguments committed to the
+    # session's device or not share one graph
+    self.graphs = {}
     self.lock = threading.RLock()  # held while compiling
     # the session, weakly: the wrappers hold it; parked graphs go with it
     self.session_ref = None if session is None else weakref.ref(session)
@@ -69,14 +70,13 @@ class Signatures:
     session = None if self.session_ref is None else self.session_ref()
     if session is None:  # gone, and its graphs with it
       return
-    for gid in list(self.graphs.values()):
+    for gid in {gid for gid, _ in self.graphs.values()}:
       if isinstance(gid, int):
         try:
           session.release(gid)
         except Exception:  # pylint: disable=broad-except
           pass  # released already (the session's own release)
     self.graphs.clear()
-    self.committed.clear()
 
 
 def acquire(fn, statics, session):

@@ -28,6 +28,7 @@ import inspect
 import keyword
 import numbers
 import threading
+import types
 import weakref
 
 from absl import logging
@@ -39,7 +40,8 @@ from jaxsession import jit_cache, tracing
 from jaxsession.errors import InputError, UnknownGraphError
 # _top_level: True outside every trace (vmap with an axis name, grad, jit, ...);
 # where jax lacks the internal API, tracer arguments alone tell a trace
-from jaxsession.jax_api import ARRAY, real_jit, trace_state_clean as _top_level
+from jaxsession.jax_api import ARRAY, check_valid_dtype, real_jit, \
+    trace_state_clean as _top_level
 from jaxsession.runtime.state import with_weak_type
 
 
@@ -123,6 +125,7 @@ def _leaf_key(x):
   # numpy arrays and scalars, anything else jax takes (custom element types); not
   # a JAX type: a TypeError, on which __call__ hands the call to jax.jit
   aval = jax.api_util.shaped_abstractify(x)
+  check_valid_dtype(aval.dtype)  # np.datetime64 and np.void abstractify (a break-it find)
   # a numpy value as the uncommitted array jax.jit takes it for: one graph for
   # np.float32(1) and jnp.float32(1), as in jax.jit's cache
   kind = ARRAY if isinstance(x, (np.ndarray, np.generic)) else type(x)
@@ -176,7 +179,7 @@ class Jitted:
     by its wrappers with the same statics), one per signature."""
     sigs = self._sigs
     with sigs.lock:  # a compile in another thread adds to them
-      gids = [g for g in sigs.graphs.values() if g is not _JAX]
+      gids = list(dict.fromkeys(g for g, _ in sigs.graphs.values() if g is not _JAX))
     live = self.session._graphs  # pylint: disable=protected-access
     return tuple(g for g in gids if g in live)  # not those released by hand since
 
@@ -188,8 +191,9 @@ class Jitted:
     with sigs.lock:  # not while another thread compiles for it
       sigs.release()
 
-  def __get__(self, obj, objtype=None):  # a jitted method: bound as jax.jit binds it
-    return self if obj is None else functools.partial(self, obj)
+  def __get__(self, obj, objtype=None):  # a jitted method: bound as jax.jit binds it,
+    # a method (__self__, __name__, .lower(obj, ...) through __func__: a break-it find)
+    return self if obj is None else types.MethodType(self, obj)
 
   def __getattr__(self, name):
     if name.startswith("__") or name in ("_fn", "_sigs", "_session", "_traced", "graph_ids"):
@@ -242,20 +246,13 @@ class Jitted:
     key = ((statics, types), treedef, leaf_keys, _trace_context(),
            _concrete_mesh())  # jax.set_mesh's devices: the abstract mesh has no order
     sigs = self._sigs
-    gid = sigs.graphs.get(key)
-    committed = sigs.committed.get(gid)  # read together: clear_cache may empty both
-    if gid is None or (gid is not _JAX and committed is None):
+    entry = sigs.graphs.get(key)
+    if entry is None:
       with sigs.lock:
-        gid = sigs.graphs.get(key)
-        if gid is None:
-          if _placed_elsewhere(key[2], self.session.device):
-            gid = _JAX
-          else:
-            gid = self._compile(statics, args, dyn_args, dyn_kw)
-            sigs.committed[gid] = _commits(self.session.graph(gid), tree_util.tree_leaves(
-                ([dyn_kw[k] for k in sorted(dyn_kw)], dyn_args)))
-          sigs.graphs[key] = gid
-        committed = sigs.committed.get(gid)
+        entry = sigs.graphs.get(key)
+        if entry is None:
+          entry = sigs.graphs[key] = self._signature(key, statics, args, dyn_args, dyn_kw)
+    gid, committed = entry
     if gid is _JAX:  # arguments committed to other devices or sharded over many:
       return self._under_trace()(*args, **kwargs)  # jax.jit runs where they are
     try:
@@ -265,10 +262,27 @@ class Jitted:
         out = self.session.run(gid, *dyn_args)
     except UnknownGraphError:  # released by hand (session.release of a graph_ids
       with sigs.lock:          # entry): compiled again, as on first use
-        if sigs.graphs.get(key) == gid:
-          del sigs.graphs[key]
+        for stale in [k for k, (g, _) in sigs.graphs.items() if g == gid]:
+          del sigs.graphs[stale]
       return self(*args, **kwargs)
     return _committed_as_jit(out, committed)
+
+  def _signature(self, key, statics, args, dyn_args, dyn_kw):
+    """(graph id or _JAX, whether jax.jit commits the outputs) of a new
+    signature. Arguments committed to the session's device and uncommitted
+    ones trace one program (jax.jit traces it once: a break-it find): the
+    graph of the signature with every argument uncommitted serves both."""
+    if _placed_elsewhere(key[2], self.session.device):
+      return _JAX, None
+    sigs = self._sigs
+    home = key[:2] + (tuple(k[:4] + (None,) if len(k) == 5 else k for k in key[2]),) + key[3:]
+    gid = sigs.graphs.get(home, (None,))[0]
+    if gid is None:
+      gid = self._compile(statics, args, dyn_args, dyn_kw)
+    leaves = tree_util.tree_leaves(([dyn_kw[k] for k in sorted(dyn_kw)], dyn_args))
+    if home != key and home not in sigs.graphs:
+      sigs.graphs[home] = (gid, False)  # (nothing committed: nothing commits)
+    return gid, _commits(self.session.graph(gid), leaves)
 
   def _under_trace(self):
     return self._traced
@@ -342,11 +356,15 @@ _JAX = "jax.jit"  # a signature jax.jit itself runs (see _placed_elsewhere)
 
 def _placed_elsewhere(leaf_keys, home):
   """Whether a committed argument lives elsewhere than the session's one
-  device (another device, or sharded over several): jax.jit then computes
-  there, and commits its outputs there; so does this wrapper, by calling it."""
-  home = {home}
-  return any(len(k) == 5 and k[4] is not None and k[4].device_set != home
-             for k in leaf_keys)
+  device (another device, or sharded over several), or is laid out there by
+  more than a device: on a mesh (of that one device: jax.jit's outputs keep
+  the mesh and its axes in their type, a break-it find) or in another memory
+  (pinned_host: jax.jit's outputs stay there). jax.jit then computes, and
+  lays its outputs out, as it does; so does this wrapper, by calling it."""
+  devices, memory = {home}, home.default_memory().kind
+  return any(len(k) == 5 and k[4] is not None and (
+      k[4].device_set != devices or not isinstance(k[4], jax.sharding.SingleDeviceSharding)
+      or k[4].memory_kind not in (None, memory)) for k in leaf_keys)
 
 
 def _commits(graph, leaves):
@@ -357,7 +375,10 @@ def _commits(graph, leaves):
   committed = [isinstance(x, jax.Array) and x.committed for x in leaves]
   if len(inputs) != len(leaves):  # not one input per leaf: any committed one
     return any(committed)
-  returned = {id(v) for v in graph.outputs}
+  read = graph.read_before_rewrites  # as jax.jit's DCE leaves them: x * 0 reads x
+  if read is not None:  # (a review's find: int x * 0 was simplified away, x unused)
+    return any(c and v.id in read for c, v in zip(committed, inputs))
+  returned = {id(v) for v in graph.outputs}  # (dce disabled: the final graph's)
   return any(c and (v.users or id(v) in returned) for c, v in zip(committed, inputs))
 
 

@@ -3,9 +3,14 @@ round's finds): js.jit of jax.grad / jax.vmap / functools.wraps of a js.jit
 function computes what jax.jit computes (the inner wrapper's attributes,
 forwarded by those transforms, ran the inner function instead); a wrapper
 deep-copies as a function does; `lower`, `trace` and `eval_shape` are
-jax.jit's own."""
+jax.jit's own; a jitted method is a bound method; arguments committed to
+the session's device and uncommitted ones share one graph, and the outputs
+are committed as jax.jit's (also where a rewrite drops the argument's use);
+an argument on a mesh or in another memory runs through jax.jit, whose
+output layout it keeps; a numpy value of no JAX type is jax.jit's error."""
 import copy
 import functools
+import inspect
 
 from absl.testing import absltest
 import jax
@@ -115,6 +120,84 @@ class PythonScalarSignatureTest(absltest.TestCase):
     assert_same_bits(f(x, np.int32(6), 0.5), ref(x, np.int32(6), 0.5))
     self.assertLen(f.graph_ids, 2)
     self.assertLen(traces, 2)
+
+
+
+class Model:
+  def __init__(self, scale):
+    self.scale = scale
+
+  @js.jit
+  def apply(self, x):
+    return x * self.scale
+
+
+jax.tree_util.register_pytree_node(Model, lambda m: ((m.scale,), None),
+                                   lambda _, children: Model(*children))
+
+
+class SignatureAndLayoutTest(absltest.TestCase):
+
+  def test_a_jitted_method_binds_as_a_method(self):
+    m, x = Model(_x(3)), _x(3)
+    bound = m.apply
+    self.assertTrue(inspect.ismethod(bound))
+    self.assertIs(bound.__self__, m)
+    self.assertEqual(bound.__name__, "apply")
+    assert_same_bits(bound(x), x * m.scale)
+    self.assertIn("jit_apply", bound.lower(m, x).as_text())
+    self.assertEqual(bound.eval_shape(m, x).shape, (3,))
+
+  def test_committed_and_uncommitted_arguments_share_one_graph(self):
+    traces = []
+
+    def f(x, y):
+      traces.append(1)
+      return x * 2.0 + y
+    for first_committed in (False, True):
+      del traces[:]
+      g = js.jit(f, session=js.Session())
+      loose = _x(4)
+      held = jax.device_put(_x(4), jax.devices()[0])
+      order = (held, loose) if first_committed else (loose, held)
+      ref = jax.jit(lambda x, y: x * 2.0 + y)  # (its traces not counted)
+      for x in order + order:
+        y = _x(4)
+        out, want = g(x, y), ref(x, y)
+        assert_same_bits(out, want)
+        self.assertEqual(out.committed, want.committed, x.committed)
+      self.assertLen(traces, 1)
+      self.assertLen(g.graph_ids, 1)
+
+  def test_outputs_commit_where_a_rewrite_dropped_the_use(self):
+    # int x * 0 is simplified to 0: jax.jit still commits by its own DCE's reads
+    x = jax.device_put(jnp.asarray([3, -7, 2**31 - 1], jnp.int32), jax.devices()[0])
+    y = jnp.asarray([1, 2, 3], jnp.int32)
+    for fn in (lambda x, y: y + x * 0, lambda x, y: jax.lax.select(True, y, y + x)):
+      out, want = js.jit(fn)(x, y), jax.jit(fn)(x, y)
+      assert_same_bits(out, want)
+      self.assertTrue(want.committed)
+      self.assertEqual(out.committed, want.committed)
+
+  def test_an_argument_on_a_mesh_or_in_host_memory_keeps_jits_layout(self):
+    mesh = jax.make_mesh((1,), ("data",))  # one device, explicit axes by default
+    x = jax.device_put(_x(4, 2), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    f = lambda a: a * 2.0  # noqa: E731
+    out, want = js.jit(f)(x), jax.jit(f)(x)
+    assert_same_bits(out, want)
+    self.assertEqual(out.sharding, want.sharding)
+    self.assertEqual(str(jax.typeof(out)), str(jax.typeof(want)))
+    pinned = jax.device_put(_x(4), jax.sharding.SingleDeviceSharding(
+        jax.devices()[0], memory_kind="pinned_host"))
+    self.assertEqual(js.jit(f)(pinned).sharding.memory_kind,
+                     jax.jit(f)(pinned).sharding.memory_kind)
+
+  def test_a_numpy_value_of_no_jax_type_is_jits_error(self):
+    for value in (np.datetime64("2020-01-01"), np.void(b"ab")):
+      with self.assertRaisesRegex(TypeError, "not a valid JAX type"):
+        jax.jit(lambda a, d: a * 2)(_x(2), value)
+      with self.assertRaisesRegex(TypeError, "not a valid JAX type"):
+        js.jit(lambda a, d: a * 2)(_x(2), value)
 
 
 if __name__ == "__main__":

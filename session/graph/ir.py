@@ -189,6 +189,9 @@ class KernelGraph:
     self.compiler_options = None  # XLA options every executable is compiled with
     self.allreduce_plan = None    # HardwareOptimize under a mesh: runtime.allreduce plan
     self.schedule = None          # HardwareOptimize: reorder's decision (partition order)
+    # Optimize's first DCE: the ids of the inputs the program reads before any
+    # rewrite, as jax.jit's own DCE keeps them (js.jit commits outputs by them)
+    self.read_before_rewrites = None
     self._ids = itertools.count()
 
   # -- construction -------------------------------------------------------
