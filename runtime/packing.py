@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from jaxsession.graph import op_properties
+from jaxsession.graph.divisors import divisor_cone
 from jaxsession.graph.ir import aval_bytes
 from jaxsession.jax_api import real_jit
 from jaxsession.runtime import debug_flags
@@ -61,9 +62,10 @@ def _contracted(value):
   return None
 
 
-def _eligible(state, new, threshold):
+def _eligible(state, new, threshold, divisors):
   """Why `state` (whose new value the step returns as `new`, None where it
-  only reads it) cannot be packed, or None."""
+  only reads it) cannot be packed, or None. `divisors`: the ids of the
+  inputs a division's divisor is made of (graph/divisors.py)."""
   aval = state.aval
   if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
     return "a PRNG key: its dtype has no flat buffer"
@@ -82,6 +84,11 @@ def _eligible(state, new, threshold):
   sharding = state.sharding
   if sharding is not None and not sharding.is_fully_replicated:
     return f"sharded ({sharding.spec}): its shards cannot share a flat buffer"
+  if aval.shape == () and state.id in divisors:
+    # XLA rewrites x / broadcast(s) as x * (1 / s) where s has one reader: a
+    # slice of a buffer has, the leaf jax.jit returns has two (a break-it find)
+    return ("a scalar a division reads: XLA would rewrite the division by its slice "
+            "into a multiply by the reciprocal")
   node = _contracted(state)
   if node is not None:
     return (f"read by {node.op} (node {node.id}), a contraction: a slice would be "
@@ -99,6 +106,7 @@ def decide(graph, partitions, threshold, slot_leaves):
     slot_leaves = [SlotLeaf(0, j) for j in range(len(states))]
   one = len(partitions) == 1 and partitions[0].place == "device"
   new_of = {state.id: new for state, new in graph.state_updates()}
+  divisors = divisor_cone(graph)[1] if threshold else set()
   why, groups = {}, {}
   for state, where in zip(states, slot_leaves):
     if where.shared:
@@ -109,7 +117,7 @@ def decide(graph, partitions, threshold, slot_leaves):
       why[state.id] = (f"the graph runs as {len(partitions)} partitions: a plan takes its "
                        "state leaf by leaf")
     else:
-      why[state.id] = _eligible(state, new_of.get(state.id), threshold)
+      why[state.id] = _eligible(state, new_of.get(state.id), threshold, divisors)
     if why[state.id] is None:
       key = (where.slot, str(state.aval.dtype), state.sharding)
       groups.setdefault(key, []).append((where.leaf, state))

@@ -137,6 +137,26 @@ class DecisionTest(absltest.TestCase):
       assert_same_bits(have[name], want[name])
       self.assertEqual(have[name].weak_type, want[name].weak_type, name)
 
+  def test_a_scalar_divisor_keeps_its_own_buffer(self):
+    # XLA rewrites x / broadcast(s) as x * (1 / s) where s has one reader: a
+    # packed s is a slice with one reader, jax.jit's s (returned) has two
+    fn = lambda s, x: ({"a": s["a"] + 1.0, "b": s["b"] - 1.5, "s": s["s"]},  # noqa: E731
+                       x / s["s"])
+    state = {"a": normal(RNG, 7), "b": normal(RNG, 5, scale=100.0), "s": jnp.float32(3.0)}
+    xs = normal(RNG, 3, 7, scale=100.0)
+    sess = js.Session(PACK)
+    gid = sess.compile(fn, state, xs[0], state_argnums=0)
+    got = packed_decisions(sess, gid)
+    self.assertFalse(got["s"][0])
+    self.assertIn("a scalar a division reads", got["s"][1])
+    self.assertTrue(got["a"][0] and got["b"][0])
+    want, outs = jit_steps(fn, state, xs[:1])
+    assert_same_bits(sess.run(gid, xs[0]), outs[0])
+    assert_same_bits(sess.get_state(gid)[0], want)
+    want, outs = jit_steps(fn, want, xs[1:])
+    assert_same_bits(sess.run(gid, xs[1:], steps=2), jnp.stack(outs))
+    assert_same_bits(sess.get_state(gid)[0], want)
+
   def test_a_plan_does_not_pack(self):
     host = lambda a: np.asarray(a) - 1  # noqa: E731
     fn = lambda s, x: ((s[0] - jax.pure_callback(  # noqa: E731
