@@ -387,13 +387,23 @@ def _check_passed(layout, where):
     return
   with debug_flags.checks_off():  # a packed slot's leaves: slices, unchecked
     leaves = layout.leaves_of(layout.gather())
+  error = _passed_special(where, layout, leaves)
+  if error is not None:
+    raise error
+
+
+def _passed_special(where, layout, leaves, kinds=None):
+  """The FloatingPointError naming a state leaf the step returns as it came
+  that holds a nan (inf), or None. `leaves`: the state's, in state order;
+  `kinds`: what to look for (debug_flags.special_in's)."""
   for i, name in layout.passed:
-    what = debug_flags.special_in(leaves[i])
+    what = debug_flags.special_in(leaves[i], kinds)
     if what is not None:
-      raise FloatingPointError(
+      return _special(
           f"{where}: {name} holds {what}, a state leaf the step returns as it "
           f"came (jax_debug_{what}s checks every output, as jax.jit does); the state "
-          "is unchanged")
+          "is unchanged", what)
+  return None
 
 
 def eager_program(graph, spec, rest_tree, layout, steps=None, leading=None):
@@ -473,6 +483,7 @@ def special_value(where, graph, layout, user_leaves, exc, sunk=None):
   try:
     with debug_flags.checks_off():  # the replay checks each node's outputs itself
       state = list(layout.leaves_of(layout.gather()))
+      passed = _passed_special(where, layout, state, kinds)  # packed: in an output
       if sunk is None:
         steps, slices = 1, lambda t: list(user_leaves)
       else:
@@ -486,6 +497,8 @@ def special_value(where, graph, layout, user_leaves, exc, sunk=None):
                           + (f" at {node.source}" if node.source else "")
                           + (f", step {t} of the {steps} steps" if sunk else "")
                           + f" produced {kind} (jax_debug_{kind}s)", kind)
+      if passed is not None:  # no node made it: a leaf returned as it came holds it
+        return passed
   except (InputError, KeyError, TypeError, ValueError, RuntimeError):
     pass  # the replay could not run: name the executable
   if getattr(exc, "special", None):

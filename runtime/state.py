@@ -214,20 +214,30 @@ class StateSlot:
       return self.storage
     storage = self.storage
     if self._view_of is not storage:
-      self._view, self._view_of = self.packing.view(storage), storage
+      self._view, self._view_of = self._here(self.packing.view, storage), storage
     return self._view
 
   @leaves.setter
   def leaves(self, leaves):
     """Binds session-owned `leaves` (in leaf order), packed where the slot
     packs (the packed ones are copied into its buffers)."""
-    self.storage = tuple(leaves) if self.packing is None else self.packing.pack(leaves)
+    self.storage = tuple(leaves) if self.packing is None else \
+        self._here(self.packing.pack, leaves)
 
   def pack(self, packing):
     """Keeps the slot's leaves as `packing` stores them (its first graph's
     Build: AllocateMemory decided); the unpacked copies are let go."""
     if packing is not None and self.packing is None:
-      self.storage, self.packing = packing.pack(self.storage), packing
+      self.storage, self.packing = self._here(packing.pack, self.storage), packing
+
+  def _here(self, move, values):
+    """move(values), a packing's jitted move of uncommitted arrays, on the
+    slot's device: jax runs it on the default device, which the caller may
+    have set to another (a break-it find: the buffers went there)."""
+    if self.shardings is not None or self.device == session_device():
+      return move(values)
+    with jax.default_device(self.device):
+      return move(values)
 
   def free(self):
     """Deletes the slot's buffers (release, once no graph shares it)."""
@@ -390,7 +400,7 @@ def tree_difference(expected, got, path=""):
 def _kind(x):
   if isinstance(x, static_leaves.Static):
     return f"the non-array {type(x.value).__name__} {_short(x.value)} (kept static)"
-  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+  if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
     return f"an array leaf {x.dtype}{list(np.shape(x))}"
   name = type(x).__name__
   return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
@@ -419,7 +429,12 @@ def check_structure(slot, value, where):
   naming the first field that differs (its leaves are checked by the one
   leaf check, jaxsession.inputs.check_leaf)."""
   if tree_util.tree_structure(value) != slot.treedef:
-    detail = tree_difference(tree_util.tree_unflatten(slot.treedef, slot.leaves), value)
+    # the slot's types, not its values: read without its lock (a packed slot's
+    # view slices buffers a run may be donating: a break-it find), and named as
+    # arrays while the slot is unset
+    expected = tree_util.tree_unflatten(slot.treedef, [
+        jax.ShapeDtypeStruct(a.shape, a.dtype) for a in slot.avals])
+    detail = tree_difference(expected, value)
     raise InputError(f"{where}: pytree structure does not match state slot {slot.name}: "
                      + (detail or f"expected {slot.treedef}, got "
                         f"{tree_util.tree_structure(value)}"))

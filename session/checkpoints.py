@@ -74,13 +74,13 @@ def _paths(slot):
       tree_util.tree_unflatten(slot.treedef, list(range(len(slot.avals)))))[0]]
 
 
-def _meta(entry):
+def _meta(entry, keys):
+  """The checkpoint's description of the state; `keys`: per slot, the PRNG
+  implementation of each key leaf, read from the snapshot (under the lock)."""
   slots = []
-  for slot in entry.slots:
+  for slot, impls in zip(entry.slots, keys):
     slots.append({"name": slot.name, "paths": _paths(slot),
-                  "types": [aval_str(a) for a in slot.avals],
-                  "keys": {str(j): str(jax.random.key_impl(x)) for j, (x, a)
-                           in enumerate(zip(slot.leaves, slot.avals)) if _is_key(a)}})
+                  "types": [aval_str(a) for a in slot.avals], "keys": impls})
   return {"format": FORMAT, "graph": entry.name, "slots": slots}
 
 
@@ -185,10 +185,16 @@ class Checkpointer:
     """Snapshots the state (between runs) and queues its write, the last thing
     done: what raises before the queueing leaves nothing behind."""
     def snapshot():  # between runs: the slots' leaves now, in buffers of their own
-      return [[private_copy(jax.random.key_data(x) if _is_key(a) else x)
-               for x, a in zip(slot.leaves, slot.avals)] for slot in entry.slots]
-    leaves = holding(entry.lock, snapshot, where)
-    meta = _meta(entry)
+      rows, keys = [], []
+      for slot in entry.slots:  # (a packed slot's view: read under its lock alone)
+        pairs = list(zip(slot.leaves, slot.avals))
+        rows.append([private_copy(jax.random.key_data(x) if _is_key(a) else x)
+                     for x, a in pairs])
+        keys.append({str(j): str(jax.random.key_impl(x)) for j, (x, a) in enumerate(pairs)
+                     if _is_key(a)})
+      return rows, keys
+    leaves, keys = holding(entry.lock, snapshot, where)
+    meta = _meta(entry, keys)
     for row, saved in zip(leaves, meta["slots"]):  # orbax reads arrays back strong
       saved["weak"] = [bool(getattr(x, "weak_type", False)) for x in row]
       saved["empty"] = [j for j, x in enumerate(row) if not x.size]  # not written: made again

@@ -274,7 +274,7 @@ class CheckpointTest(absltest.TestCase):
     sess.wait_until_saved()
     sess.run(gid)
     real = checkpoints._meta  # pylint: disable=protected-access
-    def interrupted(entry):
+    def interrupted(entry, keys):
       raise KeyboardInterrupt
     with mock.patch.object(checkpoints, "_meta", interrupted):
       with self.assertRaises(KeyboardInterrupt):

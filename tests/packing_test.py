@@ -443,10 +443,6 @@ class MeshTest(absltest.TestCase):
     self.assertEqual(out["horizontal"], [])
 
 
-if __name__ == "__main__":
-  absltest.main()
-
-
 class PackedSpecialValuesTest(absltest.TestCase):
 
   def test_a_nan_state_binds_reads_and_saves_under_debug_nans(self):
@@ -466,3 +462,90 @@ class PackedSpecialValuesTest(absltest.TestCase):
       sess.set_state(gid, {"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)})
       self.assertEqual(sess.restore(gid, d), 1)
       assert_same_bits(sess.get_state(gid)[0], state)
+
+  def test_a_nan_in_a_leaf_returned_as_it_came_is_named(self):
+    # packed, that leaf is in the buffer the executable returns, which jax
+    # checks: the error named an executable, not the leaf (a break-it find)
+    state = {"a": normal(RNG, 3), "c": normal(RNG, 2), "keep": jnp.asarray([1.0, np.nan])}
+    step = lambda s, x: ({"a": s["a"] + x, "c": s["c"] - 1.0, "keep": s["keep"]},  # noqa: E731
+                         x.sum())
+    sess = js.Session(PACK)
+    gid = sess.compile(step, state, normal(RNG, 3), state_argnums=0)
+    self.assertTrue(packed_decisions(sess, gid)["keep"][0])
+    before = sess.get_state(gid)
+    with jax.debug_nans(True):
+      with self.assertRaisesRegex(FloatingPointError, r"\['keep'\] holds nan, a state leaf "
+                                  "the step returns as it came"):
+        sess.run(gid, normal(RNG, 3))
+    assert_same_bits(sess.get_state(gid), before)
+
+
+class PackedThreadsAndDevicesTest(absltest.TestCase):
+
+  def test_a_bad_structure_racing_runs_is_an_input_error(self):
+    # the structure check read the packed slot's view outside its lock, while
+    # runs donated its buffers: RuntimeError "Array has been deleted", and a
+    # stale cached view for a later get_state (a break-it find)
+    state = {"a": normal(RNG, 3), "b": normal(RNG, 4), "n": jnp.int32(0)}
+    step = lambda s, x: ({"a": s["a"] + x, "b": s["b"] - 1.0, "n": s["n"] + 1},  # noqa: E731
+                         s["n"])
+    sess = js.Session(PACK)
+    gid = sess.compile(step, state, normal(RNG, 3), state_argnums=0)
+    stop, runs, errors = [False], [0], []
+
+    def runner():
+      x = normal(np.random.default_rng(1), 3)
+      while not stop[0]:
+        sess.run(gid, x)
+        runs[0] += 1
+    thread = threading.Thread(target=runner)
+    thread.start()
+    try:
+      for _ in range(300):
+        try:
+          sess.set_state(gid, {"a": state["a"], "b": state["b"]})  # "n" missing
+        except Exception as exc:  # pylint: disable=broad-except
+          errors.append(exc)
+    finally:
+      stop[0] = True
+      thread.join()
+    self.assertLen(errors, 300)
+    self.assertTrue(all(isinstance(e, js.InputError) for e in errors),
+                    {type(e).__name__ for e in errors})
+    self.assertIn("missing ['n']", str(errors[0]))
+    self.assertEqual(int(sess.get_state(gid)[0]["n"]), runs[0])
+
+  @pytest.mark.slow
+  def test_state_bound_under_another_default_device_stays_on_its_device(self):
+    out = run_json("""
+        import json, jax, jax.numpy as jnp, numpy as np
+        import jaxsession as js
+        d0, d1 = jax.devices()[:2]
+        rng = np.random.default_rng(0)
+        state = {k: jnp.asarray(rng.standard_normal(4), jnp.float32) for k in "abc"}
+        step = lambda s, x: ({k: v - x for k, v in s.items()}, x * 2)
+        sess = js.Session(js.SessionOptions(pack_state_below_bytes=1 << 14))
+        gid = sess.compile(step, state, state["a"], state_argnums=0)
+        ev = sess.compile(lambda s, x: s["a"] + x, state, state["a"], state_argnums=0,
+                          state_from=gid, updates_state=False)
+        got = {}
+        with jax.default_device(d1):
+          sess.set_state(gid, state)
+          got["set"] = sorted({d.id for x in sess._graphs[gid].slots[0].storage
+                               for d in x.devices()})
+          sess.replace_state(gid, 0, state)
+          got["replace"] = sorted({d.id for x in sess._graphs[gid].slots[0].storage
+                                   for d in x.devices()})
+        with jax.transfer_guard("disallow"):
+          out = sess.run(ev, state["a"])
+          with jax.default_device(d1):
+            got["get"] = sorted({d.id for x in jax.tree.leaves(sess.get_state(gid))
+                                 for d in x.devices()})
+        got["eval"] = bool(np.array_equal(np.asarray(out), np.asarray(state["a"] * 2)))
+        print(json.dumps(got))
+        """, devices=2)
+    self.assertEqual(out, {"set": [0], "replace": [0], "get": [0], "eval": True})
+
+
+if __name__ == "__main__":
+  absltest.main()

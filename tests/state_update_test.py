@@ -290,6 +290,18 @@ class ShapeDtypeStructStateTest(absltest.TestCase):
     other.release(eid)
     other.release(tid)
 
+  def test_a_structure_error_on_an_unset_slot_names_the_field(self):
+    # the difference was looked for against the unset leaves (None): "at
+    # ['a']: expected a NoneType" where ['b'] differs (a break-it find)
+    state = {"a": jnp.arange(3.0), "b": jnp.ones(2), "n": jnp.int32(0)}
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    sess = js.Session()
+    gid = sess.compile(lambda s, x: ({k: v + 1 for k, v in s.items()}, x), structs,
+                       jnp.ones(1), state_argnums=0)
+    with self.assertRaisesRegex(InputError, r"at \['b'\]: expected an array leaf "
+                                r"float32\[2\], got a dict"):
+      sess.set_state(gid, {"a": state["a"], "b": {"x": state["b"]}, "n": state["n"]})
+
 
 class StateMapTest(absltest.TestCase):
 
