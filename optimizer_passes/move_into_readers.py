@@ -26,14 +26,12 @@ import heapq
 from jaxsession.graph.op_properties import facts
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
-# ops XLA fuses with their elementwise readers and rewrites through (a
-# multiply broadcast into an add still contracts into an FMA)
-_FUSED_THROUGH = ("broadcast_in_dim", "reshape", "squeeze")
-
-
 def _sinkable(node):
+  """Elementwise arithmetic, or a broadcast or reshape XLA fuses through (a
+  product broadcast into an add still contracts into an FMA)."""
+  fact = facts(node.op)
   return (node.place == "device" and not node.props.effects and not node.props.may_fail
-          and (facts(node.op).elementwise or node.op in _FUSED_THROUGH))
+          and (fact.elementwise or fact.fused_through))
 
 
 def move_into_readers(order):

@@ -6,11 +6,6 @@ is returned by the executable as jax.jit's returns it (KernelGraph.
 passed_state)."""
 from jaxsession.graph.op_properties import DIVIDES, facts
 
-# ops a divisor's value passes through unchanged in kind: XLA's division
-# rewrites see through them to what made it
-_THROUGH = ("broadcast_in_dim", "reshape", "squeeze")
-
-
 def divisor_cone(graph):
   """(ids of the nodes that make a divisor of div or rem, the divisions
   themselves among them; ids of the graph inputs they read), followed
@@ -31,6 +26,7 @@ def divisor_cone(graph):
     if node.id in nodes:
       continue
     nodes.add(node.id)
-    if facts(node.op).elementwise or node.op in _THROUGH:
+    if facts(node.op).elementwise or facts(node.op).fused_through:  # XLA's rewrites see
+      # through a broadcast or reshape to what made the divisor
       stack.extend(node.inputs)
   return nodes, inputs

@@ -100,6 +100,10 @@ class OpFacts:
   dce: Optional[Callable] = None  # dce(node, used_outputs) -> DceResult or None (no change)
   contracts: Tuple[int, ...] = ()  # operands a matmul/convolution contracts (XLA copies a
                                   # slice before it: packed state stays out, runtime/packing.py)
+  fused_through: bool = False     # moves its operand's elements without arithmetic, and
+                                  # XLA fuses and rewrites through it: a divisor's broadcast
+                                  # (graph/divisors.py), a product broadcast into an add
+                                  # (optimizer_passes/move_into_readers.py)
   approximated: bool = False      # XLA:CPU computes it by a polynomial or a library call,
                                   # rounded by the kernel's size (vector width, remainder loop):
                                   # never merged across leaves (runtime/horizontal.py)
@@ -275,10 +279,12 @@ OP_TABLE = {
         elementwise=True, host=True, numpy=lambda x, new_dtype, **_: x.astype(new_dtype)),
     "select_n": OpFacts(elementwise=True, range_preserving=True, host=True,
                         numpy=_select_n),
-    "broadcast_in_dim": OpFacts(range_preserving=True, numpy=_broadcast_in_dim, fold="exact",
+    "broadcast_in_dim": OpFacts(range_preserving=True, fused_through=True,
+                                numpy=_broadcast_in_dim, fold="exact",
                                 host=True),
-    "reshape": OpFacts(range_preserving=True, numpy=_reshape, fold="exact", host=True),
-    "squeeze": OpFacts(range_preserving=True, fold="exact", host=True,
+    "reshape": OpFacts(range_preserving=True, fused_through=True, numpy=_reshape, fold="exact",
+                       host=True),
+    "squeeze": OpFacts(range_preserving=True, fused_through=True, fold="exact", host=True,
                        numpy=lambda x, dimensions, **_: np.squeeze(x, tuple(dimensions))),
     "transpose": OpFacts(range_preserving=True, fold="exact",
                          numpy=lambda x, permutation, **_: np.transpose(x, permutation)),
