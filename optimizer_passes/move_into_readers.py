@@ -21,10 +21,9 @@ partition, after the host work that may fail.
 Required: exactness is not optional. Needs place_nodes and the final order
 (after reorder_for_partitions), before insert_transfers.
 """
-import heapq
-
 from jaxsession.graph.op_properties import facts
 from jaxsession.optimizer_passes.base import Pass, PassResult
+from jaxsession.optimizer_passes.reorder import two_queue_order
 
 def _sinkable(node):
   """Elementwise arithmetic, or a broadcast or reshape XLA fuses through (a
@@ -37,9 +36,8 @@ def _sinkable(node):
 def move_into_readers(order):
   """`order` with each elementwise device node whose readers all run in one
   later device partition moved into that run (latest nodes first, so a chain
-  moves whole); (the new order, the moved nodes). The run keeps its own
-  nodes' order and takes each moved node as early as its id (the user's
-  order) allows before its readers (`_merged`). Its inputs come before its
+  moves whole); (the new order, the moved nodes). The run and its new nodes
+  go in the user's order (node ids) where their reads allow (`_merged`). Its inputs come before its
   old run, so the order stays valid; it joins a run of its own place, so no
   partition is added."""
   phase, k = {}, 0
@@ -70,36 +68,10 @@ def move_into_readers(order):
 
 
 def _merged(run, moved):
-  """`run` (in its order) and the nodes `moved` into it, topologically, the
-  smallest node id first among those ready: `run` keeps its order (each
-  waits for the one before it), a moved node waits for the moved nodes it
-  reads, and a node for the moved nodes it reads."""
-  members = run + moved
-  inside = {id(n) for n in members}
-  preds = {id(n): set() for n in members}
-  for before, node in zip(run, run[1:]):
-    preds[id(node)].add(id(before))
-  for node in members:
-    for value in node.inputs:
-      producer = getattr(value, "producer", None)
-      if producer is not None and id(producer) in inside:
-        preds[id(node)].add(id(producer))
-  readers = {id(n): [] for n in members}
-  for node in members:
-    for pred in preds[id(node)]:
-      readers[pred].append(node)
-  waiting = {id(n): len(preds[id(n)]) for n in members}
-  ready = [(n.id, n) for n in members if not waiting[id(n)]]
-  heapq.heapify(ready)
-  out = []
-  while ready:
-    _, node = heapq.heappop(ready)
-    out.append(node)
-    for reader in readers[id(node)]:
-      waiting[id(reader)] -= 1
-      if not waiting[id(reader)]:
-        heapq.heappush(ready, (reader.id, reader))
-  return out
+  """`run` and the nodes `moved` into it, in a topological order that takes
+  the smallest node id (the user's order) first among the ready ones
+  (reorder.py's schedule over one place)."""
+  return two_queue_order(sorted(run + moved, key=lambda n: n.id), "device")
 
 
 class MoveIntoReaders(Pass):

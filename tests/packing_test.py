@@ -111,31 +111,33 @@ class DecisionTest(absltest.TestCase):
     with self.assertRaisesRegex(js.InputError, "pack_state_below_bytes"):
       js.SessionOptions(pack_state_below_bytes=-1)
 
+  def _keeps_its_own_buffer(self, fn, state, xs, leaf, words):
+    """`leaf` is not packed (its reason holds `words`), the others are; one
+    run and a 2-step sunk run equal jax.jit's steps: outputs, state bits
+    and weak types."""
+    sess = js.Session(PACK)
+    gid = sess.compile(fn, state, xs[0], state_argnums=0)
+    got = packed_decisions(sess, gid)
+    self.assertFalse(got[leaf][0])
+    self.assertIn(words, got[leaf][1])
+    self.assertTrue(all(got[name][0] for name in state if name != leaf))
+    want = state
+    for run, steps in ((lambda: sess.run(gid, xs[0]), xs[:1]),
+                       (lambda: sess.run(gid, xs[1:], steps=2), xs[1:])):
+      want, outs = jit_steps(fn, want, steps)
+      assert_same_bits(run(), outs[0] if len(steps) == 1 else jnp.stack(outs))
+      have = sess.get_state(gid)[0]
+      assert_same_bits(have, want)
+      self.assertEqual({k: v.weak_type for k, v in have.items()},
+                       {k: v.weak_type for k, v in want.items()})
+
   def test_a_weak_new_value_keeps_its_own_buffer(self):
     # a strong leaf the step replaces with a weakly typed value: jax.jit
     # returns it weak; a slice of a packed buffer would come back strong
     fn = lambda s, x: ({"a": jnp.asarray(2.5), "b": s["b"] - x,  # noqa: E731
                         "c": s["c"] * -1.5}, x)
     state = {"a": jnp.float32(RNG.normal()), "b": normal(RNG, 4), "c": normal(RNG, 3)}
-    xs = normal(RNG, 3, 4)
-    sess = js.Session(PACK)
-    gid = sess.compile(fn, state, xs[0], state_argnums=0)
-    got = packed_decisions(sess, gid)
-    self.assertFalse(got["a"][0])
-    self.assertIn("new value is weakly typed", got["a"][1])
-    self.assertTrue(got["b"][0] and got["c"][0])
-    want, _ = jit_steps(fn, state, xs[:1])
-    sess.run(gid, xs[0])
-    have = sess.get_state(gid)[0]
-    for name in want:
-      assert_same_bits(have[name], want[name])
-      self.assertEqual(have[name].weak_type, want[name].weak_type, name)
-    want, _ = jit_steps(fn, want, xs[1:])
-    sess.run(gid, xs[1:], steps=2)
-    have = sess.get_state(gid)[0]
-    for name in want:
-      assert_same_bits(have[name], want[name])
-      self.assertEqual(have[name].weak_type, want[name].weak_type, name)
+    self._keeps_its_own_buffer(fn, state, normal(RNG, 3, 4), "a", "new value is weakly typed")
 
   def test_a_scalar_divisor_keeps_its_own_buffer(self):
     # XLA rewrites x / broadcast(s) as x * (1 / s) where s has one reader: a
@@ -143,19 +145,8 @@ class DecisionTest(absltest.TestCase):
     fn = lambda s, x: ({"a": s["a"] + 1.0, "b": s["b"] - 1.5, "s": s["s"]},  # noqa: E731
                        x / s["s"])
     state = {"a": normal(RNG, 7), "b": normal(RNG, 5, scale=100.0), "s": jnp.float32(3.0)}
-    xs = normal(RNG, 3, 7, scale=100.0)
-    sess = js.Session(PACK)
-    gid = sess.compile(fn, state, xs[0], state_argnums=0)
-    got = packed_decisions(sess, gid)
-    self.assertFalse(got["s"][0])
-    self.assertIn("a scalar a division reads", got["s"][1])
-    self.assertTrue(got["a"][0] and got["b"][0])
-    want, outs = jit_steps(fn, state, xs[:1])
-    assert_same_bits(sess.run(gid, xs[0]), outs[0])
-    assert_same_bits(sess.get_state(gid)[0], want)
-    want, outs = jit_steps(fn, want, xs[1:])
-    assert_same_bits(sess.run(gid, xs[1:], steps=2), jnp.stack(outs))
-    assert_same_bits(sess.get_state(gid)[0], want)
+    self._keeps_its_own_buffer(fn, state, normal(RNG, 3, 7, scale=100.0), "s",
+                               "a scalar a division reads")
 
   def test_a_plan_does_not_pack(self):
     host = lambda a: np.asarray(a) - 1  # noqa: E731
