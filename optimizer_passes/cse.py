@@ -42,7 +42,7 @@ class CommonSubexpressionElimination(Pass):
     # what makes a divisor, and the divisions, stay unmerged: XLA rewrites a
     # division by what makes its divisor and how many read it (graph/
     # divisors.py); merged, x / s written twice gave other bits (a fuzzer's find)
-    divisors = divisor_cone(graph)[0]
+    divisors = divisor_cone(graph.nodes)[0]
     for node in graph.nodes:
       if not node.props.deterministic or node.props.opaque or node.id in divisors:
         continue  # an opaque node (a barrier, a kept jit call) is XLA's to merge

@@ -335,12 +335,13 @@ def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=N
   index)."""
   recorder = callbacks.ErrorRecorder()
   inputs = device_inputs(part)
-  body = lower_nodes(callbacks.instrumented(part.nodes, recorder), inputs, part.outputs,
+  body = lower_nodes(callbacks.instrumented(part.nodes, recorder), inputs,
+                     part.outputs + part.witnesses,  # (the witnesses: returned, dropped)
                      {v.id: consts[v.id] for v in part.inputs if v.kind == "const"})
   donate = tuple(i for i, v in enumerate(inputs) if v.id in donated_ids)
   # outputs whose layout is fixed (new state under a mesh) keep it, so the
   # slot keeps its layout and is donated in place
-  out_shardings = [fixed.get(v.id) for v in part.outputs] if fixed else None
+  out_shardings = [fixed.get(v.id) for v in part.outputs + part.witnesses] if fixed else None
   exe, recorder, _ = compile_recorded(lambda *xs: body(*xs), recorder,
                                    [_arg_struct(v, layouts) for v in inputs], donate, cache,
                                    None if key is None else (key, "partition", part.index),
@@ -409,7 +410,12 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
       analyses[part.index] = memory_analysis(exe)
       executables[part.index] = exe
       inputs = device_inputs(part)
-      ops.append(Op(fn, tuple(reg_of(v) for v in inputs), tuple(reg_of(v) for v in part.outputs),
+      dropped = []  # a register each witness is written to, never read (cleared at once)
+      for _ in part.witnesses:
+        dropped.append(len(template))
+        template.append(None)
+      ops.append(Op(fn, tuple(reg_of(v) for v in inputs),
+                    tuple(reg_of(v) for v in part.outputs) + tuple(dropped),
                     prefetch=tuple(reg_of(v) for v in part.prefetch), partition=part.index,
                     host_ins=tuple(i for i, v in enumerate(inputs) if v.producer is not None
                                    and v.producer.place == "host"),

@@ -106,7 +106,7 @@ def decide(graph, partitions, threshold, slot_leaves):
     slot_leaves = [SlotLeaf(0, j) for j in range(len(states))]
   one = len(partitions) == 1 and partitions[0].place == "device"
   new_of = {state.id: new for state, new in graph.state_updates()}
-  divisors = divisor_cone(graph)[1] if threshold else set()
+  divisors = divisor_cone(graph.nodes)[1] if threshold else set()
   why, groups = {}, {}
   for state, where in zip(states, slot_leaves):
     if where.shared:

@@ -7,6 +7,7 @@ remembers why it was split off, for the report and the dump.
 import dataclasses
 from typing import List, Optional
 
+from jaxsession.graph.divisors import divisor_cone
 from jaxsession.graph.ir import Literal
 from jaxsession.graph.liveness import partition_index
 from jaxsession.graph.op_properties import is_transfer
@@ -24,12 +25,17 @@ class Partition:
   may_fail: bool = False           # can raise after it consumed its inputs
   overlaps: List[int] = dataclasses.field(default_factory=list)  # device partitions
   prefetch: List = dataclasses.field(default_factory=list)  # early device->host copies
+  # device: scalar inputs its divisors are made of that something outside it
+  # reads too, returned by its executable and dropped (`divisor_witnesses`)
+  witnesses: List = dataclasses.field(default_factory=list)
 
   def describe(self):
     overlap = (f" overlaps device partition(s) {self.overlaps}" if self.overlaps else "")
+    witness = (f" returns {', '.join(f'%{v.id}' for v in self.witnesses)} (a divisor read "
+               "outside it too, as in jax.jit's executable)" if self.witnesses else "")
     return (f"#{self.index} {self.place} nodes={len(self.nodes)} stream={self.stream} "
             f"in={len(self.inputs)} out={len(self.outputs)}"
-            f"{' may_fail' if self.may_fail else ''}{overlap}: {self.reason}")
+            f"{' may_fail' if self.may_fail else ''}{overlap}{witness}: {self.reason}")
 
 
 def node_may_fail(node):
@@ -85,7 +91,21 @@ def compute_boundaries(graph, partitions):
                     if out.id in graph_outs
                     or any(part_of[user.id] != part.index for user in out.users)]
     part.may_fail = any(node_may_fail(n) for n in part.nodes)
+    part.witnesses = divisor_witnesses(part, part_of, graph_outs) \
+        if part.place == "device" else []
   return partitions
+
+
+def divisor_witnesses(part, part_of, graph_outs):
+  """The scalar inputs of device partition `part` that its divisors are made
+  of (graph/divisors.py) and that another partition or the graph's outputs
+  read too. XLA rewrites x / broadcast(s) as x * (1 / s) where s has one
+  reader: in jax.jit's one executable s has those other readers, in the
+  partition's it had one (a break-it find: (x / s, callback(s)) 1 ulp off);
+  the executable returns it, and the plan drops it."""
+  cone = divisor_cone(part.nodes)[1]
+  return [v for v in part.inputs if v.id in cone and v.aval.shape == () and (
+      v.id in graph_outs or any(part_of[u.id] != part.index for u in v.users))]
 
 
 def partition_graph(graph):

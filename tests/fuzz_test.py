@@ -400,13 +400,11 @@ class ReducedFindingsTest(absltest.TestCase):
     self.assert_matches_jit(lambda a, b, c: a + ((b + c) + a) + b, a, b, c)
 
   def test_division_split_by_a_host_callback(self):
-    # jax.jit's XLA rewrites 1 / (a / b) as b / a inside one executable. The
-    # session runs the callback between two executables, so XLA never sees the
-    # two divides together and they are computed as written: two roundings
-    # against XLA's one, each at most half an ulp of relative error, so the
-    # result is within 2 ulp of jax.jit's (1 ulp seen). With the callback kept
-    # inside the executable (host_callbacks=False) XLA sees the whole program
-    # and the result is bit-identical. README: "Host partitions and XLA".
+    # jax.jit's XLA rewrites 1 / (a / b) as b / a inside one executable. Split
+    # by the callback, the two divides were computed as written (1 ulp off);
+    # move_into_readers keeps them in one executable, where XLA sees them
+    # together as jax.jit's does: bit-identical, as with the callback kept
+    # inside the executable (host_callbacks=False).
     def f(a, b):
       q = a / b
       return host_call("np_tanh", a), 1.0 / q
@@ -416,7 +414,7 @@ class ReducedFindingsTest(absltest.TestCase):
     got = sess.run(sess.compile(f, *args), *args)
     want = jax.jit(f)(*args)
     assert_bits_equal(got[0], want[0], "the callback's output")
-    self.assertLessEqual(max_ulp(got[1], want[1]), 2)
+    assert_bits_equal(got[1], want[1], "1 / (a / b)")
     inside = js.Session(js.SessionOptions(host_callbacks=False))
     assert_bits_equal(inside.run(inside.compile(f, *args), *args), want, "one executable")
 

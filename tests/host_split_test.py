@@ -108,6 +108,33 @@ class HostSplitTest(absltest.TestCase):
     self.assertEqual(sess.report(gid).schedule.moved_into_readers, 0)
     self.assertEqual([p.place for p in sess.graph(gid).partitions], ["device", "host", "device"])
 
+  def test_a_divisor_another_partition_reads_keeps_the_division(self):
+    # XLA rewrites x / broadcast(s) as x * (1 / s) where s has one reader: in
+    # jax.jit's executable the callback (or the output) reads s too, so the
+    # partition's executable returns s as well (Partition.witnesses)
+    # (no subnormal: a host-placed callback does not flush them, jax.jit's
+    # does - numerics.md's own row)
+    x = jnp.where(jnp.abs(_inputs()[0]) < 1e-37, 0.5, _inputs()[0])
+    twice = lambda v: jax.pure_callback(  # noqa: E731
+        lambda u: (np.asarray(u) * 2).astype(np.float32), jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+    cases = {
+        "callback_reads_the_divisor": lambda x, s: (x / s, twice(s)),
+        "divisor_returned_beside_a_callback": lambda x, s: (x / s, twice(x), s),
+        "divisor_broadcast_then_read": lambda x, s: (x / jnp.broadcast_to(s, x.shape), twice(s)),
+    }
+    sess = js.Session()
+    for s in (jnp.float32(3.3), jnp.float32(-0.0), jnp.float32(1e30)):
+      for name, fn in cases.items():
+        with self.subTest(name, s=float(s)):
+          gid = sess.compile(fn, x, s)
+          assert_same_bits(sess.run(gid, x, s), jax.jit(fn)(x, s), name)
+          self.assertIn("a divisor read outside it too", sess.graph(gid).dump())
+    # a state divisor the step returns as it came, read by a callback in a plan
+    step = lambda w, x: (w, x / w, twice(w))  # noqa: E731
+    gid = sess.compile(step, jnp.float32(3.3), x, state_argnums=0)
+    for _ in range(2):
+      assert_same_bits(sess.run(gid, x), jax.jit(step)(jnp.float32(3.3), x)[1:])
+
   def test_state_updated_after_the_callback_is_donated_and_kept_on_failure(self):
     # the new value moves after the callback: the state leaf is donated to the
     # last partition, and a failing callback leaves it as it was

@@ -3,30 +3,33 @@ into a * rsqrt(b), a / broadcast(s) into a * (1 / s) where s has one
 reader), so a pass that changes what makes a divisor, or how many read it,
 changes the bits. CSE leaves that cone unmerged; a scalar state leaf in it
 is returned by the executable as jax.jit's returns it (KernelGraph.
-passed_state)."""
+passed_state), and so is a scalar a partition's divisor is made of that
+another partition reads too (runtime/partition.py: Partition.witnesses)."""
 from jaxsession.graph.op_properties import DIVIDES, facts
 
-def divisor_cone(graph):
-  """(ids of the nodes that make a divisor of div or rem, the divisions
-  themselves among them; ids of the graph inputs they read), followed
-  through elementwise and reshaping ops."""
-  nodes, inputs, stack = set(), set(), []
-  for node in graph.nodes:
+def divisor_cone(nodes):
+  """(ids of the nodes among `nodes` (a graph's, or a partition's) that make
+  a divisor of div or rem, the divisions themselves among them; the ids of
+  the values from outside them they read - a graph's inputs, or a
+  partition's), followed through elementwise and reshaping ops."""
+  made_here = {out.id for node in nodes for out in node.outputs}
+  cone, outside, stack = set(), set(), []
+  for node in nodes:
     if node.op in DIVIDES and len(node.inputs) > 1:
-      nodes.add(node.id)
+      cone.add(node.id)
       stack.append(node.inputs[1])
   while stack:
     value = stack.pop()
     if not hasattr(value, "producer"):  # a literal
       continue
+    if value.id not in made_here:
+      outside.add(value.id)
+      continue
     node = value.producer
-    if node is None:
-      inputs.add(value.id)
+    if node.id in cone:
       continue
-    if node.id in nodes:
-      continue
-    nodes.add(node.id)
+    cone.add(node.id)
     if facts(node.op).elementwise or facts(node.op).fused_through:  # XLA's rewrites see
       # through a broadcast or reshape to what made the divisor
       stack.extend(node.inputs)
-  return nodes, inputs
+  return cone, outside

@@ -304,7 +304,7 @@ class KernelGraph:
     for i, (s, new) in enumerate(self.state_updates()):
       if new is s:
         if s.aval.shape == ():
-          divisors = divisor_cone(self)[1] if divisors is None else divisors
+          divisors = divisor_cone(self.nodes)[1] if divisors is None else divisors
           if s.id in divisors:
             continue
         passed.append(i)
