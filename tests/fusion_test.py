@@ -4,6 +4,8 @@ passes off and to jax.jit - on fresh random inputs and on inputs holding -0.0,
 NaN, +-inf, values past 2**24 and subnormals; each stays away when a value
 inside has another reader, the dtype is wrong, the params do not fit, or its
 kernel could not repeat the user's arithmetic."""
+import functools
+
 from absl.testing import absltest, parameterized
 import pytest
 import flax.linen as nn
@@ -205,6 +207,27 @@ class FusionRefusesTest(absltest.TestCase):
     ops, _ = compile_and_check(self, lambda a, b, c: ((a + b) + c, a + b), _x(3, 2), _x(3, 2),
                                _x(3, 2))
     self.assertNotIn("AddN", ops)
+
+  def test_an_add_read_only_by_a_debug_callback(self):
+    # the callback node has no outputs: fuse_add_n raised IndexError on it
+    # (a break-it find: jax.debug.print("{}", loss + reg) failed to compile)
+    for host_callbacks in (True, False):
+      seen = {"session": [], "jit": []}
+      def fn(w, x, into):
+        loss = jnp.sum(w * x)
+        jax.debug.callback(lambda v: seen[into].append(np.asarray(v)), loss + jnp.sum(w * w))
+        jax.debug.callback(lambda v: seen[into].append(np.asarray(v)), (w + x) + w)
+        return w - x, loss
+      w, x = _x(4), _x(4)
+      sess = js.Session(js.SessionOptions(host_callbacks=host_callbacks))
+      gid = sess.compile(functools.partial(fn, into="session"), w, x)
+      got = sess.run(gid, w, x)
+      want = jax.jit(functools.partial(fn, into="jit"))(w, x)
+      jax.effects_barrier()
+      assert_same_bits(got, want)
+      self.assertLen(seen["session"], 2)
+      for a, b in zip(seen["session"], seen["jit"]):
+        assert_same_bits(a, b)
 
   def test_layernorm_with_wrong_count(self):
     def fn(x):  # divides the sum by 7 while reducing 8 elements: not a mean
