@@ -21,16 +21,16 @@ partition, after the host work that may fail.
 Required: exactness is not optional. Needs place_nodes and the final order
 (after reorder_for_partitions), before insert_transfers.
 """
-from jaxsession.graph.op_properties import facts
+from jaxsession.graph.op_properties import moves_or_maps
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.reorder import two_queue_order
 
 def _sinkable(node):
-  """Elementwise arithmetic, or a broadcast or reshape XLA fuses through (a
-  product broadcast into an add still contracts into an FMA)."""
-  fact = facts(node.op)
+  """Elementwise arithmetic, or data movement XLA fuses through (a product
+  broadcast, sliced, transposed or padded into an add still contracts into
+  an FMA), or a nested jit of those alone (op_properties.moves_or_maps)."""
   return (node.place == "device" and not node.props.effects and not node.props.may_fail
-          and (fact.elementwise or fact.fused_through))
+          and moves_or_maps(node.op, node.params))
 
 
 def move_into_readers(order):

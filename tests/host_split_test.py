@@ -50,6 +50,16 @@ CASES = {
     "product_also_returned": _split(lambda a, b: a * b, lambda t, a, b, r: (t, t + r)),
     "broadcast_product": _split(lambda a, b: (a * b)[None, :],
                                 lambda t, a, b, r: jnp.sum(t + r, axis=0)),
+    # data movement between the product and the add (XLA fuses through it)
+    "split_product": _split(lambda a, b: jnp.split(a * b, 2)[1], lambda t, a, b, r: t + r),
+    "transposed_product": _split(lambda a, b: (a * b).reshape(64, 32).T,
+                                 lambda t, a, b, r: t + r),
+    "flipped_product": _split(lambda a, b: jnp.flip(a * b), lambda t, a, b, r: t + r),
+    "padded_product": _split(lambda a, b: jnp.pad(a * b, (1, 2)), lambda t, a, b, r: t + r),
+    "gathered_product": _split(lambda a, b: (a * b)[jnp.arange(0, N, 3)],
+                               lambda t, a, b, r: t + r),
+    "concatenated_product": _split(lambda a, b: jnp.concatenate([a * b, b]),
+                                   lambda t, a, b, r: t + r),
 }
 
 

@@ -102,8 +102,8 @@ class OpFacts:
                                   # slice before it: packed state stays out, runtime/packing.py)
   fused_through: bool = False     # moves its operand's elements without arithmetic, and
                                   # XLA fuses and rewrites through it: a divisor's broadcast
-                                  # (graph/divisors.py), a product broadcast into an add
-                                  # (optimizer_passes/move_into_readers.py)
+                                  # (graph/divisors.py), a product broadcast, sliced or
+                                  # transposed into an add (move_into_readers.py)
   approximated: bool = False      # XLA:CPU computes it by a polynomial or a library call,
                                   # rounded by the kernel's size (vector width, remainder loop):
                                   # never merged across leaves (runtime/horizontal.py)
@@ -286,12 +286,16 @@ OP_TABLE = {
                        host=True),
     "squeeze": OpFacts(range_preserving=True, fused_through=True, fold="exact", host=True,
                        numpy=lambda x, dimensions, **_: np.squeeze(x, tuple(dimensions))),
-    "transpose": OpFacts(range_preserving=True, fold="exact",
+    "transpose": OpFacts(range_preserving=True, fused_through=True, fold="exact",
                          numpy=lambda x, permutation, **_: np.transpose(x, permutation)),
-    "concatenate": OpFacts(range_preserving=True, host=True,
+    "concatenate": OpFacts(range_preserving=True, fused_through=True, host=True,
                            numpy=lambda *xs, dimension, **_: np.concatenate(xs, dimension)),
-    **_facts("slice", "dynamic_slice", "gather", "sort", "rev", "expand_dims",
-             range_preserving=True),
+    # data movement XLA fuses an elementwise producer into (a product sliced
+    # or transposed, then added: an FMA under jax.jit, a break-it find)
+    **_facts("slice", "dynamic_slice", "gather", "rev", "expand_dims",
+             range_preserving=True, fused_through=True),
+    **_facts("pad", "split", fused_through=True),
+    "sort": OpFacts(range_preserving=True),
     **_facts("reduce_max", "reduce_min", reduces=True, range_preserving=True),
     "reduce_sum": OpFacts(reduces=True),
     "dot_general": OpFacts(reduces=True, contracts=(0, 1)),
@@ -358,6 +362,17 @@ def contracts_inside(params):
   """Whether a primitive's sub-jaxprs (at any depth) contract anything."""
   return any(facts(eqn.primitive.name).contracts or contracts_inside(eqn.params)
              for sub in _sub_jaxprs(params) for eqn in sub.eqns)
+
+
+def moves_or_maps(op, params):
+  """Whether op `op` is elementwise arithmetic or data movement XLA fuses
+  through (fused_through), or a call (jnp.pad's nested jit) whose body is
+  made of such ops alone, at any depth."""
+  fact = facts(op)
+  if fact.elementwise or fact.fused_through:
+    return True
+  return op in CALLS and all(moves_or_maps(eqn.primitive.name, eqn.params)
+                             for sub in _sub_jaxprs(params) for eqn in sub.eqns)
 
 
 # jaxpr -> its joined props; weak, so that a released jaxpr (and the arrays
