@@ -67,6 +67,9 @@ class BucketedGraph:
     self.output_axes = None           # per run output leaf: the row axis or None
     self.verdict = None
     self.signatures = []              # the probe traces' programs, row count named
+    self.template = None              # the last probe's, its row count a placeholder
+    self.same_program = {}            # size -> None (fn there is the probes' program) or
+    #                                   the first line where it differs
     self.exact_one = False            # fn at 1 row is another program: run 1 row exactly
     self.probe_ranks = None           # the last probe trace's ops and result ranks
     self.released = False
@@ -106,7 +109,9 @@ class BucketedGraph:
     num_state = len(graph.state_updates())
     self.verdict = verdict
     self.output_axes = list(verdict.output_axes[num_state:])
-    self.signatures.append(program_signature(graph, len_of_rows(graph, dynamic)))
+    rows = len_of_rows(graph, dynamic)
+    self.signatures.append(program_signature(graph, rows))
+    self.template = program_signature(graph, rows, as_=_ROWS)
 
   def trace(self, size):
     """fn traced and imported as compile imports it, the bucketed arguments at
@@ -169,7 +174,7 @@ class BucketedGraph:
     # every number the program holds: its axes, its params (a slice's 17, a
     # conv's dimension numbers), its nested jaxprs' shapes - the signatures
     # would take one equal to a probe for the row count
-    text = "\n".join(program_signature(self.session.graph(gid), -1))
+    text = "\n".join(program_signature(self.session.graph(gid), None))
     other = set(other) | {int(t) for t in re.findall(r"\d+", text) if len(t) < 7}
     probes = []  # primes: a model's own axes are rarely prime
     while len(probes) < 2:
@@ -187,10 +192,35 @@ class BucketedGraph:
             f"at {probes[0]} and {probes[1]} rows it differs at: {where}); padding would "
             "change its result. Compile without buckets= to run every batch size exactly.")
       self.exact_one = 1 not in (self.policy.sizes or ()) and self._one_row_differs()
+      for bucket in sorted({size, *(self.policy.sizes or ())}):  # the known buckets
+        self.check_bucket(bucket, f"compile({self.name})")
     except BaseException:
       self.session.release(gid)
       raise
     self.sizes[size] = self.first = gid
+
+  def check_bucket(self, size, where):
+    """InputError unless fn traced at `size` rows (a bucket requests are
+    padded to) is the probes' program with `size` rows: a Python branch on
+    the batch size between the probes and a bucket (`if x.shape[0] <= 16:
+    x - x.mean(0)`, a parity, `min(B, 16)`) made the bucket mix rows (a
+    break-it find). One trace per size, nothing compiled."""
+    if size < 2:
+      return  # (0 and 1 row are never padded into)
+    if size not in self.same_program:  # None where it is the same program
+      want = [line.replace(_ROWS, str(size)) for line in self.template]
+      got = program_signature(self.trace(size)[0], None)
+      self.same_program[size] = None if got == want else next(
+          (a for a, b in zip(got, want) if a != b),
+          f"{len(got) - 1} nodes and constants there, {len(want) - 1} at the probes")
+    if self.same_program[size] is not None:
+      raise InputError(
+          f"{where}: fn traced at {size} rows (a bucket) is another program than at the "
+          f"probe sizes the padding analysis checked (it differs at: "
+          f"{self.same_program[size]}): it reads the batch size (a Python branch on "
+          "x.shape[0]?), and padding to this bucket would change its result. Compile "
+          "without buckets=, or give buckets fn "
+          "treats alike.")
 
   def _one_row_differs(self):
     """Whether fn traced at 1 row is another program than at the last probe's
@@ -258,15 +288,17 @@ class BucketedGraph:
       for leaf, want in zip(leaves, self.example_avals[i]):
         shape = tuple(jax.numpy.shape(leaf))
         dtype = getattr(leaf, "dtype", None)
+        # (a numpy int64 or float64 array is taken as jax.jit takes it: as the
+        # default int or float without x64; a break-it find: refused)
         if len(shape) <= axis or shape[axis + 1:] != tuple(want.shape[1:]) or (
-            dtype is not None and np.dtype(dtype) != np.dtype(want.dtype)):
+            dtype is not None and jax.dtypes.canonicalize_dtype(dtype) != np.dtype(want.dtype)):
           got = (f"{dtype}{list(shape)}" if dtype is not None else
                  f"a Python {type(leaf).__name__} ({leaf!r})")
           raise InputError(
               f"{self.where}: bucketed argument {i} (position "
               f"{self.positions[self.run_index.index(i)]} of the function) has a leaf "
-              f"{got}; expected {want.dtype}[n, "
-              f"{', '.join(map(str, want.shape[1:]))}] with the batch on axis {axis}")
+              f"{got}; expected {want.dtype}{['n', *map(str, want.shape[1:])]} with the "
+              f"batch on axis {axis}".replace("'", ""))
         sizes.add(shape[axis])
     if len(sizes) > 1:
       raise InputError(f"{self.where}: the bucketed arguments disagree on "
@@ -297,6 +329,9 @@ class BucketedGraph:
     # an empty batch runs at its exact size: padded, a maximum or an any over
     # a value made from the batch size saw rows where jax.jit sees none
     size = n if n == 0 or (n == 1 and self.exact_one) else self.policy.target(n, self.sizes)
+    if size != n:  # padded: only into a bucket whose program is the probes'
+      with self.lock:
+        self.check_bucket(size, self.where)
     gid = self.executable(size)
     if size != n:
       args = tuple(tree_util.tree_map(lambda x: policy_lib.pad_rows(x, size, axis), a)
@@ -316,6 +351,9 @@ class BucketedGraph:
 
   def __repr__(self):  # report.buckets, printed alone
     return f"<shape buckets of graph '{self.name}': {self.describe()}>"
+
+
+_ROWS = "\x00rows\x00"  # the row count's place in a probe's program (check_bucket)
 
 
 def _ranks(graph):
@@ -390,7 +428,7 @@ def _param_text(value, name):
   fn = getattr(value, "callback_func", value)
   code = getattr(fn, "__code__", None)
   if code is None:
-    return name(str(value))
+    return "".join(name(str(value)).split())  # (a jaxpr breaks its lines by their width)
   try:
     cells = tuple(c.cell_contents for c in fn.__closure__ or ())
   except ValueError:  # an empty cell
@@ -400,28 +438,31 @@ def _param_text(value, name):
           f"{code.co_firstlineno} closure={cells!r} defaults={fn.__defaults__!r} {tree})")
 
 
-def program_signature(graph, rows):
-  """The program a trace computes with its row count named "B": op, params,
-  literals and types of every node in order (no ids, no source lines), so
-  two traces at different row counts compare equal unless the program reads
-  the row count itself."""
+def program_signature(graph, rows, as_="B"):
+  """The program a trace computes with its row count named (`as_`): op,
+  params, literals and types of every node in order (no ids, no source
+  lines), so two traces at different row counts compare equal unless the
+  program reads the row count itself. `rows` None: nothing named."""
   # the row count as a dimension or a tuple item only - "[32," "(32)" ", 32]" -
-  # never inside a dtype's name (f32, i8) or a scalar param (bit_width=32)
-  pattern = re.compile(rf"(?<=[\[(,\s]){rows}(?=[,\])])")
-  name = lambda text: pattern.sub("B", text)
+  # never inside a dtype's name (f32, i8) or a scalar param (bit_width=32);
+  # and a scan's step count, where its steps are the rows (lax.map, at any
+  # depth: the analysis refuses any other scan of that many steps)
+  pattern = re.compile(rf"(?<=[\[(,\s]){rows}(?=[,\])])|(?<=\blength=){rows}\b")
+  name = (lambda text: text) if rows is None else (  # noqa: E731
+      lambda text: pattern.sub(as_, text))
   lines = [name(" ".join(aval_str(v.aval) for v in graph.inputs))]
   for node in graph.nodes:
-    # a scan's step count: the row count where its steps are the rows (lax.map;
-    # the analysis refuses any other scan of that many steps)
-    params = ", ".join(f"{k}=B" if node.op == "scan" and k == "length" and v == rows
-                       else f"{k}={_param_text(v, name)}" for k, v in sorted(node.params.items()))
+    params = ", ".join(name(f"{k}={_param_text(v, name)}") if k == "length" else
+                       f"{k}={_param_text(v, name)}" for k, v in sorted(node.params.items()))
     # literal values stay as they are: a literal equal to the row count is the
     # program reading it (n + x.shape[0])
     ins = ", ".join(repr(v) if isinstance(v, Literal) else name(aval_str(v.aval))
                     for v in node.inputs)
     outs = name(", ".join(aval_str(o.aval) for o in node.outputs))
     lines.append(f"{node.op}[{params}]({ins}) -> {outs}")
-  consts = [graph.const_values[v.id] for v in graph.inputs_of_kind("const")]
-  lines.extend(f"const {np.asarray(c).dtype}{np.shape(c)} {hash(np.asarray(c).tobytes())}"
-               for c in consts)  # an array built from the row count differs too
+  for v in graph.inputs_of_kind("const"):  # an array built from the row count differs too
+    c = graph.const_values[v.id]
+    if jax.dtypes.issubdtype(getattr(c, "dtype", np.float32), jax.dtypes.extended):
+      c = jax.random.key_data(c)  # a typed PRNG key closed over (a break-it find)
+    lines.append(f"const {np.asarray(c).dtype}{np.shape(c)} {hash(np.asarray(c).tobytes())}")
   return lines

@@ -3,7 +3,11 @@ passes its carry through) and over lookups into a sorted table
 (`jnp.searchsorted`, `jnp.histogram`, `jnp.digitize`), and `jnp.tile` along
 other axes: each row's result is its own row's, so padding is safe; the
 runs equal jax.jit at the exact size bit for bit. Loops that carry one row
-into the next, or run as many steps as the batch has rows, stay refused."""
+into the next, or run as many steps as the batch has rows, stay refused.
+Every bucket requests are padded to is checked to be the program the
+padding analysis saw (a Python branch on the batch size between the probe
+sizes and a bucket made rows mix: refused, at compile where the buckets are
+known, else at the run that would pad into it)."""
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
@@ -82,6 +86,74 @@ class RowLoopsTest(absltest.TestCase):
         self.assertIn(words, str(ctx.exception))
         gid = sess.compile(fn, x)  # without buckets: runs, equal to jax.jit
         assert_same_bits(sess.run(gid, x), jax.jit(fn)(x), name)
+
+
+
+def _batch_mean_when_small(x):  # reads the batch size: mixes rows up to 16
+  return x - x.mean(0) if x.shape[0] <= 16 else x * 1.0
+
+
+def _parity(x):
+  return x * (2.0 if x.shape[0] % 2 == 0 else 3.0)
+
+
+def _batch_mean_when_large(x):
+  return x - x.mean(0) if x.shape[0] >= 8 else x * 1.0
+
+
+KEY = jax.random.key(3)  # a typed key closed over: a constant of the program
+
+
+class BucketProgramTest(absltest.TestCase):
+
+  def test_a_branch_on_the_batch_size_at_a_bucket_is_refused_at_compile(self):
+    sess = js.Session()
+    for fn in (_batch_mean_when_small, _parity):
+      with self.subTest(fn.__name__):
+        with self.assertRaisesRegex(InputError, "is another program than at the probe"):
+          sess.compile(fn, _rows(), buckets={0: [2, 4, 8, 16]})
+        x = _rows()[:3]  # without buckets: runs, as jax.jit
+        assert_same_bits(sess.run(sess.compile(fn, x), x), jax.jit(fn)(x))
+
+  def test_auto_buckets_refuse_a_run_that_would_pad_into_another_program(self):
+    x = _rows()
+    sess = js.Session()
+    gid = sess.compile(_batch_mean_when_large, x[:3], buckets={0: "auto"})  # probes < 8
+    for n in range(1, 13):
+      want = jax.jit(_batch_mean_when_large)(x[:n])
+      try:
+        got = sess.run(gid, x[:n])
+      except InputError as exc:  # never a wrong row: refused, naming the bucket
+        self.assertIn("is another program than at the probe", str(exc))
+        self.assertGreaterEqual(n, 5)
+        continue
+      assert_same_bits(got, want, f"{n} rows")
+
+  def test_numpy_int64_and_float64_rows_as_jit_takes_them(self):
+    # without x64 jax.jit takes them as int32 and float32; refused before
+    ids = np.random.default_rng(5).integers(-2**31, 2**31 - 1, (12, 4))  # int64
+    feats = np.random.default_rng(6).standard_normal((12, 4))  # float64
+    fn = lambda i, f: (i ^ 7, f * 2.5)  # noqa: E731
+    sess = js.Session()
+    gid = sess.compile(fn, ids, feats, buckets={0: [8, 16], 1: [8, 16]})
+    for n in (3, 12):
+      assert_same_bits(sess.run(gid, ids[:n], feats[:n]), jax.jit(fn)(ids[:n], feats[:n]))
+    with self.assertRaisesRegex(InputError, r"expected int32\[n, 4\]"):
+      sess.run(gid, ids[:3, :2], feats[:3])
+
+  def test_a_closed_over_key_and_a_map_inside_a_cond(self):
+    x = _rows()
+    sess = js.Session()
+    for name, fn in {
+        "typed_key": lambda x: x + jax.random.normal(KEY, (D,)),
+        "map_in_cond": lambda x: jax.lax.cond(True, lambda v: jax.lax.map(jnp.sin, v),
+                                              lambda v: v, x),
+        "map_in_a_nested_jit": jax.jit(lambda x: jax.lax.map(lambda r: r * r.max(), x)),
+    }.items():
+      with self.subTest(name):
+        gid = sess.compile(fn, x, buckets=BUCKETS)  # refused (a crash, a signature) before
+        for n in (3, 11):
+          assert_same_bits(sess.run(gid, x[:n]), jax.jit(fn)(x[:n]), f"{name} at {n} rows")
 
 
 if __name__ == "__main__":
