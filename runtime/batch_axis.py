@@ -107,6 +107,9 @@ def scan_over_rows(eqn):
   p = eqn.params
   nc, nk = p["num_consts"], p["num_carry"]
   body = p["jaxpr"].jaxpr
+  if op_properties.jaxpr_props(body).user_code:  # (a break-it find: it was called on them)
+    raise Mixing("scans over the batch axis running the user's code (a callback) each "
+                 "step: it would see the padded rows")
   if any(out is not var for var, out in zip(body.invars[nc:nc + nk], body.outvars[:nk])):
     raise Mixing("scans over the batch axis with a carry that changes: the rows become loop "
                  "steps, each carrying into the next (padded steps included)")

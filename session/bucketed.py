@@ -31,7 +31,7 @@ from jaxsession.graph import importer
 from jaxsession.graph.ir import Literal, aval_str
 from jaxsession.optimizer_passes.dce import DeadCodeElimination
 from jaxsession.optimizer_passes.simplify import Simplify
-from jaxsession.runtime import buckets as policy_lib, static_leaves
+from jaxsession.runtime import buckets as policy_lib, debug_flags, static_leaves
 from jaxsession.runtime.state import session_device, with_weak_type
 
 CLEANUPS = (Simplify(), DeadCodeElimination())  # run on each trace of fn (trace)
@@ -329,6 +329,11 @@ class BucketedGraph:
     # an empty batch runs at its exact size: padded, a maximum or an any over
     # a value made from the batch size saw rows where jax.jit sees none
     size = n if n == 0 or (n == 1 and self.exact_one) else self.policy.target(n, self.sizes)
+    if size != n and debug_flags.MAYBE[0] and debug_flags.on():
+      # jax_debug_nans/infs check every row: a padded row is its last row's
+      # copy, but its own index (an arange of the batch) is not - sqrt(4 - i)
+      # raised where jax.jit did not (a break-it find): run the exact size
+      size = n
     if size != n:  # padded: only into a bucket whose program is the probes'
       with self.lock:
         self.check_bucket(size, self.where)

@@ -61,6 +61,9 @@ REFUSED = {  # name: (fn, words of the refusal)
     "map_over_a_table_of_batch_length": (lambda x: jax.lax.map(
         lambda a: a[0] * a[1], (x, jnp.linspace(0.0, 1.0, x.shape[0]))), "batch"),
     "tile_rows": (lambda x: jnp.tile(x, (2, 1)), "tiles along the batch axis"),
+    "callback_per_row": (lambda x: jax.lax.map(lambda r: jax.pure_callback(
+        lambda v: np.asarray(v) * 2, jax.ShapeDtypeStruct(r.shape, r.dtype), r), x),
+                         "running the user's code"),
 }
 
 
@@ -140,6 +143,19 @@ class BucketProgramTest(absltest.TestCase):
       assert_same_bits(sess.run(gid, ids[:n], feats[:n]), jax.jit(fn)(ids[:n], feats[:n]))
     with self.assertRaisesRegex(InputError, r"expected int32\[n, 4\]"):
       sess.run(gid, ids[:3, :2], feats[:3])
+
+  def test_padded_row_indices_raise_no_nan_jit_would_not(self):
+    # a pad row copies the last row, not its index: sqrt(4 - i) is nan at i
+    # > 4 only in pad rows; under the debug flags the run is exact
+    fn = lambda x: x * jnp.sqrt(4.0 - jnp.arange(x.shape[0], dtype=x.dtype))[:, None]  # noqa: E731
+    x = jnp.asarray(RNG.uniform(0.5, 2.0, (B, D)), jnp.float32)  # (no nan of its own)
+    sess = js.Session()
+    gid = sess.compile(fn, x, buckets=BUCKETS)
+    with jax.debug_nans(True):
+      for n in (3, 5):
+        assert_same_bits(sess.run(gid, x[:n]), jax.jit(fn)(x[:n]), f"{n} rows")
+      with self.assertRaises(FloatingPointError):  # a real row's nan, as jax.jit raises
+        sess.run(gid, x[:6])
 
   def test_a_closed_over_key_and_a_map_inside_a_cond(self):
     x = _rows()
