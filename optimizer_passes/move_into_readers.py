@@ -23,7 +23,8 @@ Required: exactness is not optional. Needs place_nodes and the final order
 """
 from jaxsession.graph.op_properties import moves_or_maps
 from jaxsession.optimizer_passes.base import Pass, PassResult
-from jaxsession.optimizer_passes.reorder import two_queue_order
+from jaxsession.optimizer_passes.reorder import (ScheduleDecision, count_partitions,
+                                                 order_peak, two_queue_order)
 
 def _sinkable(node):
   """Elementwise arithmetic, or data movement XLA fuses through (a product
@@ -84,8 +85,11 @@ class MoveIntoReaders(Pass):
       node.notes.append("moved into its readers' device partition, after the host work "
                         "before it: XLA fuses it with them as in jax.jit's one executable "
                         "(a multiply and an add contract into an FMA there)")
-    if graph.schedule is not None:
-      graph.schedule.moved_into_readers = len(moved)
+    if graph.schedule is None:  # reorder_for_partitions disabled: its decision, as kept
+      count, peak = count_partitions(graph.nodes), order_peak(graph, graph.nodes)
+      graph.schedule = ScheduleDecision("original", count, count, peak, peak,
+                                        "reorder_for_partitions is disabled")
+    graph.schedule.moved_into_readers = len(moved)
     if moved:
       graph.nodes = order
     return PassResult(bool(moved))

@@ -98,7 +98,30 @@ class HostSplitTest(absltest.TestCase):
     sess = js.Session(js.SessionOptions(disabled_passes=["reorder_for_partitions"]))
     for name, fn in CASES.items():
       with self.subTest(name):
-        assert_same_bits(sess.run(sess.compile(fn, *args), *args), jax.jit(fn)(*args), name)
+        gid = sess.compile(fn, *args)
+        assert_same_bits(sess.run(gid, *args), jax.jit(fn)(*args), name)
+        self.assertIn("reorder_for_partitions is disabled", str(sess.report(gid).schedule))
+        self.assertGreater(sess.report(gid).schedule.moved_into_readers, 0)
+
+  def test_a_value_the_callback_reads_is_computed_as_written(self):
+    # numerics.md's row: e = exp(z) goes to the host and log(e) stays on the
+    # device; jax.jit's XLA simplifies log(exp(z)) to z in its one executable,
+    # the session computes it as written: -inf where exp underflows, and a
+    # loss jax.jit gives finite is nan. host_callbacks=False: jax.jit's bits
+    def loss(z, y):
+      e = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
+      logged = jax.pure_callback(lambda p: np.float32(0.0),  # a host logger of them
+                                 jax.ShapeDtypeStruct((), jnp.float32), e)
+      logp = jnp.log(e) - jnp.log(jnp.sum(e, axis=-1, keepdims=True))
+      return -jnp.sum(y * logp) + logged
+    z = jnp.asarray([[0.0, -120.0, 5.0], [1.0, 2.0, 3.0]], jnp.float32)
+    y = jnp.asarray([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]], jnp.float32)
+    want = jax.jit(loss)(z, y)
+    self.assertTrue(np.isfinite(want))
+    split = js.Session()
+    self.assertTrue(np.isnan(split.run(split.compile(loss, z, y), z, y)))
+    inside = js.Session(js.SessionOptions(host_callbacks=False))
+    assert_same_bits(inside.run(inside.compile(loss, z, y), z, y), want)
 
   def test_a_layer_with_a_host_statistic(self):
     x, w, g = (jnp.asarray(RNG.standard_normal((64, 64)), jnp.float32) for _ in range(3))
