@@ -210,32 +210,40 @@ class BucketPolicy:
     return larger[0] if larger else n
 
   def target(self, n, compiled=()):
-    """The size to run a batch of n rows at (n itself: exact); `compiled`:
-    the sizes that have an executable already."""
+    """The size to run a batch of n rows at (n itself: exact), counted in
+    the traffic; `compiled`: the sizes that have an executable already."""
+    size = self.size_for(n)
+    self.record(n, size, compiled)
+    return size
+
+  def size_for(self, n):
+    """The size a batch of n rows would run at, nothing counted (a run
+    refused before it runs must not change the policy: a break-it find)."""
+    if self.sizes is None:  # learning the traffic: pad to the learning bucket
+      return self.learning if self.learning is not None and n <= self.learning \
+          else _next_pow2(n)
+    i = bisect.bisect_left(self.sizes, n)
+    if i < len(self.sizes):
+      return self.sizes[i]
+    return _next_pow2(n) if self.auto else n  # auto: the traffic outgrew the top bucket
+
+  def record(self, n, size, compiled=()):
+    """Counts a run of n rows at `size` (size_for's) in the traffic; the
+    buckets are chosen again when it is time."""
     if n:  # an empty batch takes no bucket slot (a BucketedGraph runs it exactly)
       self.seen[n] += 1
     self.rows += n
-    if self.sizes is None:  # learning the traffic: pad to the learning bucket
-      if self.learning is None or n > self.learning:
-        self.learning = _next_pow2(n)
-      size = self.learning
+    if self.sizes is None:
+      self.learning = size
       self.learning_rows += n
       self.learning_padded += size - n
-    else:
-      i = bisect.bisect_left(self.sizes, n)
-      if i < len(self.sizes):
-        size = self.sizes[i]
-      elif self.auto:
-        size = _next_pow2(n)  # the traffic outgrew the top bucket: a new top
-        self.sizes.append(size)
-      else:
-        size = n
+    elif self.auto and (not self.sizes or n > self.sizes[-1]):
+      self.sizes.append(size)  # a new top
     self.padded += size - n
     total = sum(self.seen.values())
     if self.next_choice is not None and total >= self.next_choice:
       self.choose(self.seen, set(compiled) | {size})
       self.next_choice = 2 * total if self.choices <= AUTO_RESERVE else None
-    return size
 
   def measured_waste(self):
     """Padded rows per real row run so far (the learning phase included)."""

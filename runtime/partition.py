@@ -103,7 +103,7 @@ def divisor_witnesses(part, part_of, graph_outs):
   reader: in jax.jit's one executable s has those other readers, in the
   partition's it had one (a break-it find: (x / s, callback(s)) 1 ulp off);
   the executable returns it, and the plan drops it."""
-  cone = divisor_cone(part.nodes)[1]
+  cone = divisor_cone(part.nodes)[1]  # (through a transfer: a host value moved here)
   return [v for v in part.inputs if v.id in cone and v.aval.shape == () and (
       v.id in graph_outs or any(part_of[u.id] != part.index for u in v.users))]
 

@@ -326,17 +326,18 @@ class BucketedGraph:
     axis = 0 if steps is None else 1
     self.precheck(args, steps)
     n = self.batch_size(args, axis)
-    # an empty batch runs at its exact size: padded, a maximum or an any over
-    # a value made from the batch size saw rows where jax.jit sees none
-    size = n if n == 0 or (n == 1 and self.exact_one) else self.policy.target(n, self.sizes)
-    if size != n and debug_flags.MAYBE[0] and debug_flags.on():
-      # jax_debug_nans/infs check every row: a padded row is its last row's
-      # copy, but its own index (an arange of the batch) is not - sqrt(4 - i)
-      # raised where jax.jit did not (a break-it find): run the exact size
-      size = n
-    if size != n:  # padded: only into a bucket whose program is the probes'
-      with self.lock:
-        self.check_bucket(size, self.where)
+    if n == 0 or (n == 1 and self.exact_one) or (debug_flags.MAYBE[0] and debug_flags.on()):
+      # exact: an empty batch (padded, a maximum over a value made from the
+      # batch size saw rows where jax.jit sees none), and every run under
+      # jax_debug_nans/infs, which check every row - a pad row copies the
+      # last row but not its index: sqrt(4 - i) raised where jax.jit did not
+      size = n  # (a break-it find); not counted as traffic
+    else:
+      size = self.policy.size_for(n)
+      if size != n:  # padded: only into a bucket whose program is the probes'
+        with self.lock:
+          self.check_bucket(size, self.where)  # (refused: nothing counted)
+      self.policy.record(n, size, self.sizes)
     gid = self.executable(size)
     if size != n:
       args = tuple(tree_util.tree_map(lambda x: policy_lib.pad_rows(x, size, axis), a)

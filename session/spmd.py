@@ -340,7 +340,8 @@ def collectives_of(graph, runner):
   for part in graph.partitions:
     exe = None if program is None else program.executables.get(part.index)
     if exe is not None:
-      names = [f"partition #{part.index} -> {_value_name(graph, v)}" for v in part.outputs]
+      names = [f"partition #{part.index} -> {_value_name(graph, v)}"
+               for v in part.outputs + part.witnesses]  # (witnesses: returned too)
       found += collectives.collectives(exe, names)
   return found
 

@@ -122,15 +122,19 @@ class BucketProgramTest(absltest.TestCase):
     x = _rows()
     sess = js.Session()
     gid = sess.compile(_batch_mean_when_large, x[:3], buckets={0: "auto"})  # probes < 8
+    policy = sess.report(gid).buckets.policy
     for n in range(1, 13):
       want = jax.jit(_batch_mean_when_large)(x[:n])
+      counted = policy.rows
       try:
         got = sess.run(gid, x[:n])
       except InputError as exc:  # never a wrong row: refused, naming the bucket
         self.assertIn("is another program than at the probe", str(exc))
         self.assertGreaterEqual(n, 5)
+        self.assertEqual(policy.rows, counted)  # a refused run is not traffic
         continue
       assert_same_bits(got, want, f"{n} rows")
+    assert_same_bits(sess.run(gid, x[:3]), jax.jit(_batch_mean_when_large)(x[:3]))
 
   def test_numpy_int64_and_float64_rows_as_jit_takes_them(self):
     # without x64 jax.jit takes them as int32 and float32; refused before
@@ -156,6 +160,7 @@ class BucketProgramTest(absltest.TestCase):
         assert_same_bits(sess.run(gid, x[:n]), jax.jit(fn)(x[:n]), f"{n} rows")
       with self.assertRaises(FloatingPointError):  # a real row's nan, as jax.jit raises
         sess.run(gid, x[:6])
+    self.assertEqual(sess.report(gid).buckets.policy.rows, 0)  # exact runs: no padding
 
   def test_a_closed_over_key_and_a_map_inside_a_cond(self):
     x = _rows()

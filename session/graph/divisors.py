@@ -29,7 +29,7 @@ def divisor_cone(nodes):
     if node.id in cone:
       continue
     cone.add(node.id)
-    if facts(node.op).elementwise or facts(node.op).fused_through:  # XLA's rewrites see
-      # through a broadcast or reshape to what made the divisor
-      stack.extend(node.inputs)
+    fact = facts(node.op)  # XLA's rewrites see through a broadcast or reshape to what
+    if fact.elementwise or fact.fused_through or fact.transfer:  # made the divisor; a
+      stack.extend(node.inputs)  # transfer is the value itself (a review's find)
   return cone, outside
