@@ -7,6 +7,7 @@ passed_state), and so is a scalar a partition's divisor is made of that
 another partition reads too (runtime/partition.py: Partition.witnesses)."""
 from jaxsession.graph.op_properties import DIVIDES, facts
 
+
 def divisor_cone(nodes):
   """(ids of the nodes among `nodes` (a graph's, or a partition's) that make
   a divisor of div or rem, the divisions themselves among them; the ids of
