@@ -154,7 +154,7 @@ class Checkpointer:
       errors, self._errors = self._errors, []
     if errors:
       raise RuntimeError(f"{where}: not saved, since an earlier save failed: "
-                         f"{errors[0]}") from errors[0]
+                         f"{errors[0]}{_others(errors)}") from errors[0]
     with self._lock:  # steps increase per directory, as orbax keeps them
       before = self._queued.get(path, -1)
       newest = max([*step_dirs.complete_steps(path), *step_dirs.other_steps(path), before])
@@ -242,8 +242,8 @@ class Checkpointer:
     self._queue.join()
     with self._lock:
       errors, self._errors = self._errors, []
-    if errors:
-      raise errors[0]
+    if errors:  # the first, naming every other failure (they were dropped: a break-it find)
+      raise RuntimeError(f"{errors[0]}{_others(errors)}") from errors[0]
 
   def restore(self, entry, where, directory, step):
     """The new leaves per slot, read and checked; `step` and the leaves."""
@@ -314,11 +314,17 @@ def _local_path(where, directory):
   return os.path.abspath(text)
 
 
+def _others(errors):
+  """The failures after the first, for its message."""
+  return "".join(f"; and {error}" for error in errors[1:])
+
+
 def _check_writable(where, entry):
   """InputError for a state leaf of a dtype orbax's TensorStore cannot write
   (uint4, uint2, float8_e4m3): the background write failed later, in a
   long orbax traceback (a review's find)."""
-  import tensorstore  # pylint: disable=import-outside-toplevel  (orbax's own)
+  _ocp()  # first: its import holds a Ctrl-C, which broke a bare tensorstore import
+  import tensorstore  # pylint: disable=import-outside-toplevel  (orbax's own, loaded)
   writable = set()
   for k, slot in enumerate(entry.slots):
     for aval, path in zip(slot.avals, _paths(slot)):

@@ -514,7 +514,7 @@ class Session:
 
   def wait_until_saved(self):
     """Blocks until every pending save is written; raises the first error a
-    save met."""
+    save met, naming every other failed save after it."""
     self._checkpoints.wait()
 
   def restore(self, graph_id, directory, step=None):

@@ -1,0 +1,80 @@
+"""Checkpoint failures a break-it review found: every failed background save
+is reported (wait_until_saved and the next save named only the first, the
+rest were dropped), and the first save's import of orbax's TensorStore runs
+where a Ctrl-C waits for it (an interrupted import of it cannot be retried:
+"initialization failed", then an abort)."""
+import tempfile
+from unittest import mock
+
+from absl.testing import absltest
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsession as js
+from subproc import run_json
+
+
+class FailedSavesTest(absltest.TestCase):
+
+  def test_every_failed_save_is_reported(self):
+    sess = js.Session()
+    w = np.float32([0.5, -0.0, 7.0])
+    gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
+    with tempfile.TemporaryDirectory() as d:
+      sess.save(gid, d, 0)
+      sess.wait_until_saved()  # orbax imported; its manager's save now fails
+      import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+      accepted, reported = [], []
+      with mock.patch.object(ocp.CheckpointManager, "save",
+                             side_effect=OSError("No space left on device")):
+        for step in (1, 2, 3):
+          sess.run(gid)
+          try:  # (refused where an earlier failure was already recorded: reported)
+            sess.save(gid, d, step)
+            accepted.append(step)
+          except RuntimeError as exc:
+            reported.append(str(exc))
+        with self.assertRaises(RuntimeError) as ctx:
+          sess.wait_until_saved()
+        reported.append(str(ctx.exception))
+      self.assertGreaterEqual(len(accepted), 2)
+      for step in accepted:  # every failed step named, none dropped
+        self.assertIn(f"writing step {step} ", " ".join(reported))
+      sess.wait_until_saved()  # reported once
+      sess.save(gid, d, 4)
+      sess.wait_until_saved()
+      self.assertEqual(sess.restore(gid, d), 4)
+
+
+@pytest.mark.slow  # a fresh process: orbax not imported yet
+class FirstImportTest(absltest.TestCase):
+
+  def test_tensorstore_is_first_imported_where_a_ctrl_c_waits(self):
+    out = run_json("""
+        import builtins, json, sys, tempfile
+        import numpy as np, jax.numpy as jnp
+        import jaxsession as js
+        from jaxsession.runtime import interrupts
+        real, seen = builtins.__import__, []
+        def hook(name, *args, **kwargs):
+          if name == "tensorstore" and not seen and "tensorstore" not in sys.modules:
+            frame, inside = sys._getframe(), False
+            while frame is not None:
+              inside = inside or frame.f_code in interrupts._CRITICAL
+              frame = frame.f_back
+            seen.append(inside)
+          return real(name, *args, **kwargs)
+        builtins.__import__ = hook
+        sess = js.Session()
+        gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), np.ones(3, np.float32),
+                           state_argnums=0)
+        sess.save(gid, tempfile.mkdtemp(), 0)
+        sess.wait_until_saved()
+        print(json.dumps(seen))
+        """, devices=1)
+    self.assertEqual(out, [True])
+
+
+if __name__ == "__main__":
+  absltest.main()
