@@ -188,6 +188,10 @@ def remove_incomplete(path):
     if os.path.isdir(folder) and not complete(folder):
       shutil.rmtree(folder, ignore_errors=True)
       removed = True
+    for tmp in os.listdir(path):  # orbax's own unfinished folder of that step (a failed
+      if tmp.startswith(f"{step}.orbax-checkpoint-tmp"):  # write's: a break-it find)
+        shutil.rmtree(os.path.join(path, tmp), ignore_errors=True)
+        removed = True
     try:
       os.remove(os.path.join(path, name))
     except FileNotFoundError:  # another writer removed it meanwhile

@@ -3,6 +3,7 @@ is reported (wait_until_saved and the next save named only the first, the
 rest were dropped), and the first save's import of orbax's TensorStore runs
 where a Ctrl-C waits for it (an interrupted import of it cannot be retried:
 "initialization failed", then an abort)."""
+import os
 import tempfile
 from unittest import mock
 
@@ -44,6 +45,25 @@ class FailedSavesTest(absltest.TestCase):
       sess.wait_until_saved()  # reported once
       sess.save(gid, d, 4)
       sess.wait_until_saved()
+      self.assertEqual(sess.restore(gid, d), 4)
+
+  def test_a_gone_writers_unfinished_orbax_folder_is_removed(self):
+    # a killed or failed write leaves orbax's "N.orbax-checkpoint-tmp" beside
+    # its claim: it stayed forever (a break-it find)
+    import subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+    from jaxsession import checkpoint_steps  # pylint: disable=import-outside-toplevel
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    sess = js.Session()
+    gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), np.float32([1.5, -0.0]),
+                       state_argnums=0)
+    with tempfile.TemporaryDirectory() as d:
+      os.makedirs(os.path.join(d, "3.orbax-checkpoint-tmp", "state"))
+      host = checkpoint_steps._HOST  # pylint: disable=protected-access
+      open(os.path.join(d, f"{checkpoint_steps.CLAIM}3.{host}.{dead}"), "w").close()
+      sess.save(gid, d, 4)
+      sess.wait_until_saved()
+      self.assertEqual(sorted(n for n in os.listdir(d) if not n.startswith(".")), ["4"])
       self.assertEqual(sess.restore(gid, d), 4)
 
 
