@@ -5,18 +5,18 @@ device partition reads runs in that partition.
 executable fuses the multiply with the add, and XLA:CPU contracts them into
 an FMA (one rounding); two executables round the product first (a break-it
 find: a quarter to a half of the elements off, up to thousands of ulp near
-zero; `log(exp(a))`, a division by a square root alike). So each elementwise
-device node (or a broadcast or reshape XLA fuses through) whose readers all
-run in one later device partition moves into that run, at the place its id
-(the user's order) takes among the run's nodes where its readers allow; the
-latest nodes go first, so a chain moves whole. Its inputs come before its
-old run, so the order stays valid, and it joins a run of its own place: no
-partition is added (one it empties goes). XLA then sees the elementwise
-chain between a partition's boundary values and its reader as jax.jit's
-executable has it
-(tests/host_split_test.py). Each moved node says so in its notes; the count
-is in `report.schedule`. A state leaf updated there is donated to that
-partition, after the host work that may fail.
+zero; `log(exp(a))`, a division by a square root alike). So each device
+node of elementwise arithmetic or of data movement XLA fuses through (a
+broadcast, reshape, slice, transpose, pad, concatenate, gather; a nested jit
+of those) whose readers all run in one later device partition moves into
+that run, at the place its id (the user's order) takes among the run's nodes
+where its readers allow; the latest nodes go first, so a chain moves whole.
+Its inputs come before its old run, so the order stays valid, and it joins
+a run of its own place: no partition is added (one it empties goes). XLA
+then sees the chain between a partition's boundary values and its reader as
+jax.jit's executable has it (tests/host_split_test.py). Each moved node says
+so in its notes; the count is in `report.schedule`. A state leaf updated
+there is donated to that partition, after the host work that may fail.
 
 Required: exactness is not optional. Needs place_nodes and the final order
 (after reorder_for_partitions), before insert_transfers.
@@ -25,6 +25,7 @@ from jaxsession.graph.op_properties import moves_or_maps
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.reorder import (ScheduleDecision, count_partitions,
                                                  order_peak, two_queue_order)
+
 
 def _sinkable(node):
   """Elementwise arithmetic, or data movement XLA fuses through (a product
@@ -35,12 +36,11 @@ def _sinkable(node):
 
 
 def move_into_readers(order):
-  """`order` with each elementwise device node whose readers all run in one
-  later device partition moved into that run (latest nodes first, so a chain
-  moves whole); (the new order, the moved nodes). The run and its new nodes
-  go in the user's order (node ids) where their reads allow (`_merged`). Its inputs come before its
-  old run, so the order stays valid; it joins a run of its own place, so no
-  partition is added."""
+  """`order` with each movable device node (`_sinkable`) whose readers all
+  run in one later device partition moved into that run (latest nodes first,
+  so a chain moves whole); (the new order, the moved nodes). The run and its
+  new nodes go in the user's order (node ids) where their reads allow
+  (`_merged`)."""
   phase, k = {}, 0
   for i, node in enumerate(order):
     if i and node.place != order[i - 1].place:

@@ -410,12 +410,11 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
       analyses[part.index] = memory_analysis(exe)
       executables[part.index] = exe
       inputs = device_inputs(part)
-      dropped = []  # a register each witness is written to, never read (cleared at once)
-      for _ in part.witnesses:
-        dropped.append(len(template))
-        template.append(None)
+      # a register each witness is written to, never read (cleared at once)
+      dropped = tuple(range(len(template), len(template) + len(part.witnesses)))
+      template.extend([None] * len(part.witnesses))
       ops.append(Op(fn, tuple(reg_of(v) for v in inputs),
-                    tuple(reg_of(v) for v in part.outputs) + tuple(dropped),
+                    tuple(reg_of(v) for v in part.outputs) + dropped,
                     prefetch=tuple(reg_of(v) for v in part.prefetch), partition=part.index,
                     host_ins=tuple(i for i, v in enumerate(inputs) if v.producer is not None
                                    and v.producer.place == "host"),

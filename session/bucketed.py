@@ -219,8 +219,7 @@ class BucketedGraph:
           f"probe sizes the padding analysis checked (it differs at: "
           f"{self.same_program[size]}): it reads the batch size (a Python branch on "
           "x.shape[0]?), and padding to this bucket would change its result. Compile "
-          "without buckets=, or give buckets fn "
-          "treats alike.")
+          "without buckets=, or give buckets fn treats alike.")
 
   def _one_row_differs(self):
     """Whether fn traced at 1 row is another program than at the last probe's
@@ -297,8 +296,8 @@ class BucketedGraph:
           raise InputError(
               f"{self.where}: bucketed argument {i} (position "
               f"{self.positions[self.run_index.index(i)]} of the function) has a leaf "
-              f"{got}; expected {want.dtype}{['n', *map(str, want.shape[1:])]} with the "
-              f"batch on axis {axis}".replace("'", ""))
+              f"{got}; expected {want.dtype}[{', '.join(['n', *map(str, want.shape[1:])])}] "
+              f"with the batch on axis {axis}")
         sizes.add(shape[axis])
     if len(sizes) > 1:
       raise InputError(f"{self.where}: the bucketed arguments disagree on "
@@ -331,7 +330,8 @@ class BucketedGraph:
       # batch size saw rows where jax.jit sees none), and every run under
       # jax_debug_nans/infs, which check every row - a pad row copies the
       # last row but not its index: sqrt(4 - i) raised where jax.jit did not
-      size = n  # (a break-it find); not counted as traffic
+      # (a break-it find). Not counted as traffic.
+      size = n
     else:
       size = self.policy.size_for(n)
       if size != n:  # padded: only into a bucket whose program is the probes'
@@ -458,8 +458,9 @@ def program_signature(graph, rows, as_="B"):
       lambda text: pattern.sub(as_, text))
   lines = [name(" ".join(aval_str(v.aval) for v in graph.inputs))]
   for node in graph.nodes:
-    params = ", ".join(name(f"{k}={_param_text(v, name)}") if k == "length" else
-                       f"{k}={_param_text(v, name)}" for k, v in sorted(node.params.items()))
+    # (a callback's closure stays unnamed: _param_text; a scan's length is named)
+    params = ", ".join(name(f"{k}={v}") if k == "length" else f"{k}={_param_text(v, name)}"
+                       for k, v in sorted(node.params.items()))
     # literal values stay as they are: a literal equal to the row count is the
     # program reading it (n + x.shape[0])
     ins = ", ".join(repr(v) if isinstance(v, Literal) else name(aval_str(v.aval))

@@ -226,7 +226,8 @@ class ArgSpec:
         avals=tuple(f.avals for f in flats),
         shardings=None if shardings is None else tuple(tuple(row) for row in shardings),
         local_pieces=bool(local_pieces), weak_sensitive=tuple(weak_sensitive),
-        device=session_device(), context=context or _no_context)  # the graph's: the default device at its compile
+        # the graph's device: the default one at its compile
+        device=session_device(), context=context or _no_context)
     for name, value in values.items():
       object.__setattr__(self, name, value)
 
