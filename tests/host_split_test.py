@@ -159,6 +159,12 @@ class HostSplitTest(absltest.TestCase):
         # a divisor made on the host, returned or read by a second callback
         "host_divisor_returned": lambda x, s: (lambda t: (x / t, t))(twice(s)),
         "host_divisor_read_again": lambda x, s: (lambda t: (x / t, twice(t)))(twice(s)),
+        # a division inside a nested jit, which XLA inlines (a break-it find:
+        # the cone stopped at the call, a quarter of the elements 1 ulp off)
+        "nested_jit_divides": lambda x, s: (lambda t: (
+            jax.jit(lambda a, b: a / b)(x, t) + twice(t)))(s * 1.5),
+        "jit_in_jit_divides_broadcast": lambda x, s: jax.jit(lambda a, b: jax.jit(
+            lambda u, v: u / jnp.broadcast_to(v, u.shape))(a, b))(x, s) + twice(s),
     }
     sess = js.Session()
     for s in (jnp.float32(3.3), jnp.float32(-0.0), jnp.float32(1e30)):
