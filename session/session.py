@@ -206,7 +206,7 @@ class Session:
     on_types = tracing.types_fn(fn, name, typed, state_nums, dyn_nums, updates)
     typing = GraphTyping.make(on_types, closed, state_args, dyn_args, updates)
     weak_outputs = WeakOutputs.make(on_types, state_args, dyn_args, spec, out_shape[1],
-                                    closed, retype=mesh_layout is None)
+                                    closed)
     kinds, labels = tracing.input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels,
                                   host_callbacks=self.options.host_callbacks)

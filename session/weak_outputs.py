@@ -16,8 +16,7 @@ compares the arithmetic with the compiled program's: leaves whose weak
 types change the program only together (two weak Python floats added, then
 times bfloat16: weak, where one strong scalar keeps it float32; a weak
 scalar and a weak array likewise) are refused before the run, as one alone
-is (inputs.ArgSpec.weak_guard). Under a mesh the outputs keep the compiled
-weak types; the refusal holds. Where the graph's function is a method of an
+is (inputs.ArgSpec.weak_guard). The same under a mesh. Where the graph's function is a method of an
 object since collected, a new pattern is refused: it cannot be traced.
 """
 import jax
@@ -33,10 +32,8 @@ from jaxsession.runtime.state import with_weak_type
 class WeakOutputs:
   """The guard of one graph: `guard(call)` wraps its run."""
 
-  def __init__(self, wrapped, state_structs, dyn_structs, spec, out_weak, base=None,
-               retype=True):
+  def __init__(self, wrapped, state_structs, dyn_structs, spec, out_weak, base=None):
     self.wrapped = wrapped
-    self.retype = retype  # under a mesh the outputs stay as compiled; the check stays
     self.spec = spec
     self.base = base  # tracing.arithmetic of the compiled program
     self.state_structs = tuple(state_structs)
@@ -51,10 +48,8 @@ class WeakOutputs:
     self.flags = {self.compiled: tuple(out_weak)}
 
   @classmethod
-  def make(cls, wrapped, state_args, dyn_args, spec, out_shape, closed, retype=True):
-    """The guard, or None where the graph has no scalar run argument.
-    `retype`: False under a mesh, where the outputs keep the compiled weak
-    types (the refusal of scalars that change the program together holds)."""
+  def make(cls, wrapped, state_args, dyn_args, spec, out_shape, closed):
+    """The guard, or None where the graph has no scalar run argument."""
     if not any(_numeric_scalar(a) for avals in spec.avals for a in avals):
       return None
     def structs(tree):  # jax.typeof: Python scalars weak, extended dtypes kept
@@ -62,7 +57,7 @@ class WeakOutputs:
     out_weak = [bool(getattr(a, "weak_type", False)) for a in tree_util.tree_leaves(out_shape)]
     base = None if tracing.weak_type_is_moot(closed.jaxpr) else tracing.arithmetic(closed.jaxpr)
     return cls(wrapped, structs(tuple(state_args)), [structs(a) for a in dyn_args], spec,
-               out_weak, base, retype)
+               out_weak, base)
 
   def out_flags(self, pattern):
     """The output weak types jax.jit gives for the watched leaves' weak `pattern`."""
@@ -122,7 +117,7 @@ class WeakOutputs:
       if want is OTHER and self.refusal(pattern) is not None:  # before anything runs
         raise self.refusal(pattern)
       out = call(args)
-      if want is None or want is OTHER or not self.retype:
+      if want is None or want is OTHER:
         return out
       leaves, treedef = tree_util.tree_flatten(out)
       if len(leaves) != len(want):

@@ -371,6 +371,15 @@ s1.run(cbid, xw)
 together = s1.compile(lambda a, b, x: (a + b) * x, np.float32(0.4), np.float32(0.7),
                       xw.astype(jnp.bfloat16))
 out["weak_together_mesh"] = err(lambda: s1.run(together, 0.4, 0.7, xw.astype(jnp.bfloat16)))
+# output weak types follow the run's scalars under a mesh too, as jax.jit's
+# (they kept the compiled ones: out * bf16 was bf16, a break-it find)
+scaled = lambda x, s: (s * 2, x * s)
+weak_runs = []
+for example, given in ((2.5, np.float32(3.0)), (np.float32(2.5), 3.0)):
+  sid = s1.compile(scaled, xw, example)
+  weak_runs.append([[v.weak_type for v in s1.run(sid, xw, given)],
+                    [v.weak_type for v in jax.jit(scaled)(xw, given)]])
+out["weak_outputs_mesh"] = weak_runs
 out["callback_whole_value"] = [
     jit_seen, [(str(v.sharding), list(v.addressable_data(0).shape)) for v in seen[:2]],
     bool(np.array_equal(np.asarray(got), np.asarray(want))),
@@ -389,6 +398,11 @@ class SpmdRegressionTest(SnippetTest):
     kind, message = self.out["weak_together_mesh"]
     self.assertEqual(kind, "InputError")
     self.assertIn("together they change the program", message)
+
+  def test_output_weak_types_follow_the_run_scalars(self):
+    for got, want in self.out["weak_outputs_mesh"]:
+      self.assertEqual(got, want)
+    self.assertEqual([want[0] for _, want in self.out["weak_outputs_mesh"]], [False, True])
 
   def test_a_callback_gets_the_whole_value_on_one_device(self):
     jit_seen, seen, equal, kept = self.out["callback_whole_value"]
