@@ -18,10 +18,32 @@ jax.jit's executable has it (tests/host_split_test.py). Each moved node says
 so in its notes; the count is in `report.schedule`. A state leaf updated
 there is donated to that partition, after the host work that may fail.
 
+A node that stays (a callback, or device work before it, reads it too) is
+copied into a later device partition where jax.jit's XLA would see through
+it to its readers there (`_seen_through`). XLA's simplifier rewrites an op
+through its operand's maker whatever else reads that: a division by a
+division, an exp or a power, a division of a division, a power of an exp,
+a log of an exp or a power, a product of exps (`(a / b) / c` to
+`a / (b * c)`, `log(exp(z))` to `z`: 1-3 ulp off, and a nan where exp
+underflows). XLA's fusion recomputes cheap arithmetic reading one array (a
+subtraction of a broadcast max, `x * x`, `x * 2`) in each elementwise
+reader, where a product then contracts with an add into an FMA, and a sum
+after it is another loop. The copy reads the node's inputs and computes
+what it computes; those readers read the copy (the others the value as
+computed before: an exp that a sum reads too is computed once in jax.jit's
+executable), so the partition's executable holds the chain as jax.jit's
+does. Each copy says so in its notes; the count is in `report.schedule`.
+Not copied: a node that divides by a scalar or reads a scalar divisor,
+whose rewrite follows how many read the scalar (graph/divisors.py).
+
 Required: exactness is not optional. Needs place_nodes and the final order
 (after reorder_for_partitions), before insert_transfers.
 """
-from jaxsession.graph.op_properties import moves_or_maps
+import numpy as np
+
+from jaxsession.graph.divisors import divisor_cone
+from jaxsession.graph.ir import Value
+from jaxsession.graph.op_properties import facts, moves_or_maps
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.reorder import (ScheduleDecision, count_partitions,
                                                  order_peak, two_queue_order)
@@ -75,6 +97,114 @@ def _merged(run, moved):
   return two_queue_order(sorted(run + moved, key=lambda n: n.id), "device")
 
 
+def _phases(order):
+  """id(node) -> the index of its run of one place along `order`."""
+  phase, k = {}, 0
+  for i, node in enumerate(order):
+    if i and node.place != order[i - 1].place:
+      k += 1
+    phase[id(node)] = k
+  return phase
+
+
+def _made_by(value, *ops):
+  return isinstance(value, Value) and value.producer is not None and value.producer.op in ops
+
+
+def _duplicated(node):
+  """Whether XLA's fusion copies `node` into each of its readers: cheap
+  elementwise arithmetic (not a transcendental XLA:CPU approximates: those
+  it computes once) reading at most one array of its own rank that is not a
+  broadcast (literals and lower-rank operands become broadcasts), or no
+  more bytes than it writes (`x * x`)."""
+  fact = facts(node.op)
+  if not fact.elementwise or fact.approximated:
+    return False
+  out = node.outputs[0].aval
+  full = {id(v): v for v in node.inputs if isinstance(v, Value) and v.aval.ndim == out.ndim
+          and not _made_by(v, "broadcast_in_dim", "iota")}
+  return len(full) <= 1 or sum(v.aval.size for v in full.values()) <= out.size
+
+
+def _seen_through(reader, value):
+  """Whether jax.jit's XLA rewrites or fuses `reader` through the node that
+  makes `value` (algebraic_simplifier's divide/power/log/multiply rules on
+  an operand's producer; the fusion's copies of cheap arithmetic into an
+  elementwise reader, `_duplicated`)."""
+  if not np.issubdtype(value.aval.dtype, np.inexact):
+    return False
+  op, at = value.producer.op, [i for i, v in enumerate(reader.inputs) if v is value]
+  rewritten = (  # algebraic_simplifier's rules on an operand's maker
+      (reader.op == "div" and ((1 in at and op in ("div", "exp", "pow"))
+                               or (0 in at and op == "div")))
+      or (reader.op == "pow" and 0 in at and op == "exp")
+      or (reader.op == "log" and op in ("exp", "pow"))
+      or (reader.op == "mul" and op == "exp"
+          and all(_made_by(v, "exp") for v in reader.inputs)))
+  if reader.op == "div" and 1 in at and op in ("sqrt", "rsqrt"):
+    return False  # a / sqrt(b) becomes a * rsqrt(b) only where sqrt(b) has one reader
+  return rewritten or (facts(reader.op).elementwise and _duplicated(value.producer))
+
+
+def _divisor_values(graph):
+  """The ids of the values a divisor is made of (graph/divisors.py)."""
+  nodes, outside = divisor_cone(graph.nodes)
+  return outside | {out.id for node in graph.nodes if node.id in nodes for out in node.outputs}
+
+
+def _copyable(node, divisors):
+  """Not a node reading a scalar (a lower-rank value XLA broadcasts) that
+  is a divisor or that it divides by: XLA rewrites x / broadcast(s) by how
+  many read s (graph/divisors.py), and a copy adds readers on both sides."""
+  rank = node.outputs[0].aval.ndim
+  return not any(isinstance(v, Value) and v.aval.ndim < rank
+                 and (node.op == "div" or v.id in divisors) for v in node.inputs)
+
+
+def copy_into_readers(graph):
+  """Copies each staying device node (`_sinkable`) into every later device
+  run where one of its readers sees through it (`_seen_through`), before
+  that run's first reader, and points those readers at the copy; the
+  latest nodes first, so a copy's own inputs are seen with it as a reader.
+  Returns the copies."""
+  copies, work = [], list(graph.nodes)
+  phase, divisors = _phases(graph.nodes), None
+  while work:
+    node = work.pop()
+    if not _sinkable(node) or len(node.outputs) != 1:
+      continue
+    value = node.outputs[0]
+    later = {}
+    for user in value.users:
+      if user.place == "device" and phase[id(user)] > phase[id(node)]:
+        later.setdefault(phase[id(user)], []).append(user)
+    for q, readers in later.items():
+      readers = [r for r in readers if _seen_through(r, value)]
+      if not readers:
+        continue
+      if divisors is None:
+        divisors = _divisor_values(graph)
+      if not _copyable(node, divisors):
+        break
+      copy = graph.make_node(node.op, node.prim, node.params, node.inputs,
+                             [value.aval], node.effects, node.source)
+      copy.kernel, copy.place, copy.stream = node.kernel, node.place, node.stream
+      copy.notes.append(f"a copy of node {node.id} '{node.op}' (read before the host work "
+                        "too) in its readers' device partition: XLA rewrites or fuses them "
+                        "through it as in jax.jit's one executable")
+      first = min(graph.nodes.index(r) for r in readers)
+      graph.insert_node(first, copy)
+      phase[id(copy)] = q
+      for reader in readers:
+        reader.inputs = [copy.outputs[0] if v is value else v for v in reader.inputs]
+        copy.outputs[0].users.append(reader)
+      value.users = [u for u in value.users if u not in readers]
+      copies.append(copy)  # (its inputs' makers come later in `work`: seen with it)
+    if not value.users and not any(o is value for o in graph.outputs):
+      graph.remove_node(node)  # read by later runs alone, each now by its copy
+  return copies
+
+
 class MoveIntoReaders(Pass):
   name = "move_into_readers"
   required = True  # jax.jit's bits across a host split
@@ -92,4 +222,6 @@ class MoveIntoReaders(Pass):
     graph.schedule.moved_into_readers = len(moved)
     if moved:
       graph.nodes = order
-    return PassResult(bool(moved))
+    copies = copy_into_readers(graph)
+    graph.schedule.copied_into_readers = len(copies)
+    return PassResult(bool(moved or copies))

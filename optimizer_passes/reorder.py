@@ -47,10 +47,13 @@ class ScheduleDecision:
   peak_reordered: int
   reason: str
   moved_into_readers: int = 0  # move_into_readers: device nodes moved after a host run
+  copied_into_readers: int = 0  # ... and copied there, read before it too
 
   def __str__(self):
     moved = (f"; {self.moved_into_readers} device node(s) moved into their readers' "
              "partition" if self.moved_into_readers else "")
+    moved += (f"; {self.copied_into_readers} copied into a later device partition"
+              if self.copied_into_readers else "")
     return (f"{self.kept} order kept: {self.reason} (partitions {self.partitions_original}"
             f" -> {self.partitions_reordered}, live bytes by node order, before "
             f"donation and reuse, {self.peak_original} B -> {self.peak_reordered} B){moved}")

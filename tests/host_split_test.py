@@ -8,6 +8,8 @@ quarter to a half of the elements off, up to thousands of ulp near zero).
 ReorderForPartitions now moves device arithmetic that only a later device
 partition reads into that partition (optimizer_passes/reorder.py:
 sink_into_readers), so XLA sees the same expression as under jax.jit."""
+import itertools
+
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
@@ -65,6 +67,11 @@ CASES = {
 }
 
 
+def _twice(v):  # a host callback: 2 * v
+  return jax.pure_callback(lambda u: (np.asarray(u) * 2).astype(np.float32),
+                           jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+
+
 def _layer(x, w, g):
   h = x @ w
   hg = h * g
@@ -105,11 +112,12 @@ class HostSplitTest(absltest.TestCase):
         self.assertIn("reorder_for_partitions is disabled", str(sess.report(gid).schedule))
         self.assertGreater(sess.report(gid).schedule.moved_into_readers, 0)
 
-  def test_a_value_the_callback_reads_is_computed_as_written(self):
-    # numerics.md's row: e = exp(z) goes to the host and log(e) stays on the
-    # device; jax.jit's XLA simplifies log(exp(z)) to z in its one executable,
-    # the session computes it as written: -inf where exp underflows, and a
-    # loss jax.jit gives finite is nan. host_callbacks=False: jax.jit's bits
+  def test_a_value_the_callback_reads_too_is_seen_through_as_in_jit(self):
+    # e = exp(z) goes to the host and log(e) stays on the device: jax.jit's
+    # XLA simplifies log(exp(z)) to z in its one executable; the session
+    # computed it as written (-inf where exp underflows, and a loss jax.jit
+    # gives finite was nan). Now the exp, and the cheap arithmetic XLA's
+    # fusion recomputes in each reader, are copied into the later partition
     def loss(z, y):
       e = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
       logged = jax.pure_callback(lambda p: np.float32(0.0),  # a host logger of them
@@ -118,12 +126,74 @@ class HostSplitTest(absltest.TestCase):
       return -jnp.sum(y * logp) + logged
     z = jnp.asarray([[0.0, -120.0, 5.0], [1.0, 2.0, 3.0]], jnp.float32)
     y = jnp.asarray([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]], jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(loss, z, y)
     want = jax.jit(loss)(z, y)
     self.assertTrue(np.isfinite(want))
+    assert_same_bits(sess.run(gid, z, y), want)
+    self.assertGreater(sess.report(gid).schedule.copied_into_readers, 0)
+    self.assertIn("a copy of node", sess.graph(gid).dump())
+    rng = np.random.default_rng(7)
+    gid = sess.compile(loss, jnp.zeros((16, 10)), jnp.zeros((16, 10)))
+    for scale in (0.5, 3.0, 40.0):  # 40: exp underflows in most rows
+      z = jnp.asarray(rng.standard_normal((16, 10)) * scale, jnp.float32)
+      y = jax.nn.one_hot(rng.integers(0, 10, 16), 10)
+      assert_same_bits(sess.run(gid, z, y), jax.jit(loss)(z, y), f"scale {scale}")
+
+  def test_readers_of_a_value_read_before_the_callback_too(self):
+    # a value a callback's side reads too stays before it; a later reader
+    # that jax.jit's XLA rewrites through its maker ((a / b) / c, c / exp(m),
+    # pow(exp(m), c)) or whose fusion recomputes it (a * a + t: an FMA) sees
+    # it as in jax.jit's one executable (a break-it find: 1-3 ulp)
+    makers = {"div": lambda a, b: a / b, "exp": lambda a, b: jnp.exp(a),
+              "pow": lambda a, b: jnp.abs(a) ** b, "square": lambda a, b: a ** 2,
+              "reciprocal": lambda a, b: 1 / a}
+    readers = {"divided": lambda m, t: m / t, "divides": lambda m, t: t / m,
+               "power": lambda m, t: m ** t, "plus": lambda m, t: m + t,
+               "log": lambda m, t: jnp.log(m) + t}
+    sess = js.Session()
+    for (mk, make), (rk, read) in itertools.product(makers.items(), readers.items()):
+      def fn(a, b, k, make=make, read=read):
+        m = make(a, b)
+        t = jax.pure_callback(lambda v: (np.asarray(v) * 2).astype(np.float32),
+                              jax.ShapeDtypeStruct(m.shape, m.dtype), m + k)
+        return read(m, t)
+      a, k = (jnp.asarray(RNG.standard_normal(N) * 2, jnp.float32) for _ in range(2))
+      b = jnp.asarray(RNG.uniform(0.5, 2, N), jnp.float32)
+      with self.subTest(maker=mk, reader=rk):
+        gid = sess.compile(fn, a, b, k)
+        for _ in range(2):
+          assert_same_bits(sess.run(gid, a, b, k), jax.jit(fn)(a, b, k))
+          a = jnp.asarray(RNG.standard_normal(N) * 2, jnp.float32)
+    written = {  # constants reassociated, exps multiplied, a value two later runs read
+        "thirds": lambda x, y: (lambda m: m * (1 / 3) + _twice(m))(x * 3),
+        "exp_times_exp": lambda x, y: (lambda e, f: e * f + _twice(e + f))(jnp.exp(x),
+                                                                         jnp.exp(y)),
+        "plus_constants": lambda x, y: (lambda m: (m + 2.0) + _twice(m))(x + 1.0),
+        "two_later_runs": lambda x, y: (lambda m: (lambda t: _twice(m / t) / t)(_twice(m)))(
+            x / y),
+    }
+    for name, fn in written.items():
+      x = jnp.asarray(RNG.standard_normal(N), jnp.float32)
+      y = jnp.asarray(RNG.uniform(0.5, 2, N), jnp.float32)
+      with self.subTest(name):
+        assert_same_bits(sess.run(sess.compile(fn, x, y), x, y), jax.jit(fn)(x, y))
+
+  def test_a_quotient_by_a_scalar_read_on_both_sides(self):
+    # numerics.md's row: not copied (it would give the scalar readers on
+    # both sides of the callback); host_callbacks=False gives jax.jit's bits
+    fn = lambda a, b, k: (lambda m: m + _twice(m + k))(a / b[0])  # noqa: E731
+    a, k = (jnp.asarray(RNG.standard_normal(N) * 2, jnp.float32) for _ in range(2))
+    b = jnp.asarray(RNG.uniform(0.5, 2, N), jnp.float32)
+    want = jax.jit(fn)(a, b, k)
     split = js.Session()
-    self.assertTrue(np.isnan(split.run(split.compile(loss, z, y), z, y)))
+    got = np.asarray(split.run(split.compile(fn, a, b, k), a, b, k))
+    self.assertFalse(np.array_equal(got.view(np.int32), np.asarray(want).view(np.int32)))
+    # an FMA skips one rounding of the product a / b0 (|a / b0| < 32 here:
+    # half an ulp of 32 is 1.9e-6), so the sums differ by at most that
+    np.testing.assert_allclose(got, want, rtol=0, atol=4e-6)
     inside = js.Session(js.SessionOptions(host_callbacks=False))
-    assert_same_bits(inside.run(inside.compile(loss, z, y), z, y), want)
+    assert_same_bits(inside.run(inside.compile(fn, a, b, k), a, b, k), want)
 
   def test_a_layer_with_a_host_statistic(self):
     x, w, g = (jnp.asarray(RNG.standard_normal((64, 64)), jnp.float32) for _ in range(3))
