@@ -3,15 +3,17 @@ this session's kind's saves in flight or their leftovers, which are another
 writer's (session/checkpoints.py writes and reads them through orbax).
 
 A step is complete once its marker is in it, written after orbax finished
-the step. A save claims its step before orbax writes it (a file beside the
-step folders, naming the writer's host and process) and drops the claim
-once the step is marked; keep-N claims a step before unmarking and deleting
+the step. A save claims its step when it is asked for (a file beside the
+step folders, naming the writer's host, process and session), refused
+where another writer that runs has claimed that step or a later one, and
+drops the claim once the step is marked; keep-N claims a step before unmarking and deleting
 it. Only a folder claimed by a writer that is gone and not complete is a
 leftover, removed by the next save; any other folder (another program's
 orbax checkpoints, a user's "2024") is kept and counted in the order of
 steps (break-it finds: the first save deleted them; two writers deleted
 each other's steps in flight).
 """
+import itertools
 import os
 import shutil
 import socket
@@ -38,7 +40,7 @@ def mark_complete(step_dir):
   os.replace(tmp, os.path.join(step_dir, MARKER))
 
 
-def drop_old(manager, path, keep):
+def drop_old(manager, path, keep, writer):
   """Deletes the complete steps older than the newest `keep`, each claimed
   and made incomplete first (its marker removed), so a kill during the
   deletion leaves a folder no restore takes and the next save removes (an
@@ -48,7 +50,7 @@ def drop_old(manager, path, keep):
     return
   for old in sorted(complete_steps(path))[:-keep]:
     folder = os.path.join(path, str(old))
-    claim(path, old)  # a kill from here on leaves a claimed leftover
+    claim(path, old, writer)  # a kill from here on leaves a claimed leftover
     try:
       os.remove(os.path.join(folder, MARKER))
     except FileNotFoundError:
@@ -57,7 +59,7 @@ def drop_old(manager, path, keep):
       manager.delete(old)
     except FileNotFoundError:
       shutil.rmtree(folder, ignore_errors=True)
-    unclaim(path, old)
+    unclaim(path, old, writer)
   manager.reload()
 
 
@@ -80,18 +82,53 @@ CLAIM = "jaxsession_saving."
 _HOST = socket.gethostname().replace(".", "_")
 _IN_FLIGHT = set()  # this process's claims whose saves (or deletions) run now
 _IN_FLIGHT_LOCK = threading.Lock()
+_RESERVE_LOCK = threading.Lock()  # one reservation at a time in this process
+_WRITERS = itertools.count()
 
 
-def _claim_name(step):
-  """A claim names its writer (host, process): another writer's save in
-  flight is never taken for a leftover (two sessions or processes saving
-  into one directory: a review's find)."""
-  return f"{CLAIM}{step}.{_HOST}.{os.getpid()}"
+def new_writer():
+  """A token naming one writer (a session's checkpointer) in its claims."""
+  return str(next(_WRITERS))
 
 
-def claim(path, step):
+def _claim_name(step, writer):
+  """A claim names its writer (host, process, the session's token): another
+  writer's save in flight is never taken for a leftover, nor its step saved
+  again (two sessions or processes saving into one directory: review and
+  break-it finds, the second lost both writes or marked a step complete
+  that did not restore)."""
+  return f"{CLAIM}{step}.{_HOST}.{os.getpid()}.{writer}"
+
+
+def reserve(path, step, writer):
+  """Claims `step` for `writer` unless another writer that runs has
+  claimed it or a later step; then that step (nothing claimed), else None.
+  One reservation at a time in this process; against another process, each
+  looks again after claiming and the later one backs off."""
+  if jax.process_index() != 0:
+    return None
+  with _RESERVE_LOCK:
+    theirs = _live_steps(path, writer)
+    if theirs and max(theirs) >= step:
+      return max(theirs)
+    claim(path, step, writer)
+    theirs = _live_steps(path, writer)
+    if theirs and max(theirs) >= step:
+      unclaim(path, step, writer)
+      return max(theirs)
+  return None
+
+
+def _live_steps(path, writer):
+  """The steps other writers that run have claimed in `path`."""
+  mine = f".{_HOST}.{os.getpid()}.{writer}"
+  return [int(step) for name, step, gone in _claims(path)
+          if not gone and not name.endswith(mine)]
+
+
+def claim(path, step, writer):
   if jax.process_index() == 0:
-    name = _claim_name(step)
+    name = _claim_name(step, writer)
     with _IN_FLIGHT_LOCK:
       _IN_FLIGHT.add(os.path.join(path, name))
     with open(os.path.join(path, name), "w") as f:
@@ -99,9 +136,9 @@ def claim(path, step):
       os.fsync(f.fileno())
 
 
-def unclaim(path, step):
+def unclaim(path, step, writer):
   if jax.process_index() == 0:
-    name = os.path.join(path, _claim_name(step))
+    name = os.path.join(path, _claim_name(step, writer))
     try:
       os.remove(name)
     except FileNotFoundError:
@@ -110,11 +147,11 @@ def unclaim(path, step):
       _IN_FLIGHT.discard(name)
 
 
-def abandon(path, step):
+def abandon(path, step, writer):
   """After a failed write: its claim is a gone writer's, and the folder it
   left is removed with the claim (at once, or by the next save)."""
   with _IN_FLIGHT_LOCK:
-    _IN_FLIGHT.discard(os.path.join(path, _claim_name(step)))
+    _IN_FLIGHT.discard(os.path.join(path, _claim_name(step, writer)))
   try:
     remove_incomplete(path)
   except OSError:  # the folder itself is gone, or not ours to clean
@@ -133,7 +170,7 @@ def _claims(path):
     parts = name[len(CLAIM):].split(".")
     if not parts[0].isdigit():
       continue
-    if len(parts) != 3 or not parts[2].isdigit():  # (an unnamed claim: an older save's)
+    if len(parts) not in (3, 4) or not parts[2].isdigit():  # (unnamed: an older save's)
       out.append((name, parts[0], True))
       continue
     pid = int(parts[2])

@@ -99,6 +99,7 @@ class Checkpointer:
     self._worker = None
     self._errors = []
     self._queued = {}  # directory -> the newest step a save was asked for
+    self._writer = step_dirs.new_writer()  # names this session's claims
     self._lock = threading.Lock()
     _at_exit(_drain, weakref.ref(self))  # pending saves finish before exit
 
@@ -162,28 +163,50 @@ class Checkpointer:
         raise InputError(f"{where}: step {step} is not after step {newest}, the newest "
                          f"checkpoint in {path}: steps must increase (save it as step "
                          f"{newest + 1} or later, or into another directory)")
+      theirs = step_dirs.reserve(path, step, self._writer)
+      if theirs is not None:
+        raise InputError(f"{where}: step {step} is not after step {theirs}, which another "
+                         f"session or process is saving into {path} now: one writer per "
+                         "directory (save into another directory)")
       self._queued[path] = step
 
-    room = False
-    try:
-      room = self._room.acquire()  # (a Ctrl-C while waiting: nothing taken)
-      self._enqueue(entry, where, path, manager, step)
-      room = False  # the write gives it back
-    except BaseException:  # a Ctrl-C held through the snapshot, raised after it:
-      with self._lock:     # nothing was queued, so the step is free again
-        if self._queued.get(path) == step:
-          self._queued[path] = before
-      raise
-    finally:
-      if room:
-        self._room.release()
+    self._hand_off(entry, where, path, manager, step, before)
     if jax.process_count() > 1:  # written before it returns: orbax syncs the
       self.wait()  # processes by collectives, which interleaved with the next run's
       # in another order on each process and deadlocked (a review's find)
 
-  def _enqueue(self, entry, where, path, manager, step):
-    """Snapshots the state (between runs) and queues its write, the last thing
-    done: what raises before the queueing leaves nothing behind."""
+  @interrupts.critical
+  def _hand_off(self, entry, where, path, manager, step, before):
+    """Takes a free snapshot slot, snapshots the state and queues its write.
+    A Ctrl-C meanwhile waits (a KeyboardInterrupt inside the semaphore's or
+    the queue's own Python left a lock held or the queue's count short, and
+    every later save hung: a break-it find), then is raised with nothing
+    queued unless the write already was."""
+    taken, queued = False, False
+    try:
+      while not interrupts.pending:  # (the wait for a slot, a Ctrl-C ends it)
+        taken = self._room.acquire(timeout=0.05)
+        if taken:
+          break
+      if taken and not interrupts.pending:
+        write = self._prepared(entry, where, path, manager, step)
+        if not interrupts.pending:
+          self._queue.put(write)
+          queued = True
+    finally:
+      if not queued:  # nothing was queued: the slot and the step are free again
+        if taken:
+          self._room.release()
+        step_dirs.unclaim(path, step, self._writer)
+        with self._lock:
+          if self._queued.get(path) == step:
+            self._queued[path] = before
+      if interrupts.pending:
+        interrupts.deliver()
+
+  def _prepared(self, entry, where, path, manager, step):
+    """Snapshots the state (between runs); the write of it, to queue (the
+    writer thread started)."""
     def snapshot():  # between runs: the slots' leaves now, in buffers of their own
       rows, keys = [], []
       for slot in entry.slots:  # (a packed slot's view: read under its lock alone)
@@ -206,7 +229,7 @@ class Checkpointer:
         with debug_flags.checks_off():
           write_step()
       except BaseException as exc:  # pylint: disable=broad-except
-        step_dirs.abandon(path, step)
+        step_dirs.abandon(path, step, self._writer)
         with self._lock:
           self._errors.append(RuntimeError(f"{where}: writing step {step} to {path} "
                                            f"failed: {type(exc).__name__}: {exc}"))
@@ -219,24 +242,23 @@ class Checkpointer:
         manager.reload()
       for row, saved in zip(leaves, meta["slots"]):  # read back, each must match
         saved["crc32"] = [_digest(x) for x in row]
-      step_dirs.claim(path, step)
       manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
           state=ocp.args.StandardSave({"slots": [  # its shape and type are in the meta
               [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta)))
       manager.wait_until_finished()
       step_dirs.mark_complete(os.path.join(path, str(step)))
-      step_dirs.unclaim(path, step)
+      step_dirs.unclaim(path, step, self._writer)
       with self._lock:  # on the disk now: the order is read there (a folder
         if self._queued.get(path) == step:  # removed by hand takes any step again)
           del self._queued[path]
       if self.keep is not None:
-        step_dirs.drop_old(manager, path, self.keep)
+        step_dirs.drop_old(manager, path, self.keep, self._writer)
     with self._lock:
       if self._worker is None:
         self._worker = threading.Thread(target=self._work, name="jaxsession-checkpoints",
                                         daemon=True)
         self._worker.start()
-    self._queue.put(write)
+    return write
 
   def wait(self):
     self._queue.join()

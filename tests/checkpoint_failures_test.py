@@ -98,3 +98,66 @@ class FirstImportTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class TwoWritersTest(absltest.TestCase):
+  """Two sessions saving into one directory: the second accepted the step
+  the first was writing, and both writes failed, or a step was marked
+  complete that did not restore (break-it finds). A step another session is
+  saving now is refused at save(), naming why."""
+
+  def _sessions(self):
+    made = []
+    for scale in (1.0, 2.0):
+      sess = js.Session()
+      w = np.float32([0.5, -0.0, 7.0]) * np.float32(scale)
+      made.append((sess, sess.compile(lambda w: (w + 1.0, jnp.sum(w)), w, state_argnums=0), w))
+    return made
+
+  def test_a_step_another_session_is_saving_is_refused(self):
+    (a, ga, wa), (b, gb, _) = self._sessions()
+    with tempfile.TemporaryDirectory() as d:
+      a.save(ga, d, 0)
+      a.wait_until_saved()  # orbax imported: the next save is queued at once
+      a.save(ga, d, 1)
+      try:
+        b.save(gb, d, 1)
+        refused = None
+      except js.errors.InputError as exc:
+        refused = str(exc)
+      a.wait_until_saved()
+      b.wait_until_saved()
+      if refused is not None:  # (unless a's write had finished first)
+        self.assertIn("another session or process is saving", refused)
+      self.assertEqual(b.restore(gb, d, 1), 1)
+      np.testing.assert_array_equal(b.get_state(gb)[0], wa)
+
+  def test_two_threads_saving_the_same_steps_leave_every_marked_step_whole(self):
+    import threading  # pylint: disable=import-outside-toplevel
+    sessions = self._sessions()
+    with tempfile.TemporaryDirectory() as d:
+      sessions[0][0].save(sessions[0][1], d, 0)
+      sessions[0][0].wait_until_saved()
+      outcomes = []
+
+      def saver(sess, gid):
+        for step in range(1, 16):
+          try:
+            sess.save(gid, d, step)
+            outcomes.append("saved")
+          except js.errors.InputError:
+            outcomes.append("refused")
+        sess.wait_until_saved()
+      threads = [threading.Thread(target=saver, args=(s, g)) for s, g, _ in sessions]
+      for t in threads:
+        t.start()
+      for t in threads:
+        t.join(300)
+      self.assertEqual(len(outcomes), 30)
+      marked = sorted(js.checkpoint_steps.complete_steps(d))
+      self.assertEqual(marked[-1], 15)
+      reader, gid, _ = sessions[0]
+      values = {bytes(np.float32([0.5, -0.0, 7.0])), bytes(np.float32([1.0, -0.0, 14.0]))}
+      for step in marked:  # each restores, and holds one session's state
+        self.assertEqual(reader.restore(gid, d, step), step)
+        self.assertIn(np.asarray(reader.get_state(gid)[0]).tobytes(), values)

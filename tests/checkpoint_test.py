@@ -203,10 +203,10 @@ class CheckpointTest(absltest.TestCase):
     other = os.path.join(self.dir, "other")
     sess.save(gid, other, 1)
     sess.wait_until_saved()
-    real = checkpoint_steps.claim
-    def broken(path, step):
+    real = checkpoint_steps.mark_complete
+    def broken(step_dir):
       raise OSError("disk full")
-    checkpoint_steps.claim = broken
+    checkpoint_steps.mark_complete = broken
     try:
       sess.save(gid, self.dir, 1)
       sess.run(gid)
@@ -218,7 +218,7 @@ class CheckpointTest(absltest.TestCase):
                                   ".*writing step 1 .* failed: OSError: disk full"):
         sess.save(gid, self.dir, 2)
     finally:
-      checkpoint_steps.claim = real
+      checkpoint_steps.mark_complete = real
     sess.wait_until_saved()  # raised once: nothing left
     sess.save(gid, self.dir, 2)
     sess.wait_until_saved()

@@ -1,0 +1,139 @@
+"""A Ctrl-C at the narrowest windows of save() and compile(): a real SIGINT
+sent at one chosen instant (sys.settrace picks the line, the signal lands
+at CPython's next check), in a subprocess each. Each window broke the
+session for the rest of the process before its fix (break-it finds)."""
+import textwrap
+
+from absl.testing import absltest
+import pytest
+
+from subproc import run_json
+
+PRELUDE = """
+import gc, json, os, signal, sys, tempfile, threading, time
+import numpy as np, jax, jax.numpy as jnp
+import jaxsession as js
+from jaxsession import checkpoint_steps
+
+def interrupt_when(pick):
+  # the user's Ctrl-C at the first trace event `pick` accepts
+  fired = []
+  def trace(frame, event, arg):
+    if not fired and pick(frame, event):
+      fired.append(True)
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.01)  # handled at the next check: here
+    return trace
+  sys.settrace(trace)
+  return fired
+
+def called(fn):
+  try:
+    fn()
+    return "returned"
+  except KeyboardInterrupt:
+    return "KeyboardInterrupt"
+  finally:
+    sys.settrace(None)
+
+def within(seconds, fn):
+  # fn() in a thread: its result, or "hung" (a deadlock)
+  box = ["hung"]
+  def go():
+    try:
+      box[0] = fn()
+    except Exception as exc:
+      box[0] = f"{type(exc).__name__}: {exc}"
+  t = threading.Thread(target=go, daemon=True)
+  t.start()
+  t.join(seconds)
+  return box[0]
+
+sess = js.Session()
+gid = sess.compile(lambda a, x: (a + x, jnp.sum(a)), jnp.asarray([0.5, -1.5, 2.25, 3.0]),
+                   jnp.float32(1), state_argnums=0)
+folder = tempfile.mkdtemp()
+sess.save(gid, folder, 1)
+sess.wait_until_saved()  # orbax imported, the writer thread running
+sess.run(gid, jnp.float32(1))
+
+def later_saves():
+  sess.run(gid, jnp.float32(1))
+  sess.save(gid, folder, 3)
+  sess.wait_until_saved()
+  steps = sorted(checkpoint_steps.complete_steps(folder))
+  restored = []
+  for step in steps:  # each complete step restores
+    sess.restore(gid, folder, step)
+    restored.append(float(np.asarray(sess.get_state(gid)[0]).sum()))
+  return [steps, restored]
+"""
+
+
+@pytest.mark.slow  # subprocesses
+class InterruptWindowsTest(absltest.TestCase):
+
+  def _run(self, body):
+    return run_json(PRELUDE + textwrap.dedent(body), devices=1, timeout=300)
+
+  def test_a_ctrl_c_inside_the_queueing_of_a_save(self):
+    # after the write was appended, before the queue counted it: the writer
+    # thread died on task_done, and every later wait_until_saved hung
+    out = self._run("""
+        import queue
+        PUT = queue.Queue.put.__code__
+        line = next(i for i, text in enumerate(open(queue.__file__).read().splitlines(), 1)
+                    if "self.unfinished_tasks += 1" in text and i > PUT.co_firstlineno)
+        fired = interrupt_when(lambda f, e: f.f_code is PUT and e == "line"
+                               and f.f_lineno == line)
+        first = called(lambda: sess.save(gid, folder, 2))
+        writers = [t.name for t in threading.enumerate() if "checkpoint" in t.name]
+        print(json.dumps([bool(fired), first, within(60, later_saves), writers]))
+        """)
+    fired, first, later, writers = out
+    self.assertTrue(fired)
+    self.assertEqual(first, "KeyboardInterrupt")  # the user's Ctrl-C is not lost
+    steps, sums = later
+    self.assertEqual(steps[0], 1)
+    self.assertEqual(steps[-1], 3)
+    self.assertEqual([sums[0], sums[-1]], [4.25, 12.25])  # as saved: 4.25 + 4 per run
+    self.assertTrue(writers)  # the writer thread lives on
+
+  def test_a_ctrl_c_as_the_save_takes_a_snapshot_slot(self):
+    # inside threading.Semaphore.acquire, as it leaves `with self._cond:`:
+    # its lock stayed held and every later save blocked for good
+    out = self._run("""
+        EXIT = threading.Condition.__exit__.__code__
+        ACQUIRE = threading.Semaphore.acquire.__code__
+        fired = interrupt_when(lambda f, e: e == "call" and f.f_code is EXIT
+                               and f.f_back is not None and f.f_back.f_code is ACQUIRE)
+        first = called(lambda: sess.save(gid, folder, 2))
+        print(json.dumps([bool(fired), first, within(60, later_saves)]))
+        """)
+    fired, first, later = out
+    self.assertTrue(fired)
+    self.assertEqual(first, "KeyboardInterrupt")
+    self.assertEqual(later, [[1, 3], [4.25, 12.25]])  # nothing of step 2 was queued
+
+  def test_a_ctrl_c_as_compile_pauses_the_collector(self):
+    # right after gc.disable(): the collector stayed off for the process
+    out = self._run("""
+        from jaxsession import gc_pause
+        PAUSED = gc_pause.paused.__wrapped__.__code__
+        line = next(i for i, text in enumerate(open(gc_pause.__file__).read().splitlines(), 1)
+                    if "_DEPTH[0] += 1" in text)
+        fired = interrupt_when(lambda f, e: f.f_code is PAUSED and e == "line"
+                               and f.f_lineno == line)
+        first = called(lambda: sess.compile(lambda a: a * 2, jnp.ones(3)))
+        for _ in range(2):
+          sess.compile(lambda a: a - 1, jnp.ones(3))
+        print(json.dumps([bool(fired), first, gc.isenabled()]))
+        """)
+    fired, first, enabled = out
+    self.assertTrue(fired)
+    self.assertEqual(first, "KeyboardInterrupt")
+    self.assertTrue(enabled)
+
+
+if __name__ == "__main__":
+  absltest.main()
