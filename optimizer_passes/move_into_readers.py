@@ -33,8 +33,10 @@ what it computes; those readers read the copy (the others the value as
 computed before: an exp that a sum reads too is computed once in jax.jit's
 executable), so the partition's executable holds the chain as jax.jit's
 does. Each copy says so in its notes; the count is in `report.schedule`.
-Not copied: a node that divides by a scalar or reads a scalar divisor,
-whose rewrite follows how many read the scalar (graph/divisors.py).
+Not copied: a node that divides by a scalar, reads or makes a scalar
+divisor, whose rewrite follows how many read the scalar (graph/divisors.py);
+a fused op or x ** 3 (XLA computes them once); under a mesh, a fusion's
+copy of a value that is not replicated (`_replicated_values`).
 
 Required: exactness is not optional. Needs place_nodes and the final order
 (after reorder_for_partitions), before insert_transfers.
@@ -42,7 +44,7 @@ Required: exactness is not optional. Needs place_nodes and the final order
 import numpy as np
 
 from jaxsession.graph.divisors import divisor_cone
-from jaxsession.graph.ir import Value
+from jaxsession.graph.ir import Literal, Value
 from jaxsession.graph.op_properties import facts, moves_or_maps
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.reorder import (ScheduleDecision, count_partitions,
@@ -118,32 +120,41 @@ def _duplicated(node):
   broadcast (literals and lower-rank operands become broadcasts), or no
   more bytes than it writes (`x * x`)."""
   fact = facts(node.op)
-  if not fact.elementwise or fact.approximated:
-    return False
+  if node.prim is None or not fact.elementwise or fact.approximated:
+    return False  # (a fused op, GeluTanh: a tanh inside; a review's find)
   out = node.outputs[0].aval
+  if node.op == "integer_pow" and (node.params.get("y") != 2 or not
+                                   np.issubdtype(out.dtype, np.floating)):
+    return False  # x ** 3 is two products, XLA keeps them apart; z ** -1 divides
   full = {id(v): v for v in node.inputs if isinstance(v, Value) and v.aval.ndim == out.ndim
           and not _made_by(v, "broadcast_in_dim", "iota")}
   return len(full) <= 1 or sum(v.aval.size for v in full.values()) <= out.size
 
 
-def _seen_through(reader, value):
-  """Whether jax.jit's XLA rewrites or fuses `reader` through the node that
+def _rewritten(reader, value):
+  """Whether jax.jit's XLA simplifier rewrites `reader` through the node that
   makes `value` (algebraic_simplifier's divide/power/log/multiply rules on
-  an operand's producer; the fusion's copies of cheap arithmetic into an
-  elementwise reader, `_duplicated`)."""
+  an operand's producer)."""
+  op, at = value.producer.op, [i for i, v in enumerate(reader.inputs) if v is value]
+  return ((reader.op == "div" and ((1 in at and op in ("div", "exp", "pow"))
+                                   or (0 in at and op == "div")))
+          or (reader.op == "pow" and 0 in at and op == "exp")
+          or (reader.op == "log" and op in ("exp", "pow"))
+          or (reader.op == "mul" and op == "exp"
+              and all(_made_by(v, "exp") for v in reader.inputs)))
+
+
+def _seen_through(reader, value):
+  """Whether jax.jit's XLA rewrites (`_rewritten`) or fuses `reader` through
+  the node that makes `value` (the fusion's copies of cheap arithmetic into
+  an elementwise reader, `_duplicated`)."""
   if not np.issubdtype(value.aval.dtype, np.inexact):
     return False
-  op, at = value.producer.op, [i for i, v in enumerate(reader.inputs) if v is value]
-  rewritten = (  # algebraic_simplifier's rules on an operand's maker
-      (reader.op == "div" and ((1 in at and op in ("div", "exp", "pow"))
-                               or (0 in at and op == "div")))
-      or (reader.op == "pow" and 0 in at and op == "exp")
-      or (reader.op == "log" and op in ("exp", "pow"))
-      or (reader.op == "mul" and op == "exp"
-          and all(_made_by(v, "exp") for v in reader.inputs)))
-  if reader.op == "div" and 1 in at and op in ("sqrt", "rsqrt"):
+  at = [i for i, v in enumerate(reader.inputs) if v is value]
+  if reader.op == "div" and 1 in at and value.producer.op in ("sqrt", "rsqrt"):
     return False  # a / sqrt(b) becomes a * rsqrt(b) only where sqrt(b) has one reader
-  return rewritten or (facts(reader.op).elementwise and _duplicated(value.producer))
+  return _rewritten(reader, value) or (facts(reader.op).elementwise
+                                       and _duplicated(value.producer))
 
 
 def _divisor_values(graph):
@@ -152,13 +163,36 @@ def _divisor_values(graph):
   return outside | {out.id for node in graph.nodes if node.id in nodes for out in node.outputs}
 
 
-def _copyable(node, divisors):
+def _copyable(node, readers, divisors):
   """Not a node reading a scalar (a lower-rank value XLA broadcasts) that
-  is a divisor or that it divides by: XLA rewrites x / broadcast(s) by how
-  many read s (graph/divisors.py), and a copy adds readers on both sides."""
-  rank = node.outputs[0].aval.ndim
+  is a divisor or that it divides by, nor one making such a scalar divisor:
+  XLA rewrites x / broadcast(s) by how many read s (graph/divisors.py), and
+  a copy adds readers on both sides, or leaves the copy one (a review's
+  find: exp(sum(x)) divided by and logged)."""
+  out = node.outputs[0]
+  rank = out.aval.ndim
+  if out.id in divisors and any(r.outputs and r.outputs[0].aval.ndim > rank for r in readers):
+    return False
   return not any(isinstance(v, Value) and v.aval.ndim < rank
                  and (node.op == "div" or v.id in divisors) for v in node.inputs)
+
+
+def _replicated_values(graph):
+  """Under a mesh, the ids of the values whole on every device: replicated
+  inputs and constants, and elementwise arithmetic and data movement of
+  such values. jax.jit's SPMD program recomputes such a value in its readers
+  as a single device's does; a sharded one it computes once, gathered for
+  the callback (a review's find: x * 3 of a sharded x copied into a later
+  add was 1 ulp off, of a replicated x not copied too)."""
+  known = {v.id for v in graph.inputs if (v.sharding.is_fully_replicated if v.sharding
+                                          is not None else v.kind == "const")}
+  for node in graph.nodes:
+    whole = moves_or_maps(node.op, node.params) and all(
+        isinstance(v, Literal) or v.id in known for v in node.inputs)
+    for out in node.outputs:
+      if out.sharding.is_fully_replicated if out.sharding is not None else whole:
+        known.add(out.id)
+  return known
 
 
 def copy_into_readers(graph):
@@ -168,7 +202,7 @@ def copy_into_readers(graph):
   latest nodes first, so a copy's own inputs are seen with it as a reader.
   Returns the copies."""
   copies, work = [], list(graph.nodes)
-  phase, divisors = _phases(graph.nodes), None
+  phase, divisors, replicated = _phases(graph.nodes), None, None
   while work:
     node = work.pop()
     if not _sinkable(node) or len(node.outputs) != 1:
@@ -184,8 +218,13 @@ def copy_into_readers(graph):
         continue
       if divisors is None:
         divisors = _divisor_values(graph)
-      if not _copyable(node, divisors):
-        break
+      if not _copyable(node, readers, divisors):
+        continue
+      if graph.mesh is not None and not all(_rewritten(r, value) for r in readers):
+        if replicated is None:
+          replicated = _replicated_values(graph)
+        if value.id not in replicated:  # a fusion's copy: as a single device's only
+          continue
       copy = graph.make_node(node.op, node.prim, node.params, node.inputs,
                              [value.aval], node.effects, node.source)
       copy.kernel, copy.place, copy.stream = node.kernel, node.place, node.stream

@@ -172,6 +172,13 @@ class HostSplitTest(absltest.TestCase):
         "plus_constants": lambda x, y: (lambda m: (m + 2.0) + _twice(m))(x + 1.0),
         "two_later_runs": lambda x, y: (lambda m: (lambda t: _twice(m / t) / t)(_twice(m)))(
             x / y),
+        # not copied (a review's finds: each was exact before copies, then off):
+        # x ** 3 is two products XLA keeps apart; gelu's fused node holds a tanh;
+        # a scalar divisor made by exp keeps its readers on both sides
+        "cube_plus": lambda x, y: (lambda m: m + _twice(m))(x ** 3),
+        "gelu_plus": lambda x, y: (lambda h: h + _twice(h) * y)(jax.nn.gelu(x)),
+        "exp_scalar_divisor": lambda x, y: (lambda e: x / e + _twice(e))(
+            jnp.exp(jnp.sum(x) * 0.01)),
     }
     for name, fn in written.items():
       x = jnp.asarray(RNG.standard_normal(N), jnp.float32)
@@ -287,7 +294,10 @@ class HostSplitTest(absltest.TestCase):
                                          jax.ShapeDtypeStruct(v.shape, v.dtype), v)
         cases = {"both_sides": lambda w, d: cb(w / d) / d, "then_times": lambda w, d: cb(w / d) * d,
                  "times_then": lambda w, d: cb(w * d) / d, "before": lambda w, d: cb(w / d),
-                 "after": lambda w, d: cb(w) / d}
+                 "after": lambda w, d: cb(w) / d,
+                 # copied into the add where w is replicated, as on one device (a
+                 # review's find), not where it is sharded (below)
+                 "times_three_plus": lambda w, d: (lambda m: m + cb(m))(w * 3)}
         rng = np.random.default_rng(5)
         ulps = {}
         for name, f in cases.items():
@@ -303,10 +313,24 @@ class HostSplitTest(absltest.TestCase):
             want = np.asarray(jf(w, d)).view(np.int32).astype(np.int64)
             worst = max(worst, int(np.abs(got - want).max()))
           ulps[name] = worst
+        # w sharded over the mesh: jax.jit's program computes x * 3 once there
+        dat = NamedSharding(mesh, P("d"))
+        for name, f in {"sharded_times_three_plus": cases["times_three_plus"],
+                        "sharded_exp_log": lambda w, d: (lambda e: jnp.log(e) + cb(e))(
+                            jnp.exp(w * d))}.items():
+          sess = js.Session(js.SessionOptions(mesh=mesh))
+          w = jnp.asarray(rng.standard_normal(64) * 30, jnp.float32)
+          d = jnp.float32(1.5)
+          gid = sess.compile(f, w, d, in_specs=(P("d"), P()))
+          got = np.asarray(sess.run(gid, w, d)).view(np.int32)
+          want = np.asarray(jax.jit(f, in_shardings=(dat, rep))(w, d)).view(np.int32)
+          ulps[name] = int(np.abs(got.astype(np.int64) - want).max())
         print(json.dumps(ulps))
         """, devices=2)
     self.assertEqual(out["before"], 0)
     self.assertEqual(out["after"], 0)
+    for name in ("times_three_plus", "sharded_times_three_plus", "sharded_exp_log"):
+      self.assertEqual(out[name], 0, name)
     for name in ("both_sides", "then_times", "times_then"):
       self.assertLessEqual(out[name], 4, name)
 
