@@ -101,29 +101,30 @@ def _claim_name(step, writer):
 
 
 def reserve(path, step, writer):
-  """Claims `step` for `writer` unless another writer that runs has
-  claimed it or a later step; then that step (nothing claimed), else None.
-  One reservation at a time in this process; against another process, each
-  looks again after claiming and the later one backs off."""
+  """Claims `step` for `writer` unless another writer that runs has a claim
+  in `path` (one writer per directory: orbax skips a step below one it has
+  seen, so two writers' steps interleaved lost one, a review's find); then
+  that claim's file name (nothing claimed), else None. One reservation at a
+  time in this process; against another process, each looks again after
+  claiming, and where both claimed at once both back off."""
   if jax.process_index() != 0:
     return None
   with _RESERVE_LOCK:
-    theirs = _live_steps(path, writer)
-    if theirs and max(theirs) >= step:
-      return max(theirs)
+    theirs = _live_claims(path, writer)
+    if theirs:
+      return theirs[0]
     claim(path, step, writer)
-    theirs = _live_steps(path, writer)
-    if theirs and max(theirs) >= step:
+    theirs = _live_claims(path, writer)
+    if theirs:
       unclaim(path, step, writer)
-      return max(theirs)
+      return theirs[0]
   return None
 
 
-def _live_steps(path, writer):
-  """The steps other writers that run have claimed in `path`."""
+def _live_claims(path, writer):
+  """The claim files of other writers that run in `path`."""
   mine = f".{_HOST}.{os.getpid()}.{writer}"
-  return [int(step) for name, step, gone in _claims(path)
-          if not gone and not name.endswith(mine)]
+  return sorted(name for name, _, gone in _claims(path) if not gone and not name.endswith(mine))
 
 
 def claim(path, step, writer):
@@ -132,6 +133,7 @@ def claim(path, step, writer):
     with _IN_FLIGHT_LOCK:
       _IN_FLIGHT.add(os.path.join(path, name))
     with open(os.path.join(path, name), "w") as f:
+      f.write(_started(os.getpid()) or "")  # (a pid used again is another process)
       f.flush()
       os.fsync(f.fileno())
 
@@ -180,9 +182,32 @@ def _claims(path):
       with _IN_FLIGHT_LOCK:
         gone = os.path.join(path, name) not in _IN_FLIGHT
     else:
-      gone = not _process_alive(pid)
+      gone = not _process_alive(pid) or _pid_used_again(os.path.join(path, name), pid)
     out.append((name, parts[0], gone))
   return out
+
+
+def _started(pid):
+  """When process `pid` started (Linux: /proc/<pid>/stat's starttime), as
+  text; None where that cannot be read."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[19]
+  except (OSError, IndexError):
+    return None
+
+
+def _pid_used_again(claim_file, pid):
+  """Whether the process `pid` that runs now started after the claim's
+  writer did: the writer is gone (a break-it find: its claim kept a step
+  refused for good)."""
+  try:
+    with open(claim_file) as f:
+      recorded = f.read().strip()
+  except OSError:
+    return False
+  now = _started(pid)
+  return bool(recorded) and now is not None and now != recorded
 
 
 def _process_alive(pid):

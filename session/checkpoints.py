@@ -30,6 +30,7 @@ import threading
 import weakref
 import zlib
 
+from absl import logging
 import jax
 import numpy as np
 from jax import tree_util
@@ -156,34 +157,37 @@ class Checkpointer:
     if errors:
       raise RuntimeError(f"{where}: not saved, since an earlier save failed: "
                          f"{errors[0]}{_others(errors)}") from errors[0]
-    with self._lock:  # steps increase per directory, as orbax keeps them
-      before = self._queued.get(path, -1)
-      newest = max([*step_dirs.complete_steps(path), *step_dirs.other_steps(path), before])
-      if step <= newest:
-        raise InputError(f"{where}: step {step} is not after step {newest}, the newest "
-                         f"checkpoint in {path}: steps must increase (save it as step "
-                         f"{newest + 1} or later, or into another directory)")
-      theirs = step_dirs.reserve(path, step, self._writer)
-      if theirs is not None:
-        raise InputError(f"{where}: step {step} is not after step {theirs}, which another "
-                         f"session or process is saving into {path} now: one writer per "
-                         "directory (save into another directory)")
-      self._queued[path] = step
-
-    self._hand_off(entry, where, path, manager, step, before)
+    self._hand_off(entry, where, path, manager, step)
     if jax.process_count() > 1:  # written before it returns: orbax syncs the
       self.wait()  # processes by collectives, which interleaved with the next run's
       # in another order on each process and deadlocked (a review's find)
 
   @interrupts.critical
-  def _hand_off(self, entry, where, path, manager, step, before):
-    """Takes a free snapshot slot, snapshots the state and queues its write.
-    A Ctrl-C meanwhile waits (a KeyboardInterrupt inside the semaphore's or
-    the queue's own Python left a lock held or the queue's count short, and
-    every later save hung: a break-it find), then is raised with nothing
+  def _hand_off(self, entry, where, path, manager, step):
+    """Claims the step, takes a free snapshot slot, snapshots the state and
+    queues its write. A Ctrl-C meanwhile waits (inside the semaphore's or the
+    queue's own Python it left a lock held or the queue's count short, and
+    every later save hung; between the claim and the queueing it left the
+    step claimed: break-it finds), then is raised with nothing claimed or
     queued unless the write already was."""
-    taken, queued = False, False
+    claimed, taken, queued, before = False, False, False, -1
     try:
+      with self._lock:  # steps increase per directory, as orbax keeps them
+        before = self._queued.get(path, -1)
+        newest = max([*step_dirs.complete_steps(path), *step_dirs.other_steps(path), before])
+        if step <= newest:
+          raise InputError(f"{where}: step {step} is not after step {newest}, the newest "
+                           f"checkpoint in {path}: steps must increase (save it as step "
+                           f"{newest + 1} or later, or into another directory)")
+        theirs = step_dirs.reserve(path, step, self._writer)
+        if theirs is not None:
+          raise InputError(
+              f"{where}: another session or process is saving into {path} now (its claim: "
+              f"{theirs}): one writer per directory; save into another directory, or once "
+              "its saves are written (where that writer was killed on another host, its "
+              "claim stays: remove that file)")
+        self._queued[path] = step
+        claimed = True
       while not interrupts.pending:  # (the wait for a slot, a Ctrl-C ends it)
         taken = self._room.acquire(timeout=0.05)
         if taken:
@@ -194,7 +198,7 @@ class Checkpointer:
           self._queue.put(write)
           queued = True
     finally:
-      if not queued:  # nothing was queued: the slot and the step are free again
+      if claimed and not queued:  # nothing was queued: the slot and the step are free
         if taken:
           self._room.release()
         step_dirs.unclaim(path, step, self._writer)
@@ -238,8 +242,9 @@ class Checkpointer:
 
     def write_step():
       ocp = _ocp()
-      if step_dirs.remove_incomplete(path):
-        manager.reload()
+      step_dirs.remove_incomplete(path)
+      manager.reload()  # its list of steps is the disk's: orbax skips a step below one it
+      # knows (a step another writer saved, a failed one, one removed by hand: review finds)
       for row, saved in zip(leaves, meta["slots"]):  # read back, each must match
         saved["crc32"] = [_digest(x) for x in row]
       manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
@@ -247,12 +252,17 @@ class Checkpointer:
               [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta)))
       manager.wait_until_finished()
       step_dirs.mark_complete(os.path.join(path, str(step)))
-      step_dirs.unclaim(path, step, self._writer)
+      try:
+        if self.keep is not None:  # under the step's claim: no other writer meanwhile
+          step_dirs.drop_old(manager, path, self.keep, self._writer)
+      except Exception as exc:  # pylint: disable=broad-except
+        logging.warning("%s: step %d is written; removing the steps before the newest %d "
+                        "failed: %s: %s", where, step, self.keep, type(exc).__name__, exc)
+      finally:
+        step_dirs.unclaim(path, step, self._writer)
       with self._lock:  # on the disk now: the order is read there (a folder
         if self._queued.get(path) == step:  # removed by hand takes any step again)
           del self._queued[path]
-      if self.keep is not None:
-        step_dirs.drop_old(manager, path, self.keep, self._writer)
     with self._lock:
       if self._worker is None:
         self._worker = threading.Thread(target=self._work, name="jaxsession-checkpoints",
@@ -267,35 +277,35 @@ class Checkpointer:
     if errors:  # the first, naming every other failure (they were dropped: a break-it find)
       raise RuntimeError(f"{errors[0]}{_others(errors)}") from errors[0]
 
-  def restore(self, entry, where, directory, step):
-    """The new leaves per slot, read and checked; `step` and the leaves."""
-    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
-                             or step < 0):
-      raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
-    step = None if step is None else int(step)
-    _local_path(where, directory)
-    self._queue.join()  # the pending saves written (their errors stay for wait/save)
-    path, manager = self._manager(where, directory, create=False)
+  def _listed(self, where, path, manager, step):
+    """`step`, or the newest complete step on the disk (orbax's list of steps
+    read again: another writer's, one removed by hand)."""
     try:
       manager.reload()
+    except FileNotFoundError:  # a step folder removed while listed: the steps now
+      pass
     except Exception as exc:  # pylint: disable=broad-except
       _raise_interrupt(exc)
-      raise
-    steps = [k for k in manager.all_steps() if step_dirs.complete(os.path.join(path, str(k)))]
+      raise InputError(f"{where}: checkpoint directory {path} cannot be read: "
+                       f"{type(exc).__name__}: {exc}") from None
+    steps = step_dirs.complete_steps(path)
     if step is None:
       if not steps:
         raise InputError(f"{where}: no complete checkpoint in {path}")
-      step = max(steps)
-    elif step not in steps:
+      return max(steps)
+    if step not in steps:
       raise InputError(f"{where}: no complete checkpoint of step {step} in {path} "
                        f"(complete: {sorted(steps)})")
+    return step
+
+  def _read(self, where, path, manager, step, entry):
+    """(meta, the leaves read per slot) of `step`, its meta checked; None
+    where its folder went while it was read (another writer's keep-N)."""
     ocp = _ocp()
     try:
       meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as exc:  # pylint: disable=broad-except
-      _raise_interrupt(exc)
-      raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "
-                       f"{type(exc).__name__}: {exc}") from None
+      return self._unread(where, path, step, exc)
     _check_meta(where, f"{path}/{step}", meta, entry)
     targets = [[_target(slot, j) for j in range(len(slot.avals))] for slot in entry.slots]
     empty = [set(saved.get("empty", ())) for saved in meta["slots"]]
@@ -305,10 +315,36 @@ class Checkpointer:
             "slots": [[t for j, t in enumerate(row) if j not in none]
                       for row, none in zip(targets, empty)]})))["state"]["slots"]
     except Exception as exc:  # pylint: disable=broad-except
-      _raise_interrupt(exc)
-      raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "
-                       f"{type(exc).__name__}: {exc}") from None
-    read = [_with_empty(row, got, none) for row, got, none in zip(targets, read, empty)]
+      return self._unread(where, path, step, exc)
+    return meta, [_with_empty(row, got, none) for row, got, none in zip(targets, read, empty)]
+
+  @staticmethod
+  def _unread(where, path, step, exc):
+    """None where step's folder went while it was read; else the InputError."""
+    _raise_interrupt(exc)
+    if not step_dirs.complete(os.path.join(path, str(step))):
+      return None
+    raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "
+                     f"{type(exc).__name__}: {exc}") from None
+
+  def restore(self, entry, where, directory, step):
+    """The new leaves per slot, read and checked; `step` and the leaves."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
+                             or step < 0):
+      raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
+    asked = None if step is None else int(step)
+    _local_path(where, directory)
+    self._queue.join()  # the pending saves written (their errors stay for wait/save)
+    path, manager = self._manager(where, directory, create=False)
+    for _ in range(3):  # the newest one, removed by another writer's keep-N meanwhile
+      step = self._listed(where, path, manager, asked)
+      got = self._read(where, path, manager, step, entry)
+      if got is not None or asked is not None:
+        break
+    if got is None:
+      raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: another writer "
+                       "removed it while it was read")
+    meta, read = got
     _check_digests(where, f"{path}/{step}", meta, entry, read)
     values = []
     for k, (slot, row) in enumerate(zip(entry.slots, read)):

@@ -1,46 +1,62 @@
-"""Python's cyclic garbage collector paused while a compile builds its graph.
+"""Python's cyclic garbage collector paused while a graph is built: the one
+pause of compile, the pipeline's passes and run_op's.
 
 Tracing, importing and optimising an 11.2k-equation program allocates
 millions of small objects; the collector then runs hundreds of times, a few
 of them over the whole heap: 0.78 s of a 10-14 s compile, measured with
-gc.callbacks (benchmarks/compile.py's tanh/where chain). Reference counting
-still frees everything that is not in a cycle; the collector runs again when
-the last concurrent compile ends. Nested and concurrent compiles share one
-pause (a count), and the collector's state before the first is what the last
-puts back.
+gc.callbacks (benchmarks/compile.py's tanh/where chain), and on big graphs
+it made the passes superlinear. Reference counting still frees everything
+that is not in a cycle; the collector runs again when the last pause ends.
+Nested and concurrent pauses share one (a count), and the collector's state
+before the first is what the last puts back.
+
+Entering and leaving are critical (runtime/interrupts.py): a Ctrl-C there
+waits for them, and one that came while entering is raised with the pause
+undone (between gc.disable() and the count, or after the entry, it left the
+collector off for the process: break-it finds). The work between is not: a
+Ctrl-C there raises at once, and leaving puts the collector back.
 """
-import contextlib
 import gc
 import threading
 
 from jaxsession.runtime import interrupts
 
 _LOCK = threading.Lock()
-_DEPTH = [0, False]  # compiles inside the pause, whether gc was enabled before it
+_DEPTH = [0, False]  # pauses now, whether gc was enabled before the first
 
 
-@interrupts.critical
-def _paused():
-  """paused()'s generator. Critical while it runs (entering and leaving the
-  pause: a Ctrl-C between gc.disable() and the `try` left the collector off
-  for the process, a break-it find); the compile between is not: a Ctrl-C
-  there raises at once, and the `finally` puts the collector back."""
+def _enter():
   with _LOCK:
     if _DEPTH[0] == 0:
       _DEPTH[1] = gc.isenabled()
       gc.disable()
     _DEPTH[0] += 1
-  try:
-    if interrupts.pending:  # one that came while entering
+
+
+def _leave():
+  with _LOCK:
+    _DEPTH[0] -= 1
+    if _DEPTH[0] == 0 and _DEPTH[1]:
+      gc.enable()
+
+
+class _Paused:
+  """`with paused():` - the pause around its body."""
+
+  @interrupts.critical
+  def __enter__(self):
+    _enter()
+    if interrupts.pending:  # a Ctrl-C while entering: the body never runs
+      _leave()
       interrupts.deliver()
-    yield
-  finally:
-    with _LOCK:
-      _DEPTH[0] -= 1
-      if _DEPTH[0] == 0 and _DEPTH[1]:
-        gc.enable()
+
+  @interrupts.critical
+  def __exit__(self, *exc):
+    _leave()
     if interrupts.pending:
       interrupts.deliver()
+    return False
 
 
-paused = contextlib.contextmanager(_paused)
+def paused():
+  return _Paused()

@@ -12,9 +12,7 @@ stage `KernelGraph.verify` checks what the stages so far decided
 stages are run (Session.compile); Build is not a graph pass - it turns the
 final graph into executables (runtime.build).
 """
-import contextlib
-import gc
-
+from jaxsession import gc_pause
 from jaxsession.optimizer_passes.adam_fusion import FuseAdam
 from jaxsession.optimizer_passes.assign_streams import AssignStreams
 from jaxsession.optimizer_passes.base import GraphOptimizer, PassManager
@@ -126,20 +124,6 @@ def unregister_pass(name):
   _USER_PASSES[:] = [entry for entry in _USER_PASSES if entry[1].name != name]
 
 
-@contextlib.contextmanager
-def gc_paused():
-  """Python's cyclic GC off while the pipeline builds and rewrites a graph:
-  the graph's objects are all alive anyway, and a collection scans the whole
-  heap, so on big graphs GC alone made the passes superlinear."""
-  enabled = gc.isenabled()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if enabled:
-      gc.enable()
-
-
 def graph_optimizer(disabled=()):
   """A GraphOptimizer over every graph stage of the table, in order; each
   stage's passes keep the invariants of the stages before it."""
@@ -154,7 +138,7 @@ def run_pipeline(graph, ctx):
   checked first, each stage's invariants after it); what ran is in
   `ctx.records`."""
   disabled = ctx.options.disabled_passes
-  with gc_paused():
+  with gc_pause.paused():  # (gc_pause.py)
     graph_optimizer(disabled).run(graph, ctx)
 
 

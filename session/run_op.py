@@ -29,7 +29,7 @@ import numpy as np
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import pipeline
+from jaxsession import gc_pause, pipeline
 from jaxsession.graph import importer
 from jaxsession.errors import InputError, KernelSelectError
 from jaxsession.inputs import leaf_aval
@@ -168,7 +168,7 @@ class OpRunner:
     """The RunOp pipeline and Build for a graph of one op: kernels, lowering,
     one executable. An effectful op comes back wrapped in DoNotStore."""
     ctx = PassContext(platform=self.platform, verify=True)
-    with pipeline.gc_paused():
+    with gc_pause.paused():
       PassManager("SelectKernel", run_op_passes()).run(graph, ctx)
     host = [n for n in graph.nodes if n.kernel is not None and n.kernel.backend == "host"]
     if host:

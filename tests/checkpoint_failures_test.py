@@ -161,3 +161,75 @@ class TwoWritersTest(absltest.TestCase):
       for step in marked:  # each restores, and holds one session's state
         self.assertEqual(reader.restore(gid, d, step), step)
         self.assertIn(np.asarray(reader.get_state(gid)[0]).tobytes(), values)
+
+  def test_a_claim_whose_pid_another_process_now_has_is_a_leftover(self):
+    # a killed writer's claim records when its process started; pid 1 runs,
+    # but is not that process: the claim and its folder are a leftover (the
+    # claim kept every later step refused, a break-it find)
+    (sess, gid, _), _ = self._sessions()
+    with tempfile.TemporaryDirectory() as d:
+      sess.save(gid, d, 1)
+      sess.wait_until_saved()
+      host = js.checkpoint_steps._HOST  # pylint: disable=protected-access
+      os.makedirs(os.path.join(d, "2"))
+      with open(os.path.join(d, f"jaxsession_saving.2.{host}.1.0"), "w") as f:
+        f.write("0")  # started at boot's first tick: not pid 1's start now
+      sess.save(gid, d, 3)
+      sess.wait_until_saved()
+      self.assertEqual(sorted(os.listdir(d)), ["1", "3"])
+
+  def test_restores_beside_another_sessions_saves_with_keep_one(self):
+    # restore listed orbax's steps, stale beside another writer's keep-N: a
+    # raw FileNotFoundError, or "no complete checkpoint" where one was
+    import threading  # pylint: disable=import-outside-toplevel
+    (_, gid_a, _), (reader, gid_b, _) = self._sessions()
+    writer = js.Session(js.SessionOptions(checkpoint_keep=1))
+    gid = writer.compile(lambda w: (w + 1.0, jnp.sum(w)), np.float32([0.5, -0.0, 7.0]),
+                         state_argnums=0)
+    del gid_a
+    with tempfile.TemporaryDirectory() as d:
+      writer.save(gid, d, 0)
+      writer.wait_until_saved()
+      done, failures, restored = threading.Event(), [], []
+
+      def save_loop():
+        for step in range(1, 25):
+          writer.run(gid)
+          writer.save(gid, d, step)
+        writer.wait_until_saved()
+        done.set()
+      thread = threading.Thread(target=save_loop)
+      thread.start()
+      while not done.is_set():
+        try:
+          restored.append(reader.restore(gid_b, d))
+        except Exception as exc:  # pylint: disable=broad-except
+          failures.append(f"{type(exc).__name__}: {exc}")
+      thread.join()
+      self.assertEqual(failures, [])
+      self.assertGreater(len(restored), 0)
+      self.assertEqual(reader.restore(gid_b, d), 24)
+
+  def test_a_step_removed_by_hand_or_failed_late_is_saved_again(self):
+    # orbax's list of steps kept the step and skipped the new write ("writing
+    # step 2 failed: FileNotFoundError" each retry); removing old steps that
+    # fails after the step is marked is not a failed write
+    (sess, gid, w), _ = self._sessions()
+    with tempfile.TemporaryDirectory() as d:
+      for step in (1, 2):
+        sess.save(gid, d, step)
+      sess.wait_until_saved()
+      import shutil  # pylint: disable=import-outside-toplevel
+      shutil.rmtree(os.path.join(d, "2"))
+      sess.save(gid, d, 2)
+      sess.wait_until_saved()
+      self.assertEqual(sess.restore(gid, d, 2), 2)
+      keeper = js.Session(js.SessionOptions(checkpoint_keep=1))
+      kid = keeper.compile(lambda w: (w + 1.0, jnp.sum(w)), w, state_argnums=0)
+      with mock.patch.object(js.checkpoint_steps, "drop_old",
+                             side_effect=OSError("read-only file system")):
+        keeper.save(kid, d, 3)
+        keeper.wait_until_saved()  # the step is written: nothing to raise
+      keeper.save(kid, d, 4)
+      keeper.wait_until_saved()
+      self.assertEqual(sorted(js.checkpoint_steps.complete_steps(d)), [4])

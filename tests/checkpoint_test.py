@@ -471,8 +471,10 @@ class CheckpointTest(absltest.TestCase):
     claim = os.path.join(self.dir, f"jaxsession_saving.5.{host}.{other.pid}")
     open(claim, "w").close()
     sess.run(gid)
-    sess.save(gid, self.dir, 6)
-    sess.wait_until_saved()
+    # one writer per directory: refused while the other one runs, naming its claim
+    with self.assertRaisesRegex(js.errors.InputError, "another session or process is "
+                                f"saving .* now .*jaxsession_saving.5.{host}.{other.pid}"):
+      sess.save(gid, self.dir, 6)
     self.assertTrue(os.path.isdir(os.path.join(self.dir, "5")))  # its writer runs
     self.assertTrue(os.path.exists(claim))
     other.kill()
@@ -480,7 +482,7 @@ class CheckpointTest(absltest.TestCase):
     sess.save(gid, self.dir, 7)  # its writer is gone: a leftover now
     sess.wait_until_saved()
     self.assertEqual(sorted(n for n in os.listdir(self.dir) if n.isdigit()),
-                     ["1", "6", "7"])
+                     ["1", "7"])
     self.assertFalse(any(n.startswith("jaxsession_saving") for n in os.listdir(self.dir)))
     self.assertEqual(sess.restore(gid, self.dir), 7)
     assert_equal_signed(sess.get_state(gid)[0], w * 2)

@@ -21,7 +21,7 @@ from jax import tree_util
 
 import jaxsession as js
 from exact import assert_equal_signed, assert_same_bits
-from jaxsession import pipeline
+from jaxsession import gc_pause, pipeline
 from jaxsession.errors import HostOpError
 from jaxsession.graph.importer import import_jaxpr
 from jaxsession.inputs import ArgSpec
@@ -38,7 +38,7 @@ def optimised(fn, *args, options=None):
   graph = import_jaxpr(closed, name=getattr(fn, "__name__", "f"))
   ctx = PassContext(platform="cpu", options=options, verify=True)
   optimizer = pipeline.graph_optimizer(options.disabled_passes)
-  with pipeline.gc_paused():
+  with gc_pause.paused():
     for stage in pipeline.GRAPH_STAGES:
       optimizer.run_stage(stage, graph, ctx)
   return graph

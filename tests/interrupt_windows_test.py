@@ -115,23 +115,34 @@ class InterruptWindowsTest(absltest.TestCase):
     self.assertEqual(first, "KeyboardInterrupt")
     self.assertEqual(later, [[1, 3], [4.25, 12.25]])  # nothing of step 2 was queued
 
-  def test_a_ctrl_c_as_compile_pauses_the_collector(self):
-    # right after gc.disable(): the collector stayed off for the process
+  def test_a_ctrl_c_as_the_collector_is_paused(self):
+    # right after gc.disable() (compile's pause, run_op's), and as the pause's
+    # entry returns: the collector stayed off for the process
     out = self._run("""
         from jaxsession import gc_pause
-        PAUSED = gc_pause.paused.__wrapped__.__code__
+        ENTER = gc_pause._enter.__code__
         line = next(i for i, text in enumerate(open(gc_pause.__file__).read().splitlines(), 1)
                     if "_DEPTH[0] += 1" in text)
-        fired = interrupt_when(lambda f, e: f.f_code is PAUSED and e == "line"
-                               and f.f_lineno == line)
-        first = called(lambda: sess.compile(lambda a: a * 2, jnp.ones(3)))
-        for _ in range(2):
-          sess.compile(lambda a: a - 1, jnp.ones(3))
-        print(json.dumps([bool(fired), first, gc.isenabled()]))
+        calls = {"compile": lambda: sess.compile(lambda a: a * 2, jnp.ones(3)),
+                 "run_op": lambda: sess.run_op(jax.lax.sin_p, jnp.ones(3) * 0.25)}
+        found = {}
+        for name, call in calls.items():
+          for when in ("counted", "entered"):
+            if when == "counted":
+              fired = interrupt_when(lambda f, e: f.f_code is ENTER and e == "line"
+                                     and f.f_lineno == line)
+            else:
+              fired = interrupt_when(lambda f, e: f.f_code is ENTER and e == "return")
+            first = called(call)
+            found[f"{name} {when}"] = [bool(fired), first, gc.isenabled()]
+        sess.compile(lambda a: a - 1, jnp.ones(3))
+        print(json.dumps([found, gc.isenabled()]))
         """)
-    fired, first, enabled = out
-    self.assertTrue(fired)
-    self.assertEqual(first, "KeyboardInterrupt")
+    found, enabled = out
+    for name, (fired, first, on) in found.items():
+      self.assertTrue(fired, name)
+      self.assertEqual(first, "KeyboardInterrupt", name)
+      self.assertTrue(on, name)
     self.assertTrue(enabled)
 
 
