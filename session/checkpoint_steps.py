@@ -4,14 +4,15 @@ writer's (session/checkpoints.py writes and reads them through orbax).
 
 A step is complete once its marker is in it, written after orbax finished
 the step. A save claims its step when it is asked for (a file beside the
-step folders, naming the writer's host, process and session), refused
-where another writer that runs has claimed that step or a later one, and
-drops the claim once the step is marked; keep-N claims a step before unmarking and deleting
-it. Only a folder claimed by a writer that is gone and not complete is a
-leftover, removed by the next save; any other folder (another program's
-orbax checkpoints, a user's "2024") is kept and counted in the order of
-steps (break-it finds: the first save deleted them; two writers deleted
-each other's steps in flight).
+step folders, naming the writer's host, process and session, holding when
+the process started), refused while another writer that runs has a claim
+there (one writer per directory), and drops the claim once the step is
+marked and the old steps keep-N drops are gone; keep-N claims a step
+before unmarking and deleting it. Only a folder claimed by a writer that
+is gone and not complete is a leftover, removed by the next save; any
+other folder (another program's orbax checkpoints, a user's "2024") is
+kept and counted in the order of steps (break-it finds: the first save
+deleted them; two writers deleted each other's steps in flight).
 """
 import itertools
 import os
