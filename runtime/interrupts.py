@@ -112,10 +112,19 @@ def install():
   signal.signal(signal.SIGINT, _Deferring(current))
 
 
+def waiting():
+  """Whether a signal recorded inside a critical function waits for this
+  thread: only the main thread's (a worker's critical section reading the
+  main thread's signal undid its own work: a review's find)."""
+  return bool(pending) and threading.current_thread() is threading.main_thread()
+
+
 def deliver():
   """Delivers the signal recorded inside a critical function, in the main
-  thread (the only one where it was recorded); a no-op elsewhere."""
-  if not pending or threading.current_thread() is not threading.main_thread():
+  thread (the only one where it was recorded); a no-op elsewhere, and where
+  a critical function further out is still running (it delivers at its end:
+  a compile from a run's callback must not raise inside the run's commit)."""
+  if not waiting() or _inside_critical(sys._getframe(1).f_back):  # pylint: disable=protected-access
     return
   signum = pending[-1]
   del pending[:]

@@ -53,14 +53,16 @@ def drop_old(manager, path, keep, writer):
     folder = os.path.join(path, str(old))
     claim(path, old, writer)  # a kill from here on leaves a claimed leftover
     try:
-      os.remove(os.path.join(folder, MARKER))
-    except FileNotFoundError:
-      pass
-    try:
-      manager.delete(old)
-    except FileNotFoundError:
-      shutil.rmtree(folder, ignore_errors=True)
-    unclaim(path, old, writer)
+      try:
+        os.remove(os.path.join(folder, MARKER))
+      except FileNotFoundError:
+        pass
+      try:
+        manager.delete(old)
+      except FileNotFoundError:
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:  # (a deletion that failed left its claim, and the directory refused
+      unclaim(path, old, writer)  # every other writer: a review's find)
   manager.reload()
 
 

@@ -188,13 +188,13 @@ class Checkpointer:
               "claim stays: remove that file)")
         self._queued[path] = step
         claimed = True
-      while not interrupts.pending:  # (the wait for a slot, a Ctrl-C ends it)
+      while not interrupts.waiting():  # (the wait for a slot, a Ctrl-C ends it)
         taken = self._room.acquire(timeout=0.05)
         if taken:
           break
-      if taken and not interrupts.pending:
+      if taken and not interrupts.waiting():
         write = self._prepared(entry, where, path, manager, step)
-        if not interrupts.pending:
+        if not interrupts.waiting():
           self._queue.put(write)
           queued = True
     finally:
@@ -205,8 +205,7 @@ class Checkpointer:
         with self._lock:
           if self._queued.get(path) == step:
             self._queued[path] = before
-      if interrupts.pending:
-        interrupts.deliver()
+      interrupts.deliver()
 
   def _prepared(self, entry, where, path, manager, step):
     """Snapshots the state (between runs); the write of it, to queue (the

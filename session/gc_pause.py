@@ -46,15 +46,14 @@ class _Paused:
   @interrupts.critical
   def __enter__(self):
     _enter()
-    if interrupts.pending:  # a Ctrl-C while entering: the body never runs
+    if interrupts.waiting():  # a Ctrl-C while entering: the body never runs
       _leave()
       interrupts.deliver()
 
   @interrupts.critical
   def __exit__(self, *exc):
     _leave()
-    if interrupts.pending:
-      interrupts.deliver()
+    interrupts.deliver()
     return False
 
 

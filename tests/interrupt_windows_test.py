@@ -146,5 +146,29 @@ class InterruptWindowsTest(absltest.TestCase):
     self.assertTrue(enabled)
 
 
+  def test_a_pause_in_another_thread_ignores_the_main_threads_ctrl_c(self):
+    # a Ctrl-C recorded for the main thread (inside a run, say) made a
+    # compile in a worker thread undo its pause on entry and again on exit:
+    # the count went negative and the collector was never paused again
+    out = self._run("""
+        from jaxsession import gc_pause
+        from jaxsession.runtime import interrupts
+        interrupts.pending.append(signal.SIGINT)  # as the handler records it
+        seen = []
+        def worker():
+          sess.compile(lambda a: a * 3, jnp.ones(3))
+          with gc_pause.paused():
+            seen.append(gc.isenabled())
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join(60)
+        del interrupts.pending[:]
+        with gc_pause.paused():
+          seen.append(gc.isenabled())
+        print(json.dumps([seen, gc.isenabled()]))
+        """)
+    self.assertEqual(out, [[False, False], True])
+
+
 if __name__ == "__main__":
   absltest.main()
