@@ -112,19 +112,27 @@ def install():
   signal.signal(signal.SIGINT, _Deferring(current))
 
 
+def _due(frame):
+  """Whether a recorded signal is the critical function running in `frame`
+  to deliver: in the main thread (the only one where it was recorded; a
+  worker's critical section reading it undid its own work, a review's find),
+  and where no critical function further out runs (that one delivers at its
+  end: a compile from a run's callback must not raise inside the run's
+  commit)."""
+  return (bool(pending) and threading.current_thread() is threading.main_thread()
+          and not _inside_critical(frame.f_back))
+
+
 def waiting():
-  """Whether a signal recorded inside a critical function waits for this
-  thread: only the main thread's (a worker's critical section reading the
-  main thread's signal undid its own work: a review's find)."""
-  return bool(pending) and threading.current_thread() is threading.main_thread()
+  """Whether the calling critical function has a signal to deliver (`_due`):
+  its work stops short, then it delivers."""
+  return _due(sys._getframe(1))  # pylint: disable=protected-access
 
 
 def deliver():
-  """Delivers the signal recorded inside a critical function, in the main
-  thread (the only one where it was recorded); a no-op elsewhere, and where
-  a critical function further out is still running (it delivers at its end:
-  a compile from a run's callback must not raise inside the run's commit)."""
-  if not waiting() or _inside_critical(sys._getframe(1).f_back):  # pylint: disable=protected-access
+  """Delivers the signal recorded inside a critical function (`_due`);
+  a no-op otherwise."""
+  if not _due(sys._getframe(1)):  # pylint: disable=protected-access
     return
   signum = pending[-1]
   del pending[:]

@@ -49,6 +49,7 @@ class _Paused:
     if interrupts.waiting():  # a Ctrl-C while entering: the body never runs
       _leave()
       interrupts.deliver()
+      _enter()  # (a handler of the user's that returns: the body runs, paused)
 
   @interrupts.critical
   def __exit__(self, *exc):

@@ -205,8 +205,7 @@ class Session:
     typed = [a if i in static_nums else None for i, a in enumerate(example_args)]
     on_types = tracing.types_fn(fn, name, typed, state_nums, dyn_nums, updates)
     typing = GraphTyping.make(on_types, closed, state_args, dyn_args, updates)
-    weak_outputs = WeakOutputs.make(on_types, state_args, dyn_args, spec, out_shape[1],
-                                    closed)
+    weak_outputs = WeakOutputs.make(on_types, state_args, dyn_args, spec, out_shape[1], closed)
     kinds, labels = tracing.input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels,
                                   host_callbacks=self.options.host_callbacks)

@@ -16,8 +16,9 @@ compares the arithmetic with the compiled program's: leaves whose weak
 types change the program only together (two weak Python floats added, then
 times bfloat16: weak, where one strong scalar keeps it float32; a weak
 scalar and a weak array likewise) are refused before the run, as one alone
-is (inputs.ArgSpec.weak_guard). The same under a mesh. Where the graph's function is a method of an
-object since collected, a new pattern is refused: it cannot be traced.
+is (inputs.ArgSpec.weak_guard). The same under a mesh. Where the graph's
+function is a method of an object since collected, a new pattern is
+refused: it cannot be traced.
 """
 import jax
 from jax import tree_util

@@ -177,6 +177,11 @@ class TwoWritersTest(absltest.TestCase):
       sess.save(gid, d, 3)
       sess.wait_until_saved()
       self.assertEqual(sorted(os.listdir(d)), ["1", "3"])
+      # another host's claim is never taken for gone: refused, naming the file
+      theirs = "jaxsession_saving.4.another_host.12345.0"
+      open(os.path.join(d, theirs), "w").close()
+      with self.assertRaisesRegex(js.errors.InputError, f"{theirs}.*remove that file"):
+        sess.save(gid, d, 5)
 
   def test_restores_beside_another_sessions_saves_with_keep_one(self):
     # restore listed orbax's steps, stale beside another writer's keep-N: a

@@ -170,5 +170,30 @@ class InterruptWindowsTest(absltest.TestCase):
     self.assertEqual(out, [[False, False], True])
 
 
+  def test_a_pause_inside_a_critical_function_leaves_the_ctrl_c_to_it(self):
+    # a compile from a run's callback (inside the run's critical section):
+    # its pause undid itself and delivered the Ctrl-C inside the run's
+    # commit; now the pause holds, and the outer function delivers at its end
+    out = self._run("""
+        from jaxsession import gc_pause
+        from jaxsession.runtime import interrupts
+
+        @interrupts.critical
+        def outer():  # as Runner.call: ends by delivering
+          interrupts.pending.append(signal.SIGINT)  # a Ctrl-C the handler recorded
+          with gc_pause.paused():
+            inside = gc.isenabled()
+          seen.extend([inside, bool(interrupts.pending)])
+          interrupts.deliver()
+
+        seen = []
+        seen.append(called(outer))
+        with gc_pause.paused():
+          seen.append(gc.isenabled())
+        print(json.dumps([seen, gc.isenabled()]))
+        """)
+    self.assertEqual(out, [[False, True, "KeyboardInterrupt", False], True])
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -46,13 +46,13 @@ def divisor_cone(nodes):
     if node.id in cone:
       continue
     cone.add(node.id)
-    if _seen_through(node.op, node.params):  # XLA's rewrites see through a broadcast
+    if _followed(node.op, node.params):  # XLA's rewrites see through a broadcast
       stack.extend(node.inputs)  # or reshape to what made the divisor; a transfer is
       # the value itself (a review's find); an inlined call of such ops is them
   return cone, outside
 
 
-def _seen_through(op, params):
+def _followed(op, params):
   return moves_or_maps(op, params) or facts(op).transfer is not None
 
 
@@ -92,6 +92,6 @@ def _jaxpr_divisors(jaxpr):
     if id(var) in position:
       found.add(position[id(var)])
     eqn = producer.get(id(var))
-    if eqn is not None and _seen_through(eqn.primitive.name, eqn.params):
+    if eqn is not None and _followed(eqn.primitive.name, eqn.params):
       stack.extend(eqn.invars)
   return tuple(sorted(found))
