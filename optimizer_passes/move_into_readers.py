@@ -65,11 +65,7 @@ def move_into_readers(order):
   so a chain moves whole); (the new order, the moved nodes). The run and its
   new nodes go in the user's order (node ids) where their reads allow
   (`_merged`)."""
-  phase, k = {}, 0
-  for i, node in enumerate(order):
-    if i and node.place != order[i - 1].place:
-      k += 1
-    phase[id(node)] = k
+  phase = _phases(order)
   into = {}  # phase -> the nodes moved into it
   for node in reversed(order):
     readers = [user for out in node.outputs for user in out.users]
