@@ -276,56 +276,6 @@ class Checkpointer:
     if errors:  # the first, naming every other failure (they were dropped: a break-it find)
       raise RuntimeError(f"{errors[0]}{_others(errors)}") from errors[0]
 
-  def _listed(self, where, path, manager, step):
-    """`step`, or the newest complete step on the disk (orbax's list of steps
-    read again: another writer's, one removed by hand)."""
-    try:
-      manager.reload()
-    except FileNotFoundError:  # a step folder removed while listed: the steps now
-      pass
-    except Exception as exc:  # pylint: disable=broad-except
-      _raise_interrupt(exc)
-      raise InputError(f"{where}: checkpoint directory {path} cannot be read: "
-                       f"{type(exc).__name__}: {exc}") from None
-    steps = step_dirs.complete_steps(path)
-    if step is None:
-      if not steps:
-        raise InputError(f"{where}: no complete checkpoint in {path}")
-      return max(steps)
-    if step not in steps:
-      raise InputError(f"{where}: no complete checkpoint of step {step} in {path} "
-                       f"(complete: {sorted(steps)})")
-    return step
-
-  def _read(self, where, path, manager, step, entry):
-    """(meta, the leaves read per slot) of `step`, its meta checked; None
-    where its folder went while it was read (another writer's keep-N)."""
-    ocp = _ocp()
-    try:
-      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    except Exception as exc:  # pylint: disable=broad-except
-      return self._unread(where, path, step, exc)
-    _check_meta(where, f"{path}/{step}", meta, entry)
-    targets = [[_target(slot, j) for j in range(len(slot.avals))] for slot in entry.slots]
-    empty = [set(saved.get("empty", ())) for saved in meta["slots"]]
-    try:
-      with debug_flags.checks_off():  # a nan in the checkpoint is not the read's to report
-        read = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore({
-            "slots": [[t for j, t in enumerate(row) if j not in none]
-                      for row, none in zip(targets, empty)]})))["state"]["slots"]
-    except Exception as exc:  # pylint: disable=broad-except
-      return self._unread(where, path, step, exc)
-    return meta, [_with_empty(row, got, none) for row, got, none in zip(targets, read, empty)]
-
-  @staticmethod
-  def _unread(where, path, step, exc):
-    """None where step's folder went while it was read; else the InputError."""
-    _raise_interrupt(exc)
-    if not step_dirs.complete(os.path.join(path, str(step))):
-      return None
-    raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "
-                     f"{type(exc).__name__}: {exc}") from None
-
   def restore(self, entry, where, directory, step):
     """The new leaves per slot, read and checked; `step` and the leaves."""
     if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
@@ -336,8 +286,8 @@ class Checkpointer:
     self._queue.join()  # the pending saves written (their errors stay for wait/save)
     path, manager = self._manager(where, directory, create=False)
     for _ in range(3):  # the newest one, removed by another writer's keep-N meanwhile
-      step = self._listed(where, path, manager, asked)
-      got = self._read(where, path, manager, step, entry)
+      step = _listed(where, path, manager, asked)
+      got = _read(where, path, manager, step, entry)
       if got is not None or asked is not None:
         break
     if got is None:
@@ -353,6 +303,57 @@ class Checkpointer:
                 with_weak_type(x, weak[j]) for j, x in enumerate(row)]
       values.append(tree_util.tree_unflatten(slot.treedef, leaves))
     return step, values
+
+
+def _listed(where, path, manager, step):
+  """`step`, or the newest complete step on the disk (orbax's list of steps
+  read again: another writer's, one removed by hand)."""
+  try:
+    manager.reload()
+  except FileNotFoundError:  # a step folder removed while listed: the steps now
+    pass
+  except Exception as exc:  # pylint: disable=broad-except
+    _raise_interrupt(exc)
+    raise InputError(f"{where}: checkpoint directory {path} cannot be read: "
+                     f"{type(exc).__name__}: {exc}") from None
+  steps = step_dirs.complete_steps(path)
+  if step is None:
+    if not steps:
+      raise InputError(f"{where}: no complete checkpoint in {path}")
+    return max(steps)
+  if step not in steps:
+    raise InputError(f"{where}: no complete checkpoint of step {step} in {path} "
+                     f"(complete: {sorted(steps)})")
+  return step
+
+
+def _read(where, path, manager, step, entry):
+  """(meta, the leaves read per slot) of `step`, its meta checked; None
+  where its folder went while it was read (another writer's keep-N)."""
+  ocp = _ocp()
+  try:
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  except Exception as exc:  # pylint: disable=broad-except
+    return _unread(where, path, step, exc)
+  _check_meta(where, f"{path}/{step}", meta, entry)
+  targets = [[_target(slot, j) for j in range(len(slot.avals))] for slot in entry.slots]
+  empty = [set(saved.get("empty", ())) for saved in meta["slots"]]
+  try:
+    with debug_flags.checks_off():  # a nan in the checkpoint is not the read's to report
+      read = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore({
+          "slots": [[t for j, t in enumerate(row) if j not in none]
+                    for row, none in zip(targets, empty)]})))["state"]["slots"]
+  except Exception as exc:  # pylint: disable=broad-except
+    return _unread(where, path, step, exc)
+  return meta, [_with_empty(row, got, none) for row, got, none in zip(targets, read, empty)]
+
+def _unread(where, path, step, exc):
+  """None where step's folder went while it was read; else the InputError."""
+  _raise_interrupt(exc)
+  if not step_dirs.complete(os.path.join(path, str(step))):
+    return None
+  raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: "
+                   f"{type(exc).__name__}: {exc}") from None
 
 
 def _local_path(where, directory):
