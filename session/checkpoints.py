@@ -347,6 +347,7 @@ def _read(where, path, manager, step, entry):
     return _unread(where, path, step, exc)
   return meta, [_with_empty(row, got, none) for row, got, none in zip(targets, read, empty)]
 
+
 def _unread(where, path, step, exc):
   """None where step's folder went while it was read; else the InputError."""
   _raise_interrupt(exc)
