@@ -25,7 +25,9 @@ through its operand's maker whatever else reads that: a division by a
 division, an exp or a power, a division of a division, a power of an exp,
 a log of an exp or a power, a product of exps (`(a / b) / c` to
 `a / (b * c)`, `log(exp(z))` to `z`: 1-3 ulp off, and a nan where exp
-underflows). XLA's fusion recomputes cheap arithmetic reading one array (a
+underflows), and gathers array constants (`(x * C) * D`); it meets powers
+as jax lowers them (`x ** 2` a product, `x ** -1` a division) and exp2
+and sigmoid as an exp and a division (`_as_xla_reads`, `_AS_XLA_MAKES`). XLA's fusion recomputes cheap arithmetic reading one array (a
 subtraction of a broadcast max, `x * x`, `x * 2`) in each elementwise
 reader, where a product then contracts with an add into an FMA, and a sum
 after it is another loop. The copy reads the node's inputs and computes
@@ -127,17 +129,106 @@ def _duplicated(node):
   return len(full) <= 1 or sum(v.aval.size for v in full.values()) <= out.size
 
 
+# makers as XLA's simplifier meets them: jax lowers exp2 to an exp of a
+# product, and XLA's logistic expander writes 1 / (1 + exp(-x))
+_AS_XLA_MAKES = {"exp2": "exp", "logistic": "div"}
+
+
+def _as_xla_makes(node):
+  """`node`'s op as XLA's simplifier meets it (`_AS_XLA_MAKES`; jax lowers
+  x ** -n to 1 / x ** n)."""
+  if node.op == "integer_pow" and node.params.get("y", 0) < 0:
+    return "div"
+  return _AS_XLA_MAKES.get(node.op, node.op)
+
+
+def _reciprocal(node):
+  """Whether `node` is 1 / x as XLA meets it (x ** -n, 1 / x)."""
+  if node.op == "integer_pow":
+    return node.params.get("y", 0) < 0
+  return (node.op == "div" and isinstance(node.inputs[0], Literal)
+          and np.all(np.asarray(node.inputs[0].value) == 1))
+
+
+def _as_xla_reads(reader, value):
+  """(op, positions of `value`, the other operands) of `reader` as XLA's
+  simplifier meets it: jax lowers x ** 2, x ** 3, x ** -2 and square to
+  products of x with itself ("self", over 1 where the power is negative),
+  and x ** -1 to 1 / x; a fused AddN is the user's adds, the one adding
+  `value` to another operand."""
+  ins = reader.inputs
+  at = [i for i, v in enumerate(ins) if v is value]
+  y = reader.params.get("y") if reader.op == "integer_pow" else None
+  if (reader.op == "square" or (y is not None and abs(y) >= 2)
+      or (reader.op == "mul" and all(v is value for v in ins))):
+    return "self", at, []
+  if y == -1:
+    return "div", [1], []
+  if reader.op == "AddN":
+    for i, j in reader.params["steps"]:
+      for a, b in ((i, j), (j, i)):
+        if a < len(ins) and ins[a] is value:
+          return "add", [0], [ins[b]] if b < len(ins) else []
+  return reader.op, at, [v for i, v in enumerate(ins) if i not in at]
+
+
+def _array_const(v):
+  return isinstance(v, Value) and v.kind == "const" and v.aval.ndim > 0
+
+
+def _scaled(value):
+  """Whether XLA sees `value` as x * C for an array constant C: a product by
+  one, a quotient by one (XLA writes x / C as x * (1 / C)), the negation of
+  such (-(x * C) as x * -C)."""
+  node = value.producer if isinstance(value, Value) else None
+  if node is None:
+    return False
+  return ((node.op == "mul" and any(_array_const(v) for v in node.inputs))
+          or (node.op == "div" and _array_const(node.inputs[1]))
+          or (node.op == "neg" and _scaled(node.inputs[0])))
+
+
+def _shifted(value):
+  """Whether `value` is x + C, x - C or C - x for an array constant C."""
+  node = value.producer
+  return node.op in ("add", "sub") and any(_array_const(v) for v in node.inputs)
+
+
+def _reassociated(rop, at, others, reader, value):
+  """Whether XLA's simplifier gathers `reader`'s array constants with those
+  of `value`'s maker: (x * C) * D is x * (C * D), (x * C) * (x * C) is
+  (x * x) * (C * C), (x * C) / D alike, (x + C) + D and
+  (x + C) - D is x + (C + D), and -(x * C) is x * -C where only negations
+  read x * C (its copies among them) (measured: a full array constant; a
+  scalar literal's product is the fusion's copy, `_duplicated`)."""
+  if _scaled(value):
+    return (rop == "self" or (rop == "neg" and all(u.op == "neg" for u in value.users))
+            or (rop == "mul" and any(_array_const(o) or _scaled(o) for o in others))
+            or (rop == "div" and at == [0] and _array_const(reader.inputs[1])))
+  return _shifted(value) and ((rop == "add" and any(_array_const(o) for o in others))
+                              or (rop == "sub" and at == [0]
+                                  and _array_const(reader.inputs[1])))
+
+
 def _rewritten(reader, value):
   """Whether jax.jit's XLA simplifier rewrites `reader` through the node that
   makes `value` (algebraic_simplifier's divide/power/log/multiply rules on
-  an operand's producer)."""
-  op, at = value.producer.op, [i for i, v in enumerate(reader.inputs) if v is value]
-  return ((reader.op == "div" and ((1 in at and op in ("div", "exp", "pow"))
-                                   or (0 in at and op == "div")))
-          or (reader.op == "pow" and 0 in at and op == "exp")
-          or (reader.op == "log" and op in ("exp", "pow"))
-          or (reader.op == "mul" and op == "exp"
-              and all(_made_by(v, "exp") for v in reader.inputs)))
+  an operand's producer): exp(a) * exp(a) is exp(a + a), sqrt(a) * sqrt(a)
+  is a and rsqrt(a) * rsqrt(a) is 1 / a where XLA knows a >= 0 (a copy
+  keeps a's maker beside them: `_duplicated`)."""
+  op = _as_xla_makes(value.producer)
+  rop, at, others = _as_xla_reads(reader, value)
+  return (_reassociated(rop, at, others, reader, value)
+          or (rop == "self" and op in ("exp", "sqrt", "rsqrt"))
+          or (rop == "div" and ((1 in at and op in ("div", "exp", "pow"))
+                                or (0 in at and op == "div")
+                                or (0 in at and op == "exp"  # a * exp(-b), then exp(a - b)
+                                    and _made_by(reader.inputs[1], "exp", "exp2"))))
+          or (rop == "rsqrt" and _reciprocal(value.producer))  # rsqrt(1 / a) is sqrt(a)
+          or (rop == "pow" and 0 in at and op == "exp")
+          or (rop == "log" and op in ("exp", "pow", "sqrt", "rsqrt"))
+          or (rop == "mul" and op == "exp"
+              and all(_made_by(v, "exp", "exp2") for v in reader.inputs)))
 
 
 def _seen_through(reader, value):
@@ -146,8 +237,8 @@ def _seen_through(reader, value):
   an elementwise reader, `_duplicated`)."""
   if not np.issubdtype(value.aval.dtype, np.inexact):
     return False
-  at = [i for i, v in enumerate(reader.inputs) if v is value]
-  if reader.op == "div" and 1 in at and value.producer.op in ("sqrt", "rsqrt"):
+  rop, at, _ = _as_xla_reads(reader, value)
+  if rop == "div" and 1 in at and value.producer.op in ("sqrt", "rsqrt"):
     return False  # a / sqrt(b) becomes a * rsqrt(b) only where sqrt(b) has one reader
   return _rewritten(reader, value) or (facts(reader.op).elementwise
                                        and _duplicated(value.producer))
@@ -191,14 +282,67 @@ def _replicated_values(graph):
   return known
 
 
+def _same_when_returned(value, phase):
+  """Whether the partition that computes `value` computes alike when it
+  returns `value` too: no reader there rewritten through its maker (nor a
+  division by a square root, a rewrite XLA makes only where that has one
+  reader), and no add there that contracts with its product into an FMA
+  (x * y + 1 where x * y is returned too: a review's find, the callback
+  read other bits)."""
+  maker = value.producer
+  product = maker.op in ("mul", "square", "integer_pow")
+  for r in value.users:
+    if phase[id(r)] != phase[id(maker)]:
+      continue
+    rop, at, _ = _as_xla_reads(r, value)
+    if (_rewritten(r, value) or (product and r.op in ("add", "sub", "add_any", "AddN"))
+        or (rop == "div" and 1 in at and maker.op in ("sqrt", "rsqrt"))):
+      return False
+  return True
+
+
 def copy_into_readers(graph):
   """Copies each staying device node (`_sinkable`) into every later device
-  run where one of its readers sees through it (`_seen_through`), before
-  that run's first reader, and points those readers at the copy; the
-  latest nodes first, so a copy's own inputs are seen with it as a reader.
-  Returns the copies."""
+  run where one of its readers sees through it (`_seen_through`) and the
+  copy closes (`closes`), before that run's first reader, and points those
+  readers at the copy; the latest nodes first, so a copy's own inputs are
+  seen with it as a reader. Returns the copies."""
   copies, work = [], list(graph.nodes)
-  phase, divisors, replicated = _phases(graph.nodes), None, None
+  phase, known, closed = _phases(graph.nodes), {}, {}
+
+  def divisors():
+    if "divisors" not in known:
+      known["divisors"] = _divisor_values(graph)
+    return known["divisors"]
+
+  def wanted(node, readers):
+    """Those of `readers` (of one later run) that read `node`'s copy."""
+    value = node.outputs[0]
+    readers = [r for r in readers if _seen_through(r, value)]
+    if not readers or not _copyable(node, readers, divisors()):
+      return []
+    if graph.mesh is not None and not all(_rewritten(r, value) for r in readers):
+      if "replicated" not in known:
+        known["replicated"] = _replicated_values(graph)
+      if value.id not in known["replicated"]:  # a fusion's copy: as a single device's only
+        return []
+    return readers
+
+  def closes(node, q):
+    """Whether `node`'s copy in run q reads only what q can read already (an
+    input, a constant, a value of q's or one another run reads), what an
+    earlier partition computes alike when it returns it too
+    (`_same_when_returned`), or what is copied with it."""
+    if (node.id, q) not in closed:
+      closed[(node.id, q)] = all(
+          not isinstance(v, Value) or v.producer is None or phase[id(v.producer)] == q
+          or any(phase[id(u)] != phase[id(v.producer)] for u in v.users)
+          or _same_when_returned(v, phase)
+          or (_sinkable(v.producer) and len(v.producer.outputs) == 1
+              and wanted(v.producer, [node]) and closes(v.producer, q))
+          for v in node.inputs)
+    return closed[(node.id, q)]
+
   while work:
     node = work.pop()
     if not _sinkable(node) or len(node.outputs) != 1:
@@ -209,18 +353,9 @@ def copy_into_readers(graph):
       if user.place == "device" and phase[id(user)] > phase[id(node)]:
         later.setdefault(phase[id(user)], []).append(user)
     for q, readers in later.items():
-      readers = [r for r in readers if _seen_through(r, value)]
-      if not readers:
+      readers = wanted(node, readers)
+      if not readers or not closes(node, q):
         continue
-      if divisors is None:
-        divisors = _divisor_values(graph)
-      if not _copyable(node, readers, divisors):
-        continue
-      if graph.mesh is not None and not all(_rewritten(r, value) for r in readers):
-        if replicated is None:
-          replicated = _replicated_values(graph)
-        if value.id not in replicated:  # a fusion's copy: as a single device's only
-          continue
       copy = graph.make_node(node.op, node.prim, node.params, node.inputs,
                              [value.aval], node.effects, node.source)
       copy.kernel, copy.place, copy.stream = node.kernel, node.place, node.stream
