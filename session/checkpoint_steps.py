@@ -22,7 +22,10 @@ import threading
 
 import jax
 
+from jaxsession import processes
+
 FORMAT = "jaxsession-checkpoint-1"
+DELETING = ".jaxsession_deleting."  # a step folder being removed (orbax lists no such name)
 
 # A step is complete once this file is in it, written after orbax finished
 # the step: a process killed during a save can leave orbax's step folder
@@ -46,9 +49,14 @@ def drop_old(manager, path, keep, writer):
   and made incomplete first (its marker removed), so a kill during the
   deletion leaves a folder no restore takes and the next save removes (an
   unclaimed one was kept as another writer's: a review's find). Only the
-  primary process deletes (orbax's delete is its own there)."""
+  primary process deletes, removing the folder itself: orbax's delete is a
+  collective of every process, and the primary's alone waited forever (a
+  review's find)."""
   if jax.process_index() != 0:
     return
+  for name in os.listdir(path):  # what a kill during a removal left
+    if name.startswith(DELETING):
+      shutil.rmtree(os.path.join(path, name), ignore_errors=True)
   for old in sorted(complete_steps(path))[:-keep]:
     folder = os.path.join(path, str(old))
     claim(path, old, writer)  # a kill from here on leaves a claimed leftover
@@ -57,10 +65,12 @@ def drop_old(manager, path, keep, writer):
         os.remove(os.path.join(folder, MARKER))
       except FileNotFoundError:
         pass
-      try:
-        manager.delete(old)
+      gone = os.path.join(path, f"{DELETING}{old}.{writer}")
+      try:  # renamed first: a reader never lists a folder half removed
+        os.rename(folder, gone)
       except FileNotFoundError:
-        shutil.rmtree(folder, ignore_errors=True)
+        continue
+      shutil.rmtree(gone)
     finally:  # (a deletion that failed left its claim, and the directory refused
       unclaim(path, old, writer)  # every other writer: a review's find)
   manager.reload()
@@ -110,18 +120,18 @@ def reserve(path, step, writer):
   that claim's file name (nothing claimed), else None. One reservation at a
   time in this process; against another process, each looks again after
   claiming, and where both claimed at once both back off."""
-  if jax.process_index() != 0:
-    return None
-  with _RESERVE_LOCK:
-    theirs = _live_claims(path, writer)
-    if theirs:
-      return theirs[0]
-    claim(path, step, writer)
-    theirs = _live_claims(path, writer)
-    if theirs:
-      unclaim(path, step, writer)
-      return theirs[0]
-  return None
+  theirs = None
+  if jax.process_index() == 0:
+    with _RESERVE_LOCK:
+      theirs = _live_claims(path, writer)
+      if not theirs:
+        claim(path, step, writer)
+        theirs = _live_claims(path, writer)
+        if theirs:
+          unclaim(path, step, writer)
+  # every process takes process 0's answer (the others went into orbax's
+  # collectives alone and hung: a review's find)
+  return processes.primarys(theirs[0] if theirs else None)
 
 
 def _live_claims(path, writer):

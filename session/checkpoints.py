@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from jaxsession import checkpoint_steps as step_dirs, state_typing
+from jaxsession import checkpoint_steps as step_dirs, processes, state_typing
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
 from jaxsession.runtime import debug_flags, interrupts
@@ -174,11 +174,7 @@ class Checkpointer:
     try:
       with self._lock:  # steps increase per directory, as orbax keeps them
         before = self._queued.get(path, -1)
-        newest = max([*step_dirs.complete_steps(path), *step_dirs.other_steps(path), before])
-        if step <= newest:
-          raise InputError(f"{where}: step {step} is not after step {newest}, the newest "
-                           f"checkpoint in {path}: steps must increase (save it as step "
-                           f"{newest + 1} or later, or into another directory)")
+        processes.agreed(where, lambda: _check_after(where, path, step, before))
         theirs = step_dirs.reserve(path, step, self._writer)
         if theirs is not None:
           raise InputError(
@@ -303,6 +299,16 @@ class Checkpointer:
                 with_weak_type(x, weak[j]) for j, x in enumerate(row)]
       values.append(tree_util.tree_unflatten(slot.treedef, leaves))
     return step, values
+
+
+def _check_after(where, path, step, before):
+  """InputError unless `step` is after every step in `path` and `before`
+  (this session's newest queued there)."""
+  newest = max([*step_dirs.complete_steps(path), *step_dirs.other_steps(path), before])
+  if step <= newest:
+    raise InputError(f"{where}: step {step} is not after step {newest}, the newest "
+                     f"checkpoint in {path}: steps must increase (save it as step "
+                     f"{newest + 1} or later, or into another directory)")
 
 
 def _listed(where, path, manager, step):

@@ -121,6 +121,9 @@ class SessionOptions:
                        f"{type(self.mesh).__name__}")
     if self.mesh is not None and len(set(self.mesh.axis_names)) != len(self.mesh.axis_names):
       raise InputError(f"SessionOptions.mesh names an axis twice: {self.mesh.axis_names}")
+    if self.mesh is not None and len(set(self.mesh.devices.flat)) != self.mesh.devices.size:
+      raise InputError(f"SessionOptions.mesh holds a device twice: {self.mesh.devices.tolist()} "
+                       "(each device once, as jax.make_mesh lays them out)")
     keep = self.checkpoint_keep
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
       raise InputError(f"SessionOptions.checkpoint_keep must be an int >= 1 or None, got "

@@ -10,8 +10,8 @@ import jax
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import (bucketed, checkpoints, gc_pause, inputs, own_device, pipeline, spmd,
-                        state_values, tracing)
+from jaxsession import (bucketed, checkpoints, gc_pause, inputs, own_device, pipeline,
+                        processes, spmd, state_values, tracing)
 from jaxsession.graph import importer
 from jaxsession.argnums import _argnums, _graph_id, _replaced, _shared_slots
 from jaxsession.errors import InputError, SessionError, UnknownGraphError
@@ -475,13 +475,16 @@ class Session:
     as jax.jit deletes a donated argument); the others are copied."""
     entry = self._entry(graph_id)
     where = f"set_state(graph {graph_id} '{entry.name}')"
-    if len(values) != len(entry.slots):
-      raise InputError(f"{where}: expected {len(entry.slots)} value(s), one per state arg, "
-                       f"got {len(values)}")
+
+    def checked():  # (on every process, or an error on each)
+      if len(values) != len(entry.slots):
+        raise InputError(f"{where}: expected {len(entry.slots)} value(s), one per state "
+                         f"arg, got {len(values)}")
+      return state_values.new_leaves(where, [(f"{where}: value {k}", slot, value) for k, (
+          slot, value) in enumerate(zip(entry.slots, values))], donate)
     with spmd.own_context(self.options):  # the copies on the slots' devices
-      new = state_values.new_leaves(where, [(f"{where}: value {k}", slot, value)
-                                            for k, (slot, value)
-                                            in enumerate(zip(entry.slots, values))], donate)
+      new = processes.agreed(where, checked, lambda _: processes.checksum(
+          jax.tree.leaves(values)), "values")
       state_values.bind(entry.lock, entry.slots, new, where)
 
   def replace_state(self, graph_id, index, value, donate=False):
@@ -493,11 +496,15 @@ class Session:
     cache, token and position reset per request)."""
     entry = self._entry(graph_id)
     where = f"replace_state(graph {graph_id} '{entry.name}')"
-    indices, values = _replaced(where, index, value, len(entry.slots))
-    slots = [entry.slots[k] for k in indices]
+
+    def checked():  # (on every process, or an error on each)
+      indices, values = _replaced(where, index, value, len(entry.slots))
+      slots = [entry.slots[k] for k in indices]
+      return slots, state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, v) for (
+          k, slot, v) in zip(indices, slots, values)], donate)
     with spmd.own_context(self.options):  # the copies on the slots' devices
-      new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, v)
-                                            for k, slot, v in zip(indices, slots, values)], donate)
+      slots, new = processes.agreed(where, checked, lambda _: processes.checksum(
+          jax.tree.leaves((index, value))), "values")
       state_values.bind(slots_lock(slots), slots, new, where)
 
   # -- checkpoints ----------------------------------------------------------

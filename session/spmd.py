@@ -18,6 +18,7 @@ import numpy as np
 from jax import tree_util
 
 from jaxsession.jax_api import context_meshes, real_jit
+from jaxsession import processes
 from jaxsession.errors import InputError
 from jaxsession.inputs import leaf_aval, paths_of
 from jaxsession.graph.ir import aval_str
@@ -155,28 +156,14 @@ def traced_types(args):
   return [tree_util.tree_map(plain, a) for a in args]
 
 
-def _check_same_everywhere(where, dyn_flats, state_flats):
-  """InputError on every process unless all of them compile with run
-  examples of one type (each process's piece) and one initial state (its
-  types and values; a jax.ShapeDtypeStruct leaf by its type): examples that
-  differed compiled different programs, or made a replicated state differ
-  between processes, silently (a review's find). One allgather of a
-  checksum per process, at compile only; a run refused on some processes
-  only still leaves the others waiting in the step's collectives."""
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  digest = zlib.crc32(repr([(f.treedef, f.avals) for f in (*dyn_flats, *state_flats)]).encode())
-  for f in state_flats:
-    for x in f.leaves:
-      if not isinstance(x, jax.ShapeDtypeStruct) and getattr(x, "is_fully_addressable", True):
-        host = np.ascontiguousarray(np.asarray(x))
-        digest = zlib.crc32(host.reshape(-1).view(np.uint8), digest)
-  everyone = np.asarray(multihost_utils.process_allgather(np.int64(digest)))
-  if len(set(everyone.ravel().tolist())) > 1:
-    raise InputError(f"{where}: the processes compile with other examples (process "
-                     f"{jax.process_index()} of {jax.process_count()}: checksums "
-                     f"{everyone.ravel().tolist()} of the run examples' types and the initial "
-                     "state's types and values): every process must pass pieces of one type "
-                     "and the same initial state")
+def _checksum(dyn_flats, state_flats, specs):
+  """What every process must compile alike: the run examples' types (each
+  process's piece), the specs, the initial state's types and values."""
+  arg_specs, _, state = specs
+  text = repr([[(f.treedef, f.avals) for f in (*dyn_flats, *state_flats)], arg_specs,
+               [[s.spec for s in row] for row in state]])
+  return processes.checksum((x for f in state_flats for x in f.leaves),
+                            zlib.crc32(text.encode()))
 
 
 def _global_example(where, arg_name, path, x, target):
@@ -207,25 +194,34 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
   # first in its call, and a position alone named another argument
   arg_names = [f"run argument {params[i]!r} at position {i}" if i < len(params) and params[i]
                else f"run argument at position {i}" for i in dyn_nums]
-  arg_avals = [list(f.avals) for f in dyn_flats]
-  arg_specs = sharding.leaf_specs("in_specs", mesh, in_specs, dyn_args, arg_names, arg_avals,
-                                  sharding.data_parallel)
-  targets = [[sharding.check_axes(mesh, s, f"{where}: {arg_name}") for s in row]
-             for row, arg_name in zip(arg_specs, arg_names)]
+
+  def specs():  # (on every process alike, or an error on each)
+    arg_avals = [list(f.avals) for f in dyn_flats]
+    arg_specs = sharding.leaf_specs("in_specs", mesh, in_specs, dyn_args, arg_names, arg_avals,
+                                    sharding.data_parallel)
+    targets = [[sharding.check_axes(mesh, s, f"{where}: {arg_name}") for s in row]
+               for row, arg_name in zip(arg_specs, arg_names)]
+    for kind, flats, nums in (("run argument", dyn_flats, dyn_nums),
+                              ("state argument", state_flats, state_nums)):
+      for i, f in zip(nums, flats):
+        for path, aval in zip(f.paths, f.avals):
+          if sub_byte(aval.dtype):
+            raise InputError(
+                f"{where}: {kind} at position {i} path {path or '(root)'} is "
+                f"{aval_str(aval)}: a dtype narrower than a byte is not supported under a "
+                "mesh (jax's ahead-of-time executables refuse such arrays laid out over "
+                "devices, where jax.jit takes them); widen it (int8) for the session")
+    return arg_specs, targets, _state_layout(where, mesh, state_flats, state_nums,
+                                             state_specs, source_slots)
+  # one program and initial state on every process (examples, specs or state
+  # that differed compiled different programs, or made a replicated state
+  # differ between processes, silently: a review's finds)
+  arg_specs, targets, state = processes.agreed(
+      where, specs, lambda got: _checksum(dyn_flats, state_flats, got),
+      "run examples' types, specs, or initial state (its types and values)")
   local = jax.process_count() > 1 and any(not t.is_fully_addressable for row in targets
                                           for t in row)
-  for kind, flats, nums in (("run argument", dyn_flats, dyn_nums),
-                            ("state argument", state_flats, state_nums)):
-    for i, f in zip(nums, flats):
-      for path, aval in zip(f.paths, f.avals):
-        if sub_byte(aval.dtype):
-          raise InputError(
-              f"{where}: {kind} at position {i} path {path or '(root)'} is "
-              f"{aval_str(aval)}: a dtype narrower than a byte is not supported under a "
-              "mesh (jax's ahead-of-time executables refuse such arrays laid out over "
-              "devices, where jax.jit takes them); widen it (int8) for the session")
-  if jax.process_count() > 1:  # one program on every process, or an error on each
-    _check_same_everywhere(where, dyn_flats, state_flats)
+  arg_avals = [list(f.avals) for f in dyn_flats]
   if local:  # each process's example is its piece of the global batch
     dyn_args = [tree_util.tree_unflatten(f.treedef, [
         _global_example(where, arg_name, path, x, t)
@@ -236,22 +232,24 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
   leaf_names = [[f"{where}: {name_} path {p or '(root)'}" for p in f.paths]
                 for name_, f in zip(arg_names, dyn_flats)]
   args = sharding.named(mesh, arg_specs, arg_avals, leaf_names)
+  return MeshLayout(mesh, args, state, local, compiler_options(options, platform)), dyn_args
 
-  state_args = [tree_util.tree_unflatten(f.treedef, f.leaves) for f in state_flats]
-  state_avals = [list(f.avals) for f in state_flats]
+
+def _state_layout(where, mesh, state_flats, state_nums, state_specs, source_slots):
+  """Each state leaf's sharding: the source's (state_from), or its spec's."""
   if source_slots is not None:
     if state_specs is not None:
       raise InputError(f"{where}: state_specs is given with state_from; shared state keeps "
                        "the layout of the graph it comes from")
-    state = [list(slot.shardings) for slot in source_slots]
-  else:
-    state_names = [f"state argument at position {i}" for i in state_nums]
-    specs = sharding.leaf_specs("state_specs", mesh, state_specs, state_args, state_names,
-                                state_avals, lambda mesh, aval: jax.sharding.PartitionSpec())
-    state_leaf_names = [[f"{where}: {n} path {p or '(root)'}" for p in f.paths]
-                        for n, f in zip(state_names, state_flats)]
-    state = sharding.named(mesh, specs, state_avals, state_leaf_names)
-  return MeshLayout(mesh, args, state, local, compiler_options(options, platform)), dyn_args
+    return [list(slot.shardings) for slot in source_slots]
+  state_args = [tree_util.tree_unflatten(f.treedef, f.leaves) for f in state_flats]
+  state_avals = [list(f.avals) for f in state_flats]
+  state_names = [f"state argument at position {i}" for i in state_nums]
+  specs = sharding.leaf_specs("state_specs", mesh, state_specs, state_args, state_names,
+                              state_avals, lambda mesh, aval: jax.sharding.PartitionSpec())
+  state_leaf_names = [[f"{where}: {n} path {p or '(root)'}" for p in f.paths]
+                      for n, f in zip(state_names, state_flats)]
+  return sharding.named(mesh, specs, state_avals, state_leaf_names)
 
 
 def mark_graph(graph, mesh_layout, options, platform):

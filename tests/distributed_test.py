@@ -269,26 +269,43 @@ import numpy as np
 import jax.numpy as jnp
 from jax.sharding import Mesh
 import jaxsession as js
+from jax.experimental import multihost_utils
 mesh = Mesh(np.array(jax.devices()), ("data",))
 rng = np.random.default_rng(9)
 w = rng.standard_normal((8, 3)).astype(np.float32)
 x = rng.standard_normal((16, 8)).astype(np.float32)[pid * 8:(pid + 1) * 8]
 step = lambda w, x: (w - 0.1 * x.T @ (x @ w), jnp.sum(x @ w))
 out = {}
-def attempt(name, *args):
+def tried(name, fn):
   try:
-    js.Session(js.SessionOptions(mesh=mesh)).compile(step, *args, state_argnums=0)
+    fn()
     out[name] = None
   except js.InputError as exc:
     out[name] = str(exc)
-# pieces of other shapes, another initial state, a piece the mesh cannot divide
+def attempt(name, *args, **kw):
+  tried(name, lambda: js.Session(js.SessionOptions(mesh=mesh)).compile(
+      step, *args, state_argnums=0, **kw))
+# pieces of other shapes, another initial state, other specs, specs one
+# process refuses, a piece the mesh cannot divide
 attempt("rows", w, x if pid == 0 else x[:4])
 attempt("state", w if pid == 0 else w + 1.0, x)
+attempt("specs", w, x, state_specs="zero" if pid == 0 else None)
+attempt("bad_specs_on_one", w, x, state_specs=None if pid == 0 else "nonsense")
 attempt("uneven", w, x[:5])
 attempt("same", w, x)
+# set_state / replace_state: values that differ between the processes, a
+# value one process refuses: refused on both, the state kept (it diverged
+# silently, or one process went on alone: a review's finds)
+sess = js.Session(js.SessionOptions(mesh=mesh))
+gid = sess.compile(step, w, x, state_argnums=0)
+held = lambda: np.asarray(multihost_utils.process_allgather(sess.get_state(gid)[0], tiled=True))
+tried("set_differs", lambda: sess.set_state(gid, w * (pid + 1)))
+tried("replace_bad_on_one", lambda: sess.replace_state(gid, 0, w if pid == 0 else w[:4]))
+out["kept"] = bool(np.array_equal(held(), w))
+tried("set_same", lambda: sess.set_state(gid, w * 3))
+out["set"] = bool(np.array_equal(held(), w * 3))
 # a global value laid out on the same devices in another order: set_state
 # reshards it (a jitted reshard refused it with jax's raw ValueError)
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 sess = js.Session(js.SessionOptions(mesh=mesh))
 gid = sess.compile(step, w, x, state_argnums=0)
@@ -311,8 +328,19 @@ class TwoProcessMismatchTest(absltest.TestCase):
     port = str(_free_port())
     p0, p1 = run_all([["proc", "0", port], ["proc", "1", port]], script=MISMATCH_CHILD)
     for out in (p0, p1):
-      for name in ("rows", "state"):
-        self.assertIn("the processes compile with other examples", out[name] or "", name)
+      for name in ("rows", "state", "specs"):
+        self.assertIn("the 2 processes pass other run examples' types, specs, or initial "
+                      "state", out[name] or "", name)
+      self.assertIn("set_state", out["set_differs"] or "")
+      self.assertIn("the 2 processes pass other values", out["set_differs"] or "")
+      self.assertIsNone(out["set_same"])
+      self.assertTrue(out["kept"])
+      self.assertTrue(out["set"])
+    self.assertIn("refused on process(es) [1] of 2", p0["bad_specs_on_one"] or "")
+    self.assertIn("nonsense", p1["bad_specs_on_one"] or "")
+    self.assertIn("refused on process(es) [1] of 2", p0["replace_bad_on_one"] or "")
+    self.assertIn("expected f32[8,3], got f32[4,3]", p1["replace_bad_on_one"] or "")
+    for out in (p0, p1):
       self.assertIn("run argument 'x' at position 1 path (root): this process's piece (shape "
                     "(5, 8)) does not make a global example", out["uneven"] or "")
       self.assertIsNone(out["same"])

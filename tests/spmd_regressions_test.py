@@ -522,7 +522,10 @@ class CompilerOptionsTest(absltest.TestCase):
     twice = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("a", "a"))
     with self.assertRaisesRegex(js.errors.InputError, "names an axis twice"):
       js.SessionOptions(mesh=twice)
-
+    # one device twice: compile failed in jax with a bare AssertionError (a review's find)
+    same = jax.sharding.Mesh(np.array(jax.devices()[:1] * 2), ("a",))
+    with self.assertRaisesRegex(js.errors.InputError, "holds a device twice"):
+      js.SessionOptions(mesh=same)
 
   def test_the_gpu_combine_threshold_is_set_per_compile(self):
     # what Build passes to XLA on GPU (no GPU here: the options, not XLA's use)

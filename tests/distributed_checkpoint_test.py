@@ -1,0 +1,85 @@
+"""Checkpoints of a job over 2 processes x 2 CPU devices (jax.distributed).
+
+A review's finds: keep-N across processes deadlocked (orbax's delete is a
+collective of every process, and only the primary called it), and a save
+into a directory another writer was saving into was refused on the primary
+alone while the other process went on into orbax's collectives and hung.
+Each process now ends, with the same steps written or the same error."""
+import tempfile
+
+from absl.testing import absltest
+
+import jaxsession as js
+from tests import distributed_test as dist
+
+CHILD = r"""
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+pid = int(sys.argv[2])
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[3]}", num_processes=2, process_id=pid,
+                           initialization_timeout=120)
+import numpy as np
+import jax.numpy as jnp
+from jax.sharding import Mesh
+import jaxsession as js
+directory, mode = sys.argv[4], sys.argv[5]
+mesh = Mesh(np.array(jax.devices()), ("data",))
+w = np.arange(24, dtype=np.float32).reshape(8, 3) - 7.5
+sess = js.Session(js.SessionOptions(mesh=mesh, checkpoint_keep=2))
+step = lambda w: (w * 1.5 + 1.0, jnp.sum(w))
+gid = sess.compile(step, w, state_argnums=0, state_specs="zero")
+held = lambda: np.asarray(jax.experimental.multihost_utils.process_allgather(
+    sess.get_state(gid)[0], tiled=True)).tolist()
+out = {}
+if mode == "keep":
+  states = {}
+  for k in range(1, 5):
+    sess.run(gid)
+    sess.save(gid, directory, k)
+    states[k] = held()
+  sess.wait_until_saved()
+  out["steps"] = sorted(js.checkpoint_steps.complete_steps(directory))
+  sess.run(gid)
+  out["restored"] = sess.restore(gid, directory)
+  out["equal"] = held() == states[4]
+  sess.restore(gid, directory, 3)
+  out["equal3"] = held() == states[3]
+else:  # another writer saves into the directory now
+  try:
+    sess.save(gid, directory, 1)
+    sess.wait_until_saved()
+    out["refused"] = None
+  except js.InputError as exc:
+    out["refused"] = str(exc)
+  out["steps"] = sorted(js.checkpoint_steps.complete_steps(directory))
+print(json.dumps(out))
+"""
+
+
+class TwoProcessCheckpointTest(absltest.TestCase):
+
+  def _run(self, directory, mode):
+    port = str(dist._free_port())  # pylint: disable=protected-access
+    return dist.run_all([["proc", str(k), port, directory, mode] for k in (0, 1)],
+                        script=CHILD)
+
+  def test_keep_n_removes_old_steps_on_every_process(self):
+    with tempfile.TemporaryDirectory() as d:
+      for out in self._run(d, "keep"):
+        self.assertEqual(out["steps"], [3, 4])
+        self.assertEqual(out["restored"], 4)
+        self.assertTrue(out["equal"])
+        self.assertTrue(out["equal3"])
+
+  def test_a_directory_in_use_is_refused_on_every_process(self):
+    with tempfile.TemporaryDirectory() as d:
+      js.checkpoint_steps.claim(d, 0, "another-writer")  # this test process saves there
+      for out in self._run(d, "busy"):
+        self.assertIn("another session or process is saving into", out["refused"] or "")
+        self.assertIn("another-writer", out["refused"])
+        self.assertEqual(out["steps"], [])
+
+
+if __name__ == "__main__":
+  absltest.main()
