@@ -27,10 +27,15 @@ a log of an exp or a power, a product of exps (`(a / b) / c` to
 `a / (b * c)`, `log(exp(z))` to `z`: 1-3 ulp off, and a nan where exp
 underflows), and gathers array constants (`(x * C) * D`); it meets powers
 as jax lowers them (`x ** 2` a product, `x ** -1` a division) and exp2
-and sigmoid as an exp and a division (`_as_xla_reads`, `_AS_XLA_MAKES`). XLA's fusion recomputes cheap arithmetic reading one array (a
-subtraction of a broadcast max, `x * x`, `x * 2`) in each elementwise
-reader, where a product then contracts with an add into an FMA, and a sum
-after it is another loop. The copy reads the node's inputs and computes
+and sigmoid as an exp and a division (`_as_xla_reads`, `_AS_XLA_MAKES`).
+XLA's fusion recomputes data movement and cheap arithmetic reading one
+array (a subtraction of a broadcast max, `x * x`, `x * 2`) in each
+elementwise reader, with what it fused into that arithmetic's one reader
+(`-(x * y)`), where a product then contracts with an add into an FMA, and
+a sum after it is another loop. A copy closes: it reads nothing the
+partition before it would newly return where that changes its arithmetic
+(`closes`: x * y returned beside x * y + 1 lost the FMA there, and the
+callback read other bits). The copy reads the node's inputs and computes
 what it computes; those readers read the copy (the others the value as
 computed before: an exp that a sum reads too is computed once in jax.jit's
 executable), so the partition's executable holds the chain as jax.jit's
@@ -111,22 +116,41 @@ def _made_by(value, *ops):
   return isinstance(value, Value) and value.producer is not None and value.producer.op in ops
 
 
-def _duplicated(node):
-  """Whether XLA's fusion copies `node` into each of its readers: cheap
-  elementwise arithmetic (not a transcendental XLA:CPU approximates: those
-  it computes once) reading at most one array of its own rank that is not a
-  broadcast (literals and lower-rank operands become broadcasts), or no
-  more bytes than it writes (`x * x`)."""
+def _cheap(node):
+  """Elementwise arithmetic XLA's fusion may compute again in a reader: not
+  a fused op (GeluTanh holds a tanh: a review's find), not a transcendental
+  XLA:CPU approximates (those it computes once), not x ** 3 (two products
+  XLA keeps apart) nor x ** -1 (a division)."""
   fact = facts(node.op)
   if node.prim is None or not fact.elementwise or fact.approximated:
-    return False  # (a fused op, GeluTanh: a tanh inside; a review's find)
+    return False
+  return node.op != "integer_pow" or (node.params.get("y") == 2 and np.issubdtype(
+      node.outputs[0].aval.dtype, np.floating))
+
+
+def _duplicated(node):
+  """Whether XLA's fusion copies `node` into each of its readers: data
+  movement, or cheap arithmetic (`_cheap`) reading at most one array of its
+  own shape that is not a broadcast (literals, lower-rank operands and
+  size-1 axes the op broadcasts - x * c for a column c - are broadcasts),
+  or no more bytes than it writes (`x * x`)."""
+  if node.prim is not None and facts(node.op).fused_through:
+    return True
+  if not _cheap(node):
+    return False
   out = node.outputs[0].aval
-  if node.op == "integer_pow" and (node.params.get("y") != 2 or not
-                                   np.issubdtype(out.dtype, np.floating)):
-    return False  # x ** 3 is two products, XLA keeps them apart; z ** -1 divides
-  full = {id(v): v for v in node.inputs if isinstance(v, Value) and v.aval.ndim == out.ndim
+  full = {id(v): v for v in node.inputs if isinstance(v, Value) and v.aval.shape == out.shape
           and not _made_by(v, "broadcast_in_dim", "iota")}
   return len(full) <= 1 or sum(v.aval.size for v in full.values()) <= out.size
+
+
+def _fused_into_its_reader(value):
+  """Whether XLA fuses `value`'s cheap maker into its one reader (every
+  user is one node or its copies), a fusion then copied whole with that
+  reader: -(x * y) or (x * y).reshape(...) read by a callback and added to
+  after it contract into an FMA there, where x * y alone is computed once."""
+  readers = {(u.op, tuple(id(v) for v in u.inputs)) for u in value.users}
+  return _cheap(value.producer) and len(readers) == 1
 
 
 # makers as XLA's simplifier meets them: jax lowers exp2 to an exp of a
@@ -240,8 +264,9 @@ def _seen_through(reader, value):
   rop, at, _ = _as_xla_reads(reader, value)
   if rop == "div" and 1 in at and value.producer.op in ("sqrt", "rsqrt"):
     return False  # a / sqrt(b) becomes a * rsqrt(b) only where sqrt(b) has one reader
-  return _rewritten(reader, value) or (facts(reader.op).elementwise
-                                       and _duplicated(value.producer))
+  fact = facts(reader.op)
+  return _rewritten(reader, value) or ((fact.elementwise or fact.fused_through) and (
+      _duplicated(value.producer) or _fused_into_its_reader(value)))
 
 
 def _divisor_values(graph):
