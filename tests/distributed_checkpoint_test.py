@@ -8,9 +8,12 @@ Each process now ends, with the same steps written or the same error."""
 import tempfile
 
 from absl.testing import absltest
+import pytest
 
 import jaxsession as js
 from tests import distributed_test as dist
+
+pytestmark = pytest.mark.slow  # two processes (docs/testing.md)
 
 CHILD = r"""
 import json, sys
