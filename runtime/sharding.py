@@ -210,8 +210,20 @@ def _put_global(x, sharding):
     # (may_alias=False notwithstanding, measured with jax 0.10.2), and the
     # session donates its state: copy first, then lay the copy out.
     return jax.device_put(jax.numpy.array(x, copy=True), sharding)
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    # a typed key on devices of several processes: its data laid out, then
+    # wrapped (numpy takes no key: a review's find)
+    data = _put_global(jax.random.key_data(x), _key_data_sharding(sharding, x))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
   host = np.array(x, copy=True)  # a shard may keep its slice's buffer: not the caller's
   return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _key_data_sharding(sharding, key):
+  """`sharding` of a key array for its key data (one more, trailing axis)."""
+  extra = jax.random.key_data(key).ndim - key.ndim
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+      *sharding.spec, *([None] * (key.ndim - len(sharding.spec) + extra))))
 
 
 def device_bytes(arrays):

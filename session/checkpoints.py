@@ -143,14 +143,19 @@ class Checkpointer:
       return path, manager
 
   def save(self, entry, where, directory, step):
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-      raise InputError(f"{where}: step must be an int >= 0, got {step!r}")
+    def checked():  # (alike on every process, or an error on each: orbax's
+      # collectives waited forever for a process that refused)
+      if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise InputError(f"{where}: step must be an int >= 0, got {step!r}")
+      path = _local_path(where, directory)
+      if any(slot.unset for slot in entry.slots):
+        raise InputError(f"{where}: the state is unset (compiled from jax.ShapeDtypeStruct "
+                         "examples; set_state or restore binds it)")
+      _check_writable(where, entry)
+      return path
+    path = processes.agreed(where, checked, lambda path: zlib.crc32(f"{path}|{step}".encode()),
+                            "directories or steps")
     step = int(step)  # a numpy integer too, as run's steps=
-    _local_path(where, directory)
-    if any(slot.unset for slot in entry.slots):
-      raise InputError(f"{where}: the state is unset (compiled from jax.ShapeDtypeStruct "
-                       "examples; set_state or restore binds it)")
-    _check_writable(where, entry)
     path, manager = self._manager(where, directory, create=True)
     with self._lock:  # an earlier save's failure, raised here as orbax raises it
       errors, self._errors = self._errors, []
@@ -274,16 +279,24 @@ class Checkpointer:
 
   def restore(self, entry, where, directory, step):
     """The new leaves per slot, read and checked; `step` and the leaves."""
-    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
-                             or step < 0):
-      raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
+    def checked():  # (alike on every process, or an error on each)
+      if step is not None and (isinstance(step, bool) or not isinstance(
+          step, numbers.Integral) or step < 0):
+        raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
+      return _local_path(where, directory)
+    processes.agreed(where, checked, lambda path: zlib.crc32(f"{path}|{step}".encode()),
+                     "directories or steps")
     asked = None if step is None else int(step)
-    _local_path(where, directory)
     self._queue.join()  # the pending saves written (their errors stay for wait/save)
     path, manager = self._manager(where, directory, create=False)
     for _ in range(3):  # the newest one, removed by another writer's keep-N meanwhile
-      step = _listed(where, path, manager, asked)
-      got = _read(where, path, manager, step, entry)
+      # the primary's choice on every process (their listings raced another
+      # writer's keep-N: two processes restored two steps, a review's find)
+      step = int(processes.primarys(str(processes.agreed(
+          where, lambda: _listed(where, path, manager, asked)))))
+      got = processes.agreed(where, lambda: _read(where, path, manager, step, entry),
+                             lambda got: got is None, "reads (another writer removed the "
+                             "step while it was read on some processes)")
       if got is not None or asked is not None:
         break
     if got is None:

@@ -16,36 +16,50 @@ import numpy as np
 from jaxsession.errors import InputError
 
 
+def _host_copy(x):
+  """This process's whole value of `x` as numpy, or None where it holds
+  only its pieces (a leaf laid out over processes)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return None
+  if isinstance(x, jax.Array):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)  # (numpy takes no typed key: a review's find)
+    if not x.is_fully_addressable:
+      if not x.sharding.is_fully_replicated:
+        return None
+      x = x.addressable_data(0)  # a replicated copy: each process's must be the same
+  return np.ascontiguousarray(np.asarray(x))
+
+
 def checksum(leaves, start=0):
-  """A checksum of `leaves`' types and, where this process holds all of a
-  leaf (a replicated or single-device array, a host value), its values;
-  the pieces of a leaf laid out over processes are each process's own."""
+  """A checksum of `leaves`' kinds (a host value, or a jax array and its
+  layout), types and, where this process holds all of a leaf (a host
+  value, a single-device or replicated array), its values; the pieces of a
+  leaf laid out over processes are each process's own."""
   leaves = list(leaves)
-  digest = zlib.crc32(repr([(getattr(x, "shape", None), str(getattr(x, "dtype", type(x))))
-                            for x in leaves]).encode(), start)
+  digest = zlib.crc32(repr([
+      (type(x).__name__ if not isinstance(x, jax.Array) else str(x.sharding.spec) if
+       hasattr(x.sharding, "spec") else "array", getattr(x, "shape", None),
+       str(getattr(x, "dtype", type(x)))) for x in leaves]).encode(), start)
   for x in leaves:
-    if isinstance(x, jax.ShapeDtypeStruct) or not getattr(x, "is_fully_addressable", True):
-      continue
-    host = np.ascontiguousarray(np.asarray(x))
-    digest = zlib.crc32(host.reshape(-1).view(np.uint8), digest)
+    host = _host_copy(x)
+    if host is not None:
+      digest = zlib.crc32(host.reshape(-1).view(np.uint8), digest)
   return digest
 
 
-def agreed(where, make, digest=lambda result: 0, what="arguments"):
-  """`make()` where every process made it and their `digest`s of it agree;
-  else InputError on every process (this process's own error where make
-  raised one here). A single process: make() alone."""
+def agree(where, error=None, digest=0, what="arguments"):
+  """Raises on every process unless none met an error and their digests
+  agree: here `error` (what this process met), else an InputError naming
+  the processes that refused, or saying the digests differ. A collective
+  of every process; a single process: raises `error` alone."""
   if jax.process_count() == 1:
-    return make()
+    if error is not None:
+      raise error
+    return
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  error, result, mine = None, None, 0
-  try:
-    result = make()
-    mine = digest(result) & 0x7FFFFFFF  # (an int32 the allgather keeps without x64)
-  except InputError as exc:
-    error = exc
-  everyone = np.asarray(multihost_utils.process_allgather(
-      np.asarray([error is not None, mine], np.int32))).reshape(-1, 2)
+  everyone = np.asarray(multihost_utils.process_allgather(np.asarray(
+      [error is not None, digest & 0x7FFFFFFF], np.int32))).reshape(-1, 2)  # (int32: no x64)
   if error is not None:
     raise error
   failed = [k for k, (refused, _) in enumerate(everyone.tolist()) if refused]
@@ -58,6 +72,21 @@ def agreed(where, make, digest=lambda result: 0, what="arguments"):
     raise InputError(f"{where}: the {n} processes pass other {what} (checksums {sums}, "
                      f"this is process {jax.process_index()}): every process must pass the "
                      "same; nothing changed on any process")
+
+
+def agreed(where, make, digest=lambda result: 0, what="arguments"):
+  """`make()` where every process made it without an error and their
+  `digest`s of it agree (`agree`). `make` must run no collective: a
+  process that refused would not join it."""
+  if jax.process_count() == 1:
+    return make()
+  error, result, mine = None, None, 0
+  try:
+    result = make()
+    mine = digest(result)
+  except Exception as exc:  # pylint: disable=broad-except
+    error = exc  # (raised here after the others know: any error, or they wait forever)
+  agree(where, error, mine, what)
   return result
 
 

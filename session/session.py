@@ -138,8 +138,32 @@ class Session:
   def _compile(self, fn, example_args, state_argnums=(), static_argnums=(),
                state_from=None, updates_state=True, name=None, in_specs=None,
                state_specs=None, state_map=None):
-    """compile without buckets."""
+    """compile without buckets: traced and imported alike on every process,
+    or an error on each (session/processes.py: a process that refused while
+    another went on left that one waiting in its first run), then bound."""
     start = time.perf_counter()
+    where = f"compile({name or getattr(fn, '__name__', 'graph')})"
+    made = processes.agreed(where, lambda: self._traced(
+        fn, example_args, state_argnums, static_argnums, state_from, updates_state, name,
+        in_specs, state_specs, state_map), lambda made: made[-1],
+        "run examples' types, static arguments, argnums, state_map, specs, or initial state")
+    (gid, name, graph, spec, typing, rest_tree, weak_outputs, mesh_layout, state_nums,
+     state_flats, source, shared, _) = made
+    nodes_imported = len(graph.nodes)
+    slots = self._bind_state(name, state_nums, state_flats, state_from, source, shared,
+                             mesh_layout and mesh_layout.state)
+    try:
+      return self._compile_bound(gid, name, graph, slots, spec, typing, rest_tree,
+                                 nodes_imported, start, mesh_layout, weak_outputs)
+    except BaseException:
+      self._unpin(slots)
+      self._executables.release_owner(gid)
+      raise
+
+  def _traced(self, fn, example_args, state_argnums, static_argnums, state_from,
+              updates_state, name, in_specs, state_specs, state_map):
+    """compile's checks, trace and import (no collective); with a checksum of
+    what every process must pass alike."""
     if isinstance(fn, jcore.ClosedJaxpr):
       tracing.check_jaxpr_examples(fn, example_args, f"compile({name or 'closed_jaxpr'})")
       fn = tracing.closed_jaxpr_fn(fn)
@@ -211,16 +235,14 @@ class Session:
                                   host_callbacks=self.options.host_callbacks)
     graph.updates_state = updates
     spmd.mark_graph(graph, mesh_layout, self.options, self.platform)
-    nodes_imported = len(graph.nodes)
-    slots = self._bind_state(name, state_nums, state_flats, state_from, source, shared,
-                             mesh_layout and mesh_layout.state)
-    try:
-      return self._compile_bound(gid, name, graph, slots, spec, typing, rest_tree,
-                                 nodes_imported, start, mesh_layout, weak_outputs)
-    except BaseException:
-      self._unpin(slots)
-      self._executables.release_owner(gid)
-      raise
+    digest = 0
+    if jax.process_count() > 1:
+      digest = spmd.checksum(mesh_layout, state_flats, dyn_flats, [
+          state_nums, static_nums, updates, state_map, [
+              repr(example_args[i]) if isinstance(example_args[i], (int, float, str, bool))
+              else type(example_args[i]).__name__ for i in static_nums]])
+    return (gid, name, graph, spec, typing, rest_tree, weak_outputs, mesh_layout, state_nums,
+            state_flats, source, shared, digest)
 
   def _compile_bound(self, gid, name, graph, slots, spec, typing, rest_tree,
                      nodes_imported, start, mesh_layout=None, weak_outputs=None):
@@ -476,16 +498,14 @@ class Session:
     entry = self._entry(graph_id)
     where = f"set_state(graph {graph_id} '{entry.name}')"
 
-    def checked():  # (on every process, or an error on each)
+    def items():
       if len(values) != len(entry.slots):
         raise InputError(f"{where}: expected {len(entry.slots)} value(s), one per state "
                          f"arg, got {len(values)}")
-      return state_values.new_leaves(where, [(f"{where}: value {k}", slot, value) for k, (
-          slot, value) in enumerate(zip(entry.slots, values))], donate)
+      return entry.lock, [(f"{where}: value {k}", slot, value)
+                          for k, (slot, value) in enumerate(zip(entry.slots, values))]
     with spmd.own_context(self.options):  # the copies on the slots' devices
-      new = processes.agreed(where, checked, lambda _: processes.checksum(
-          jax.tree.leaves(values)), "values")
-      state_values.bind(entry.lock, entry.slots, new, where)
+      state_values.rebind(where, items, values, donate)
 
   def replace_state(self, graph_id, index, value, donate=False):
     """Replaces one state arg (`index`: its position in state_argnums) with
@@ -497,15 +517,13 @@ class Session:
     entry = self._entry(graph_id)
     where = f"replace_state(graph {graph_id} '{entry.name}')"
 
-    def checked():  # (on every process, or an error on each)
+    def items():
       indices, values = _replaced(where, index, value, len(entry.slots))
       slots = [entry.slots[k] for k in indices]
-      return slots, state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, v) for (
-          k, slot, v) in zip(indices, slots, values)], donate)
-    with spmd.own_context(self.options):  # the copies on the slots' devices
-      slots, new = processes.agreed(where, checked, lambda _: processes.checksum(
-          jax.tree.leaves((index, value))), "values")
-      state_values.bind(slots_lock(slots), slots, new, where)
+      return slots_lock(slots), [(f"{where}: state arg {k}", slot, v)
+                                 for k, slot, v in zip(indices, slots, values)]
+    with spmd.own_context(self.options):
+      state_values.rebind(where, items, (index, value), donate)
 
   # -- checkpoints ----------------------------------------------------------
   def save(self, graph_id, directory, step):
@@ -533,10 +551,11 @@ class Session:
     state_values.refuse_under_trace(where)  # before the checkpoint is read
     with spmd.own_context(self.options):  # read and laid out on the slots' devices
       step, values = self._checkpoints.restore(entry, where, directory, step)
-      new = state_values.new_leaves(where, [(f"{where}: state arg {k}", slot, value)
-                                            for k, (slot, value)
-                                            in enumerate(zip(entry.slots, values))], donate=True)
-      state_values.bind(entry.lock, entry.slots, new, where)
+      items = [(f"{where}: state arg {k}", slot, value)
+               for k, (slot, value) in enumerate(zip(entry.slots, values))]
+      rows = state_values.checked_rows(where, items, donate=True)
+      state_values.bind(entry.lock, entry.slots, state_values.new_leaves(items, rows, True),
+                        where)
     return step
 
   def release(self, graph_id):

@@ -156,12 +156,14 @@ def traced_types(args):
   return [tree_util.tree_map(plain, a) for a in args]
 
 
-def _checksum(dyn_flats, state_flats, specs):
-  """What every process must compile alike: the run examples' types (each
-  process's piece), the specs, the initial state's types and values."""
-  arg_specs, _, state = specs
-  text = repr([[(f.treedef, f.avals) for f in (*dyn_flats, *state_flats)], arg_specs,
-               [[s.spec for s in row] for row in state]])
+def checksum(mesh_layout, state_flats, dyn_flats, extra):
+  """What every process must compile alike (session/processes.py): the run
+  examples' types (each process's piece), the layout's specs, `extra`, the
+  initial state's types and values."""
+  specs = None if mesh_layout is None else [
+      [[str(getattr(s, "spec", s)) for s in row] for row in rows]
+      for rows in (mesh_layout.args, mesh_layout.state)]
+  text = repr([[(f.treedef, f.avals) for f in (*dyn_flats, *state_flats)], specs, extra])
   return processes.checksum((x for f in state_flats for x in f.leaves),
                             zlib.crc32(text.encode()))
 
@@ -194,34 +196,24 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
   # first in its call, and a position alone named another argument
   arg_names = [f"run argument {params[i]!r} at position {i}" if i < len(params) and params[i]
                else f"run argument at position {i}" for i in dyn_nums]
-
-  def specs():  # (on every process alike, or an error on each)
-    arg_avals = [list(f.avals) for f in dyn_flats]
-    arg_specs = sharding.leaf_specs("in_specs", mesh, in_specs, dyn_args, arg_names, arg_avals,
-                                    sharding.data_parallel)
-    targets = [[sharding.check_axes(mesh, s, f"{where}: {arg_name}") for s in row]
-               for row, arg_name in zip(arg_specs, arg_names)]
-    for kind, flats, nums in (("run argument", dyn_flats, dyn_nums),
-                              ("state argument", state_flats, state_nums)):
-      for i, f in zip(nums, flats):
-        for path, aval in zip(f.paths, f.avals):
-          if sub_byte(aval.dtype):
-            raise InputError(
-                f"{where}: {kind} at position {i} path {path or '(root)'} is "
-                f"{aval_str(aval)}: a dtype narrower than a byte is not supported under a "
-                "mesh (jax's ahead-of-time executables refuse such arrays laid out over "
-                "devices, where jax.jit takes them); widen it (int8) for the session")
-    return arg_specs, targets, _state_layout(where, mesh, state_flats, state_nums,
-                                             state_specs, source_slots)
-  # one program and initial state on every process (examples, specs or state
-  # that differed compiled different programs, or made a replicated state
-  # differ between processes, silently: a review's finds)
-  arg_specs, targets, state = processes.agreed(
-      where, specs, lambda got: _checksum(dyn_flats, state_flats, got),
-      "run examples' types, specs, or initial state (its types and values)")
+  arg_avals = [list(f.avals) for f in dyn_flats]
+  arg_specs = sharding.leaf_specs("in_specs", mesh, in_specs, dyn_args, arg_names, arg_avals,
+                                  sharding.data_parallel)
+  targets = [[sharding.check_axes(mesh, s, f"{where}: {arg_name}") for s in row]
+             for row, arg_name in zip(arg_specs, arg_names)]
+  for kind, flats, nums in (("run argument", dyn_flats, dyn_nums),
+                            ("state argument", state_flats, state_nums)):
+    for i, f in zip(nums, flats):
+      for path, aval in zip(f.paths, f.avals):
+        if sub_byte(aval.dtype):
+          raise InputError(
+              f"{where}: {kind} at position {i} path {path or '(root)'} is "
+              f"{aval_str(aval)}: a dtype narrower than a byte is not supported under a "
+              "mesh (jax's ahead-of-time executables refuse such arrays laid out over "
+              "devices, where jax.jit takes them); widen it (int8) for the session")
+  state = _state_layout(where, mesh, state_flats, state_nums, state_specs, source_slots)
   local = jax.process_count() > 1 and any(not t.is_fully_addressable for row in targets
                                           for t in row)
-  arg_avals = [list(f.avals) for f in dyn_flats]
   if local:  # each process's example is its piece of the global batch
     dyn_args = [tree_util.tree_unflatten(f.treedef, [
         _global_example(where, arg_name, path, x, t)

@@ -14,7 +14,7 @@ import jax
 from jax import tree_util
 
 from jaxsession.errors import InputError
-from jaxsession import state_typing
+from jaxsession import processes, state_typing
 from jaxsession.inputs import check_leaf, is_weak
 from jaxsession.jax_api import ARRAY, real_jit, trace_state_clean
 from jaxsession.runtime import debug_flags, static_leaves
@@ -103,19 +103,39 @@ def refuse_under_trace(where):
                      "outside the traced function")
 
 
-def new_leaves(where, items, donate=False):
+def rebind(where, items_of, given, donate):
+  """Binds the values `items_of()` lists ((lock, [(place, slot, value)])),
+  `given` by the caller: all checked first - alike on every process, or an
+  error on each (session/processes.py; a copy is a collective there) -
+  then copied and bound."""
+  def checked():
+    lock, items = items_of()
+    return lock, items, checked_rows(where, items, donate)
+  lock, items, rows = processes.agreed(
+      where, checked, lambda _: processes.checksum(jax.tree.leaves(given)), "values")
+  bind(lock, [slot for _, slot, _ in items], new_leaves(items, rows, donate), where)
+
+
+def checked_rows(where, items, donate=False):
   """`items`: (place, slot, value) triples. Every value checked against its
-  slot first; then, per item, the row of leaves `bind` writes: copies (one
-  dispatch for all that are on the slots' device), or with `donate` the
-  caller's buffers where they fit (an array passed twice is taken once),
-  marked to be taken over by `bind`, after every copy."""
+  slot (InputError), with no collective and no copy: per item, the row of
+  its leaves, for `new_leaves`."""
   if not isinstance(donate, bool):
     raise InputError(f"{where}: donate must be True or False, got {donate!r}")
   rows = [check_values(place, slot, value) for place, slot, value in items]  # fresh lists
   refuse_under_trace(where)  # (after the values' checks: a tracer value is named there)
+  if rows:
+    check_typing(items, rows)
+  return rows
+
+
+def new_leaves(items, rows, donate=False):
+  """Per item (`checked_rows`' rows), the row of leaves `bind` writes:
+  copies (one dispatch for all that are on the slots' device), or with
+  `donate` the caller's buffers where they fit (an array passed twice is
+  taken once), marked to be taken over by `bind`, after every copy."""
   if not rows:
     return rows
-  check_typing(items, rows)
   slots = [slot for _, slot, _ in items]
   taken = set()
   copied = [(r, j) for r, (slot, row) in enumerate(zip(slots, rows)) for j, x in enumerate(row)

@@ -48,6 +48,18 @@ if mode == "keep":
   out["equal"] = held() == states[4]
   sess.restore(gid, directory, 3)
   out["equal3"] = held() == states[3]
+elif mode == "differ":  # arguments that differ, or that one process refuses
+  for name, call in (("save_steps", lambda: sess.save(gid, directory, 5 + pid)),
+                     ("save_bad_on_one", lambda: sess.save(gid, directory, -1 if pid else 5)),
+                     ("restore_steps", lambda: sess.restore(gid, directory, 1 + pid))):
+    try:
+      call()
+      out[name] = None
+    except js.InputError as exc:
+      out[name] = str(exc)
+  sess.save(gid, directory, 7)
+  sess.wait_until_saved()
+  out["restored"] = sess.restore(gid, directory)
 else:  # another writer saves into the directory now
   try:
     sess.save(gid, directory, 1)
@@ -74,6 +86,18 @@ class TwoProcessCheckpointTest(absltest.TestCase):
         self.assertEqual(out["restored"], 4)
         self.assertTrue(out["equal"])
         self.assertTrue(out["equal3"])
+
+  def test_arguments_that_differ_are_refused_on_every_process(self):
+    # (orbax's collectives waited forever where the steps differed, or where
+    # one process refused its arguments)
+    with tempfile.TemporaryDirectory() as d:
+      p0, p1 = self._run(d, "differ")
+      for out in (p0, p1):
+        for name in ("save_steps", "restore_steps"):
+          self.assertIn("the 2 processes pass other directories or steps", out[name] or "")
+        self.assertEqual(out["restored"], 7)
+      self.assertIn("refused on process(es) [1] of 2", p0["save_bad_on_one"] or "")
+      self.assertIn("step must be an int >= 0, got -1", p1["save_bad_on_one"] or "")
 
   def test_a_directory_in_use_is_refused_on_every_process(self):
     with tempfile.TemporaryDirectory() as d:

@@ -282,6 +282,8 @@ def tried(name, fn):
     out[name] = None
   except js.InputError as exc:
     out[name] = str(exc)
+  except ValueError as exc:  # fn's own error, where it raised
+    out[name] = f"{type(exc).__name__}: {exc}"
 def attempt(name, *args, **kw):
   tried(name, lambda: js.Session(js.SessionOptions(mesh=mesh)).compile(
       step, *args, state_argnums=0, **kw))
@@ -293,6 +295,12 @@ attempt("specs", w, x, state_specs="zero" if pid == 0 else None)
 attempt("bad_specs_on_one", w, x, state_specs=None if pid == 0 else "nonsense")
 attempt("uneven", w, x[:5])
 attempt("same", w, x)
+def traced_on_one(w, x):
+  if pid == 1:
+    raise ValueError("traced on process 1 only")
+  return step(w, x)
+tried("trace_error_on_one", lambda: js.Session(js.SessionOptions(mesh=mesh)).compile(
+    traced_on_one, w, x, state_argnums=0))
 # set_state / replace_state: values that differ between the processes, a
 # value one process refuses: refused on both, the state kept (it diverged
 # silently, or one process went on alone: a review's finds)
@@ -304,9 +312,17 @@ tried("replace_bad_on_one", lambda: sess.replace_state(gid, 0, w if pid == 0 els
 out["kept"] = bool(np.array_equal(held(), w))
 tried("set_same", lambda: sess.set_state(gid, w * 3))
 out["set"] = bool(np.array_equal(held(), w * 3))
+from jax.sharding import NamedSharding, PartitionSpec as P
+replicas = jax.make_array_from_process_local_data(NamedSharding(mesh, P()), w * (pid + 1))
+tried("replicas_differ", lambda: sess.set_state(gid, replicas))
+out["kept_replicas"] = bool(np.array_equal(held(), w * 3))
+# typed PRNG key state (numpy takes no typed key: the checksum raised a raw TypeError)
+keyed = js.Session(js.SessionOptions(mesh=mesh))
+kid = keyed.compile(lambda k, x: (jax.random.fold_in(k, 1), jnp.sum(x)), jax.random.key(0), x,
+                    state_argnums=0)
+tried("key_set", lambda: keyed.set_state(kid, jax.random.key(7)))
 # a global value laid out on the same devices in another order: set_state
 # reshards it (a jitted reshard refused it with jax's raw ValueError)
-from jax.sharding import NamedSharding, PartitionSpec as P
 sess = js.Session(js.SessionOptions(mesh=mesh))
 gid = sess.compile(step, w, x, state_argnums=0)
 other = NamedSharding(Mesh(np.array(jax.devices())[::-1], ("data",)), P("data"))
@@ -329,13 +345,17 @@ class TwoProcessMismatchTest(absltest.TestCase):
     p0, p1 = run_all([["proc", "0", port], ["proc", "1", port]], script=MISMATCH_CHILD)
     for out in (p0, p1):
       for name in ("rows", "state", "specs"):
-        self.assertIn("the 2 processes pass other run examples' types, specs, or initial "
-                      "state", out[name] or "", name)
-      self.assertIn("set_state", out["set_differs"] or "")
-      self.assertIn("the 2 processes pass other values", out["set_differs"] or "")
+        self.assertIn("the 2 processes pass other run examples' types", out[name] or "", name)
+      for name in ("set_differs", "replicas_differ"):
+        self.assertIn("set_state", out[name] or "")
+        self.assertIn("the 2 processes pass other values", out[name] or "")
       self.assertIsNone(out["set_same"])
       self.assertTrue(out["kept"])
       self.assertTrue(out["set"])
+      self.assertTrue(out["kept_replicas"])
+      self.assertIsNone(out["key_set"])
+    self.assertIn("refused on process(es) [1] of 2", p0["trace_error_on_one"] or "")
+    self.assertIn("ValueError: traced on process 1 only", p1["trace_error_on_one"] or "")
     self.assertIn("refused on process(es) [1] of 2", p0["bad_specs_on_one"] or "")
     self.assertIn("nonsense", p1["bad_specs_on_one"] or "")
     self.assertIn("refused on process(es) [1] of 2", p0["replace_bad_on_one"] or "")
