@@ -163,6 +163,8 @@ def _as_xla_makes(node):
   x ** -n to 1 / x ** n)."""
   if node.op == "integer_pow" and node.params.get("y", 0) < 0:
     return "div"
+  if node.op == "mul" and all(_made_by(v, "exp", "exp2") for v in node.inputs):
+    return "exp"  # exp(a) * exp(b) is exp(a + b)
   return _AS_XLA_MAKES.get(node.op, node.op)
 
 

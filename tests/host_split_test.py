@@ -198,7 +198,8 @@ class HostSplitTest(absltest.TestCase):
               "rsqrt_abs": lambda a: jax.lax.rsqrt(jnp.abs(a)), "rsqrt": jax.lax.rsqrt,
               "pow": lambda a: jnp.abs(a) ** 1.3, "times_c": lambda a: a * w_,
               "over_c": lambda a: a / w_, "minus_c": lambda a: w_ - a,
-              "negated_product": lambda a: -(a * w_)}
+              "negated_product": lambda a: -(a * w_),
+              "exp_product": lambda a: jnp.exp(a) * jnp.exp(a * 0.5)}  # exp(a + a * 0.5)
     readers = {"square": lambda m, t: m ** 2, "cube": lambda m, t: m ** 3,
                "reciprocal": lambda m, t: m ** -1, "over_square": lambda m, t: m ** -2,
                "jnp_square": lambda m, t: jnp.square(m), "times_itself": lambda m, t: m * m,
@@ -256,16 +257,23 @@ class HostSplitTest(absltest.TestCase):
 
   def test_numerics_rows_a_loop_reader_and_bfloat16_excess_precision(self):
     # numerics.md's rows (reviews' finds, left open): log(e) inside a loop
-    # body after cb(e), and a bf16 value widened after the callback, differ
+    # body after cb(e), log(exp(x * 3)) after the callback, and a bf16 value
+    # widened after the callback, differ
     # from jax.jit; host_callbacks=False gives jax.jit's bits
     def loop_reader(z):
       e = jnp.exp(z)
       return _twice(e) + jax.lax.fori_loop(0, 2, lambda i, c: c + jnp.log(e), z * 0)
+    def logged(x):  # log(exp(x * 3)) is x * 3 to XLA, copied into r - v: an FMA
+      v = jnp.log(jnp.exp(x * 3.0))
+      r = jax.pure_callback(lambda a: np.asarray(a).copy(),
+                            jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+      return r - v
     def widened(x):
       v = x * x[::-1]
       r = jax.pure_callback(lambda a: np.asarray(a), jax.ShapeDtypeStruct(v.shape, v.dtype), v)
       return v.astype(jnp.float32) * r.astype(jnp.float32) + 1.0
     for fn, x in ((loop_reader, RNG.standard_normal(N).astype(np.float32) * 3),
+                  (logged, RNG.standard_normal((4, 8)).astype(np.float32) * 2),
                   (widened, jnp.asarray(RNG.standard_normal(256), jnp.bfloat16))):
       with self.subTest(fn.__name__):
         want = jax.jit(fn)(x)
