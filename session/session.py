@@ -3,6 +3,7 @@ step after step with its state resident on the device."""
 import functools
 import itertools
 import os
+import re
 import threading
 import time
 
@@ -240,7 +241,11 @@ class Session:
       digest = spmd.checksum(mesh_layout, state_flats, dyn_flats, [
           state_nums, static_nums, updates, state_map, [
               repr(example_args[i]) if isinstance(example_args[i], (int, float, str, bool))
-              else type(example_args[i]).__name__ for i in static_nums]])
+              else type(example_args[i]).__name__ for i in static_nums],
+          # the program itself (a step that read the process index traced
+          # another one there: a review's find), objects' addresses aside
+          re.sub(r"0x[0-9a-fA-F]+", "", str(closed.jaxpr)),
+          processes.checksum(closed.consts)])
     return (gid, name, graph, spec, typing, rest_tree, weak_outputs, mesh_layout, state_nums,
             state_flats, source, shared, digest)
 

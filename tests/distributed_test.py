@@ -301,6 +301,8 @@ def traced_on_one(w, x):
   return step(w, x)
 tried("trace_error_on_one", lambda: js.Session(js.SessionOptions(mesh=mesh)).compile(
     traced_on_one, w, x, state_argnums=0))
+tried("program_differs", lambda: js.Session(js.SessionOptions(mesh=mesh)).compile(
+    lambda w, x: (w * (2.0 + pid), jnp.sum(x @ w)), w, x, state_argnums=0))
 # set_state / replace_state: values that differ between the processes, a
 # value one process refuses: refused on both, the state kept (it diverged
 # silently, or one process went on alone: a review's finds)
@@ -344,7 +346,7 @@ class TwoProcessMismatchTest(absltest.TestCase):
     port = str(_free_port())
     p0, p1 = run_all([["proc", "0", port], ["proc", "1", port]], script=MISMATCH_CHILD)
     for out in (p0, p1):
-      for name in ("rows", "state", "specs"):
+      for name in ("rows", "state", "specs", "program_differs"):
         self.assertIn("the 2 processes pass other run examples' types", out[name] or "", name)
       for name in ("set_differs", "replicas_differ"):
         self.assertIn("set_state", out[name] or "")
