@@ -266,8 +266,7 @@ def _seen_through(reader, value):
   rop, at, _ = _as_xla_reads(reader, value)
   if rop == "div" and 1 in at and value.producer.op in ("sqrt", "rsqrt"):
     return False  # a / sqrt(b) becomes a * rsqrt(b) only where sqrt(b) has one reader
-  fact = facts(reader.op)
-  return _rewritten(reader, value) or ((fact.elementwise or fact.fused_through) and (
+  return _rewritten(reader, value) or (moves_or_maps(reader.op, reader.params) and (
       _duplicated(value.producer) or _fused_into_its_reader(value)))
 
 

@@ -244,6 +244,8 @@ class HostSplitTest(absltest.TestCase):
             both(v, w.reshape(64, 32))))((x * y).reshape(64, 32)),
         "negated_product": lambda x, y, w: (lambda v: (lambda r: (r[0], v + r[1]))(
             both(v, w)))(-(x * y)),
+        "rolled_product": lambda x, y, w: (lambda v: (lambda r: (r[0], jnp.roll(v, 3) + r[1]))(
+            both(v, w)))(x * 3.0),  # jnp.roll: a nested jit of data movement
         "product_alone": lambda x, y, w: (lambda v: (lambda r: (r[0], v + r[1]))(
             both(v, w)))(x * y),  # computed once there: not copied
     }
