@@ -180,11 +180,14 @@ def _as_xla_reads(reader, value):
   """(op, positions of `value`, the other operands) of `reader` as XLA's
   simplifier meets it: jax lowers x ** 2, x ** 3, x ** -2 and square to
   products of x with itself ("self", over 1 where the power is negative),
-  and x ** -1 to 1 / x; a fused AddN is the user's adds, the one adding
+  and x ** -1 to 1 / x, and XLA rewrites pow(x, 2.0) and pow(x, -1.0) alike; a fused AddN is the user's adds, the one adding
   `value` to another operand."""
   ins = reader.inputs
   at = [i for i, v in enumerate(ins) if v is value]
   y = reader.params.get("y") if reader.op == "integer_pow" else None
+  if reader.op == "pow" and at == [0] and isinstance(ins[1], Literal) and np.ndim(
+      ins[1].value) == 0 and float(ins[1].value) in (2.0, -1.0):
+    y = int(ins[1].value)  # XLA's simplifier: pow(x, 2) is x * x, pow(x, -1) is 1 / x
   if (reader.op == "square" or (y is not None and abs(y) >= 2)
       or (reader.op == "mul" and all(v is value for v in ins))):
     return "self", at, []

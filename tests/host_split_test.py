@@ -206,7 +206,9 @@ class HostSplitTest(absltest.TestCase):
                "log": lambda m, t: jnp.log(m), "divides": lambda m, t: t / m,
                "times_c": lambda m, t: m * v_, "over_c": lambda m, t: m / v_,
                "plus_c": lambda m, t: m + v_, "minus_c": lambda m, t: m - v_,
-               "plus_t": lambda m, t: m + t, "negated": lambda m, t: -m}
+               "plus_t": lambda m, t: m + t, "negated": lambda m, t: -m,
+               "float_square": lambda m, t: jnp.power(m, 2.0),  # lax.pow: XLA's m * m
+               "float_reciprocal": lambda m, t: jnp.power(m, -1.0)}
     sess = js.Session()
     for (mk, make), (rk, read) in itertools.product(makers.items(), readers.items()):
       def fn(a, make=make, read=read):
