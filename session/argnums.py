@@ -1,10 +1,16 @@
 """The checks of compile's position arguments and of graph ids: which
 example positions `state_argnums` / `static_argnums` name, which slots of
 another graph `state_map` binds, which state args `replace_state` names,
-and what counts as a graph id."""
+and what counts as a graph id; whether state examples fit another graph's
+slots (state_from)."""
 import numbers
 
+import jax
+from jax import tree_util
+
 from jaxsession.errors import InputError, UnknownGraphError
+from jaxsession.inputs import check_leaf
+from jaxsession.runtime.state import check_structure, session_device
 
 
 def _argnums(nums, what, nargs):
@@ -89,3 +95,26 @@ def _replaced(where, index, value, count):
                      f"value must be a tuple or list of {len(indices)} values, one each, "
                      f"got {got}")
   return indices, list(value)
+
+
+def check_shared(name, state_nums, state_flats, state_from, source, shared, one_device):
+  """InputError unless the state examples fit the `shared` slots of
+  `state_from`: the same structure and leaf types, weak ones too (and, on
+  one device, the same device)."""
+  if len(state_flats) > len(source.slots):
+    raise InputError(f"compile({name}): {len(state_flats)} state args but graph "
+                     f"{state_from} ('{source.name}') has {len(source.slots)} state slots")
+  for k, (flat, slot) in enumerate(zip(state_flats, shared)):
+    where = (f"compile({name}): state arg {k} (position {state_nums[k]}) shared from "
+             f"graph {state_from}")
+    check_structure(slot, tree_util.tree_unflatten(flat.treedef, flat.leaves), where)
+    if one_device and slot.device != session_device():
+      raise InputError(f"{where}: its state slot {slot.name} lives on {slot.device}, and this "
+                       f"graph would run on {session_device()} (jax's default device now): "
+                       "sharing it would copy the state between devices every run; compile "
+                       "both under one jax.default_device, or give the session "
+                       "SessionOptions(device=...)")
+    for path, x, aval in zip(flat.paths, flat.leaves, slot.avals):
+      check_leaf(f"{where} at path {path or '(root)'}", x, aval, weak=aval.weak_type,
+                 note=f" (the state slot {slot.name} holds the former)",
+                 type_only=isinstance(x, jax.ShapeDtypeStruct))  # shared: a type will do

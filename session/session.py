@@ -3,7 +3,6 @@ step after step with its state resident on the device."""
 import functools
 import itertools
 import os
-import re
 import threading
 import time
 
@@ -14,9 +13,9 @@ from jax.extend import core as jcore
 from jaxsession import (bucketed, checkpoints, gc_pause, inputs, own_device, pipeline,
                         processes, spmd, state_values, tracing)
 from jaxsession.graph import importer
-from jaxsession.argnums import _argnums, _graph_id, _replaced, _shared_slots
+from jaxsession.argnums import _argnums, _graph_id, _replaced, _shared_slots, check_shared
 from jaxsession.errors import InputError, SessionError, UnknownGraphError
-from jaxsession.inputs import ArgSpec, check_leaf
+from jaxsession.inputs import ArgSpec
 from jaxsession.dump import GraphDumper
 from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.options import SessionOptions
@@ -30,9 +29,8 @@ from jaxsession.runtime.profiler import Profiler
 from jaxsession.weak_outputs import WeakOutputs
 from jaxsession.state_typing import GraphTyping
 from jaxsession.graph_entry import Entry
-from jaxsession.runtime.state import (StateSlot, check_structure, holding, owned_copies,
-                                      owned_copy, refuse_reentry, relaid, session_device,
-                                      slots_lock)
+from jaxsession.runtime.state import (StateSlot, holding, owned_copies, owned_copy,
+                                      refuse_reentry, relaid, session_device, slots_lock)
 
 
 class Session:
@@ -201,7 +199,8 @@ class Session:
       for i, flat in zip(dyn_nums, dyn_flats):
         inputs.check_one_device(where, i, flat)
     if source is not None:
-      self._check_shared(name, state_nums, state_flats, state_from, source, shared)
+      check_shared(name, state_nums, state_flats, state_from, source, shared,
+                   self.options.mesh is None)
     mesh_layout, dyn_args = spmd.layout(  # bad specs: InputError
         self.options, self.platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, state_nums,
         state_flats, state_specs, shared, tracing.positional_names(fn))
@@ -236,16 +235,8 @@ class Session:
                                   host_callbacks=self.options.host_callbacks)
     graph.updates_state = updates
     spmd.mark_graph(graph, mesh_layout, self.options, self.platform)
-    digest = 0
-    if jax.process_count() > 1:
-      digest = spmd.checksum(mesh_layout, state_flats, dyn_flats, [
-          state_nums, static_nums, updates, state_map, [
-              repr(example_args[i]) if isinstance(example_args[i], (int, float, str, bool))
-              else type(example_args[i]).__name__ for i in static_nums],
-          # the program itself (a step that read the process index traced
-          # another one there: a review's find), objects' addresses aside
-          re.sub(r"0x[0-9a-fA-F]+", "", str(closed.jaxpr)),
-          processes.checksum(closed.consts)])
+    digest = spmd.compile_checksum(mesh_layout, state_flats, dyn_flats, closed, [
+        state_nums, static_nums, updates, state_map], [example_args[i] for i in static_nums])
     return (gid, name, graph, spec, typing, rest_tree, weak_outputs, mesh_layout, state_nums,
             state_flats, source, shared, digest)
 
@@ -343,27 +334,6 @@ class Session:
       return runner(loop_sink.chunked_program(parts, layout, spec, rest_tree, steps,
                                               leading, graph))
     return runner(program), make_sunk, eager
-
-  def _check_shared(self, name, state_nums, state_flats, state_from, source, shared):
-    """InputError unless the state examples fit the `shared` slots of
-    `state_from`: the same structure and leaf types, weak ones too."""
-    if len(state_flats) > len(source.slots):
-      raise InputError(f"compile({name}): {len(state_flats)} state args but graph "
-                       f"{state_from} ('{source.name}') has {len(source.slots)} state slots")
-    for k, (flat, slot) in enumerate(zip(state_flats, shared)):
-      where = (f"compile({name}): state arg {k} (position {state_nums[k]}) shared from "
-               f"graph {state_from}")
-      check_structure(slot, tree_util.tree_unflatten(flat.treedef, flat.leaves), where)
-      if self.options.mesh is None and slot.device != session_device():
-        raise InputError(f"{where}: its state slot {slot.name} lives on {slot.device}, and this "
-                         f"graph would run on {session_device()} (jax's default device now): "
-                         "sharing it would copy the state between devices every run; compile "
-                         "both under one jax.default_device, or give the session "
-                         "SessionOptions(device=...)")
-      for path, x, aval in zip(flat.paths, flat.leaves, slot.avals):
-        check_leaf(f"{where} at path {path or '(root)'}", x, aval, weak=aval.weak_type,
-                   note=f" (the state slot {slot.name} holds the former)",
-                   type_only=isinstance(x, jax.ShapeDtypeStruct))  # shared: a type will do
 
   def _bind_state(self, name, state_nums, state_flats, state_from, source, shared,
                   layouts=None):
