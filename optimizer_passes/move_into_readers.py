@@ -144,13 +144,15 @@ def _duplicated(node):
   return len(full) <= 1 or sum(v.aval.size for v in full.values()) <= out.size
 
 
-def _fused_into_its_reader(value):
+def _fused_into_its_reader(value, returned):
   """Whether XLA fuses `value`'s cheap maker into its one reader (every
-  user is one node or its copies), a fusion then copied whole with that
-  reader: -(x * y) or (x * y).reshape(...) read by a callback and added to
-  after it contract into an FMA there, where x * y alone is computed once."""
+  user is one node or its copies, and the graph does not return `value`:
+  the ids `returned`), a fusion then copied whole with that reader:
+  -(x * y) or (x * y).reshape(...) read by a callback and added to after it
+  contract into an FMA there, where x * y alone (or returned too: a
+  review's find) is computed once."""
   readers = {(u.op, tuple(id(v) for v in u.inputs)) for u in value.users}
-  return _cheap(value.producer) and len(readers) == 1
+  return _cheap(value.producer) and len(readers) == 1 and value.id not in returned
 
 
 # makers as XLA's simplifier meets them: jax lowers exp2 to an exp of a
@@ -260,17 +262,19 @@ def _rewritten(reader, value):
               and all(_made_by(v, "exp", "exp2") for v in reader.inputs)))
 
 
-def _seen_through(reader, value):
+def _seen_through(reader, value, returned):
   """Whether jax.jit's XLA rewrites (`_rewritten`) or fuses `reader` through
   the node that makes `value` (the fusion's copies of cheap arithmetic into
-  an elementwise reader, `_duplicated`)."""
+  an elementwise reader, `_duplicated`, or with the one reader it is fused
+  into, `_fused_into_its_reader`; `returned`: the ids of the graph's
+  outputs)."""
   if not np.issubdtype(value.aval.dtype, np.inexact):
     return False
   rop, at, _ = _as_xla_reads(reader, value)
   if rop == "div" and 1 in at and value.producer.op in ("sqrt", "rsqrt"):
     return False  # a / sqrt(b) becomes a * rsqrt(b) only where sqrt(b) has one reader
   return _rewritten(reader, value) or (moves_or_maps(reader.op, reader.params) and (
-      _duplicated(value.producer) or _fused_into_its_reader(value)))
+      _duplicated(value.producer) or _fused_into_its_reader(value, returned)))
 
 
 def _divisor_values(graph):
@@ -338,6 +342,7 @@ def copy_into_readers(graph):
   seen with it as a reader. Returns the copies."""
   copies, work = [], list(graph.nodes)
   phase, known, closed = _phases(graph.nodes), {}, {}
+  returned = {v.id for v in graph.outputs if isinstance(v, Value)}
 
   def divisors():
     if "divisors" not in known:
@@ -347,7 +352,7 @@ def copy_into_readers(graph):
   def wanted(node, readers):
     """Those of `readers` (of one later run) that read `node`'s copy."""
     value = node.outputs[0]
-    readers = [r for r in readers if _seen_through(r, value)]
+    readers = [r for r in readers if _seen_through(r, value, returned)]
     if not readers or not _copyable(node, readers, divisors()):
       return []
     if graph.mesh is not None and not all(_rewritten(r, value) for r in readers):

@@ -248,6 +248,8 @@ class HostSplitTest(absltest.TestCase):
             both(v, w)))(-(x * y)),
         "rolled_product": lambda x, y, w: (lambda v: (lambda r: (r[0], jnp.roll(v, 3) + r[1]))(
             both(v, w)))(x * 3.0),  # jnp.roll: a nested jit of data movement
+        "negated_returned_product": lambda x, y, w: (lambda p: (lambda v: (lambda r: (
+            r[0], v + r[1], p))(both(v, w)))(-p))(x * y),  # p returned: computed once
         "product_alone": lambda x, y, w: (lambda v: (lambda r: (r[0], v + r[1]))(
             both(v, w)))(x * y),  # computed once there: not copied
     }
