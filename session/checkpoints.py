@@ -116,8 +116,7 @@ class Checkpointer:
         self._room.release()
         self._queue.task_done()
 
-  def _manager(self, where, directory, create):
-    path = _local_path(where, directory)
+  def _manager(self, where, path, create):
     with self._lock:
       manager = self._managers.get(path)
       if not os.path.isdir(path):  # removed since its manager was made: made again,
@@ -140,23 +139,19 @@ class Checkpointer:
           raise InputError(f"{where}: checkpoint directory {path!r} cannot be used: "
                            f"{type(exc).__name__}: {exc}") from None
         self._managers[path] = manager
-      return path, manager
+      return manager
 
   def save(self, entry, where, directory, step):
-    def checked():  # (alike on every process, or an error on each: orbax's
-      # collectives waited forever for a process that refused)
+    def checks():
       if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise InputError(f"{where}: step must be an int >= 0, got {step!r}")
-      path = _local_path(where, directory)
       if any(slot.unset for slot in entry.slots):
         raise InputError(f"{where}: the state is unset (compiled from jax.ShapeDtypeStruct "
                          "examples; set_state or restore binds it)")
       _check_writable(where, entry)
-      return path
-    path = processes.agreed(where, checked, lambda path: zlib.crc32(f"{path}|{step}".encode()),
-                            "directories or steps")
+    path = _agreed_path(where, directory, step, checks)
     step = int(step)  # a numpy integer too, as run's steps=
-    path, manager = self._manager(where, directory, create=True)
+    manager = self._manager(where, path, create=True)
     with self._lock:  # an earlier save's failure, raised here as orbax raises it
       errors, self._errors = self._errors, []
     if errors:
@@ -279,16 +274,14 @@ class Checkpointer:
 
   def restore(self, entry, where, directory, step):
     """The new leaves per slot, read and checked; `step` and the leaves."""
-    def checked():  # (alike on every process, or an error on each)
+    def checks():
       if step is not None and (isinstance(step, bool) or not isinstance(
           step, numbers.Integral) or step < 0):
         raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
-      return _local_path(where, directory)
-    processes.agreed(where, checked, lambda path: zlib.crc32(f"{path}|{step}".encode()),
-                     "directories or steps")
+    path = _agreed_path(where, directory, step, checks)
     asked = None if step is None else int(step)
     self._queue.join()  # the pending saves written (their errors stay for wait/save)
-    path, manager = self._manager(where, directory, create=False)
+    manager = self._manager(where, path, create=False)
     for _ in range(3):  # the newest one, removed by another writer's keep-N meanwhile
       # the primary's choice on every process (their listings raced another
       # writer's keep-N: two processes restored two steps, a review's find)
@@ -312,6 +305,17 @@ class Checkpointer:
                 with_weak_type(x, weak[j]) for j, x in enumerate(row)]
       values.append(tree_util.tree_unflatten(slot.treedef, leaves))
     return step, values
+
+
+def _agreed_path(where, directory, step, checks):
+  """The absolute path of `directory` once `checks()` passed: alike on every
+  process, with the same directory and step, or an error on each (orbax's
+  collectives waited forever for a process that refused)."""
+  def checked():
+    checks()
+    return _local_path(where, directory)
+  return processes.agreed(where, checked, lambda path: zlib.crc32(f"{path}|{step}".encode()),
+                          "directories or steps")
 
 
 def _check_after(where, path, step, before):

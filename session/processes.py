@@ -48,18 +48,23 @@ def checksum(leaves, start=0):
   return digest
 
 
-def agree(where, error=None, digest=0, what="arguments"):
-  """Raises on every process unless none met an error and their digests
-  agree: here `error` (what this process met), else an InputError naming
-  the processes that refused, or saying the digests differ. A collective
-  of every process; a single process: raises `error` alone."""
+def agreed(where, make, digest=lambda result: 0, what="arguments"):
+  """`make()` where every process made it without an error and their
+  `digest`s of it agree; else an error on every process: this process's
+  own, or an InputError naming the processes that refused, or saying the
+  digests differ. One allgather; `make` must run no collective (a process
+  that refused would not join it). A single process: make() alone."""
   if jax.process_count() == 1:
-    if error is not None:
-      raise error
-    return
+    return make()
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  error, result, mine = None, None, 0
+  try:
+    result = make()
+    mine = digest(result)
+  except Exception as exc:  # pylint: disable=broad-except
+    error = exc  # (raised here after the others know: any error, or they wait forever)
   everyone = np.asarray(multihost_utils.process_allgather(np.asarray(
-      [error is not None, digest & 0x7FFFFFFF], np.int32))).reshape(-1, 2)  # (int32: no x64)
+      [error is not None, mine & 0x7FFFFFFF], np.int32))).reshape(-1, 2)  # (int32: no x64)
   if error is not None:
     raise error
   failed = [k for k, (refused, _) in enumerate(everyone.tolist()) if refused]
@@ -72,21 +77,6 @@ def agree(where, error=None, digest=0, what="arguments"):
     raise InputError(f"{where}: the {n} processes pass other {what} (checksums {sums}, "
                      f"this is process {jax.process_index()}): every process must pass the "
                      "same; nothing changed on any process")
-
-
-def agreed(where, make, digest=lambda result: 0, what="arguments"):
-  """`make()` where every process made it without an error and their
-  `digest`s of it agree (`agree`). `make` must run no collective: a
-  process that refused would not join it."""
-  if jax.process_count() == 1:
-    return make()
-  error, result, mine = None, None, 0
-  try:
-    result = make()
-    mine = digest(result)
-  except Exception as exc:  # pylint: disable=broad-except
-    error = exc  # (raised here after the others know: any error, or they wait forever)
-  agree(where, error, mine, what)
   return result
 
 

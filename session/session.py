@@ -526,11 +526,9 @@ class Session:
     state_values.refuse_under_trace(where)  # before the checkpoint is read
     with spmd.own_context(self.options):  # read and laid out on the slots' devices
       step, values = self._checkpoints.restore(entry, where, directory, step)
-      items = [(f"{where}: state arg {k}", slot, value)
-               for k, (slot, value) in enumerate(zip(entry.slots, values))]
-      rows = state_values.checked_rows(where, items, donate=True)
-      state_values.bind(entry.lock, entry.slots, state_values.new_leaves(items, rows, True),
-                        where)
+      state_values.rebind(where, lambda: (entry.lock, [
+          (f"{where}: state arg {k}", slot, value)
+          for k, (slot, value) in enumerate(zip(entry.slots, values))]), (), True)
     return step
 
   def release(self, graph_id):

@@ -157,30 +157,24 @@ def traced_types(args):
   return [tree_util.tree_map(plain, a) for a in args]
 
 
-def checksum(mesh_layout, state_flats, dyn_flats, extra):
-  """What every process must compile alike (session/processes.py): the run
-  examples' types (each process's piece), the layout's specs, `extra`, the
-  initial state's types and values."""
+def compile_checksum(mesh_layout, state_flats, dyn_flats, closed, args, statics):
+  """Across processes, what every process must compile alike
+  (session/processes.py): the run examples' types (each process's piece),
+  the layout's specs, `args` (argnums, state_map...), static arguments (a
+  number or a string by its value, others by their type), the traced
+  program (objects' addresses aside: a step that read the process index
+  traced another one there, a review's find) and its constants, the
+  initial state's types and values. 0 in a single process."""
+  if jax.process_count() == 1:
+    return 0
   specs = None if mesh_layout is None else [
       [[str(getattr(s, "spec", s)) for s in row] for row in rows]
       for rows in (mesh_layout.args, mesh_layout.state)]
-  text = repr([[(f.treedef, f.avals) for f in (*dyn_flats, *state_flats)], specs, extra])
-  return processes.checksum((x for f in state_flats for x in f.leaves),
+  text = repr([[(f.treedef, f.avals) for f in (*dyn_flats, *state_flats)], specs, args,
+               [repr(x) if isinstance(x, (int, float, str, bool)) else type(x).__name__
+                for x in statics], re.sub(r"0x[0-9a-fA-F]+", "", str(closed.jaxpr))])
+  return processes.checksum([*closed.consts, *(x for f in state_flats for x in f.leaves)],
                             zlib.crc32(text.encode()))
-
-
-def compile_checksum(mesh_layout, state_flats, dyn_flats, closed, args, statics):
-  """Across processes, `checksum` of what compile must take alike: `args`
-  (argnums, state_map...), static arguments (a number or a string by its
-  value, others by their type), the traced program (objects' addresses
-  aside: a step that read the process index traced another one there, a
-  review's find) and its constants. 0 in a single process."""
-  if jax.process_count() == 1:
-    return 0
-  return checksum(mesh_layout, state_flats, dyn_flats, [
-      args, [repr(x) if isinstance(x, (int, float, str, bool)) else type(x).__name__
-             for x in statics],
-      re.sub(r"0x[0-9a-fA-F]+", "", str(closed.jaxpr)), processes.checksum(closed.consts)])
 
 
 def _global_example(where, arg_name, path, x, target):
