@@ -123,6 +123,7 @@ def reserve(path, step, writer):
   theirs = None
   if jax.process_index() == 0:
     with _RESERVE_LOCK:
+      remove_incomplete(path)  # before every process's orbax lists the steps
       theirs = _live_claims(path, writer)
       if not theirs:
         claim(path, step, writer)
@@ -167,6 +168,8 @@ def abandon(path, step, writer):
   left is removed with the claim (at once, or by the next save)."""
   with _IN_FLIGHT_LOCK:
     _IN_FLIGHT.discard(os.path.join(path, _claim_name(step, writer)))
+  if jax.process_count() > 1:  # the other processes' writes may run on: the
+    return  # next save's reserve removes it, once they agree on that save
   try:
     remove_incomplete(path)
   except OSError:  # the folder itself is gone, or not ours to clean
@@ -251,9 +254,12 @@ def remove_incomplete(path):
   kind left without the marker - orbax would count them as steps: keep-N
   would keep them in place of complete ones, and a new save of that step
   would collide - and their claims; a claim whose writer runs is left
-  alone. Only in a single-process job: there a folder without the marker is
-  no other process's save in flight. Whether anything was removed."""
-  if jax.process_count() > 1:
+  alone. On the primary alone, which claims the steps of every process's
+  save: a gone writer's claim there is a job's killed save (in a
+  multi-process job the leftover stayed, and the next save of its step
+  collided: a find of the sixteenth stop's notes). Whether anything was
+  removed."""
+  if jax.process_index() != 0:
     return False
   removed = False
   for name, step, gone in _claims(path):

@@ -237,7 +237,6 @@ class Checkpointer:
 
     def write_step():
       ocp = _ocp()
-      step_dirs.remove_incomplete(path)
       manager.reload()  # its list of steps is the disk's: orbax skips a step below one it
       # knows (a step another writer saved, a failed one, one removed by hand: review finds)
       for row, saved in zip(leaves, meta["slots"]):  # read back, each must match

@@ -5,6 +5,8 @@ collective of every process, and only the primary called it), and a save
 into a directory another writer was saving into was refused on the primary
 alone while the other process went on into orbax's collectives and hung.
 Each process now ends, with the same steps written or the same error."""
+import os
+import subprocess
 import tempfile
 
 from absl.testing import absltest
@@ -16,7 +18,7 @@ from tests import distributed_test as dist
 pytestmark = pytest.mark.slow  # two processes (docs/testing.md)
 
 CHILD = r"""
-import json, sys
+import json, os, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
 pid = int(sys.argv[2])
@@ -60,6 +62,17 @@ elif mode == "differ":  # arguments that differ, or that one process refuses
   sess.save(gid, directory, 7)
   sess.wait_until_saved()
   out["restored"] = sess.restore(gid, directory)
+elif mode == "leftover":  # a killed job's save of step 2 left its folder and claim
+  sess.run(gid)
+  sess.save(gid, directory, 2)
+  sess.wait_until_saved()
+  saved = held()
+  out["steps"] = sorted(js.checkpoint_steps.complete_steps(directory))
+  sess.run(gid)
+  out["restored"] = sess.restore(gid, directory)
+  out["equal"] = held() == saved
+  jax.experimental.multihost_utils.sync_global_devices("listed")
+  out["files"] = sorted(n for n in os.listdir(directory) if not n.isdigit())
 else:  # another writer saves into the directory now
   try:
     sess.save(gid, directory, 1)
@@ -106,6 +119,29 @@ class TwoProcessCheckpointTest(absltest.TestCase):
         self.assertIn("another session or process is saving into", out["refused"] or "")
         self.assertIn("another-writer", out["refused"])
         self.assertEqual(out["steps"], [])
+
+  def test_a_killed_jobs_leftover_is_removed_before_its_step_is_saved_again(self):
+    # (only a single-process save removed a killed writer's leftover: in a
+    # job of 2 processes folder 2 stayed, and the save of step 2 collided)
+    with tempfile.TemporaryDirectory() as d:
+      gone = _a_finished_pid()
+      claim = f"{js.checkpoint_steps.CLAIM}2.{js.checkpoint_steps._HOST}.{gone}.0"  # pylint: disable=protected-access
+      open(os.path.join(d, claim), "w").close()
+      os.makedirs(os.path.join(d, "2", "state"))
+      open(os.path.join(d, "2", "state", "half_written"), "w").close()
+      os.makedirs(os.path.join(d, "2.orbax-checkpoint-tmp-1"))
+      for out in self._run(d, "leftover"):
+        self.assertEqual(out["steps"], [2])
+        self.assertEqual(out["restored"], 2)
+        self.assertTrue(out["equal"])
+        self.assertEqual(out["files"], [])
+      self.assertFalse(os.path.exists(os.path.join(d, "2", "state", "half_written")))
+
+
+def _a_finished_pid():
+  child = subprocess.Popen(["true"])
+  child.wait()
+  return child.pid
 
 
 if __name__ == "__main__":
