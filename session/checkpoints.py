@@ -19,13 +19,9 @@ PRNG keys as their key data) and `meta` (JSON: the slots' names, leaf paths
 and types, each leaf's weak type - orbax reads arrays back strong - and the
 PRNG implementation of each key leaf).
 """
-import atexit
-import contextlib
 import numbers
 import os
 import queue
-import signal
-import sys
 import threading
 import weakref
 import zlib
@@ -35,7 +31,8 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from jaxsession import checkpoint_steps as step_dirs, processes, state_typing
+from jaxsession import checkpoint_steps as step_dirs, checkpoint_thread as writer_thread
+from jaxsession import processes, state_typing
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
 from jaxsession.runtime import debug_flags, interrupts
@@ -102,14 +99,14 @@ class Checkpointer:
     self._queued = {}  # directory -> the newest step a save was asked for
     self._writer = step_dirs.new_writer()  # names this session's claims
     self._lock = threading.Lock()
-    _at_exit(_drain, weakref.ref(self))  # pending saves finish before exit
+    writer_thread.at_exit(writer_thread.drain, weakref.ref(self))  # pending saves finish before exit
 
   def _work(self):
-    _background_priority()
+    writer_thread.background_priority()
     while True:
       write = self._queue.get()
       try:
-        with _quick_thread_switches():
+        with writer_thread.quick_thread_switches():
           write()
       finally:
         del write  # its snapshot goes before the room is given back
@@ -431,96 +428,6 @@ def _raise_interrupt(exc):
       raise KeyboardInterrupt from exc
     seen.add(id(cur))
     cur = cur.__cause__ or cur.__context__
-
-
-def _background_priority():
-  """The writer thread, and the threads orbax and tensorstore start from it,
-  yield the CPU to the training steps: the lowest scheduling priority (nice
-  19, per thread on Linux; a thread may always lower its own). Measured by
-  benchmarks/workflows.py: steps while a save is in flight / without one."""
-  try:
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-  except (AttributeError, OSError):  # not Linux, or refused: the default priority
-    pass
-
-
-# While a checkpoint is written, Python switches threads every 0.1 ms instead
-# of every 5 ms (its default): orbax's Python holds the GIL in the writer
-# thread, and a training step that has finished waits for the GIL until the
-# next switch - up to 5 ms a step, half of an 11 ms MLP step. Measured by
-# benchmarks/workflows.py, steps in flight / without: 1.35x with neither this
-# nor nice 19, 1.26x without this, 1.04-1.13x with both (RESULTS.md). The
-# interval is process-wide; the one found is put back after the write, unless
-# someone changed it meanwhile.
-SAVE_SWITCH_INTERVAL_S = 0.0001
-
-
-@contextlib.contextmanager
-def _quick_thread_switches():
-  found = sys.getswitchinterval()
-  ours = min(found, SAVE_SWITCH_INTERVAL_S)
-  sys.setswitchinterval(ours)
-  try:
-    yield
-  finally:
-    if sys.getswitchinterval() == ours:
-      sys.setswitchinterval(found)
-
-
-def _at_exit(fn, *args):
-  """fn(*args) as the interpreter exits, before its threads are joined: an
-  `atexit` function ran after concurrent.futures had shut its pools down,
-  so a save still pending then failed in orbax ("cannot schedule new
-  futures after interpreter shutdown") and the final checkpoint was lost
-  without a word (a break-it find). threading's own exit hooks run last
-  registered first: concurrent.futures is imported before ours is added."""
-  import concurrent.futures.thread  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-  register = getattr(threading, "_register_atexit", None)  # CPython's, internal
-  if register is None:
-    atexit.register(fn, *args)
-    return
-  try:
-    register(fn, *args)
-  except RuntimeError:  # the interpreter is already shutting down
-    atexit.register(fn, *args)
-
-
-def _drain(ref):
-  """Waits for the pending saves; what failed is said on stderr, since no
-  wait_until_saved() will read it any more."""
-  checkpointer = ref()
-  if checkpointer is None:
-    return
-  try:
-    checkpointer._queue.join()  # pylint: disable=protected-access
-  except KeyboardInterrupt:  # a Ctrl-C while waiting: said aloud, then the process
-    print("jaxsession: interrupted while checkpoints were still being written at exit: "
-          "the newest may be missing (every complete one is intact)", file=sys.stderr)
-    _die_by_sigint()
-    return
-  for error in checkpointer._errors:  # pylint: disable=protected-access
-    print(f"jaxsession: a checkpoint was not written (no later save or "
-          f"wait_until_saved() raised it): {error}", file=sys.stderr)
-
-
-def _die_by_sigint():
-  """Ends the process by SIGINT, as Python ends one a Ctrl-C interrupted:
-  the exit status says so (it was 0, a lost save passing for success in a
-  shell script), and no interpreter teardown runs under the writer's threads
-  (it aborted the process one time in four: a break-it find). The `atexit`
-  functions run first, as Python runs them before it ends so (this runs in
-  threading's exit hooks, before them); a second Ctrl-C ends it at once."""
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
-  try:
-    atexit._run_exitfuncs()  # pylint: disable=protected-access
-    atexit._clear()  # pylint: disable=protected-access
-  finally:
-    for stream in (sys.stdout, sys.stderr):
-      try:
-        stream.flush()
-      except BaseException:  # pylint: disable=broad-except
-        pass
-    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _target(slot, j):
