@@ -118,10 +118,10 @@ class Checkpointer:
       manager = self._managers.get(path)
       if not os.path.isdir(path):  # removed since its manager was made: made again,
         manager = None  # as the first save makes it (its manager's save failed there)
+        if os.path.exists(path):  # (restore said "does not exist": a break-it find)
+          raise InputError(f"{where}: {path!r} is a file, not a directory")
         if not create:
           raise InputError(f"{where}: checkpoint directory {path!r} does not exist")
-        if os.path.exists(path):
-          raise InputError(f"{where}: {path!r} is a file, not a directory")
       if manager is None:
         ocp = _ocp()
         # keep-N is applied here after the new step is marked complete:

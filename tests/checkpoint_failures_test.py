@@ -66,6 +66,19 @@ class FailedSavesTest(absltest.TestCase):
       self.assertEqual(sorted(n for n in os.listdir(d) if not n.startswith(".")), ["4"])
       self.assertEqual(sess.restore(gid, d), 4)
 
+  def test_a_file_in_place_of_the_directory_is_named_by_save_and_restore(self):
+    # (restore said the directory "does not exist": a break-it find)
+    sess = js.Session()
+    w = np.float32([2.5, -0.0, np.nan])
+    gid = sess.compile(lambda w: (w * 3.0, jnp.sum(w)), w, state_argnums=0)
+    with tempfile.TemporaryDirectory() as d:
+      a_file = os.path.join(d, "ckpt")
+      open(a_file, "w").close()
+      for call in (lambda: sess.save(gid, a_file, 1), lambda: sess.restore(gid, a_file)):
+        with self.assertRaisesRegex(js.InputError, "ckpt' is a file, not a directory"):
+          call()
+      np.testing.assert_array_equal(np.asarray(sess.get_state(gid)[0]), w)
+
 
 @pytest.mark.slow  # a fresh process: orbax not imported yet
 class FirstImportTest(absltest.TestCase):
