@@ -42,6 +42,10 @@ def _shared_slots(state_map, source, n):
     if state_map is not None:
       raise InputError("compile: state_map is given without state_from")
     return None
+  if not n:  # (accepted silently: a state_argnums forgotten, a break-it find)
+    raise InputError("compile: state_from is given without state_argnums: the graph has "
+                     "no state args to bind to the slots of graph "
+                     f"'{source.name}' (name them in state_argnums)")
   if state_map is None:
     return source.slots[:n]
   try:

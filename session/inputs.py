@@ -310,7 +310,9 @@ class ArgSpec:
           raise InputError(f"{place}: this process's piece (shape "
                            f"{np.shape(x)}) does not make the global "
                            f"{aval_str(want)} laid out as {target.spec}: {exc}") from None
-    if isinstance(x, _PY_SCALARS) and leading is None and want.shape == ():
+    # (a type test, as jax's own: np.float64 subclasses float but is strongly
+    # typed, and was converted as a weak Python float - a break-it find)
+    if type(x) in _PY_SCALARS and leading is None and want.shape == ():
       converted = python_scalar(x, want.dtype)
       if converted is None and type(x) is int and jax.numpy.issubdtype(want.dtype,
                                                                         jax.numpy.inexact):

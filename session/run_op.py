@@ -274,15 +274,15 @@ def _freeze(x, by_identity=True):
   alike: types kept (1, 1.0 and True differ), floats by their bits (-0.0 is
   not 0.0), arrays by value. Unhashable objects by identity, or TypeError
   when `by_identity` is False."""
+  if isinstance(x, (np.ndarray, np.generic)):  # first: np.float64 is a float
+    arr = np.asarray(x)
+    return ("array", type(x), arr.dtype.str, arr.shape, arr.tobytes())
   if x is None or isinstance(x, (bool, int, str)):
     return (type(x), x)
   if isinstance(x, float):
     return (float, x.hex())
   if isinstance(x, complex):
     return (complex, x.real.hex(), x.imag.hex())
-  if isinstance(x, (np.ndarray, np.generic)):
-    arr = np.asarray(x)
-    return ("array", type(x), arr.dtype.str, arr.shape, arr.tobytes())
   if isinstance(x, jax.Array):
     try:
       arr = np.asarray(x)

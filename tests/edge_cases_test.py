@@ -115,6 +115,25 @@ class ProgramsTest(absltest.TestCase):
         assert_equal_signed(sess.run(gid, x, lr),
                             jax.jit(fn)(x, jnp.asarray(np.float32(lr), dtype)))
 
+  def test_numpy_scalars_are_strong_where_python_scalars_are_weak(self):
+    # np.float64 and np.complex128 subclass float and complex, but jax types
+    # them strongly: np.float64(0.1) was converted like the Python float to a
+    # compiled bf16 scalar, and the bf16 program ran where jax.jit promotes to
+    # float32 (a break-it find). Each must run as jax.jit does, or be refused.
+    fn = lambda x, s: x * s + s
+    for xd, sd in ((jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float16),
+                   (jnp.int32, jnp.bfloat16)):
+      x = jnp.asarray([0.3, -1.7, -0.0]).astype(xd)
+      sess = js.Session()
+      gid = sess.compile(fn, x, jnp.asarray(0.1, sd))
+      for s in (np.float64(0.1), np.complex128(1 - 2j), np.float32(-0.0), np.float64(np.nan)):
+        with self.assertRaisesRegex(js.InputError, r"argument 1 .* expected"):
+          sess.run(gid, x, s)
+      if xd == sd:  # a Python float: weak, the compiled bf16 program's
+        got, want = sess.run(gid, x, 0.1), jax.jit(fn)(x, 0.1)
+        self.assertEqual((got.dtype, got.weak_type), (want.dtype, want.weak_type))
+        assert_equal_signed(got, want)
+
 
 class DeepChainTest(absltest.TestCase):
 

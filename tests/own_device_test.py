@@ -93,6 +93,8 @@ with tempfile.TemporaryDirectory() as folder:
 # js.jit through the session, and a thread running another (default) session
 f = js.jit(lambda a: jnp.cos(a) * 3.0, session=sess)
 out["jit_devices"] = devs(f(xs[0]))
+# an argument committed to d0: jax.jit's placement, as under jax.default_device(d1)
+out["jit_committed_d0"] = [devs(f(jax.device_put(xs[0], d0))), len(f.graph_ids)]
 seen = {}
 def other():
   s2 = js.Session()
@@ -231,6 +233,9 @@ class OwnDeviceTest(absltest.TestCase):
     for key in ("sunk_devices", "state_devices", "host_devices", "run_op_devices",
                 "state_devices_after_set", "restored_devices", "jit_devices", "mine"):
       self.assertEqual(out[key], d1, key)
+
+  def test_js_jit_runs_where_a_committed_argument_is_as_jax_jit_does(self):
+    self.assertEqual(self.out["jit_committed_d0"], [[self.out["d0"]], 1])
 
   def test_a_host_partition_runs_between_executables_on_the_device(self):
     self.assertEqual(self.out["plan_places"], ["device", "host", "device"])

@@ -140,6 +140,9 @@ class SharedStateTest(absltest.TestCase):
                                 r"at path \(root\): expected f32\[3\], got f32\[4\] \(the state"):
       sess.compile(lambda s: s.sum(), jnp.ones(4) * 0.5, state_argnums=0, state_from=a,
                    updates_state=False)
+    # no state args to bind (was accepted, sharing nothing: a break-it find)
+    with self.assertRaisesRegex(js.InputError, "state_from is given without state_argnums"):
+      sess.compile(lambda s: s.sum(), jnp.ones(3) * 0.5, state_from=a)
 
 
 class SetStateTest(absltest.TestCase):
