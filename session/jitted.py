@@ -40,7 +40,7 @@ from jaxsession import jit_cache, tracing
 from jaxsession.errors import InputError, UnknownGraphError
 # _top_level: True outside every trace (vmap with an axis name, grad, jit, ...);
 # where jax lacks the internal API, tracer arguments alone tell a trace
-from jaxsession.jax_api import ARRAY, check_valid_dtype, real_jit, \
+from jaxsession.jax_api import ARRAY, check_valid_dtype, context_meshes, real_jit, \
     trace_state_clean as _top_level
 from jaxsession.runtime.state import with_weak_type
 
@@ -368,9 +368,14 @@ def _placed_elsewhere(leaf_keys, home):
 
 
 def _commits(graph, leaves):
-  """Whether jax.jit commits the outputs of this call: where an argument
-  the program uses is committed (it drops the unused ones first; a review's
+  """Whether jax.jit commits the outputs of this call: where the program
+  lays out values itself or runs on a mesh (the session's, or a context
+  mesh: jax.jit's outputs over several devices, committed - uncommitted
+  they failed the next op, a break-it find), or where an argument the
+  program uses is committed (it drops the unused ones first; a review's
   find). `leaves`: the graph's input leaves, in its input order."""
+  if graph.lays_out or graph.mesh is not None or _in_context_mesh():
+    return True
   inputs = graph.inputs_of_kind("input")
   committed = [isinstance(x, jax.Array) and x.committed for x in leaves]
   if len(inputs) != len(leaves):  # not one input per leaf: any committed one
@@ -380,6 +385,15 @@ def _commits(graph, leaves):
     return any(c and v.id in read for c, v in zip(committed, inputs))
   returned = {id(v) for v in graph.outputs}  # (dce disabled: the final graph's)
   return any(c and (v.users or id(v) in returned) for c, v in zip(committed, inputs))
+
+
+def _in_context_mesh():
+  """Whether jax.jit takes a context mesh now (jax.set_mesh's, or an
+  abstract one with an explicit axis) and so commits its outputs."""
+  concrete, abstract = context_meshes()
+  return (concrete is not None and not concrete.empty) or (
+      abstract is not None and not abstract.empty and
+      any(t == jax.sharding.AxisType.Explicit for t in abstract.axis_types))
 
 
 def _committed_as_jit(out, committed):

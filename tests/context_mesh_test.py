@@ -14,7 +14,7 @@ from subproc import SnippetTest
 pytestmark = pytest.mark.slow  # a subprocess with 8 CPU devices
 
 SNIPPET = r"""
-import json, tempfile
+import contextlib, json, tempfile
 import numpy as np, jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxsession as js
@@ -127,6 +127,47 @@ with jax.set_mesh(A):  # the step's P("data") names the session mesh's axis
 with jax.set_mesh(Mesh(np.array(devs[:4]), ("zz",))):
   gid = sess.compile(named, W, X, state_argnums=0)
   out["other_names"] = same(sess.run(gid, X), outside)  # the same program's bits
+
+# js.jit's outputs committed as jax.jit's: over several devices (a context
+# mesh, a mesh session, a program laying out its values) they are committed,
+# and the next op on them works (uncommitted, it raised NotImplementedError)
+rows = X.T.copy()  # (8, 4): 8 rows over the 4 devices
+programs = {
+    "set_mesh": (lambda a: jnp.sin(a) * 2, "set"),
+    "constraint": (lambda a: jax.lax.with_sharding_constraint(a * 2, NamedSharding(A, P("data"))),
+                   None),
+    "shard_map": (lambda a: jax.shard_map(lambda b: b * -0.0, mesh=A, in_specs=P("data"),
+                                          out_specs=P("data"))(a), None),
+    "pinned_host": (lambda a: jax.device_put(a * 2, jax.sharding.SingleDeviceSharding(
+        devs[0], memory_kind="pinned_host")), None),
+    "plain": (lambda a: a * 2, None)}
+got = {}
+for name, (fn, ctx) in programs.items():
+  with jax.set_mesh(A) if ctx else contextlib.nullcontext():
+    want, first, again = jax.jit(fn)(rows), js.jit(fn)(rows), js.jit(fn)(rows)
+    nxt = js.jit(lambda a: a + 1.0)(first)
+  got[name] = [want.committed, first.committed, again.committed, same(first, want),
+               same(first + 1.0, want + 1.0), same(nxt, want + 1.0)]
+mesh_sess = js.Session(js.SessionOptions(mesh=A))
+y = js.jit(lambda a: jnp.sin(a) * 2, session=mesh_sess)(rows)
+got["mesh_session"] = [True, y.committed, y.committed, same(y, jnp.sin(rows) * 2),
+                       same(y + 1.0, jnp.sin(rows) * 2 + 1.0), True]
+out["jit_commits"] = got
+# a raising callback of a stateless graph run over the mesh: a HostOpError at
+# the call (dispatch is asynchronous there: it was jax's JaxRuntimeError, raised
+# where the output was read)
+def boom(v):
+  raise RuntimeError("boom")
+raising = lambda a: (jax.debug.callback(boom, a.sum()), a * 2)[1]
+kinds = []
+for ctx in (contextlib.nullcontext(), jax.set_mesh(A)):
+  with ctx:
+    try:
+      jax.block_until_ready(js.jit(raising)(rows))
+      kinds.append(None)
+    except Exception as exc:  # pylint: disable=broad-except
+      kinds.append([type(exc).__name__, type(exc.__cause__).__name__])
+out["callback_kinds"] = kinds
 print(json.dumps(out))
 """
 
@@ -169,6 +210,15 @@ class ContextMeshTest(SnippetTest):
 
   def test_a_context_mesh_of_the_sessions_devices_under_other_names(self):
     self.assertTrue(self.out["other_names"])
+
+  def test_js_jit_commits_its_outputs_as_jax_jit_does(self):
+    for name, (want, first, again, equal, next_op, chained) in self.out["jit_commits"].items():
+      self.assertEqual([first, again], [want, want], name)
+      self.assertEqual(want, name != "plain", name)
+      self.assertTrue(equal and next_op and chained, name)
+
+  def test_a_raising_callback_of_a_stateless_graph_is_a_host_op_error(self):
+    self.assertEqual(self.out["callback_kinds"], [["HostOpError", "RuntimeError"]] * 2)
 
   def test_unreduced_and_reduced_specs_are_input_errors(self):
     for key, words in (("unreduced", "unreduced={'data'}"), ("reduced", "reduced={'model'}")):

@@ -73,7 +73,26 @@ def import_jaxpr(closed_jaxpr, name="graph", input_kinds=None, input_names=None,
   _bind_consts(graph, env, jaxpr.constvars, closed_jaxpr.consts)
   _import_eqns(graph, env, jaxpr.eqns, _Import(host_callbacks))
   graph.outputs = [_read(env, v) for v in jaxpr.outvars]
+  graph.lays_out = lays_out(jaxpr)
   return graph
+
+
+try:  # what jax.jit's lowering reads off a program to commit its outputs
+  from jax._src.dispatch import get_intermediate_shardings as _inner_shardings
+  from jax._src.interpreters.pxla import jaxpr_transfer_mem_kinds as _inner_memory
+  from jax._src.sharding_impls import UnspecifiedValue as _Unspecified
+except ImportError:  # an internal path: no jaxpr is taken to lay out its values
+  _inner_shardings = _inner_memory = lambda jaxpr: ()
+  _Unspecified = object
+
+
+def lays_out(jaxpr):
+  """Whether `jaxpr` (a core.Jaxpr) lays out values itself - a sharding
+  constraint on a concrete mesh, a nested jit with shardings, a shard_map,
+  a device_put to a sharding or memory kind: jax.jit commits every output
+  of such a program, uncommitted arguments or not."""
+  return (any(not isinstance(s, _Unspecified) for s, _ in _inner_shardings(jaxpr))
+          or bool(_inner_memory(jaxpr)))
 
 
 def _bind_consts(graph, env, constvars, consts):

@@ -192,6 +192,7 @@ class KernelGraph:
     # Optimize's first DCE: the ids of the inputs the program reads before any
     # rewrite, as jax.jit's own DCE keeps them (js.jit commits outputs by them)
     self.read_before_rewrites = None
+    self.lays_out = False  # the traced program lays out values (jax_api.lays_out)
     self._ids = itertools.count()
 
   # -- construction -------------------------------------------------------
