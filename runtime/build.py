@@ -315,11 +315,13 @@ def waited(call):
   moved from another device) that is after the call returned, and the
   callback's failure would show only where the outputs are read - after a
   stateful run committed them as the state (measured: 17 of 30 runs under
-  load). So partitions with callbacks are waited for: the state they read
-  is not donated (memory.py), and a failure leaves it as it was; and a
-  stateless graph's failure is the HostOpError naming the callback, not a
-  JaxRuntimeError raised where its output is read (under a mesh, dispatch
-  is asynchronous: a break-it find)."""
+  load). So where the graph has state, its partitions with callbacks are
+  waited for; the state they read is not donated (memory.py), and a failure
+  leaves it as it was. A stateless graph is not waited for: it returns as
+  jax.jit's call does, and its callback's failure is jax's JaxRuntimeError
+  where the output is read (waiting lost the asynchronous dispatch, and a
+  callback waiting on what the caller does after the call deadlocked: a
+  review's find)."""
   def run(*args):
     outs = call(*args)
     jax.block_until_ready(outs)
@@ -328,11 +330,11 @@ def waited(call):
 
 
 def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=None,
-                      fixed=None, compiler_options=None):
+                      fixed=None, compiler_options=None, wait=False):
   """Compiles one device partition with the values donated to it; returns
   (the call, the compiled executable). A failing callback inside it raises
-  HostOpError with the user's exception as the cause, before the call
-  returns (`waited`). With `cache` and `key` (the graph's
+  HostOpError with the user's exception as the cause (with `wait`, before
+  the call returns: `waited`). With `cache` and `key` (the graph's
   fingerprint), the executable is looked up first under (key, "partition",
   index)."""
   recorder = callbacks.ErrorRecorder()
@@ -351,7 +353,8 @@ def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=N
   call = fast_call(exe)
   if not part.may_fail:
     return call, exe, recorder
-  call = waited(call)  # the failure before the call returns
+  if wait:  # a stateful graph: the failure before the commit (waited)
+    call = waited(call)
 
   def run_device(*arrays):
     try:
@@ -403,7 +406,7 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
     if part.place == "device":
       fn, exe, recorder = build_device_step(
           part, plan.donated_to(part.index), graph.const_values, cache, key, layouts, fixed,
-          graph.compiler_options)
+          graph.compiler_options, wait=bool(graph.inputs_of_kind("state")))
       recorders.append(recorder)
       if layouts is not None:  # later partitions take these values as laid out here
         layouts.update((v.id, s) for v, s in zip(

@@ -97,8 +97,8 @@ def executable_program(exe, recorder, graph, layout, spec, hooks=None, leading=N
   (`recover`), so a run pays no Python frame of the program's."""
   call = fast_call(exe)
   partition = graph.partitions[0] if graph.partitions else None
-  if partition is not None and partition.may_fail:  # a callback's failure before the
-    call = waited(call)  # commit, and as a HostOpError (build.waited)
+  if partition is not None and partition.may_fail and layout.slots:
+    call = waited(call)  # a callback's failure before the state is committed
   if hooks is not None:  # all the steps of a sunk run: one partition event
     call = hooks.timed(call, 0, first=True, last=True, device=True)
   def conform(args):

@@ -389,7 +389,8 @@ def _local_path(where, directory):
   if "://" in text:
     raise InputError(f"{where}: directory {text!r} is a URL; checkpoints go to a local "
                      "(or locally mounted) directory")
-  return os.path.abspath(text)
+  return os.path.realpath(text)  # (a symlink and its target are one directory:
+  # two sessions saving through both removed each other's saves, a review's find)
 
 
 def _others(errors):

@@ -280,9 +280,12 @@ class Jitted:
     if gid is None:
       gid = self._compile(statics, args, dyn_args, dyn_kw)
     leaves = tree_util.tree_leaves(([dyn_kw[k] for k in sorted(dyn_kw)], dyn_args))
-    if home != key and home not in sigs.graphs:
-      sigs.graphs[home] = (gid, False)  # (nothing committed: nothing commits)
-    return gid, _commits(self.session.graph(gid), leaves)
+    graph = self.session.graph(gid)
+    if home != key and home not in sigs.graphs:  # (nothing committed: the program's
+      # own layouts alone commit; False here lost them where a committed call came
+      # first, a review's find)
+      sigs.graphs[home] = (gid, _commits(graph, [False] * len(leaves)))
+    return gid, _commits(graph, [isinstance(x, jax.Array) and x.committed for x in leaves])
 
   def _under_trace(self):
     return self._traced
@@ -367,18 +370,18 @@ def _placed_elsewhere(leaf_keys, home):
       or k[4].memory_kind not in (None, memory)) for k in leaf_keys)
 
 
-def _commits(graph, leaves):
+def _commits(graph, committed):
   """Whether jax.jit commits the outputs of this call: where the program
   lays out values itself or runs on a mesh (the session's, or a context
   mesh: jax.jit's outputs over several devices, committed - uncommitted
   they failed the next op, a break-it find), or where an argument the
   program uses is committed (it drops the unused ones first; a review's
-  find). `leaves`: the graph's input leaves, in its input order."""
+  find). `committed`: per input leaf of the graph, in its input order,
+  whether it is a committed array."""
   if graph.lays_out or graph.mesh is not None or _in_context_mesh():
     return True
   inputs = graph.inputs_of_kind("input")
-  committed = [isinstance(x, jax.Array) and x.committed for x in leaves]
-  if len(inputs) != len(leaves):  # not one input per leaf: any committed one
+  if len(inputs) != len(committed):  # not one input per leaf: any committed one
     return any(committed)
   read = graph.read_before_rewrites  # as jax.jit's DCE leaves them: x * 0 reads x
   if read is not None:  # (a review's find: int x * 0 was simplified away, x unused)

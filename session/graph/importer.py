@@ -81,6 +81,7 @@ try:  # what jax.jit's lowering reads off a program to commit its outputs
   from jax._src.dispatch import get_intermediate_shardings as _inner_shardings
   from jax._src.interpreters.pxla import jaxpr_transfer_mem_kinds as _inner_memory
   from jax._src.sharding_impls import UnspecifiedValue as _Unspecified
+  from jax._src.interpreters.partial_eval import dce_jaxpr as _dce
 except ImportError:  # an internal path: no jaxpr is taken to lay out its values
   _inner_shardings = _inner_memory = lambda jaxpr: ()
   _Unspecified = object
@@ -89,10 +90,14 @@ except ImportError:  # an internal path: no jaxpr is taken to lay out its values
 def lays_out(jaxpr):
   """Whether `jaxpr` (a core.Jaxpr) lays out values itself - a sharding
   constraint on a concrete mesh, a nested jit with shardings, a shard_map,
-  a device_put to a sharding or memory kind: jax.jit commits every output
-  of such a program, uncommitted arguments or not."""
-  return (any(not isinstance(s, _Unspecified) for s, _ in _inner_shardings(jaxpr))
-          or bool(_inner_memory(jaxpr)))
+  a device_put to a sharding or memory kind - where its outputs or effects
+  need them, as jax.jit's lowering reads them after its DCE (a dead
+  constraint committed the outputs: a review's find): jax.jit commits every
+  output of such a program, uncommitted arguments or not."""
+  def found(program):
+    return (any(not isinstance(s, _Unspecified) for s, _ in _inner_shardings(program))
+            or bool(_inner_memory(program)))
+  return found(jaxpr) and found(_dce(jaxpr, [True] * len(jaxpr.outvars))[0])
 
 
 def _bind_consts(graph, env, constvars, consts):
