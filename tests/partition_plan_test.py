@@ -476,11 +476,6 @@ class DeletedArgumentTest(absltest.TestCase):
     assert_equal_signed(sess.get_state(gid)[0], before)
 
 
-if __name__ == "__main__":
-  absltest.main()
-
-
-
 class TransferGuardTest(absltest.TestCase):
   """Under jax.transfer_guard, a host partition's results reach the next
   executable as jax.jit's callback results reach the rest of its program:
@@ -558,3 +553,7 @@ class TransferGuardTest(absltest.TestCase):
       assert_same_bits(got, want, "host output under the guard")
     assert_same_bits(self.sess.get_state(gid), (state,), "host-made state")
     self.assertLen(calls, 6)  # once a run each, the session's and jax.jit's
+
+
+if __name__ == "__main__":
+  absltest.main()
