@@ -27,6 +27,7 @@ import numpy as np
 from jaxsession.graph import liveness, op_properties
 from jaxsession.graph.ir import Literal, aval_bytes, aval_str
 from jaxsession.runtime import packing as packing_
+from jaxsession.runtime.partition import node_may_fail
 
 
 @dataclasses.dataclass
@@ -250,8 +251,11 @@ def decide_donations(graph, partitions, allow=True):
                         "reuse the buffer for"), False
     elif any(p.may_fail for p in partitions[last:]):
       failing = next(p for p in partitions[last:] if p.may_fail)
+      culprits = ", ".join(f"node {n.id} '{n.label}'" for n in failing.nodes
+                           if node_may_fail(n))  # (which one: a review's find)
       reason = (f"partition #{failing.index} can fail after the buffer is consumed "
-                "(callback or host op); a failed run must leave the state as it was")
+                f"({culprits}: a callback or host op); a failed run must leave the state "
+                "as it was")
       donate = False
     else:
       reason = f"session-owned, updated in place by partition #{last}" + (

@@ -92,6 +92,21 @@ class DemoTest(absltest.TestCase):
       self.assertEqual(cli.main(["jaxsession", "demo"]), 2)
     self.assertIn("runs on one device", err.getvalue())
 
+  def test_bad_paths_and_mesh_flags_without_a_mesh_are_refused_before_any_work(self):
+    # (a file as --save_graphs or --checkpoint_dir ended in a traceback, the
+    # latter after training up to its first save; --state_specs without a
+    # mesh was ignored: a review's finds)
+    with tempfile.NamedTemporaryFile() as a_file:
+      for flag, said in ((dict(save_graphs=a_file.name), "--save_graphs="),
+                         (dict(checkpoint_dir=a_file.name), "--checkpoint_dir="),
+                         (dict(state_specs="replicated"), "give --devices or --processes")):
+        err, out = io.StringIO(), io.StringIO()
+        with flagsaver.flagsaver(**flag), contextlib.redirect_stderr(err), \
+            contextlib.redirect_stdout(out):
+          self.assertEqual(cli.main(["jaxsession", "demo"]), 2)
+        self.assertIn(said, err.getvalue())
+        self.assertNotIn("loss", out.getvalue())
+
   def test_unknown_command(self):
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

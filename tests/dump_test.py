@@ -93,5 +93,37 @@ class SaveGraphsTest(absltest.TestCase):
       np.testing.assert_array_equal(sess.run(again, _x(8)), jax.jit(f)(_x(8)))
 
 
+class DumpTextTest(absltest.TestCase):
+  """What dump() and to_dot() name (a review's finds: every callback was
+  `_FlatCallback`, a loop body `{jaxpr}`, a captured constant jax's object
+  id, and a quote in a graph's name broke the DOT text)."""
+
+  def test_callbacks_bodies_constants_and_quotes_are_named(self):
+    def normalize_on_host(a):
+      return np.asarray(a) / 2
+    spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+    table = jnp.asarray(np.random.default_rng(3).standard_normal(4), jnp.float32)
+
+    def step(w, x):
+      def body(c, t):
+        return c + jax.pure_callback(normalize_on_host, spec, t), jnp.sum(t)
+      c, s = jax.lax.scan(body, w, jnp.stack([x, -x]))
+      return c * table, s
+    sess = js.Session()
+    w, x = np.float32([1.5, -0.0, 2.0, 3.0]), np.float32([0.5, 1.0, -2.0, 4.0])
+    gid = sess.compile(step, w, x, state_argnums=0, name='step "v2"')
+    text = sess.graph(gid).dump()
+    self.assertRegex(text, r"scan\[.*jaxpr=\{\d+ eqns: .*callbacks: .*normalize_on_host "
+                           r"\(pure_callback\)\}")
+    self.assertIn("captured constant 0", text)
+    self.assertNotIn("Var(id=", text)
+    self.assertRegex(str(sess.report(gid)), r"state leaves kept \(partition #0 can fail .*\(node \d+ 'scan'")
+    self.assertIn('digraph "step \\"v2\\"" {', sess.graph(gid).to_dot())
+    got = sess.run(gid, x)
+    want = jax.jit(step)(w, x)
+    np.testing.assert_array_equal(got, want[1])
+    np.testing.assert_array_equal(sess.get_state(gid)[0], want[0])
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -405,6 +405,26 @@ def main(argv):
     print(f"error: unexpected arguments {args[1:]}; see --help", file=sys.stderr)
     return 2
   np.set_printoptions(precision=4)
+  for name in ("save_graphs", "checkpoint_dir"):  # refused before any work (--checkpoint_dir
+    path = FLAGS[name].value  # failed at the first save, a traceback: a review's find)
+    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+      print(f"error: --{name}={path} is a file, not a directory", file=sys.stderr)
+      return 2
+  given = FLAGS["state_specs"].present or not FLAGS["state_specs"].using_default_value
+  if given and FLAGS.devices is None and FLAGS.processes is None:
+    print("error: --state_specs lays the state out on a mesh: give --devices or --processes",
+          file=sys.stderr)
+    return 2
+  import jaxsession as js  # pylint: disable=g-import-not-at-top
+  try:
+    return _command()
+  except js.InputError as exc:  # what the session refused, said as a flag's error is
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _command():
+  """The demo the flags ask for (main checked them)."""
   if FLAGS.model != "mlp":
     if FLAGS.processes is not None or FLAGS.devices is not None:
       print(f"error: --model={FLAGS.model} runs on one device; --devices and --processes "

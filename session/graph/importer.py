@@ -101,8 +101,9 @@ def lays_out(jaxpr):
 
 
 def _bind_consts(graph, env, constvars, consts):
-  for var, value in zip(constvars, consts):
-    env[var] = graph.add_input(var.aval, kind="const", name=f"const {var}",
+  for k, (var, value) in enumerate(zip(constvars, consts)):  # (named by jax's Var, it
+    # showed an object id: a review's find)
+    env[var] = graph.add_input(var.aval, kind="const", name=f"captured constant {k}",
                                const_value=value)
 
 

@@ -153,22 +153,61 @@ def _sharded(value):
 
 def _param_str(value):
   if hasattr(value, "jaxpr") or type(value).__name__ in ("Jaxpr", "ClosedJaxpr"):
-    return "{jaxpr}"
+    return _body_str(value)
   if isinstance(value, (tuple, list)) and value and hasattr(value[0], "jaxpr"):
-    return "{%d jaxprs}" % len(value)
+    return "[" + ", ".join(_body_str(v) for v in value) + "]"  # cond's branches
   if callable(value):
-    return getattr(value, "__name__", type(value).__name__)
+    return callable_name(value)
   text = str(value)
   return text if len(text) <= 60 else text[:57] + "..."
+
+
+def callable_name(fn):
+  """The user's function a callback param holds, by name (jax wraps it:
+  the dump said `_FlatCallback` for every pure_callback, a review's find)."""
+  for _ in range(4):  # jax's wrappers: _FlatCallback, functools.partial
+    inner = getattr(fn, "callback_func", None) or getattr(fn, "func", None)
+    if inner is None or not callable(inner):
+      break
+    fn = inner
+  return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", type(fn).__name__)
+
+
+def _body_str(jaxpr):
+  """A body (scan's, while's, cond's, a kept jit's) as a dump shows it: its
+  size, its ops, and the user callbacks anywhere inside, by name (a loop
+  body showed `{jaxpr}`: what made its partition one that may fail was
+  nowhere in the dump, a review's find)."""
+  body = getattr(jaxpr, "jaxpr", jaxpr)
+  ops = list(dict.fromkeys(e.primitive.name for e in body.eqns))
+  shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
+  calls = list(dict.fromkeys(_callbacks_in(body)))
+  named = f"; callbacks: {', '.join(calls)}" if calls else ""
+  return f"{{{len(body.eqns)} eqns: {shown}{named}}}"
+
+
+def _callbacks_in(body):
+  for eqn in body.eqns:
+    if "callback" in eqn.params and callable(eqn.params["callback"]):
+      yield f"{callable_name(eqn.params['callback'])} ({eqn.primitive.name})"
+    for sub in _subbodies(eqn):
+      yield from _callbacks_in(sub)
+
+
+def _subbodies(eqn):
+  """The bodies an equation holds (jax.core.jaxprs_in_params' walk)."""
+  for param in eqn.params.values():
+    for item in param if isinstance(param, (tuple, list)) else (param,):
+      if hasattr(item, "eqns"):
+        yield item
+      elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
+        yield item.jaxpr
 
 
 def _call_str(node):
   """A kept nested jit's params as a dump shows them: its name and what its
   body does (the shardings and flags jax leaves unspecified say nothing)."""
-  body = node.params["jaxpr"].jaxpr
-  ops = list(dict.fromkeys(e.primitive.name for e in body.eqns))
-  shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
-  return f"name={node.params.get('name')} body={{{len(body.eqns)} eqns: {shown}}}"
+  return f"name={node.params.get('name')} body={_body_str(node.params['jaxpr'])}"
 
 
 class KernelGraph:
@@ -427,12 +466,13 @@ class KernelGraph:
   def to_dot(self):
     """The graph in Graphviz form: a box per node, an edge per value read."""
     colors = {"device": "lightblue", "host": "khaki"}
-    lines = [f'digraph "{self.name}" {{', "  rankdir=TB;"]
+    quoted = lambda text: str(text).replace('"', '\\"')  # (a quote ended the DOT string)
+    lines = [f'digraph "{quoted(self.name)}" {{', "  rankdir=TB;"]
     for value in self.inputs:
-      lines.append(f'  v{value.id} [shape=ellipse,label="{value.kind} {value}\\n'
+      lines.append(f'  v{value.id} [shape=ellipse,label="{value.kind} {quoted(value)}\\n'
                    f'{aval_str(value.aval)}"];')
     for node in self.nodes:
-      label = node.label + (f"\\n{node.kernel.name}" if node.kernel else "")
+      label = quoted(node.label) + (f"\\n{node.kernel.name}" if node.kernel else "")
       color = colors.get(node.place, "white")
       lines.append(f'  n{node.id} [shape=box,style=filled,fillcolor={color},'
                    f'label="{label}"];')
