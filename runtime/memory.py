@@ -182,25 +182,35 @@ def value_bytes(value):
   return int(np.prod(shape, dtype=np.int64)) * int(value.aval.dtype.itemsize)
 
 
-def node_floor(nodes, sizes):
+def node_floor(nodes, sizes, donated=frozenset()):
   """The most device bytes one of `nodes` holds at once: its operands and
-  results (host values take no device memory; `sizes`: device_sizes)."""
+  results (host values take no device memory; `sizes`: device_sizes), a
+  result written over an operand of its size that is donated (`donated`:
+  value ids) counted once, as XLA aliases it (counted twice, the lower
+  bound of `s + x` was above what XLA's executable holds: a review's find)."""
   bound = 0
   for node in nodes:
-    touched = {v.id for v in node.inputs if not isinstance(v, Literal) and v.id in sizes}
+    operands = list(dict.fromkeys(v for v in node.inputs if not isinstance(v, Literal)
+                                  and v.id in sizes))
+    touched = {v.id for v in operands}
     if not op_properties.is_transfer(node.op, "d2h"):  # on CPU: its operand's buffer
-      touched.update(o.id for o in node.outputs if o.id in sizes)
+      over = collections.Counter(sizes[v.id] for v in operands if v.id in donated)
+      for out in node.outputs:
+        if out.id in sizes and over[sizes[out.id]]:
+          over[sizes[out.id]] -= 1  # in the donated operand's buffer
+        elif out.id in sizes:
+          touched.add(out.id)
     bound = max(bound, sum(sizes[vid] for vid in touched))
   return bound
 
 
-def lower_bound(graph, sizes):
+def lower_bound(graph, sizes, donated=frozenset()):
   """Device bytes any schedule must hold at once: all graph inputs, or one
-  node's operands and results."""
+  node's operands and results (node_floor)."""
   inputs = sum(sizes.get(v.id, 0) for v in graph.inputs)
   if graph.mesh is not None:  # an intermediate's layout is XLA's: no per-device floor
     return inputs
-  return max(inputs, node_floor(graph.nodes, sizes))
+  return max(inputs, node_floor(graph.nodes, sizes, donated))
 
 
 def free_outputs(partitions):
@@ -282,7 +292,9 @@ def decide_intermediate_donations(graph, partitions, ranges, free):
   """Device values made by one partition that die in a later device partition
   whose executable has a free output of the same shape and dtype: donated to
   it (the session holds the only reference). Values read on the host too are
-  kept: on the CPU platform the host copy is the same buffer."""
+  kept: on the CPU platform the host copy is the same buffer. Each one that
+  dies in a later device partition gets its decision and reason (the kept
+  ones had none: a review's find)."""
   outputs = {v.id for v in graph.outputs if not isinstance(v, Literal)}
   decisions = []
   for part in partitions:
@@ -293,15 +305,21 @@ def decide_intermediate_donations(graph, partitions, ranges, free):
       if (producer is None or producer.place != "device"
           or op_properties.is_transfer(producer.op, "h2d")):
         continue
-      if value.id in outputs or ranges[value.id][1] != part.index:
-        continue  # still needed later, or handed to the caller
-      if any(op_properties.is_transfer(u.op, "d2h") for u in value.users):
-        continue
-      if free[part.index][_key(value)] > 0:
+      if ranges[value.id][1] != part.index:
+        continue  # decided where it dies
+      if value.id in outputs:
+        reason, donate = "returned to the caller: the run hands its buffer out", False
+      elif any(op_properties.is_transfer(u.op, "d2h") for u in value.users):
+        reason, donate = ("also read on the host: there the host copy is the same "
+                          "buffer"), False
+      elif free[part.index][_key(value)] > 0:
         free[part.index][_key(value)] -= 1
-        decisions.append(DonationDecision(
-            value, True, part.index, f"dies in partition #{part.index}, which reuses "
-            "its buffer for an output of the same shape"))
+        reason, donate = (f"dies in partition #{part.index}, which reuses its buffer for "
+                          "an output of the same shape"), True
+      else:
+        reason, donate = (f"dies in partition #{part.index}, which makes no free output "
+                          "of its shape and dtype to reuse it for"), False
+      decisions.append(DonationDecision(value, donate, part.index, reason))
   return decisions
 
 
@@ -341,8 +359,10 @@ def plan_memory(graph, partitions, allow_donation=True, platform="cpu", pack_bel
   sizes = device_sizes(graph, platform)
   figures = {p.index: (estimate(p, sizes), "session estimate") for p in partitions}
   rows, peak = partition_figures(graph, partitions, ranges, figures, sizes)
+  donated = frozenset(d.state.id for d in donations + intermediates if d.donated)
   return MemoryPlan(
-      live_ranges=ranges, peak_bytes=peak, lower_bound_bytes=lower_bound(graph, sizes),
+      live_ranges=ranges, peak_bytes=peak,
+      lower_bound_bytes=lower_bound(graph, sizes, donated),
       donated_bytes=sum(value_bytes(d.state) for d in donations + intermediates
                         if d.donated),
       donations=donations, intermediate_donations=intermediates, partitions=rows,
@@ -363,7 +383,7 @@ def refine(plan, graph, partitions, analyses, platform="cpu"):
       if graph.mesh is not None:  # per device, as XLA reports it; the node floor
         figures[part.index] = (xla, "xla memory_analysis, per device")  # is global
         continue
-      floor = node_floor(part.nodes, sizes)
+      floor = node_floor(part.nodes, sizes, plan.donated_to(part.index))
       # XLA:CPU reports no temporaries for some programs whose nodes plainly
       # need them (a chain of matmuls): never plan below one node's operands
       # and results.

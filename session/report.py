@@ -54,6 +54,8 @@ class CompileReport:
   sharding: object = None  # spmd.ShardingReport under a mesh: what each device holds
   collectives: List = dataclasses.field(default_factory=list)  # runtime.collectives
   loop_sink: dict = dataclasses.field(default_factory=dict)  # steps -> how run(steps=) runs
+  # DonationDecision per intermediate made by one partition and dying in a later one
+  intermediate_donations: List = dataclasses.field(default_factory=list)
 
   def __str__(self):
     lines = [f"compile report for graph '{self.graph_name}': {self.nodes_imported} "
@@ -96,6 +98,11 @@ class CompileReport:
                                       else "")
       lines.append(f"    {len(names)} state leaves {'donated' if donated else 'kept'} "
                    f"({reason}): {shown}")
+    for d in self.intermediate_donations:
+      made = d.state.producer
+      lines.append(f"    intermediate {d.state!r} {aval_str(d.state.aval)} (made by node "
+                   f"{made.id} '{made.label}') {'donated' if d.donated else 'kept'}: "
+                   f"{d.reason}")
     return "\n".join(lines)
 
 

@@ -282,6 +282,7 @@ class Session:
                     for p in graph.partitions],
         transfers=list_transfers(graph), schedule=graph.schedule,
         memory=memory.MemoryReport(graph.memory), donations=graph.memory.donations,
+        intermediate_donations=graph.memory.intermediate_donations,
         kernels=count_kernels(graph), nodes_imported=nodes_imported,
         nodes_final=len(graph.nodes), compile_seconds=time.perf_counter() - start,
         cache=cache.use, sharding=spmd.sharding_report(graph, slots, mesh_layout),
