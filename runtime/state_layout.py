@@ -104,6 +104,11 @@ class StateLayout:
     """What each of commit()'s entries is, from the state leaves' `names`."""
     return [names[i] or f"state {i}" for i in self.updated_idx]
 
+  def input_names(self, names):
+    """What each of gather()'s entries (structs(), flat) is, from the state
+    leaves' `names`."""
+    return [names[i] or f"state {i}" for i in range(self.num_state)]
+
   def packed_returns(self):
     """(position in returned()'s flat form, name) of each packed buffer it
     returns: none, leaf by leaf."""
@@ -216,14 +221,16 @@ class StorageLayout(StateLayout):
     return out
 
   def updated_names(self, names):
-    out = []
-    for u in self.unit_updated:
-      slot, k, members = self.units[u]
-      if _plain(slot, k):
-        out.append(names[members[0]] or f"state {members[0]}")
-      else:
-        out.append(_buffer_name(slot, k, members))
-    return out
+    return [self._unit_name(u, names) for u in self.unit_updated]
+
+  def input_names(self, names):
+    return [self._unit_name(u, names) for u in range(len(self.units))]
+
+  def _unit_name(self, u, names):
+    slot, k, members = self.units[u]
+    if _plain(slot, k):
+      return names[members[0]] or f"state {members[0]}"
+    return _buffer_name(slot, k, members)
 
   def packed_returns(self):  # what runtime/horizontal.py rewrites
     out = []

@@ -333,7 +333,8 @@ def collectives_of(graph, runner):
     return []
   exe = getattr(runner, "exe", None)
   if exe is not None:
-    return collectives.collectives(exe, output_names(graph, runner.layout))
+    found = collectives.collectives(exe, output_names(graph, runner.layout))
+    return [_named_sources(c, exe, graph, runner.layout) for c in found]
   program = getattr(runner, "program", None)
   found = []
   for part in graph.partitions:
@@ -343,6 +344,25 @@ def collectives_of(graph, runner):
                for v in part.outputs + part.witnesses]  # (witnesses: returned too)
       found += collectives.collectives(exe, names)
   return found
+
+
+def _named_sources(found, exe, graph, layout):
+  """`found` (a Collective) with the op names it comes from in the dump's
+  names: jax names the executable's parameters by the session's step
+  function, `xs[1]`, `xs[0][0][1]` (named nowhere else: a review's find)."""
+  try:
+    paths = [path for path, _ in tree_util.tree_flatten_with_path(
+        tree_util.tree_unflatten(exe.in_tree, range(exe.in_tree.num_leaves)))[0]]
+  except (AttributeError, TypeError, ValueError):  # no in_tree: the names as jax gives them
+    return found
+  names = layout.input_names([s.name for s in graph.inputs_of_kind("state")])
+  names += [v.name or f"input {k}" for k, v in enumerate(graph.inputs_of_kind("input"))]
+  if len(names) != len(paths):
+    return found
+  by_path = {"xs" + tree_util.keystr(path[1:]): name for path, name in zip(paths, names)}
+  rename = lambda m: by_path.get(m.group(0), m.group(0))
+  op_names = tuple(re.sub(r"xs(\[\d+\])+", rename, n) for n in found.op_names)
+  return dataclasses.replace(found, op_names=op_names)
 
 
 def _value_name(graph, value):

@@ -164,6 +164,13 @@ y = js.jit(lambda a: jnp.sin(a) * 2, session=mesh_sess)(rows)
 got["mesh_session"] = [True, y.committed, y.committed, same(y, jnp.sin(rows) * 2),
                        same(y + 1.0, jnp.sin(rows) * 2 + 1.0), True]
 out["jit_commits"] = got
+# report.collectives name where a collective's operands come from as dump() does
+# (jax's names of the session's step parameters, xs[0][1], were shown)
+zero = js.Session(js.SessionOptions(mesh=A))
+zg = zero.compile(lambda p, x: ((p[0] * 0.5, p[1] + 1.0), jnp.sum(x @ p[0]) + jnp.sum(p[1])),
+                  (W, W[0]), X, state_argnums=0, state_specs="zero")
+sources = " ".join(n for c in zero.report(zg).collectives for n in c.op_names)
+out["collective_sources"] = ["xs[" in sources, "state 0 (arg 0)" in sources or "arg 1" in sources]
 # a raising callback inside the executable of a graph without state, over
 # the mesh: the call returns as jax.jit's does (not waited for: a graph with
 # state is, soundness_test.py) and fails at the call or where the output is read
@@ -237,6 +244,9 @@ class ContextMeshTest(SnippetTest):
     self.assertIn(stateless, (["call", "HostOpError", "RuntimeError"],
                               ["read", "JaxRuntimeError"]))
     self.assertTrue(works_after)
+
+  def test_collectives_name_their_sources_as_the_dump_does(self):
+    self.assertEqual(self.out["collective_sources"], [False, True])
 
   def test_unreduced_and_reduced_specs_are_input_errors(self):
     for key, words in (("unreduced", "unreduced={'data'}"), ("reduced", "reduced={'model'}")):
