@@ -164,7 +164,8 @@ def best_order(graph, slack_bytes=0):
   if original <= 1:  # one place: every order is one partition
     peak = order_peak(graph, nodes)
     return nodes, ScheduleDecision("original", original, original, peak, peak,
-                                   "one partition: there is nothing to reorder")
+                                   "one partition: there is nothing to reorder" if original
+                                   else "no nodes: there is nothing to reorder")
   candidates = [sink_host_outputs(two_queue_order(nodes, first), graph)
                 for first in ("host", "device")]
   order = min(candidates, key=count_partitions)  # min keeps host-first on a tie

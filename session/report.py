@@ -70,6 +70,9 @@ class CompileReport:
     lines.append("  kernels: " + ", ".join(f"{k} x{n}" for k, n in
                                            sorted(self.kernels.items())))
     lines.append("  partitions:")
+    if not self.partitions:  # (said nothing beside its one executable: a review's find)
+      lines.append("    none: the graph has no nodes; one executable returns its inputs, "
+                   "as jax.jit's does")
     for i, p in enumerate(self.partitions):
       lines.append(f"    #{i} {p.place:6s} {p.num_nodes} nodes, stream {p.stream}: {p.reason}")
     if self.schedule is not None:

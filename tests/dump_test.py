@@ -119,6 +119,9 @@ class DumpTextTest(absltest.TestCase):
     self.assertNotIn("Var(id=", text)
     self.assertRegex(str(sess.report(gid)), r"state leaves kept \(partition #0 can fail .*\(node \d+ 'scan'")
     self.assertIn('digraph "step \\"v2\\"" {', sess.graph(gid).to_dot())
+    ident = sess.compile(lambda a: a, x)  # no nodes, one executable: said so
+    self.assertIn("none: the graph has no nodes; one executable", str(sess.report(ident)))
+    self.assertLen(sess.executables(ident), 1)
     got = sess.run(gid, x)
     want = jax.jit(step)(w, x)
     np.testing.assert_array_equal(got, want[1])
