@@ -471,7 +471,9 @@ def rewrite(graph, points, buckets, plan, serves, axis_name, devices, scatters=N
     plan.buckets.append(bucket)
     node.notes.append(f"all-reduce bucket {b}: {len(members)} partial(s), {spec['bytes']} B "
                       f"{spec['dtype']} summed over the {devices} devices of mesh axis "
-                      f"{axis_name!r} as one all-reduce; closed: {spec['closed']}")
+                      f"{axis_name!r} as one all-reduce (XLA's all-reduce combiner may "
+                      f"merge buckets in the executable: report.collectives has what it "
+                      f"holds); closed: {spec['closed']}")
     if names:
       node.notes.append(f"bucket {b} serves {_short(names)}")
     for j, (orig, partial) in enumerate(zip(originals, members)):
