@@ -158,9 +158,10 @@ class Jitted:
     # static_argnums None where none are given: jax.jit (whose default it is)
     # then finds the positions of static_argnames, so that a positional call
     # under a trace passes them as statics (with () it did not: a user's find)
-    empty = isinstance(static_argnums, (tuple, list)) and not static_argnums
-    self._traced = real_jit(fn, static_argnums=None if empty else static_argnums,
-                            static_argnames=static_argnames)
+    # (and static_argnames None likewise, so that static_argnums names them)
+    none = lambda given: None if isinstance(given, (tuple, list)) and not given else given
+    self._traced = real_jit(fn, static_argnums=none(static_argnums),
+                            static_argnames=none(static_argnames))
     self._session = session  # held here; the shared graphs hold it weakly
     self._sigs = jit_cache.acquire(fn, (self._static_nums, self._static_names), session)
     weakref.finalize(self, jit_cache.dropped, self._sigs)
@@ -415,14 +416,17 @@ def _name(fn):
   return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def jit(fn=None, static_argnums=(), static_argnames=(), session=None, **jax_options):
+def jit(fn=None, static_argnums=None, static_argnames=None, session=None, **jax_options):
   """A drop-in for `jax.jit(fn, static_argnums, static_argnames)` that
   compiles per argument signature in `session` (default: one Session per
   process) and runs there; see the module docstring. `jit(static_argnums=..)`
   without fn returns a decorator. With any other option of jax.jit's
   (`donate_argnums`, shardings, `inline`, ...: what libraries pass when
   `jax.jit = jaxsession.jit` routes a whole program) it is jax.jit itself,
-  given those options; jax.jit refuses the ones it does not know."""
+  given those options; jax.jit refuses the ones it does not know. The
+  statics default to None, as jax.jit's: jax.jit completes one from the
+  other only where that one is None (given (), `static_argnums=1` with the
+  argument passed by name traced it: a review's find)."""
   if jax_options:
     if session is not None:
       raise InputError(f"jaxsession.jit: session= with jax.jit's options "

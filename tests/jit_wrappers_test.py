@@ -200,5 +200,26 @@ class SignatureAndLayoutTest(absltest.TestCase):
         js.jit(lambda a, d: a * 2)(_x(2), value)
 
 
+class StaticsCompletedTest(absltest.TestCase):
+  """static_argnums and static_argnames complete each other as under
+  jax.jit - with jax.jit's own options too (where js.jit is jax.jit) and
+  under a trace (a routed library's find: given (), jax.jit completed
+  neither, and `n` passed by name was traced: TracerBoolConversionError)."""
+
+  def test_a_static_passed_the_other_way_stays_static(self):
+    def f(x, n):
+      return x * 2.0 if n > 1 else x - 1.0  # a traced n raises here
+    x = jnp.asarray(np.random.default_rng(4).standard_normal(3), jnp.float32)
+    for options in ({}, {"donate_argnums": 0}, {"keep_unused": True}):
+      by_num = js.jit(f, static_argnums=1, **options)
+      by_name = js.jit(f, static_argnames="n", **options)
+      assert_same_bits(by_num(jnp.array(x), n=3), x * 2.0, f"static_argnums {options}")
+      assert_same_bits(by_name(jnp.array(x), 3), x * 2.0, f"static_argnames {options}")
+      under_trace = jax.jit(lambda x: js.jit(f, static_argnums=1, **options)(x, n=0))
+      assert_same_bits(under_trace(x), x - 1.0, f"under a trace {options}")
+    with self.assertRaises(ValueError):  # as jax.jit: donated and static at once
+      js.jit(f, static_argnums=0, donate_argnums=0)(x, 1)
+
+
 if __name__ == "__main__":
   absltest.main()
