@@ -143,9 +143,9 @@ def _check_returned(fn, out, first):
       code = getattr(inner, "__code__", None)
       where = getattr(inner, "__name__", type(inner).__name__) + (
           f" at {code.co_filename}:{code.co_firstlineno}" if code is not None else "")
+      at = f" at output component {tree_util.keystr(path)}" if path else ""  # (as jax.jit's)
       raise TypeError(f"function {where} traced for jit returned a value of type "
-                      f"{type(leaf)} at output component {tree_util.keystr(path)}, which "
-                      "is not a valid JAX type") from None
+                      f"{type(leaf)}{at}, which is not a valid JAX type") from None
 
 
 def _innermost(fn):
@@ -229,11 +229,15 @@ def check_no_leaked_tracers(name, closed):
   it, and a pass that reads the constant would fail on it later."""
   for const in closed.consts:
     if isinstance(const, jax.core.Tracer):
-      raise jax.errors.UnexpectedTracerError(
-          f"compile({name}): fn uses a tracer ({type(const).__name__} of "
-          f"{getattr(const, 'aval', '?')}) that escaped the transformation that made "
-          "it (a side effect: a list append or a global) - JAX transformations "
-          "require functions to return their outputs")
+      try:  # jax's own message: the function it leaked from and the line that made it
+        from jax._src.core import escaped_tracer_error  # pylint: disable=import-outside-toplevel
+        raise escaped_tracer_error(const, f"compile({name}) found it among fn's constants")
+      except ImportError:  # an internal API: the session's own words
+        raise jax.errors.UnexpectedTracerError(
+            f"compile({name}): fn uses a tracer ({type(const).__name__} of "
+            f"{getattr(const, 'aval', '?')}) that escaped the transformation that made "
+            "it (a side effect: a list append or a global) - JAX transformations "
+            "require functions to return their outputs") from None
 
 
 def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dyn_args):
