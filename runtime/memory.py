@@ -183,13 +183,19 @@ def value_bytes(value):
 
 
 def node_floor(nodes, sizes, donated=frozenset()):
-  """The most device bytes one of `nodes` holds at once: its operands and
-  results (host values take no device memory; `sizes`: device_sizes), a
-  result written over an operand of its size that is donated (`donated`:
-  value ids) counted once, as XLA aliases it (counted twice, the lower
-  bound of `s + x` was above what XLA's executable holds: a review's find)."""
+  """The most device bytes one of `nodes` holds at once: the operands and
+  results of a contraction (a matmul or convolution, alone, fused or inside
+  a call: XLA runs it as its own kernel on stored buffers; what XLA fuses -
+  elementwise work, broadcasts, reductions - it may never store, and counted,
+  the bound of sum(x * x + 1) was twice XLA's figure: a review's find). Host
+  values take no device memory (`sizes`: device_sizes); a result written
+  over an operand of its size that is donated (`donated`: value ids) counts
+  once, as XLA aliases it."""
   bound = 0
   for node in nodes:
+    if not (op_properties.facts(node.op).contracts or
+            op_properties.contracts_inside(node.params)):
+      continue
     operands = list(dict.fromkeys(v for v in node.inputs if not isinstance(v, Literal)
                                   and v.id in sizes))
     touched = {v.id for v in operands}
@@ -204,13 +210,32 @@ def node_floor(nodes, sizes, donated=frozenset()):
   return bound
 
 
-def lower_bound(graph, sizes, donated=frozenset()):
-  """Device bytes any schedule must hold at once: all graph inputs, or one
-  node's operands and results (node_floor)."""
+def lower_bound(graph, sizes, partitions=(), donated_to=None):
+  """Device bytes any schedule must hold at once: all graph inputs; a device
+  partition's arguments and results, a result written over an argument of
+  its size donated to it (`donated_to(index)`: value ids) counted once; or a
+  contraction's operands and results (node_floor: what XLA fuses it may
+  never store, and counted, the bound of sum(x * x + 1) was twice XLA's
+  figure, a review's find)."""
   inputs = sum(sizes.get(v.id, 0) for v in graph.inputs)
   if graph.mesh is not None:  # an intermediate's layout is XLA's: no per-device floor
     return inputs
-  return max(inputs, node_floor(graph.nodes, sizes, donated))
+  donated_to = donated_to or (lambda index: frozenset())
+  bound = max(inputs, node_floor(graph.nodes, sizes, frozenset().union(
+      *(donated_to(p.index) for p in partitions))))
+  for part in partitions:
+    if part.place != "device":
+      continue
+    args = [v for v in dict.fromkeys(part.inputs) if v.kind != "const" and v.id in sizes]
+    over = collections.Counter(sizes[v.id] for v in args if v.id in donated_to(part.index))
+    held = sum(sizes[v.id] for v in args)
+    for out in part.outputs:
+      if out.id in sizes and over[sizes[out.id]]:
+        over[sizes[out.id]] -= 1  # in the donated argument's buffer
+      elif out.id in sizes:
+        held += sizes[out.id]
+    bound = max(bound, held)
+  return bound
 
 
 def free_outputs(partitions):
@@ -296,6 +321,8 @@ def decide_intermediate_donations(graph, partitions, ranges, free):
   dies in a later device partition gets its decision and reason (the kept
   ones had none: a review's find)."""
   outputs = {v.id for v in graph.outputs if not isinstance(v, Literal)}
+  last_device = {v.id: part.index for part in partitions if part.place == "device"
+                 for v in part.inputs}
   decisions = []
   for part in partitions:
     if part.place != "device":
@@ -305,10 +332,13 @@ def decide_intermediate_donations(graph, partitions, ranges, free):
       if (producer is None or producer.place != "device"
           or op_properties.is_transfer(producer.op, "h2d")):
         continue
-      if ranges[value.id][1] != part.index:
-        continue  # decided where it dies
-      if value.id in outputs:
+      if last_device[value.id] != part.index:
+        continue  # decided at its last device reader
+      if value.id in outputs:  # (its range ends past every partition: it had no entry)
         reason, donate = "returned to the caller: the run hands its buffer out", False
+      elif ranges[value.id][1] != part.index:
+        reason, donate = (f"read after partition #{part.index}, on the host (partition "
+                          f"#{ranges[value.id][1]})"), False
       elif any(op_properties.is_transfer(u.op, "d2h") for u in value.users):
         reason, donate = ("also read on the host: there the host copy is the same "
                           "buffer"), False
@@ -359,27 +389,40 @@ def plan_memory(graph, partitions, allow_donation=True, platform="cpu", pack_bel
   sizes = device_sizes(graph, platform)
   figures = {p.index: (estimate(p, sizes), "session estimate") for p in partitions}
   rows, peak = partition_figures(graph, partitions, ranges, figures, sizes)
-  donated = frozenset(d.state.id for d in donations + intermediates if d.donated)
+  to = collections.defaultdict(set)
+  for d in donations + intermediates:
+    if d.donated:
+      to[d.partition].add(d.state.id)
   return MemoryPlan(
       live_ranges=ranges, peak_bytes=peak,
-      lower_bound_bytes=lower_bound(graph, sizes, donated),
+      lower_bound_bytes=lower_bound(graph, sizes, partitions, lambda i: to.get(i, ())),
       donated_bytes=sum(value_bytes(d.state) for d in donations + intermediates
                         if d.donated),
       donations=donations, intermediate_donations=intermediates, partitions=rows,
       packing=packing, packings=packings)
 
 
+def _xla_bytes(stats):
+  """An executable's device bytes by XLA's memory_analysis()."""
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
 def refine(plan, graph, partitions, analyses, platform="cpu"):
   """The plan with each executable's own figure where XLA reports one:
   `analyses` maps partition index -> compiled.memory_analysis() (or None)."""
   figures, sizes = {}, device_sizes(graph, platform)
+  if not partitions:  # no nodes: its one executable returns its inputs, as copies
+    # (the peak was its inputs alone, below XLA's figure: a review's find)
+    if analyses.get(0) is not None:
+      plan.peak_bytes = max(plan.peak_bytes, _xla_bytes(analyses[0]))
+    return plan
   for part in partitions:
     stats = analyses.get(part.index)
     if stats is None:
       figures[part.index] = (estimate(part, sizes), "session estimate")
     else:
-      xla = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+      xla = _xla_bytes(stats)
       if graph.mesh is not None:  # per device, as XLA reports it; the node floor
         figures[part.index] = (xla, "xla memory_analysis, per device")  # is global
         continue

@@ -74,9 +74,11 @@ def _as_tuple(nums, what, kind):
 
 
 def _resolve_statics(fn, argnums, argnames):
-  """(static positions, static names), each completed from the other
-  through fn's signature, as jax.jit does (a static name of a positional
-  parameter makes that position static, and the other way round)."""
+  """(static positions, static names), one completed from the other through
+  fn's signature where it is None, as jax.jit does (a static name of a
+  positional parameter makes that position static, and the other way round;
+  given both, jax.jit takes them as they are: so does this, a review's find)."""
+  complete_nums, complete_names = argnums is None, argnames is None
   argnums = _as_tuple(argnums, "static_argnums", numbers.Integral)
   argnames = _as_tuple(argnames, "static_argnames", str)
   try:
@@ -87,9 +89,9 @@ def _resolve_statics(fn, argnums, argnames):
   names = set(argnames)
   nums = set(argnums)
   for i, p in enumerate(positional):
-    if p.name in names and p.kind != p.POSITIONAL_ONLY:
+    if complete_nums and p.name in names and p.kind != p.POSITIONAL_ONLY:
       nums.add(i)
-    if i in nums or (i - len(positional)) in nums:
+    if complete_names and (i in nums or (i - len(positional)) in nums):
       if p.kind != p.POSITIONAL_ONLY:
         names.add(p.name)
   return frozenset(nums), frozenset(names)
@@ -155,13 +157,11 @@ class Jitted:
     self._argnums, self._argnames = static_argnums, static_argnames
     # jax.jit(fn, ...), for calls under a trace; made here, so that statics
     # the signature does not have raise jax's own ValueError, as jax.jit does
-    # static_argnums None where none are given: jax.jit (whose default it is)
-    # then finds the positions of static_argnames, so that a positional call
-    # under a trace passes them as statics (with () it did not: a user's find)
-    # (and static_argnames None likewise, so that static_argnums names them)
-    none = lambda given: None if isinstance(given, (tuple, list)) and not given else given
-    self._traced = real_jit(fn, static_argnums=none(static_argnums),
-                            static_argnames=none(static_argnames))
+    # the statics as given, None where not: jax.jit (whose default it is) then
+    # completes the one from the other, as _resolve_statics does (given (),
+    # a static passed the other way was traced: a user's find)
+    self._traced = real_jit(fn, static_argnums=static_argnums,
+                            static_argnames=static_argnames)
     self._session = session  # held here; the shared graphs hold it weakly
     self._sigs = jit_cache.acquire(fn, (self._static_nums, self._static_names), session)
     weakref.finalize(self, jit_cache.dropped, self._sigs)

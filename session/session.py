@@ -321,8 +321,7 @@ class Session:
           rest_tree, layout)
       sunk = lambda steps, leading: loop_sink.stepped_program(  # noqa: E731
           program, layout, spec, rest_tree, steps, leading, graph)
-    if parts:
-      memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
+    memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
     where = spec.where
     user_code = any(p.may_fail for p in parts)  # callbacks (or host kernels) run in it
     runner = functools.partial(executor.Runner, layout=layout, where=where,

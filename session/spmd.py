@@ -23,7 +23,7 @@ from jaxsession import processes
 from jaxsession.errors import InputError
 from jaxsession.inputs import leaf_aval, paths_of
 from jaxsession.graph.ir import aval_str
-from jaxsession.runtime import collectives, compile_cache, sharding
+from jaxsession.runtime import build, collectives, compile_cache, sharding
 from jaxsession.runtime.state import sub_byte
 
 
@@ -333,8 +333,10 @@ def collectives_of(graph, runner):
     return []
   exe = getattr(runner, "exe", None)
   if exe is not None:
-    found = collectives.collectives(exe, output_names(graph, runner.layout))
-    return [_named_sources(c, exe, graph, runner.layout) for c in found]
+    names = runner.layout.input_names([s.name for s in graph.inputs_of_kind("state")])
+    names += [v.name or f"input {k}" for k, v in enumerate(graph.inputs_of_kind("input"))]
+    return [_named_sources(c, exe, names)
+            for c in collectives.collectives(exe, output_names(graph, runner.layout))]
   program = getattr(runner, "program", None)
   found = []
   for part in graph.partitions:
@@ -342,21 +344,21 @@ def collectives_of(graph, runner):
     if exe is not None:
       names = [f"partition #{part.index} -> {_value_name(graph, v)}"
                for v in part.outputs + part.witnesses]  # (witnesses: returned too)
-      found += collectives.collectives(exe, names)
+      sources = [v.name or repr(v) for v in build.device_inputs(part)]
+      found += [_named_sources(c, exe, sources) for c in collectives.collectives(exe, names)]
   return found
 
 
-def _named_sources(found, exe, graph, layout):
+def _named_sources(found, exe, names):
   """`found` (a Collective) with the op names it comes from in the dump's
-  names: jax names the executable's parameters by the session's step
-  function, `xs[1]`, `xs[0][0][1]` (named nowhere else: a review's find)."""
+  `names` of the executable's flat parameters: jax names them by the
+  session's step function, `xs[1]`, `xs[0][0][1]` (named nowhere else: a
+  review's find)."""
   try:
     paths = [path for path, _ in tree_util.tree_flatten_with_path(
         tree_util.tree_unflatten(exe.in_tree, range(exe.in_tree.num_leaves)))[0]]
   except (AttributeError, TypeError, ValueError):  # no in_tree: the names as jax gives them
     return found
-  names = layout.input_names([s.name for s in graph.inputs_of_kind("state")])
-  names += [v.name or f"input {k}" for k, v in enumerate(graph.inputs_of_kind("input"))]
   if len(names) != len(paths):
     return found
   by_path = {"xs" + tree_util.keystr(path[1:]): name for path, name in zip(paths, names)}

@@ -99,6 +99,10 @@ class DemoTest(absltest.TestCase):
     with tempfile.NamedTemporaryFile() as a_file:
       for flag, said in ((dict(save_graphs=a_file.name), "--save_graphs="),
                          (dict(checkpoint_dir=a_file.name), "--checkpoint_dir="),
+                         (dict(checkpoint_dir=a_file.name + "/sub"), "is a file, not a"),
+                         (dict(checkpoint_dir=""), "--checkpoint_dir is empty"),
+                         (dict(model="decode", save_graphs="/tmp/g"), "--model=decode"),
+                         (dict(devices=2, checkpoint_dir="/tmp/c"), "a mesh)"),
                          (dict(state_specs="replicated"), "give --devices or --processes")):
         err, out = io.StringIO(), io.StringIO()
         with flagsaver.flagsaver(**flag), contextlib.redirect_stderr(err), \

@@ -170,7 +170,14 @@ zero = js.Session(js.SessionOptions(mesh=A))
 zg = zero.compile(lambda p, x: ((p[0] * 0.5, p[1] + 1.0), jnp.sum(x @ p[0]) + jnp.sum(p[1])),
                   (W, W[0]), X, state_argnums=0, state_specs="zero")
 sources = " ".join(n for c in zero.report(zg).collectives for n in c.op_names)
-out["collective_sources"] = ["xs[" in sources, "state 0 (arg 0)" in sources or "arg 1" in sources]
+host = lambda v: jax.pure_callback(lambda u: np.asarray(u) * 2, jax.ShapeDtypeStruct(
+    v.shape, v.dtype), v)
+zh = zero.compile(lambda p, x: ((p[0] * 0.5, host(p[1]) + 1.0), jnp.sum(x @ p[0])),
+                  (W, W[0]), X, state_argnums=0, state_specs="zero")  # several partitions
+split = " ".join(n for c in zero.report(zh).collectives for n in c.op_names)
+named = "state 0 (arg 0)" in sources + split or "arg 1" in sources
+out["collective_sources"] = ["xs[" in sources + split, named,
+                             len(zero.report(zh).partitions) > 1]
 # a raising callback inside the executable of a graph without state, over
 # the mesh: the call returns as jax.jit's does (not waited for: a graph with
 # state is, soundness_test.py) and fails at the call or where the output is read
@@ -246,7 +253,7 @@ class ContextMeshTest(SnippetTest):
     self.assertTrue(works_after)
 
   def test_collectives_name_their_sources_as_the_dump_does(self):
-    self.assertEqual(self.out["collective_sources"], [False, True])
+    self.assertEqual(self.out["collective_sources"], [False, True, True])
 
   def test_unreduced_and_reduced_specs_are_input_errors(self):
     for key, words in (("unreduced", "unreduced={'data'}"), ("reduced", "reduced={'model'}")):

@@ -219,6 +219,14 @@ class StaticsCompletedTest(absltest.TestCase):
       assert_same_bits(under_trace(x), x - 1.0, f"under a trace {options}")
     with self.assertRaises(ValueError):  # as jax.jit: donated and static at once
       js.jit(f, static_argnums=0, donate_argnums=0)(x, 1)
+    # given both, jax.jit completes neither: n by name is traced there, and here
+    for both in (dict(static_argnums=1, static_argnames="m"),
+                 dict(static_argnums=1, static_argnames=())):
+      g = lambda x, n, m=1: f(x, n)  # noqa: E731
+      with self.assertRaises(jax.errors.TracerBoolConversionError):
+        jax.jit(g, **both)(x, n=3)
+      with self.assertRaises(jax.errors.TracerBoolConversionError):
+        js.jit(g, **both)(x, n=3)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ class MemoryPlanTest(absltest.TestCase):
     # argument + output + both intermediates (exp reads sin as it writes; 1 KiB each)
     sizes = memory.device_sizes(graph, "cpu")
     self.assertEqual(memory.estimate(parts[0], sizes), 4096)
-    self.assertEqual(memory.lower_bound(graph, sizes), 2048)
+    self.assertEqual(memory.lower_bound(graph, sizes, parts), 2048)  # x and the result
 
   def test_donation_reasons(self):
     def step(params, counter, x):

@@ -407,8 +407,24 @@ def main(argv):
   np.set_printoptions(precision=4)
   for name in ("save_graphs", "checkpoint_dir"):  # refused before any work (--checkpoint_dir
     path = FLAGS[name].value  # failed at the first save, a traceback: a review's find)
-    if path is not None and os.path.exists(path) and not os.path.isdir(path):
-      print(f"error: --{name}={path} is a file, not a directory", file=sys.stderr)
+    if path is None:
+      continue
+    if not path:
+      print(f"error: --{name} is empty: give a directory", file=sys.stderr)
+      return 2
+    there = os.path.abspath(path)  # the nearest part of it that exists must be a folder
+    while not os.path.exists(there) and os.path.dirname(there) != there:
+      there = os.path.dirname(there)
+    if not os.path.isdir(there):
+      print(f"error: --{name}={path}: {there} is a file, not a directory", file=sys.stderr)
+      return 2
+  mesh = FLAGS.devices is not None or FLAGS.processes is not None
+  for name, used in (("checkpoint_dir", FLAGS.model == "mlp" and not mesh),
+                     ("save_graphs", FLAGS.model == "mlp")):
+    if FLAGS[name].value and not used:  # (ignored without a word: a review's find)
+      print(f"error: --{name} applies to the MLP demo" + (" on one device" if name ==
+            "checkpoint_dir" else "") + f", not this one (--model={FLAGS.model}"
+            + (", a mesh)" if mesh else ")"), file=sys.stderr)
       return 2
   given = FLAGS["state_specs"].present or not FLAGS["state_specs"].using_default_value
   if given and FLAGS.devices is None and FLAGS.processes is None:

@@ -466,7 +466,8 @@ class KernelGraph:
   def to_dot(self):
     """The graph in Graphviz form: a box per node, an edge per value read."""
     colors = {"device": "lightblue", "host": "khaki"}
-    quoted = lambda text: str(text).replace('"', '\\"')  # (a quote ended the DOT string)
+    # (a quote or a trailing backslash ended the DOT string: review finds)
+    quoted = lambda text: str(text).replace("\\", "\\\\").replace('"', '\\"')
     lines = [f'digraph "{quoted(self.name)}" {{', "  rankdir=TB;"]
     for value in self.inputs:
       lines.append(f'  v{value.id} [shape=ellipse,label="{value.kind} {quoted(value)}\\n'
