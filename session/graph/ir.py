@@ -17,6 +17,7 @@ import jax
 
 from jaxsession.graph.divisors import divisor_cone
 from jaxsession.graph.op_properties import CALLS, node_props
+from jaxsession.graph.text import call_str, param_str, sharded
 
 INPUT_KINDS = ("input", "state", "const")
 
@@ -143,71 +144,6 @@ class Node:
 
   def __repr__(self):
     return f"Node({self.id}, {self.op})"
-
-
-def _sharded(value):
-  """` @P('data')`-style text for a value whose sharding is fixed, else ''."""
-  sharding = value.sharding
-  return "" if sharding is None else f" @{getattr(sharding, 'spec', sharding)}"
-
-
-def _param_str(value):
-  if hasattr(value, "jaxpr") or type(value).__name__ in ("Jaxpr", "ClosedJaxpr"):
-    return _body_str(value)
-  if isinstance(value, (tuple, list)) and value and hasattr(value[0], "jaxpr"):
-    return "[" + ", ".join(_body_str(v) for v in value) + "]"  # cond's branches
-  if callable(value):
-    return callable_name(value)
-  text = str(value)
-  return text if len(text) <= 60 else text[:57] + "..."
-
-
-def callable_name(fn):
-  """The user's function a callback param holds, by name (jax wraps it:
-  the dump said `_FlatCallback` for every pure_callback, a review's find)."""
-  for _ in range(4):  # jax's wrappers: _FlatCallback, functools.partial
-    inner = getattr(fn, "callback_func", None) or getattr(fn, "func", None)
-    if inner is None or not callable(inner):
-      break
-    fn = inner
-  return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", type(fn).__name__)
-
-
-def _body_str(jaxpr):
-  """A body (scan's, while's, cond's, a kept jit's) as a dump shows it: its
-  size, its ops, and the user callbacks anywhere inside, by name (a loop
-  body showed `{jaxpr}`: what made its partition one that may fail was
-  nowhere in the dump, a review's find)."""
-  body = getattr(jaxpr, "jaxpr", jaxpr)
-  ops = list(dict.fromkeys(e.primitive.name for e in body.eqns))
-  shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
-  calls = list(dict.fromkeys(_callbacks_in(body)))
-  named = f"; callbacks: {', '.join(calls)}" if calls else ""
-  return f"{{{len(body.eqns)} eqns: {shown}{named}}}"
-
-
-def _callbacks_in(body):
-  for eqn in body.eqns:
-    if "callback" in eqn.params and callable(eqn.params["callback"]):
-      yield f"{callable_name(eqn.params['callback'])} ({eqn.primitive.name})"
-    for sub in _subbodies(eqn):
-      yield from _callbacks_in(sub)
-
-
-def _subbodies(eqn):
-  """The bodies an equation holds (jax.core.jaxprs_in_params' walk)."""
-  for param in eqn.params.values():
-    for item in param if isinstance(param, (tuple, list)) else (param,):
-      if hasattr(item, "eqns"):
-        yield item
-      elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-        yield item.jaxpr
-
-
-def _call_str(node):
-  """A kept nested jit's params as a dump shows them: its name and what its
-  body does (the shardings and flags jax leaves unspecified say nothing)."""
-  return f"name={node.params.get('name')} body={_body_str(node.params['jaxpr'])}"
 
 
 class KernelGraph:
@@ -427,12 +363,12 @@ class KernelGraph:
                    "values marked @P(...) carry that sharding, XLA's SPMD partitioner "
                    "propagates the rest")
     for value in self.inputs:
-      lines.append(f"  {value.kind:5s} {value}: {aval_str(value.aval)}{_sharded(value)}"
+      lines.append(f"  {value.kind:5s} {value}: {aval_str(value.aval)}{sharded(value)}"
                    + (f"  # {value.name}" if value.name else ""))
     for node in self.nodes:
-      outs = ", ".join(f"{o}: {aval_str(o.aval)}{_sharded(o)}" for o in node.outputs)
-      params = (_call_str(node) if node.op in CALLS else
-                " ".join(f"{k}={_param_str(v)}" for k, v in node.params.items()
+      outs = ", ".join(f"{o}: {aval_str(o.aval)}{sharded(o)}" for o in node.outputs)
+      params = (call_str(node) if node.op in CALLS else
+                " ".join(f"{k}={param_str(v)}" for k, v in node.params.items()
                          if v is not None))
       decided = []
       if node.kernel is not None:

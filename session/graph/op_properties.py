@@ -347,7 +347,7 @@ def transfer_op(kind):
   return next(name for name, f in OP_TABLE.items() if f.transfer == kind)
 
 
-def _sub_jaxprs(params):
+def sub_jaxprs(params):
   """The jaxprs a primitive's params carry (scan's body, cond's branches...)."""
   for value in params.values():
     items = value if isinstance(value, (tuple, list)) else (value,)
@@ -361,7 +361,7 @@ def _sub_jaxprs(params):
 def contracts_inside(params):
   """Whether a primitive's sub-jaxprs (at any depth) contract anything."""
   return any(facts(eqn.primitive.name).contracts or contracts_inside(eqn.params)
-             for sub in _sub_jaxprs(params) for eqn in sub.eqns)
+             for sub in sub_jaxprs(params) for eqn in sub.eqns)
 
 
 def moves_or_maps(op, params):
@@ -372,7 +372,7 @@ def moves_or_maps(op, params):
   if fact.elementwise or fact.fused_through:
     return True
   return op in CALLS and all(moves_or_maps(eqn.primitive.name, eqn.params)
-                             for sub in _sub_jaxprs(params) for eqn in sub.eqns)
+                             for sub in sub_jaxprs(params) for eqn in sub.eqns)
 
 
 # jaxpr -> its joined props; weak, so that a released jaxpr (and the arrays
@@ -397,7 +397,7 @@ def primitive_props(name, params, effects=()):
   props = facts(name).props
   if effects:
     props = props.join(_EFFECTS)
-  for sub in _sub_jaxprs(params):
+  for sub in sub_jaxprs(params):
     props = props.join(jaxpr_props(sub))
   return props
 
