@@ -84,6 +84,8 @@ class CompileReport:
     if self.sharding is not None or self.collectives:
       lines.append(f"  collectives in the executables: {len(self.collectives)}")
       lines += [f"    {c.describe()}" for c in self.collectives]
+    for steps, how in sorted(self.loop_sink.items()):  # (not printed: a review's find)
+      lines.append(f"  run(steps={steps}): {how}")
     for t in self.transfers:
       lines.append(f"  transfer {t.direction} {t.value} {t.bytes} B, caused by node "
                    f"{t.caused_by}, {'sync' if t.sync else 'async (issued early)'}")

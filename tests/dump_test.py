@@ -122,6 +122,9 @@ class DumpTextTest(absltest.TestCase):
     ident = sess.compile(lambda a: a, x)  # no nodes, one executable: said so
     self.assertIn("none: the graph has no nodes; one executable", str(sess.report(ident)))
     self.assertLen(sess.executables(ident), 1)
+    sess.run(gid, np.stack([x, -x]), steps=2)
+    self.assertRegex(str(sess.report(gid)), r"run\(steps=2\): \S")
+    sess.set_state(gid, w)
     got = sess.run(gid, x)
     want = jax.jit(step)(w, x)
     np.testing.assert_array_equal(got, want[1])
