@@ -182,60 +182,47 @@ def value_bytes(value):
   return int(np.prod(shape, dtype=np.int64)) * int(value.aval.dtype.itemsize)
 
 
+def _held(operands, results, sizes, donated):
+  """Device bytes of `operands` and `results` (Values) held at once, a
+  result written over a donated operand of its size (`donated`: value ids)
+  counted once, as XLA aliases it; host values and literals take none."""
+  operands = [v for v in dict.fromkeys(operands) if not isinstance(v, Literal)
+              and v.id in sizes]
+  over = collections.Counter(sizes[v.id] for v in operands if v.id in donated)
+  held = sum(sizes[v.id] for v in operands)
+  for out in results:
+    if out.id in sizes and over[sizes[out.id]]:
+      over[sizes[out.id]] -= 1  # in the donated operand's buffer
+    elif out.id in sizes:
+      held += sizes[out.id]
+  return held
+
+
 def node_floor(nodes, sizes, donated=frozenset()):
   """The most device bytes one of `nodes` holds at once: the operands and
   results of a contraction (a matmul or convolution, alone, fused or inside
-  a call: XLA runs it as its own kernel on stored buffers; what XLA fuses -
-  elementwise work, broadcasts, reductions - it may never store, and counted,
-  the bound of sum(x * x + 1) was twice XLA's figure: a review's find). Host
-  values take no device memory (`sizes`: device_sizes); a result written
-  over an operand of its size that is donated (`donated`: value ids) counts
-  once, as XLA aliases it."""
-  bound = 0
-  for node in nodes:
-    if not (op_properties.facts(node.op).contracts or
-            op_properties.contracts_inside(node.params)):
-      continue
-    operands = list(dict.fromkeys(v for v in node.inputs if not isinstance(v, Literal)
-                                  and v.id in sizes))
-    touched = {v.id for v in operands}
-    if not op_properties.is_transfer(node.op, "d2h"):  # on CPU: its operand's buffer
-      over = collections.Counter(sizes[v.id] for v in operands if v.id in donated)
-      for out in node.outputs:
-        if out.id in sizes and over[sizes[out.id]]:
-          over[sizes[out.id]] -= 1  # in the donated operand's buffer
-        elif out.id in sizes:
-          touched.add(out.id)
-    bound = max(bound, sum(sizes[vid] for vid in touched))
-  return bound
+  a call), which XLA runs as its own kernel on stored buffers. What XLA
+  fuses - elementwise work, broadcasts, reductions - it may never store
+  (counted, the bound of sum(x * x + 1) was twice XLA's figure: a review's
+  find). `sizes`: device_sizes; `donated`: see _held."""
+  return max([_held(node.inputs, node.outputs, sizes, donated) for node in nodes
+              if op_properties.facts(node.op).contracts
+              or op_properties.contracts_inside(node.params)], default=0)
 
 
 def lower_bound(graph, sizes, partitions=(), donated_to=None):
   """Device bytes any schedule must hold at once: all graph inputs; a device
-  partition's arguments and results, a result written over an argument of
-  its size donated to it (`donated_to(index)`: value ids) counted once; or a
-  contraction's operands and results (node_floor: what XLA fuses it may
-  never store, and counted, the bound of sum(x * x + 1) was twice XLA's
-  figure, a review's find)."""
+  partition's arguments and results (`donated_to(index)`: the value ids
+  donated to it, see _held); or a contraction's (node_floor)."""
   inputs = sum(sizes.get(v.id, 0) for v in graph.inputs)
   if graph.mesh is not None:  # an intermediate's layout is XLA's: no per-device floor
     return inputs
   donated_to = donated_to or (lambda index: frozenset())
-  bound = max(inputs, node_floor(graph.nodes, sizes, frozenset().union(
-      *(donated_to(p.index) for p in partitions))))
-  for part in partitions:
-    if part.place != "device":
-      continue
-    args = [v for v in dict.fromkeys(part.inputs) if v.kind != "const" and v.id in sizes]
-    over = collections.Counter(sizes[v.id] for v in args if v.id in donated_to(part.index))
-    held = sum(sizes[v.id] for v in args)
-    for out in part.outputs:
-      if out.id in sizes and over[sizes[out.id]]:
-        over[sizes[out.id]] -= 1  # in the donated argument's buffer
-      elif out.id in sizes:
-        held += sizes[out.id]
-    bound = max(bound, held)
-  return bound
+  devices = [p for p in partitions if p.place == "device"]
+  return max([inputs, node_floor(graph.nodes, sizes, frozenset().union(
+      *(donated_to(p.index) for p in devices)))] + [
+          _held([v for v in p.inputs if v.kind != "const"], p.outputs, sizes,
+                donated_to(p.index)) for p in devices])
 
 
 def free_outputs(partitions):

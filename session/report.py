@@ -71,8 +71,7 @@ class CompileReport:
                                            sorted(self.kernels.items())))
     lines.append("  partitions:")
     if not self.partitions:  # (said nothing beside its one executable: a review's find)
-      lines.append("    none: the graph has no nodes; one executable returns its inputs, "
-                   "as jax.jit's does")
+      lines.append("    none: the graph has no nodes; one executable returns its inputs")
     for i, p in enumerate(self.partitions):
       lines.append(f"    #{i} {p.place:6s} {p.num_nodes} nodes, stream {p.stream}: {p.reason}")
     if self.schedule is not None:
