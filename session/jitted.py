@@ -102,19 +102,27 @@ _PY_SCALARS = (bool, int, float, complex)
 # the default dtype that jax.jit takes it for: one signature, as in its cache
 # (flax's TrainState step, a Python 0 and then the step's int32 output, was
 # compiled twice: a break-it find); a bool as a strong bool scalar
-_PY_KEYS = {(t, x64): (ARRAY, (), np.dtype(names[x64]), t is not bool, None)
+_PY_KEYS = {(t, x64): (ARRAY, jax.core.ShapedArray((), np.dtype(names[x64]),
+                                                   weak_type=t is not bool), None)
             for t, names in ((int, ("int32", "int64")), (float, ("float32", "float64")),
                              (complex, ("complex64", "complex128")), (bool, ("bool", "bool")))
             for x64 in (False, True)}
 _NO_STATICS = ((), ())
 
 
+class _Traced(Exception):
+  """A tracer among the arguments: the call is jax.jit's, traced inline."""
+
+
 def _leaf_key(x):
-  """What a leaf contributes to the signature: jax.jit compiles anew for a
-  new type, shape, dtype or weak type (a Python scalar is weak)."""
-  if isinstance(x, jax.Array):  # a committed array's placement decides where jax.jit runs
-    return (type(x), x.shape, x.dtype, getattr(x, "weak_type", False),
-            x.sharding if x.committed else None)
+  """What a leaf contributes to the signature, (kind, aval, the sharding of
+  a committed array or None): jax.jit compiles anew for a new type, shape,
+  dtype or weak type (a Python scalar is weak), and runs where a committed
+  argument is. A jax array's aval is jax's own, interned: the key of an
+  array is ~0.07 µs (a tuple of its shape, dtype and weak type was ~0.4 µs,
+  js.jit's per-leaf cost; benchmarks/dispatch.py's js.jit rows)."""
+  if type(x) is ARRAY:
+    return (ARRAY, x.aval, x.sharding if x._committed else None)  # pylint: disable=protected-access
   if type(x) in _PY_SCALARS:
     x64 = jax.config.jax_enable_x64
     if type(x) is int:  # out of the default int's range: jax.jit's OverflowError,
@@ -122,6 +130,10 @@ def _leaf_key(x):
       if not -(1 << (bits - 1)) <= x < (1 << (bits - 1)):
         raise TypeError("to jax.jit")
     return _PY_KEYS[type(x), x64]
+  if isinstance(x, jax.core.Tracer):
+    raise _Traced
+  if isinstance(x, jax.Array):
+    return (type(x), x.aval, x.sharding if x.committed else None)
   if isinstance(x, jax.ShapeDtypeStruct):  # a type, no value: jax.jit's TypeError
     raise TypeError("to jax.jit")
   # numpy arrays and scalars, anything else jax takes (custom element types); not
@@ -130,8 +142,7 @@ def _leaf_key(x):
   check_valid_dtype(aval.dtype)  # np.datetime64 and np.void abstractify (a break-it find)
   # a numpy value as the uncommitted array jax.jit takes it for: one graph for
   # np.float32(1) and jnp.float32(1), as in jax.jit's cache
-  kind = ARRAY if isinstance(x, (np.ndarray, np.generic)) else type(x)
-  return (kind, aval.shape, aval.dtype, getattr(aval, "weak_type", False), None)
+  return (ARRAY if isinstance(x, (np.ndarray, np.generic)) else type(x), aval, None)
 
 
 AOT = ("lower", "trace", "eval_shape")  # jax.jit's, forwarded as they are
@@ -212,6 +223,8 @@ class Jitted:
 
   def _split(self, args, kwargs):
     """(static key, dynamic positional args, dynamic keyword args)."""
+    if not (self._static_nums or self._static_names):
+      return _NO_STATICS, args, kwargs
     n = len(args)
     nums = {i % n for i in self._static_nums if -n <= i < n}
     static_pos = tuple((i, args[i]) for i in sorted(nums))
@@ -229,17 +242,16 @@ class Jitted:
       statics, dyn_args, dyn_kw = self._split(args, kwargs)
     except TypeError:  # an unhashable static: jax.jit's own ValueError, naming it
       return self._under_trace()(*args, **kwargs)
-    leaves, treedef = tree_util.tree_flatten((dyn_args, dyn_kw))
-    if not _top_level() or any(isinstance(x, jax.core.Tracer) for x in leaves):
-      # under a trace (even with concrete arguments: a collective over vmap's
-      # axis name) it is jax.jit, traced inline
-      return self._under_trace()(*args, **kwargs)
+    if not _top_level():  # under a trace (even with concrete arguments: a collective
+      return self._under_trace()(*args, **kwargs)  # over vmap's axis name): jax.jit, inline
+    leaves, treedef = tree_util.tree_flatten((dyn_args, dyn_kw) if dyn_kw else dyn_args)
     # the trace-time configuration is part of the signature, as in jax.jit's
     # cache (threefry_partitionable, dtype and rank promotion, the mesh...)
     try:
       leaf_keys = tuple(map(_leaf_key, leaves))
-    except TypeError:  # a leaf of no JAX type, a type without a value, an int past the
-      # default int: jax.jit's own error, naming fn and the path (or its run, if it takes it)
+    except (TypeError, _Traced):  # a tracer; a leaf of no JAX type, a type without a
+      # value, an int past the default int: jax.jit's own error, naming fn and the
+      # path (or its run, if it takes it)
       return self._under_trace()(*args, **kwargs)
     # a static's type too, as jax.jit's cache keys it: 2 and 2.0 are equal and
     # hash alike, yet trace other programs (a fuzzer's find)
@@ -266,7 +278,7 @@ class Jitted:
         for stale in [k for k, (g, _) in sigs.graphs.items() if g == gid]:
           del sigs.graphs[stale]
       return self(*args, **kwargs)
-    return _committed_as_jit(out, committed)
+    return out if committed is None else _committed_as_jit(out, committed)
 
   def _signature(self, key, statics, args, dyn_args, dyn_kw):
     """(graph id or _JAX, whether jax.jit commits the outputs) of a new
@@ -276,7 +288,7 @@ class Jitted:
     if _placed_elsewhere(key[2], self.session.device):
       return _JAX, None
     sigs = self._sigs
-    home = key[:2] + (tuple(k[:4] + (None,) if len(k) == 5 else k for k in key[2]),) + key[3:]
+    home = key[:2] + (tuple(k[:2] + (None,) for k in key[2]),) + key[3:]
     gid = sigs.graphs.get(home, (None,))[0]
     if gid is None:
       gid = self._compile(statics, args, dyn_args, dyn_kw)
@@ -285,8 +297,9 @@ class Jitted:
     if home != key and home not in sigs.graphs:  # (nothing committed: the program's
       # own layouts alone commit; False here lost them where a committed call came
       # first, a review's find)
-      sigs.graphs[home] = (gid, _commits(graph, [False] * len(leaves)))
-    return gid, _commits(graph, [isinstance(x, jax.Array) and x.committed for x in leaves])
+      sigs.graphs[home] = (gid, _to_fix(graph, _commits(graph, [False] * len(leaves))))
+    return gid, _to_fix(graph, _commits(graph, [isinstance(x, jax.Array) and x.committed
+                                                for x in leaves]))
 
   def _under_trace(self):
     return self._traced
@@ -366,9 +379,9 @@ def _placed_elsewhere(leaf_keys, home):
   (pinned_host: jax.jit's outputs stay there). jax.jit then computes, and
   lays its outputs out, as it does; so does this wrapper, by calling it."""
   devices, memory = {home}, home.default_memory().kind
-  return any(len(k) == 5 and k[4] is not None and (
-      k[4].device_set != devices or not isinstance(k[4], jax.sharding.SingleDeviceSharding)
-      or k[4].memory_kind not in (None, memory)) for k in leaf_keys)
+  return any(s is not None and (
+      s.device_set != devices or not isinstance(s, jax.sharding.SingleDeviceSharding)
+      or s.memory_kind not in (None, memory)) for _, _, s in leaf_keys)
 
 
 def _commits(graph, committed):
@@ -389,6 +402,17 @@ def _commits(graph, committed):
     return any(c and v.id in read for c, v in zip(committed, inputs))
   returned = {id(v) for v in graph.outputs}  # (dce disabled: the final graph's)
   return any(c and (v.users or id(v) in returned) for c, v in zip(committed, inputs))
+
+
+def _to_fix(graph, committed):
+  """How __call__ commits the outputs of a signature: None where the
+  session returns them as jax.jit does already - uncommitted, as its
+  executables return them - and no pass over them is needed (~0.1 µs a
+  leaf, benchmarks/dispatch.py's js.jit rows); else `committed` (a host
+  op's output is committed: an uncommitted call recommits it)."""
+  if committed or any(node.place == "host" for node in graph.nodes):
+    return committed
+  return None
 
 
 def _in_context_mesh():

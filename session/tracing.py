@@ -441,15 +441,21 @@ def keyed_by_weak_types():
   """Compiles in this block belong to a caller that runs each graph only
   with the argument types it was compiled for, weak types and Python scalar
   types included (js.jit: its signatures are jax.jit's cache keys), so
-  weak_sensitive has nothing to guard and traces nothing again - an optax
-  step's N leaves were 3N traces of the user's function at js.jit's first
-  call (a break-it find: 100 leaves, 47-78 s)."""
+  weak_sensitive and WeakOutputs have nothing to guard and trace nothing
+  again - an optax step's N leaves were 3N traces of the user's function at
+  js.jit's first call (a break-it find: 100 leaves, 47-78 s), and WeakOutputs
+  cost its every run a pass over the leaves."""
   before = getattr(_KEYED, "on", False)
   _KEYED.on = True
   try:
     yield
   finally:
     _KEYED.on = before
+
+
+def keyed():
+  """Whether this thread compiles in a keyed_by_weak_types block."""
+  return getattr(_KEYED, "on", False)
 
 
 def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
@@ -463,7 +469,7 @@ def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
   (weak_type_is_moot) is not traced again. The state's weak types are asked
   about when a value of other ones comes (state_typing.py), not here: a
   trace per scalar state leaf made compile time quadratic in their count."""
-  if fast and (getattr(_KEYED, "on", False) or weak_type_is_moot(closed.jaxpr)):
+  if fast and (keyed() or weak_type_is_moot(closed.jaxpr)):
     return []
   base = arithmetic(closed.jaxpr)
   state = tuple(state_args)

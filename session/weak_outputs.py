@@ -50,8 +50,10 @@ class WeakOutputs:
 
   @classmethod
   def make(cls, wrapped, state_args, dyn_args, spec, out_shape, closed):
-    """The guard, or None where the graph has no scalar run argument."""
-    if not any(_numeric_scalar(a) for avals in spec.avals for a in avals):
+    """The guard, or None where the graph has no scalar run argument, or
+    its caller runs it only with the weak types it was compiled for
+    (tracing.keyed_by_weak_types: js.jit)."""
+    if tracing.keyed() or not any(_numeric_scalar(a) for avals in spec.avals for a in avals):
       return None
     def structs(tree):  # jax.typeof: Python scalars weak, extended dtypes kept
       return jax.tree.map(lambda x: _struct(jax.typeof(x)), tree)
