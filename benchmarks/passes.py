@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import common  # noqa: E402
 import jaxsession as js  # noqa: E402
-from jaxsession import pipeline  # noqa: E402
+from jaxsession import gc_pause, pipeline  # noqa: E402
 from jaxsession.examples import mlp_adam, transformer_decode  # noqa: E402
 from jaxsession.graph.importer import import_jaxpr  # noqa: E402
 from jaxsession.optimizer_passes import PassContext  # noqa: E402
@@ -80,7 +80,7 @@ def optimize_and_select_seconds(closed, verify):
   graph = import_jaxpr(closed)
   ctx = PassContext(platform="cpu", options=js.SessionOptions(), verify=verify)
   optimizer = pipeline.graph_optimizer()
-  with pipeline.gc_paused():  # as Session.compile runs the stages
+  with gc_pause.paused():  # as Session.compile runs the stages
     start = time.perf_counter()
     optimizer.run_stage("Optimize", graph, ctx)
     optimizer.run_stage("SelectKernel", graph, ctx)

@@ -61,5 +61,7 @@ class CommonSubexpressionElimination(Pass):
       for old, new in zip(node.outputs, first.outputs):
         graph.replace_uses(old, new)
       merged.append(node)
+      graph.record_removed(self.name, node, f"the same op, params and inputs as node "
+                           f"{first.id}: its readers read that node's results")
     graph.remove_nodes(merged)
     return PassResult(bool(merged))

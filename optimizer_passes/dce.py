@@ -58,6 +58,7 @@ class DeadCodeElimination(Pass):
         pruned |= drop_dead_outputs(node, live_outputs, dead)
         continue
       dead.add(node)
+      graph.record_removed(self.name, node, "nothing reads its results")
     graph.remove_nodes(dead)
     removed = len(dead)
     if graph.read_before_rewrites is None:  # the first sweep: what jax.jit's DCE keeps

@@ -162,6 +162,8 @@ class FoldConstants(Pass):
           known[const.id] = graph.const_values[const.id]
           graph.replace_uses(out, const)
         folded.append(node)
+        graph.record_removed(self.name, node, "its results hold no element: its readers "
+                             "read empty constants, as XLA drops it")
         continue
       if not self._foldable(node, known, limit):
         continue
@@ -172,10 +174,12 @@ class FoldConstants(Pass):
       results = fold(node, args)
       if results is None:  # left to XLA
         continue
+      now = []
       for out, result in zip(node.outputs, results):
         value = np.asarray(result, dtype=out.aval.dtype)
         if out.aval.shape == ():
-          graph.replace_uses(out, Literal(value[()], out.aval))
+          now.append(Literal(value[()], out.aval))
+          graph.replace_uses(out, now[-1])
         else:
           const = graph.add_input(out.aval, kind="const", const_value=value,
                                   name=f"folded {node.op}" + (f" @ {node.source}"
@@ -183,7 +187,10 @@ class FoldConstants(Pass):
           known[const.id] = value
           from_const.add(const.id)
           graph.replace_uses(out, const)
+          now.append(const)
       folded.append(node)
+      graph.record_removed(self.name, node, "computed at compile time, exactly as XLA's "
+                           f"folder computes it: its readers read {', '.join(map(repr, now))}")
     graph.remove_nodes(folded)
     return PassResult(bool(folded))
 

@@ -335,7 +335,14 @@ class RewritePass(Pass):
         graph.replace_uses(old, replacement)
       graph_outputs.clear()
       graph_outputs.update(id(v) for v in graph.outputs)
+      before = set(dead)
       _drop_dead(graph, [node] + m.nodes, graph_outputs, dead)
+      graph.record_removed(self.name, node, f"rule '{rule.name}' ({rule.pattern!r}): its "
+                           f"readers read {', '.join(map(repr, new))}")
+      for gone in m.nodes:
+        if gone is not node and gone in dead and gone not in before:
+          graph.record_removed(self.name, gone, f"in rule '{rule.name}''s match at node "
+                               f"{node.id}, read by nothing else")
       order[position:position] = rewriter.emitted
       return True
     return False

@@ -1,6 +1,7 @@
 """save_graphs (session/dump.py): one folder per graph, named by its graph id
 and its shortened name; a dump that cannot be written never fails a compile."""
 import os
+import re
 import tempfile
 from unittest import mock
 
@@ -129,6 +130,34 @@ class DumpTextTest(absltest.TestCase):
     want = jax.jit(step)(w, x)
     np.testing.assert_array_equal(got, want[1])
     np.testing.assert_array_equal(sess.get_state(gid)[0], want[0])
+
+
+  def test_every_node_a_pass_removed_is_listed_with_what_serves_its_readers(self):
+    table = jnp.asarray(np.random.default_rng(4).standard_normal(4), jnp.float32) + 0.5
+
+    def f(x):
+      dead = jnp.cos(x)  # noqa: F841  (dce)
+      twice = jnp.sin(x) * 1 + jnp.sin(x)  # x * 1 (simplify), a second sin (cse)
+      return twice * (table * 2.0), jnp.float32(3) * 2  # folded: array and scalar
+    sess = js.Session()
+    x = jnp.asarray([-0.0, np.nan, np.inf, 1.5], jnp.float32)
+    gid = sess.compile(f, x)
+    text = sess.graph(gid).dump()
+    removed = text.split("removed by the passes:\n")[1].split("partitions:")[0]
+    self.assertRegex(removed, r"dce: node \d+ cos @ .*: nothing reads its results")
+    self.assertRegex(removed, r"cse: node \d+ sin @ .*: the same op, params and inputs as "
+                              r"node \d+")
+    self.assertRegex(removed, r"simplify: node \d+ mul @ .*rule .*mul\(var\(x\), lit\(1\)\)"
+                              r".*its readers read %\d+")
+    self.assertRegex(removed, r"fold_constants: node \d+ mul @ .*compile time.*read %\d+\n")
+    self.assertRegex(removed, r"fold_constants: node \d+ mul @ .*compile time.*read 6\.0")
+    kept = {int(i) for i in re.findall(r"^  node (\d+):", text, re.M)}
+    gone = {int(i) for i in re.findall(r": node (\d+) ", removed)}
+    self.assertEmpty(kept & gone)  # every line names a node no longer in the graph
+    got = sess.run(gid, x)
+    want = jax.jit(f)(x)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(a, b)
 
 
 class MemoryReportTest(absltest.TestCase):

@@ -168,6 +168,9 @@ class KernelGraph:
     # rewrite, as jax.jit's own DCE keeps them (js.jit commits outputs by them)
     self.read_before_rewrites = None
     self.lays_out = False  # the traced program lays out values (jax_api.lays_out)
+    # (pass name, text) per node a pass removed: how its results are computed
+    # now (dump() lists them: a fold, a merge or a rewrite is a decision too)
+    self.removed = []
     self._ids = itertools.count()
 
   # -- construction -------------------------------------------------------
@@ -242,6 +245,12 @@ class KernelGraph:
     touched = {id(v): v for node in doomed for v in node.inputs if isinstance(v, Value)}
     for value in touched.values():  # one rebuild per value, not one remove per reader
       value.users = [u for u in value.users if u not in doomed]
+
+  def record_removed(self, pass_name, node, how):
+    """Notes for dump() that `pass_name` removed `node`, and `how` its
+    readers are served now."""
+    where = f" @ {node.source}" if node.source else ""
+    self.removed.append((pass_name, f"node {node.id} {node.op}{where}: {how}"))
 
   def replace_uses(self, old, new):
     """Makes every reader of `old` (nodes and graph outputs) read `new`."""
@@ -388,6 +397,9 @@ class KernelGraph:
       lines.append(line)
       lines.extend(f"      # {note}" for note in node.notes)
     lines.append("  return " + ", ".join(map(repr, self.outputs)))
+    if self.removed:
+      lines.append("removed by the passes:")
+      lines.extend(f"  {name}: {text}" for name, text in self.removed)
     if self.partitions is not None:
       lines.append("partitions:")
       lines.extend(f"  {p.describe()}" for p in self.partitions)
