@@ -12,7 +12,8 @@ they computed inside; effectful equations inside stay, and so does what they
 read. The inputs it no longer reads are released, so their producers die in
 the same sweep. Const inputs that nothing reads are dropped too. Its first
 sweep records the inputs still read (`graph.read_before_rewrites`: what
-jax.jit's own DCE keeps, before any simplification). Needs nothing before it.
+jax.jit's own DCE keeps, before any simplification) where the import could
+not ask jax's DCE itself (an internal API). Needs nothing before it.
 """
 from jaxsession.graph import op_properties
 from jaxsession.optimizer_passes.base import Pass, PassResult
@@ -62,6 +63,7 @@ class DeadCodeElimination(Pass):
     graph.remove_nodes(dead)
     removed = len(dead)
     if graph.read_before_rewrites is None:  # the first sweep: what jax.jit's DCE keeps
+      # (set by the import from jax's own DCE where it can)
       graph.read_before_rewrites = frozenset(
           v.id for v in graph.inputs if v.id in live_outputs or any(
               u not in dead for u in v.users))

@@ -48,6 +48,25 @@ except ImportError:  # an internal path: numeric kinds and jax's extended dtypes
       raise TypeError(f"Dtype {dtype} is not a valid JAX array type")
 
 
+try:  # jax.clear_caches() calls cache_clear() of what is registered here
+  from jax._src.util import register_cache
+except ImportError:  # an internal path: jax.clear_caches() leaves js.jit's graphs
+  def register_cache(cache, for_what):  # pylint: disable=unused-argument
+    pass
+
+
+try:  # the inputs jax.jit's own DCE keeps (it commits outputs by them)
+  from jax._src.interpreters.partial_eval import dce_jaxpr
+except ImportError:  # an internal path: the session's first DCE decides
+  dce_jaxpr = None
+
+
+try:  # the type of a jax.Ref's aval
+  from jax._src.state.types import AbstractRef
+except ImportError:  # an internal path: no Ref is told apart (isinstance of () is False)
+  AbstractRef = ()
+
+
 def transfer_refused(exc):
   """Whether a transfer guard (jax.transfer_guard) refused a transfer: an
   executable's implicit one of an argument, before it ran anything, or an

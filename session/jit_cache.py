@@ -29,6 +29,8 @@ import queue
 import threading
 import weakref
 
+from jaxsession.jax_api import register_cache
+
 PARKED = 32  # Signatures kept after their last wrapper went, most recent first
 
 _BY_FN = {}  # id(fn) -> (weakref to fn, {(statics, id(session)): Signatures})
@@ -43,7 +45,8 @@ os.register_at_fork(after_in_child=_REAPER.clear)
 
 class Signatures:
   """One function's graphs in one session, per signature."""
-  __slots__ = ("graphs", "lock", "session_ref", "wrappers", "fn_id", "fn_ref", "key")
+  __slots__ = ("graphs", "lock", "session_ref", "wrappers", "fn_id", "fn_ref", "key",
+               "__weakref__")
 
   def __init__(self, session, fn_id, fn_ref, key):
     # signature -> (graph id or jitted._JAX, whether jax.jit commits the
@@ -55,6 +58,7 @@ class Signatures:
     self.session_ref = None if session is None else weakref.ref(session)
     self.wrappers = 0
     self.fn_id, self.fn_ref, self.key = fn_id, fn_ref, key  # fn_ref None: not shared
+    _ALL.add(self)
 
   @property
   def findable(self):
@@ -77,6 +81,34 @@ class Signatures:
         except Exception:  # pylint: disable=broad-except
           pass  # released already (the session's own release)
     self.graphs.clear()
+
+
+_ALL = weakref.WeakSet()  # every Signatures alive: jax.clear_caches() releases them
+
+
+class _JaxCaches:
+  """Registered with jax's cache management, so that jax.clear_caches()
+  releases every js.jit graph as it drops jax.jit's executables: the next
+  call traces and compiles again (a function reading a global changed since
+  ran its old graph: a break-it find)."""
+
+  @staticmethod
+  def cache_clear():
+    for sigs in list(_ALL):
+      with sigs.lock:  # not while another thread compiles for it
+        sigs.release()
+
+  @staticmethod
+  def cache_info():
+    return functools._CacheInfo(0, 0, None, len(_ALL))  # pylint: disable=protected-access
+
+  @staticmethod
+  def cache_keys():
+    return [key for sigs in list(_ALL) for key in list(sigs.graphs)]
+
+
+_CLEARED = _JaxCaches()  # held here: jax's registry holds it weakly
+register_cache(_CLEARED, "jaxsession.jit graphs")
 
 
 def acquire(fn, statics, session):

@@ -20,7 +20,11 @@ statics and session shares its graphs, as jax.jit's cache is keyed by the
 function (`js.jit(f)(x)` wrapped anew at each call compiles once); they are
 kept a while after its last wrapper goes (session/jit_cache.py). Outputs are
 committed to their device where jax.jit's are: where an argument the
-program uses was. Given any other jax.jit option (donate_argnums,
+program uses (as jax.jit's DCE tells) was. A signature a session cannot run
+as jax.jit does - arguments committed to other devices or sharded, a
+jax.Ref taken or closed over, a 64-bit array after x64 was turned off - is
+jax.jit's call. `jax.clear_caches()` releases every graph, as it drops
+jax.jit's executables. Given any other jax.jit option (donate_argnums,
 shardings, inline, ...) `jit` returns jax.jit itself.
 """
 import functools
@@ -35,6 +39,7 @@ from absl import logging
 import jax
 import numpy as np
 from jax import tree_util
+from jax.core import ShapedArray
 
 from jaxsession import jit_cache, tracing
 from jaxsession.errors import InputError, UnknownGraphError
@@ -163,16 +168,17 @@ class Jitted:
     # must not replace this one's (a break-it find: the inner function ran)
     functools.update_wrapper(self, fn)
     self._fn = fn
-    self._static_nums, self._static_names = _resolve_statics(fn, static_argnums,
-                                                             static_argnames)
-    self._argnums, self._argnames = static_argnums, static_argnames
-    # jax.jit(fn, ...), for calls under a trace; made here, so that statics
-    # the signature does not have raise jax's own ValueError, as jax.jit does
+    # jax.jit(fn, ...), for calls under a trace; made first, so that statics
+    # of the wrong type, or that the signature does not have, raise jax's own
+    # TypeError or ValueError, as jax.jit does (a break-it find: InputError);
     # the statics as given, None where not: jax.jit (whose default it is) then
     # completes the one from the other, as _resolve_statics does (given (),
     # a static passed the other way was traced: a user's find)
     self._traced = real_jit(fn, static_argnums=static_argnums,
                             static_argnames=static_argnames)
+    self._static_nums, self._static_names = _resolve_statics(fn, static_argnums,
+                                                             static_argnames)
+    self._argnums, self._argnames = static_argnums, static_argnames
     self._session = session  # held here; the shared graphs hold it weakly
     self._sigs = jit_cache.acquire(fn, (self._static_nums, self._static_names), session)
     weakref.finalize(self, jit_cache.dropped, self._sigs)
@@ -226,6 +232,8 @@ class Jitted:
     if not (self._static_nums or self._static_names):
       return _NO_STATICS, args, kwargs
     n = len(args)
+    if any(i < -n for i in self._static_nums):  # jax.jit's ValueError (it was taken
+      raise TypeError("to jax.jit")  # as absent: a break-it find)
     nums = {i % n for i in self._static_nums if -n <= i < n}
     static_pos = tuple((i, args[i]) for i in sorted(nums))
     dyn_args = tuple(a for i, a in enumerate(args) if i not in nums)
@@ -235,7 +243,7 @@ class Jitted:
     hash(statics)  # unhashable: a TypeError, on which __call__ hands the call to jax.jit
     return statics, dyn_args, dyn_kw
 
-  def __call__(self, *args, **kwargs):
+  def __call__(self, /, *args, **kwargs):  # (a keyword argument may be named self)
     if jax.config.jax_disable_jit:  # jax.jit runs fn op by op here
       return self._fn(*args, **kwargs)
     try:
@@ -259,15 +267,18 @@ class Jitted:
     key = ((statics, types), treedef, leaf_keys, _trace_context(),
            _concrete_mesh())  # jax.set_mesh's devices: the abstract mesh has no order
     sigs = self._sigs
-    entry = sigs.graphs.get(key)
+    try:
+      entry = sigs.graphs.get(key)
+    except Exception:  # pylint: disable=broad-except  # a static whose __eq__ raises:
+      return self._under_trace()(*args, **kwargs)  # jax.jit's ValueError naming it
     if entry is None:
       with sigs.lock:
         entry = sigs.graphs.get(key)
         if entry is None:
           entry = sigs.graphs[key] = self._signature(key, statics, args, dyn_args, dyn_kw)
     gid, committed = entry
-    if gid is _JAX:  # arguments committed to other devices or sharded over many:
-      return self._under_trace()(*args, **kwargs)  # jax.jit runs where they are
+    if gid is _JAX:  # arguments committed elsewhere, jax.Refs, ... (_signature):
+      return self._under_trace()(*args, **kwargs)  # jax.jit runs them as it does
     try:
       if dyn_kw:  # keyword args first, in key order (call_order)
         out = self.session.run(gid, *[dyn_kw[k] for k in sorted(dyn_kw)], *dyn_args)
@@ -285,13 +296,16 @@ class Jitted:
     signature. Arguments committed to the session's device and uncommitted
     ones trace one program (jax.jit traces it once: a break-it find): the
     graph of the signature with every argument uncommitted serves both."""
-    if _placed_elsewhere(key[2], self.session.device):
+    if _placed_elsewhere(key[2], self.session.device) or _jax_only(key[2]):
       return _JAX, None
     sigs = self._sigs
     home = key[:2] + (tuple(k[:2] + (None,) for k in key[2]),) + key[3:]
     gid = sigs.graphs.get(home, (None,))[0]
     if gid is None:
-      gid = self._compile(statics, args, dyn_args, dyn_kw)
+      try:
+        gid = self._compile(statics, args, dyn_args, dyn_kw)
+      except tracing.MutableArrays:  # a jax.Ref it closes over: jax.jit runs it
+        return _JAX, None
     leaves = tree_util.tree_leaves(([dyn_kw[k] for k in sorted(dyn_kw)], dyn_args))
     graph = self.session.graph(gid)
     if home != key and home not in sigs.graphs:  # (nothing committed: the program's
@@ -384,6 +398,17 @@ def _placed_elsewhere(leaf_keys, home):
       or s.memory_kind not in (None, memory)) for _, _, s in leaf_keys)
 
 
+def _jax_only(leaf_keys):
+  """Whether an argument is one jax.jit takes and a session does not: a
+  jax.Ref (jax.jit mutates it in place; a break-it find: it failed in
+  kernel selection), or anything else whose type is not an array's; a
+  64-bit array made while x64 was on, now off (jax.jit converts it to 32
+  bits; the session's executable refused its type: a break-it find)."""
+  return any(type(aval) is not ShapedArray or (
+      not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) and
+      jax.dtypes.canonicalize_dtype(aval.dtype) != aval.dtype) for _, aval, _ in leaf_keys)
+
+
 def _commits(graph, committed):
   """Whether jax.jit commits the outputs of this call: where the program
   lays out values itself or runs on a mesh (the session's, or a context
@@ -428,12 +453,23 @@ def _committed_as_jit(out, committed):
   """`out` with each array committed as jax.jit commits its outputs: where
   an argument was committed (a device_put one), else not (a later op may
   move it). The session's own outputs are on its device either way, a host
-  op's result committed, an executable's not."""
+  op's result committed, an executable's not; a PRNG key array as its
+  data is (it stayed uncommitted: a break-it find)."""
   leaves = tree_util.tree_leaves(out)
-  if all(type(x) is not ARRAY or x._committed == committed for x in leaves):  # pylint: disable=protected-access
+  if all(not isinstance(x, jax.Array) or x.committed == committed for x in leaves):
     return out
-  return tree_util.tree_map(lambda x: with_weak_type(x, x.weak_type, committed)
-                            if type(x) is ARRAY else x, out)
+  return tree_util.tree_map(lambda x: _recommitted(x, committed), out)
+
+
+def _recommitted(x, committed):
+  if type(x) is ARRAY:
+    return with_weak_type(x, x.weak_type, committed)
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) \
+      and x.committed != committed:
+    data = jax.random.key_data(x)
+    return jax.random.wrap_key_data(with_weak_type(data, data.weak_type, committed),
+                                    impl=jax.random.key_impl(x))
+  return x
 
 
 def _name(fn):

@@ -213,6 +213,7 @@ class Session:
     except Exception as exc:  # fn's own error, as jax.jit raises it; a note where it helps
       tracing.note_traced_numbers(exc, name, state_nums, state_args)
       raise
+    tracing.check_no_refs(name, closed)
     tracing.check_no_leaked_tracers(name, closed)
     if updates:
       tracing.check_new_state(name, state_nums, state_args, out_shape[0], wrapped, closed, dyn_args)

@@ -16,6 +16,7 @@ from jax.extend import core as jcore
 
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
+from jaxsession.jax_api import AbstractRef
 from jaxsession.inputs import check_aval, example_place, leaf_aval, paths_of, weak_type_error
 from jaxsession.runtime import static_leaves
 from jaxsession.runtime.state import tree_difference
@@ -220,6 +221,26 @@ def signed(step, fn, params):
   step.__name__ = getattr(inner, "__name__", step.__name__)
   step.__qualname__ = getattr(inner, "__qualname__", step.__qualname__)
   return step
+
+
+class MutableArrays(InputError):
+  """fn takes or closes over a jax.Ref, which jax.jit updates in place
+  (js.jit hands such a function to jax.jit)."""
+
+
+def check_no_refs(name, closed):
+  """MutableArrays where fn takes or closes over a jax.Ref: a mutable
+  array jax.jit writes in place, not a session's input or constant (it
+  failed in kernel selection, or in the compile cache's key: a break-it
+  find). A Ref made and dropped inside fn is fine."""
+  jaxpr = closed.jaxpr
+  for how, variables in (("takes", jaxpr.invars), ("closes over", jaxpr.constvars)):
+    for var in variables:
+      if isinstance(var.aval, AbstractRef):
+        raise MutableArrays(
+            f"compile({name}): fn {how} a jax.Ref ({var.aval}), a mutable array jax.jit "
+            "updates in place; a session keeps what a step changes as its state: pass "
+            "the value as a state arg (state_argnums) and return its new value")
 
 
 def check_no_leaked_tracers(name, closed):

@@ -73,7 +73,14 @@ def import_jaxpr(closed_jaxpr, name="graph", input_kinds=None, input_names=None,
   _bind_consts(graph, env, jaxpr.constvars, closed_jaxpr.consts)
   _import_eqns(graph, env, jaxpr.eqns, _Import(host_callbacks))
   graph.outputs = [_read(env, v) for v in jaxpr.outvars]
-  graph.lays_out = lays_out(jaxpr)
+  if _dce is not None:  # jax.jit's own DCE (pe.dce_jaxpr, as its lowering runs it)
+    kept, used = _dce(jaxpr, [True] * len(jaxpr.outvars))
+    # the inputs it keeps: jax.jit commits outputs by them (an unused scan xs
+    # or cond operand goes, a custom_jvp's or a while carry's stays; the
+    # session's own DCE first told them otherwise: a break-it find)
+    graph.read_before_rewrites = frozenset(
+        graph.inputs[i].id for i, u in enumerate(used) if u)
+    graph.lays_out = lays_out(jaxpr, kept)
   return graph
 
 
@@ -82,22 +89,22 @@ try:  # what jax.jit's lowering reads off a program to commit its outputs
   from jax._src.interpreters.pxla import jaxpr_transfer_mem_kinds as _inner_memory
   from jax._src.sharding_impls import UnspecifiedValue as _Unspecified
   from jax._src.interpreters.partial_eval import dce_jaxpr as _dce
-except ImportError:  # an internal path: no jaxpr is taken to lay out its values
-  _inner_shardings = _inner_memory = lambda jaxpr: ()
-  _Unspecified = object
+except ImportError:  # an internal path: no jaxpr is taken to lay out its values, and the
+  _dce = None  # session's first DCE tells the inputs jax.jit's keeps (optimizer_passes/dce.py)
 
 
-def lays_out(jaxpr):
+def lays_out(jaxpr, kept):
   """Whether `jaxpr` (a core.Jaxpr) lays out values itself - a sharding
   constraint on a concrete mesh, a nested jit with shardings, a shard_map,
   a device_put to a sharding or memory kind - where its outputs or effects
   need them, as jax.jit's lowering reads them after its DCE (a dead
   constraint committed the outputs: a review's find): jax.jit commits every
-  output of such a program, uncommitted arguments or not."""
+  output of such a program, uncommitted arguments or not. `kept`: `jaxpr`
+  after jax's DCE."""
   def found(program):
     return (any(not isinstance(s, _Unspecified) for s, _ in _inner_shardings(program))
             or bool(_inner_memory(program)))
-  return found(jaxpr) and found(_dce(jaxpr, [True] * len(jaxpr.outvars))[0])
+  return found(jaxpr) and found(kept)
 
 
 def _bind_consts(graph, env, constvars, consts):

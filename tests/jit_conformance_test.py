@@ -1,0 +1,146 @@
+"""js.jit against jax.jit where a differential break-it round found them
+apart: jax.clear_caches(), jax.Ref arguments and constants, 64-bit arrays
+after x64 is turned off, the commitment of PRNG key outputs and of outputs
+of programs whose committed argument jax's own DCE keeps or drops, a
+keyword named `self`, and the errors of bad statics."""
+import warnings
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from jaxsession.errors import InputError
+
+
+def _x(seed, n=3, dtype=np.float32):
+  return np.random.default_rng(seed).standard_normal(n).astype(dtype)
+
+
+def _equal(test, got, want):
+  got_leaves, got_tree = jax.tree.flatten(got)
+  want_leaves, want_tree = jax.tree.flatten(want)
+  test.assertEqual(got_tree, want_tree)
+  for g, w in zip(got_leaves, want_leaves):
+    test.assertEqual((g.dtype, getattr(g, "weak_type", None), g.committed),
+                     (w.dtype, getattr(w, "weak_type", None), w.committed))
+    if jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
+      g, w = jax.random.key_data(g), jax.random.key_data(w)
+    np.testing.assert_array_equal(g, w)
+
+
+class JitConformanceTest(absltest.TestCase):
+
+  def test_clear_caches_traces_again(self):
+    x = jnp.asarray(_x(0))
+    for jit in (jax.jit, js.jit):
+      scale = [np.float32(1.5)]
+      f = jit(lambda v: v * scale[0])  # pylint: disable=cell-var-from-loop
+      np.testing.assert_array_equal(f(x), x * np.float32(1.5))
+      scale[0] = np.float32(-0.0)
+      np.testing.assert_array_equal(f(x), x * np.float32(1.5))  # traced once, as jax.jit
+      jax.clear_caches()
+      np.testing.assert_array_equal(f(x), x * np.float32(-0.0))  # traced again
+
+  def test_refs_taken_or_closed_over_run_as_jax_jit(self):
+    def add_in_place(r, x):
+      r[...] += x
+      return r[...] * 2
+    x = _x(1)
+    outs = []
+    for jit in (jax.jit, js.jit):
+      r = jax.new_ref(jnp.asarray(_x(2)))
+      out = jit(add_in_place)(r, x)
+      outs.append((out, r[...]))
+    for (got, got_ref), (want, want_ref) in zip(outs[1:], outs[:1]):
+      _equal(self, got, want)
+      np.testing.assert_array_equal(got_ref, want_ref)
+    outs = []
+    for jit in (jax.jit, js.jit):
+      r = jax.new_ref(jnp.asarray(_x(3)))
+      outs.append((jit(lambda x: add_in_place(r, x))(x), r[...]))  # pylint: disable=cell-var-from-loop
+    _equal(self, outs[1][0], outs[0][0])
+    np.testing.assert_array_equal(outs[1][1], outs[0][1])
+    r = jax.new_ref(jnp.asarray(_x(4)))  # a Session says what to do instead
+    with self.assertRaisesRegex(InputError, r"takes a jax.Ref .*state_argnums"):
+      js.Session().compile(add_in_place, r, x)
+    with self.assertRaisesRegex(InputError, r"closes over a jax.Ref"):
+      js.Session().compile(lambda x: add_in_place(r, x), x)
+
+  def test_64_bit_arrays_after_x64_is_turned_off(self):
+    with jax.enable_x64(True):
+      wide = [jnp.asarray(_x(5, dtype=np.float64)), jnp.asarray([2**40 + 3, -7], jnp.int64),
+              jnp.asarray(_x(6, dtype=np.complex128))]
+    for a in wide:
+      def f(v):
+        return v * 3 + 1
+      with warnings.catch_warnings():  # jax's: "float64 ... truncated to float32"
+        warnings.simplefilter("ignore", UserWarning)
+        _equal(self, js.jit(f)(a), jax.jit(f)(a))
+
+  def test_prng_key_outputs_are_committed_as_jax_jits(self):
+    key = jax.device_put(jax.random.key(7), jax.devices()[0])
+    x = jnp.asarray(_x(8))
+    for f in (lambda k: jax.random.split(k), lambda k: (k, jax.random.normal(k, (3,))),
+              lambda k, x: (jax.random.fold_in(jax.random.key(1), 3), x * 2)):
+      args = (key,) if f.__code__.co_argcount == 1 else (key, x)
+      _equal(self, js.jit(f)(*args), jax.jit(f)(*args))
+
+  def test_outputs_committed_by_the_inputs_jaxs_dce_keeps(self):
+    a = jax.device_put(jnp.asarray(_x(9)), jax.devices()[0])  # committed
+    b = jnp.asarray(_x(10))                                   # not
+    @jax.custom_jvp
+    def ignores_u(u, v):
+      del u
+      return v * 2
+    ignores_u.defjvp(lambda p, t: (ignores_u(*p), t[1] * 2))
+    cases = {
+        "custom_jvp ignoring a": lambda a, b: ignores_u(a, b),  # kept: committed
+        "a in a dead while carry": lambda a, b: jax.lax.while_loop(
+            lambda c: c[1].sum() < 10, lambda c: (c[0] * 2, c[1] + 1), (a, b))[1],
+        "scan xs unused": lambda a, b: jax.lax.scan(lambda c, x: (c + 1, None), b, a)[0],
+        "cond operand unused": lambda a, b: jax.lax.cond(
+            True, lambda u, v: v * 2, lambda u, v: v * 3, a, b),
+        "inner jit ignoring a": lambda a, b: jax.jit(lambda u, v: v * 2)(a, b),
+        "a * 0 (int)": lambda a, b: (a.astype(jnp.int32) * 0, b),
+    }
+    for name, f in cases.items():
+      with self.subTest(name):
+        _equal(self, js.jit(f)(a, b), jax.jit(f)(a, b))
+
+  def test_a_keyword_named_self(self):
+    def step(self, x):
+      return x * self
+    x = jnp.asarray(_x(11))
+    _equal(self, js.jit(step)(self=2.5, x=x), jax.jit(step)(self=2.5, x=x))
+
+  def test_bad_statics_raise_as_jax_jit(self):
+    def f(a, b=2, c=3):
+      return a * b + c
+
+    class Incomparable:
+      def __hash__(self):
+        return 1
+
+      def __eq__(self, other):
+        raise RuntimeError("no")
+    x = jnp.asarray(_x(12))
+    for options, args, kwargs in (({"static_argnums": -2}, (x,), {"b": 5}),
+                                  ({"static_argnums": 1.0}, (x, 2), {}),
+                                  ({"static_argnames": 1}, (x, 2), {}),
+                                  ({"static_argnums": 1}, (x, Incomparable()), {})):
+      raised = []
+      for jit in (jax.jit, js.jit):
+        try:
+          jit(f, **options)(*args, **kwargs)
+          jit(f, **options)(*args, **kwargs)  # twice: a cache lookup compares statics
+        except Exception as exc:  # pylint: disable=broad-except
+          raised.append(type(exc))
+      with self.subTest(str(options)):
+        self.assertLen(raised, 2)
+        self.assertEqual(raised[1], raised[0])
+
+
+if __name__ == "__main__":
+  absltest.main()
