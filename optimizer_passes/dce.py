@@ -10,10 +10,8 @@ used output needs), a cond's unused outputs and a while's carries that
 neither a used output nor its condition needs are dropped, with what only
 they computed inside; effectful equations inside stay, and so does what they
 read. The inputs it no longer reads are released, so their producers die in
-the same sweep. Const inputs that nothing reads are dropped too. Its first
-sweep records the inputs still read (`graph.read_before_rewrites`: what
-jax.jit's own DCE keeps, before any simplification) where the import could
-not ask jax's DCE itself (an internal API). Needs nothing before it.
+the same sweep. Const inputs that nothing reads are dropped too. Needs
+nothing before it.
 """
 from jaxsession.graph import op_properties
 from jaxsession.optimizer_passes.base import Pass, PassResult
@@ -62,11 +60,6 @@ class DeadCodeElimination(Pass):
       graph.record_removed(self.name, node, "nothing reads its results")
     graph.remove_nodes(dead)
     removed = len(dead)
-    if graph.read_before_rewrites is None:  # the first sweep: what jax.jit's DCE keeps
-      # (set by the import from jax's own DCE where it can)
-      graph.read_before_rewrites = frozenset(
-          v.id for v in graph.inputs if v.id in live_outputs or any(
-              u not in dead for u in v.users))
     # Const inputs nobody reads (folded away, or dead) are not worth passing.
     unused = [v for v in graph.inputs_of_kind("const")
               if not v.users and v.id not in live_outputs]

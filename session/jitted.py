@@ -425,7 +425,7 @@ def _commits(graph, committed):
   read = graph.read_before_rewrites  # as jax.jit's DCE leaves them: x * 0 reads x
   if read is not None:  # (a review's find: int x * 0 was simplified away, x unused)
     return any(c and v.id in read for c, v in zip(committed, inputs))
-  returned = {id(v) for v in graph.outputs}  # (dce disabled: the final graph's)
+  returned = {id(v) for v in graph.outputs}  # (no jax DCE to ask: the final graph's)
   return any(c and (v.users or id(v) in returned) for c, v in zip(committed, inputs))
 
 

@@ -233,7 +233,8 @@ class Session:
     weak_outputs = WeakOutputs.make(on_types, state_args, dyn_args, spec, out_shape[1], closed)
     kinds, labels = tracing.input_labels(state_nums, state_args, dyn_nums, dyn_args)
     graph = importer.import_jaxpr(closed, name=name, input_kinds=kinds, input_names=labels,
-                                  host_callbacks=self.options.host_callbacks)
+                                  host_callbacks=self.options.host_callbacks,
+                                  inputs_kept=tracing.keyed())
     graph.updates_state = updates
     spmd.mark_graph(graph, mesh_layout, self.options, self.platform)
     digest = spmd.compile_checksum(mesh_layout, state_flats, dyn_flats, closed, [

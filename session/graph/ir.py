@@ -164,8 +164,8 @@ class KernelGraph:
     self.compiler_options = None  # XLA options every executable is compiled with
     self.allreduce_plan = None    # HardwareOptimize under a mesh: runtime.allreduce plan
     self.schedule = None          # HardwareOptimize: reorder's decision (partition order)
-    # Optimize's first DCE: the ids of the inputs the program reads before any
-    # rewrite, as jax.jit's own DCE keeps them (js.jit commits outputs by them)
+    # the ids of the inputs jax.jit's own DCE keeps (importer, for js.jit,
+    # which commits outputs by them); None: not asked
     self.read_before_rewrites = None
     self.lays_out = False  # the traced program lays out values (jax_api.lays_out)
     # (pass name, text) per node a pass removed: how its results are computed
