@@ -41,6 +41,38 @@ from jaxsession.runtime.state import holding, private_copy, with_weak_type
 FORMAT = step_dirs.FORMAT
 MAX_PENDING = 2  # saves being written or queued at once, per Session
 
+# directory -> {id(Checkpoints): writes queued or being written}, every Session
+# of this process: a restore waits for them, a save for the other sessions'
+# (a Session dropped with a save in flight left it invisible to the next one
+# in the process - it restored an older step or none: a break-it find)
+_IN_FLIGHT = {}
+_IN_FLIGHT_CHANGED = threading.Condition()
+
+
+def _writes_started(path, owner):
+  with _IN_FLIGHT_CHANGED:
+    counts = _IN_FLIGHT.setdefault(path, {})
+    counts[owner] = counts.get(owner, 0) + 1
+
+
+def _writes_ended(path, owner):
+  with _IN_FLIGHT_CHANGED:
+    counts = _IN_FLIGHT[path]
+    counts[owner] -= 1
+    if not counts[owner]:
+      del counts[owner]
+    if not counts:
+      del _IN_FLIGHT[path]
+    _IN_FLIGHT_CHANGED.notify_all()
+
+
+def _wait_for_writes(path, but=None):
+  """Until no Session of this process but `but` (an id) has a write to
+  `path` queued or in progress."""
+  with _IN_FLIGHT_CHANGED:
+    _IN_FLIGHT_CHANGED.wait_for(lambda: not any(
+        n for owner, n in _IN_FLIGHT.get(path, {}).items() if owner != but))
+
 
 @interrupts.critical  # a Ctrl-C during the import waits for it, then is raised
 def _ocp():
@@ -104,12 +136,13 @@ class Checkpointer:
   def _work(self):
     writer_thread.background_priority()
     while True:
-      write = self._queue.get()
+      path, write = self._queue.get()
       try:
         with writer_thread.quick_thread_switches():
           write()
       finally:
         del write  # its snapshot goes before the room is given back
+        _writes_ended(path, id(self))
         self._room.release()
         self._queue.task_done()
 
@@ -149,6 +182,7 @@ class Checkpointer:
     path = _agreed_path(where, directory, step, checks)
     step = int(step)  # a numpy integer too, as run's steps=
     manager = self._manager(where, path, create=True)
+    _wait_for_writes(path, but=id(self))  # another Session's of this process: written first
     with self._lock:  # an earlier save's failure, raised here as orbax raises it
       errors, self._errors = self._errors, []
     if errors:
@@ -188,7 +222,8 @@ class Checkpointer:
       if taken and not interrupts.waiting():
         write = self._prepared(entry, where, path, manager, step)
         if not interrupts.waiting():
-          self._queue.put(write)
+          _writes_started(path, id(self))
+          self._queue.put((path, write))
           queued = True
     finally:
       if claimed and not queued:  # nothing was queued: the slot and the step are free
@@ -276,7 +311,8 @@ class Checkpointer:
         raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
     path = _agreed_path(where, directory, step, checks)
     asked = None if step is None else int(step)
-    self._queue.join()  # the pending saves written (their errors stay for wait/save)
+    self._queue.join()  # the pending saves written (their errors stay for wait/save),
+    _wait_for_writes(path)  # and every other Session's of this process to this directory
     manager = self._manager(where, path, create=False)
     for _ in range(3):  # the newest one, removed by another writer's keep-N meanwhile
       # the primary's choice on every process (their listings raced another

@@ -8,6 +8,7 @@ import tempfile
 from unittest import mock
 
 from absl.testing import absltest
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -112,8 +113,11 @@ class FirstImportTest(absltest.TestCase):
 class TwoWritersTest(absltest.TestCase):
   """Two sessions saving into one directory: the second accepted the step
   the first was writing, and both writes failed, or a step was marked
-  complete that did not restore (break-it finds). A step another session is
-  saving now is refused at save(), naming why."""
+  complete that did not restore (break-it finds). In one process a save
+  waits for another session's writes to that directory, and a restore for
+  every session's (a session dropped with a save in flight left the next
+  one restoring an older step, or none: a break-it find); another
+  process's claim is refused at save(), naming why (checkpoint_processes_test)."""
 
   def _sessions(self):
     made = []
@@ -123,23 +127,46 @@ class TwoWritersTest(absltest.TestCase):
       made.append((sess, sess.compile(lambda w: (w + 1.0, jnp.sum(w)), w, state_argnums=0), w))
     return made
 
-  def test_a_step_another_session_is_saving_is_refused(self):
-    (a, ga, wa), (b, gb, _) = self._sessions()
+  def test_a_save_waits_for_another_sessions_writes_to_its_directory(self):
+    (a, ga, wa), (b, gb, wb) = self._sessions()
     with tempfile.TemporaryDirectory() as d:
       a.save(ga, d, 0)
       a.wait_until_saved()  # orbax imported: the next save is queued at once
       a.save(ga, d, 1)
-      try:
-        b.save(gb, d, 1)
-        refused = None
-      except js.errors.InputError as exc:
-        refused = str(exc)
-      a.wait_until_saved()
+      with self.assertRaisesRegex(js.errors.InputError, "step 1 is not after step 1"):
+        b.save(gb, d, 1)  # after a's write of it: the step is there
+      b.save(gb, d, 2)
       b.wait_until_saved()
-      if refused is not None:  # (unless a's write had finished first)
-        self.assertIn("another session or process is saving", refused)
       self.assertEqual(b.restore(gb, d, 1), 1)
       np.testing.assert_array_equal(b.get_state(gb)[0], wa)
+      self.assertEqual(a.restore(ga, d), 2)
+      np.testing.assert_array_equal(a.get_state(ga)[0], wb)
+
+  def test_a_restore_waits_for_a_dropped_sessions_save(self):
+    rng = np.random.default_rng(5)
+    state = {f"w{i}": rng.standard_normal((128, 128)).astype(np.float32) for i in range(40)}
+
+    def step(s, x):
+      return {k: v + x for k, v in s.items()}, x
+    with tempfile.TemporaryDirectory() as d:
+      for n in range(3):  # a function making its own Session: resume, train, save, return
+        sess = js.Session()
+        gid = sess.compile(step, state, np.float32(0), state_argnums=0)
+        start = sess.restore(gid, d) if n else 0
+        self.assertEqual(start, 3 * n)
+        xs = rng.standard_normal(3).astype(np.float32)
+        sess.run(gid, xs, steps=3)
+        state = {k: v + 1 for k, v in state.items()}  # the next compile's examples
+        want = jax.tree.map(np.asarray, sess.get_state(gid)[0])
+        sess.save(gid, d, start + 3)  # returns at once; the session goes with the call
+        del sess
+      check = js.Session()
+      gid = check.compile(step, state, np.float32(0), state_argnums=0)
+      self.assertEqual(check.restore(gid, d), 9)
+      got = check.get_state(gid)[0]
+      for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
 
   def test_two_threads_saving_the_same_steps_leave_every_marked_step_whole(self):
     import threading  # pylint: disable=import-outside-toplevel
