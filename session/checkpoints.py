@@ -172,15 +172,17 @@ class Checkpointer:
       return manager
 
   def save(self, entry, where, directory, step):
+    number = _step_number(step)
+
     def checks():
-      if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+      if number is None:
         raise InputError(f"{where}: step must be an int >= 0, got {step!r}")
       if any(slot.unset for slot in entry.slots):
         raise InputError(f"{where}: the state is unset (compiled from jax.ShapeDtypeStruct "
                          "examples; set_state or restore binds it)")
       _check_writable(where, entry)
-    path = _agreed_path(where, directory, step, checks)
-    step = int(step)  # a numpy integer too, as run's steps=
+    path = _agreed_path(where, directory, number, checks)
+    step = number
     manager = self._manager(where, path, create=True)
     _wait_for_writes(path, but=id(self))  # another Session's of this process: written first
     with self._lock:  # an earlier save's failure, raised here as orbax raises it
@@ -305,12 +307,12 @@ class Checkpointer:
 
   def restore(self, entry, where, directory, step):
     """The new leaves per slot, read and checked; `step` and the leaves."""
+    asked = None if step is None else _step_number(step)
+
     def checks():
-      if step is not None and (isinstance(step, bool) or not isinstance(
-          step, numbers.Integral) or step < 0):
+      if step is not None and asked is None:
         raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
-    path = _agreed_path(where, directory, step, checks)
-    asked = None if step is None else int(step)
+    path = _agreed_path(where, directory, asked, checks)
     self._queue.join()  # the pending saves written (their errors stay for wait/save),
     _wait_for_writes(path)  # and every other Session's of this process to this directory
     manager = self._manager(where, path, create=False)
@@ -337,6 +339,21 @@ class Checkpointer:
                 with_weak_type(x, weak[j]) for j, x in enumerate(row)]
       values.append(tree_util.tree_unflatten(slot.treedef, leaves))
     return step, values
+
+
+def _step_number(step):
+  """`step` as an int: a Python or numpy integer, or a 0-d integer array (a
+  TrainState's step; refused before: a break-it find); None where it is no
+  step (a bool, a float, a negative number, anything else)."""
+  if isinstance(step, (bool, np.bool_)):
+    return None
+  if not isinstance(step, numbers.Integral):
+    dtype = getattr(step, "dtype", None)
+    if not (isinstance(step, (jax.Array, np.ndarray)) and step.shape == () and
+            np.issubdtype(dtype, np.integer)):
+      return None
+  number = int(step)
+  return number if number >= 0 else None
 
 
 def _agreed_path(where, directory, step, checks):
