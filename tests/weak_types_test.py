@@ -440,5 +440,29 @@ class WeakTypesTest(absltest.TestCase):
               self.assertEqual((g * params).dtype, (w * params).dtype)
 
 
+class TracedAgainTest(absltest.TestCase):
+
+  def test_a_trace_again_asks_only(self):
+    # a step with an int32 counter traces again (concepts.md says so); a
+    # constant drawn at trace time is the first trace's in the graph
+    rng = np.random.default_rng(21)
+    draws = []
+
+    def step(count, w, x):
+      draws.append(rng.standard_normal((4, 4)).astype(np.float32))
+      return count + 1, w + x @ draws[-1], jnp.sum(w)
+    w = rng.standard_normal(4).astype(np.float32)
+    x = rng.standard_normal(4).astype(np.float32)
+    sess = js.Session()
+    gid = sess.compile(step, jnp.int32(0), w, x, state_argnums=(0, 1))
+    self.assertGreater(len(draws), 1)
+    first = draws[0]
+    sess.run(gid, x)
+    want = jax.jit(lambda count, w, x: (count + 1, w + x @ first))(jnp.int32(0), w, x)
+    count, new_w = sess.get_state(gid)
+    np.testing.assert_array_equal(count, want[0])
+    np.testing.assert_array_equal(new_w, want[1])
+
+
 if __name__ == "__main__":
   absltest.main()
