@@ -382,7 +382,7 @@ def copy_into_readers(graph):
     if not _sinkable(node) or len(node.outputs) != 1:
       continue
     value = node.outputs[0]
-    later = {}
+    later, own = {}, []
     for user in value.users:
       if user.place == "device" and phase[id(user)] > phase[id(node)]:
         later.setdefault(phase[id(user)], []).append(user)
@@ -404,8 +404,12 @@ def copy_into_readers(graph):
         copy.outputs[0].users.append(reader)
       value.users = [u for u in value.users if u not in readers]
       copies.append(copy)  # (its inputs' makers come later in `work`: seen with it)
+      own.append(str(copy.id))
     if not value.users and not any(o is value for o in graph.outputs):
       graph.remove_node(node)  # read by later runs alone, each now by its copy
+      graph.record_removed(MoveIntoReaders.name, node, "read by later device partitions "
+                           "alone, each now reading its own copy (nodes "
+                           f"{', '.join(own)})")
   return copies
 
 

@@ -485,6 +485,9 @@ def rewrite(graph, points, buckets, plan, serves, axis_name, devices, scatters=N
   doomed = {id(points[k][0]) for k in planned}
   for k in planned:
     graph.unlink(points[k][0])
+    graph.record_removed("plan_allreduce", points[k][0], f"summed by node "
+                         f"{partial_of[id(points[k][0])].id} over each device's own rows, "
+                         "then by a collective (its notes)")
   kept = [partial_of.get(id(n), n) for n in graph.nodes]
   graph.nodes = _stable_topo(kept + new_nodes, position)
   assert not any(id(n) in doomed for n in graph.nodes)

@@ -160,6 +160,26 @@ class DumpTextTest(absltest.TestCase):
       np.testing.assert_array_equal(a, b)
 
 
+  def test_a_node_copied_into_each_later_partition_is_listed(self):
+    def cb(v):
+      return jax.pure_callback(lambda a: np.asarray(a) + 1,
+                               jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+
+    def f(x):
+      y = jnp.sin(x) * 2  # read after each of two host calls
+      return cb(cb(jnp.cos(x)) * y) * y
+    sess = js.Session(js.SessionOptions(disabled_passes=["reorder_for_partitions"]))
+    gid = sess.compile(f, jnp.ones(4))
+    text = sess.graph(gid).dump()
+    found = re.search(r"move_into_readers: node \d+ mul .*read by later device partitions "
+                      r"alone, each now reading its own copy \(nodes (\d+), (\d+)\)", text)
+    self.assertIsNotNone(found, text)
+    for copy in found.groups():
+      self.assertRegex(text, rf"node {copy}: .* = mul ")
+    x = jnp.asarray([-0.0, np.inf, 1.5, np.nan], jnp.float32)
+    np.testing.assert_array_equal(sess.run(gid, x), jax.jit(f)(x))
+
+
 class MemoryReportTest(absltest.TestCase):
   """report.memory's figures and reasons against XLA's (a review's finds:
   a donated operand and the result written over it were counted twice, the
