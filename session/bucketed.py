@@ -246,8 +246,8 @@ class BucketedGraph:
     """One bucket's executables: Session.compile at `size` rows, sharing the
     first bucket's state."""
     kwargs = dict(self.kwargs)
-    if self.first is not None and self.session._entry(self.first).slots:  # pylint: disable=protected-access
-      # the first bucket's slots, already mapped
+    if self.first is not None and self.state_nums:  # the first bucket's slots, one per
+      # state arg, already mapped
       kwargs["state_from"], kwargs["state_map"] = self.first, None
     with jax.default_device(self.device):
       return self.session.compile(self.fn, *self.examples(size),
