@@ -227,13 +227,20 @@ class Rule:
   The rewrite then returns the root's replacement(s) followed by one value per
   export, in order.
   """
-  __slots__ = ("pattern", "rewrite", "name", "exports")
+  __slots__ = ("pattern", "rewrite", "name", "exports", "_text")
 
   def __init__(self, pattern, rewrite, name=None, exports=()):
     self.pattern = pattern
     self.rewrite = rewrite
     self.name = name or getattr(rewrite, "__name__", repr(pattern))
     self.exports = tuple(exports)
+    self._text = None
+
+  def describe(self):
+    """The rule's name and pattern, as dump()'s removed list names it."""
+    if self._text is None:
+      self._text = f"rule '{self.name}' ({self.pattern!r})"
+    return self._text
 
 
 class Rewriter:
@@ -337,12 +344,12 @@ class RewritePass(Pass):
       graph_outputs.update(id(v) for v in graph.outputs)
       before = set(dead)
       _drop_dead(graph, [node] + m.nodes, graph_outputs, dead)
-      graph.record_removed(self.name, node, f"rule '{rule.name}' ({rule.pattern!r}): its "
-                           f"readers read {', '.join(map(repr, new))}")
+      graph.record_removed(self.name, node, f"{rule.describe()}: its readers read "
+                           f"{', '.join(map(repr, new))}")
       for gone in m.nodes:
         if gone is not node and gone in dead and gone not in before:
-          graph.record_removed(self.name, gone, f"in rule '{rule.name}''s match at node "
-                               f"{node.id}, read by nothing else")
+          graph.record_removed(self.name, gone, f"in the match of {rule.describe()} at "
+                               f"node {node.id}, read by nothing else")
       order[position:position] = rewriter.emitted
       return True
     return False

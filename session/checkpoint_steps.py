@@ -94,7 +94,7 @@ def complete_steps(path):
 CLAIM = "jaxsession_saving."
 _HOST = socket.gethostname().replace(".", "_")
 _IN_FLIGHT = set()  # this process's claims whose saves (or deletions) run now
-_IN_FLIGHT_LOCK = threading.Lock()
+_IN_FLIGHT_LOCK = threading.Condition()  # notified as a claim goes
 _RESERVE_LOCK = threading.Lock()  # one reservation at a time in this process
 _WRITERS = itertools.count()
 
@@ -102,6 +102,26 @@ _WRITERS = itertools.count()
 def new_writer():
   """A token naming one writer (a session's checkpointer) in its claims."""
   return str(next(_WRITERS))
+
+
+def this_process(name):
+  """Whether claim file `name` is one of this process's writers'."""
+  return f".{_HOST}.{os.getpid()}." in name
+
+
+def wait_for_writers(path, but=None):
+  """Until no writer of this process but `but` has a save in flight in
+  `path` (a claim made and not yet released): every Session's of the
+  process, a dropped one's included. Claims a forked child inherited name
+  its parent's pid: not waited for."""
+  mine = f".{_HOST}.{os.getpid()}."
+  skip = None if but is None else f"{mine}{but}"
+
+  def clear():
+    return not any(os.path.dirname(name) == path and mine in name and
+                   not (skip and name.endswith(skip)) for name in _IN_FLIGHT)
+  with _IN_FLIGHT_LOCK:
+    _IN_FLIGHT_LOCK.wait_for(clear)
 
 
 def _claim_name(step, writer):
@@ -161,6 +181,7 @@ def unclaim(path, step, writer):
       pass
     with _IN_FLIGHT_LOCK:
       _IN_FLIGHT.discard(name)
+      _IN_FLIGHT_LOCK.notify_all()
 
 
 def abandon(path, step, writer):
@@ -168,6 +189,7 @@ def abandon(path, step, writer):
   left is removed with the claim (at once, or by the next save)."""
   with _IN_FLIGHT_LOCK:
     _IN_FLIGHT.discard(os.path.join(path, _claim_name(step, writer)))
+    _IN_FLIGHT_LOCK.notify_all()
   if jax.process_count() > 1:  # the other processes' writes may run on: the
     return  # next save's reserve removes it, once they agree on that save
   try:

@@ -41,39 +41,6 @@ from jaxsession.runtime.state import holding, private_copy, with_weak_type
 FORMAT = step_dirs.FORMAT
 MAX_PENDING = 2  # saves being written or queued at once, per Session
 
-# directory -> {id(Checkpoints): writes queued or being written}, every Session
-# of this process: a restore waits for them, a save for the other sessions'
-# (a Session dropped with a save in flight left it invisible to the next one
-# in the process - it restored an older step or none: a break-it find)
-_IN_FLIGHT = {}
-_IN_FLIGHT_CHANGED = threading.Condition()
-
-
-def _writes_started(path, owner):
-  with _IN_FLIGHT_CHANGED:
-    counts = _IN_FLIGHT.setdefault(path, {})
-    counts[owner] = counts.get(owner, 0) + 1
-
-
-def _writes_ended(path, owner):
-  with _IN_FLIGHT_CHANGED:
-    counts = _IN_FLIGHT[path]
-    counts[owner] -= 1
-    if not counts[owner]:
-      del counts[owner]
-    if not counts:
-      del _IN_FLIGHT[path]
-    _IN_FLIGHT_CHANGED.notify_all()
-
-
-def _wait_for_writes(path, but=None):
-  """Until no Session of this process but `but` (an id) has a write to
-  `path` queued or in progress."""
-  with _IN_FLIGHT_CHANGED:
-    _IN_FLIGHT_CHANGED.wait_for(lambda: not any(
-        n for owner, n in _IN_FLIGHT.get(path, {}).items() if owner != but))
-
-
 @interrupts.critical  # a Ctrl-C during the import waits for it, then is raised
 def _ocp():
   """orbax.checkpoint, imported on first use (~1 s). An import a Ctrl-C
@@ -136,13 +103,12 @@ class Checkpointer:
   def _work(self):
     writer_thread.background_priority()
     while True:
-      path, write = self._queue.get()
+      write = self._queue.get()
       try:
         with writer_thread.quick_thread_switches():
           write()
       finally:
         del write  # its snapshot goes before the room is given back
-        _writes_ended(path, id(self))
         self._room.release()
         self._queue.task_done()
 
@@ -184,13 +150,17 @@ class Checkpointer:
     path = _agreed_path(where, directory, number, checks)
     step = number
     manager = self._manager(where, path, create=True)
-    _wait_for_writes(path, but=id(self))  # another Session's of this process: written first
     with self._lock:  # an earlier save's failure, raised here as orbax raises it
       errors, self._errors = self._errors, []
     if errors:
       raise RuntimeError(f"{where}: not saved, since an earlier save failed: "
                          f"{errors[0]}{_others(errors)}") from errors[0]
-    self._hand_off(entry, where, path, manager, step)
+    # another Session's saves of this process into `path` are written first (a
+    # Session dropped with a save in flight left the next one refused, and its
+    # restore reading an older step or none: a break-it find); where one
+    # claims meanwhile, it is waited for again
+    while not self._hand_off(entry, where, path, manager, step):
+      step_dirs.wait_for_writers(path, but=self._writer)
     if jax.process_count() > 1:  # written before it returns: orbax syncs the
       self.wait()  # processes by collectives, which interleaved with the next run's
       # in another order on each process and deadlocked (a review's find)
@@ -202,13 +172,16 @@ class Checkpointer:
     queue's own Python it left a lock held or the queue's count short, and
     every later save hung; between the claim and the queueing it left the
     step claimed: break-it finds), then is raised with nothing claimed or
-    queued unless the write already was."""
+    queued unless the write already was. False where another Session of
+    this process is saving into `path`: nothing claimed (save waits)."""
     claimed, taken, queued, before = False, False, False, -1
     try:
       with self._lock:  # steps increase per directory, as orbax keeps them
         before = self._queued.get(path, -1)
         processes.agreed(where, lambda: _check_after(where, path, step, before))
         theirs = step_dirs.reserve(path, step, self._writer)
+        if theirs is not None and jax.process_count() == 1 and step_dirs.this_process(theirs):
+          return False  # (in a job of processes every save is written before it returns)
         if theirs is not None:
           raise InputError(
               f"{where}: another session or process is saving into {path} now (its claim: "
@@ -224,8 +197,7 @@ class Checkpointer:
       if taken and not interrupts.waiting():
         write = self._prepared(entry, where, path, manager, step)
         if not interrupts.waiting():
-          _writes_started(path, id(self))
-          self._queue.put((path, write))
+          self._queue.put(write)
           queued = True
     finally:
       if claimed and not queued:  # nothing was queued: the slot and the step are free
@@ -236,6 +208,7 @@ class Checkpointer:
           if self._queued.get(path) == step:
             self._queued[path] = before
       interrupts.deliver()
+    return True
 
   def _prepared(self, entry, where, path, manager, step):
     """Snapshots the state (between runs); the write of it, to queue (the
@@ -314,7 +287,7 @@ class Checkpointer:
         raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
     path = _agreed_path(where, directory, asked, checks)
     self._queue.join()  # the pending saves written (their errors stay for wait/save),
-    _wait_for_writes(path)  # and every other Session's of this process to this directory
+    step_dirs.wait_for_writers(path)  # and every other Session's of this process there
     manager = self._manager(where, path, create=False)
     for _ in range(3):  # the newest one, removed by another writer's keep-N meanwhile
       # the primary's choice on every process (their listings raced another
@@ -345,7 +318,7 @@ def _step_number(step):
   """`step` as an int: a Python or numpy integer, or a 0-d integer array (a
   TrainState's step; refused before: a break-it find); None where it is no
   step (a bool, a float, a negative number, anything else)."""
-  if isinstance(step, (bool, np.bool_)):
+  if isinstance(step, (bool, np.bool_, jax.core.Tracer)):  # (a traced step: no value)
     return None
   if not isinstance(step, numbers.Integral):
     dtype = getattr(step, "dtype", None)

@@ -55,12 +55,6 @@ except ImportError:  # an internal path: jax.clear_caches() leaves js.jit's grap
     pass
 
 
-try:  # the inputs jax.jit's own DCE keeps (it commits outputs by them)
-  from jax._src.interpreters.partial_eval import dce_jaxpr
-except ImportError:  # an internal path: the session's first DCE decides
-  dce_jaxpr = None
-
-
 try:  # the type of a jax.Ref's aval
   from jax._src.state.types import AbstractRef
 except ImportError:  # an internal path: no Ref is told apart (isinstance of () is False)

@@ -58,7 +58,8 @@ class Signatures:
     self.session_ref = None if session is None else weakref.ref(session)
     self.wrappers = 0
     self.fn_id, self.fn_ref, self.key = fn_id, fn_ref, key  # fn_ref None: not shared
-    _ALL.add(self)
+    with _ALL_LOCK:
+      _ALL.add(self)
 
   @property
   def findable(self):
@@ -71,19 +72,23 @@ class Signatures:
       self.session_ref = weakref.ref(session)
 
   def release(self):
+    """Releases the graphs, under the lock (a wrapper's clear_cache, the
+    reaper and jax.clear_caches may release at once: a review's find)."""
     session = None if self.session_ref is None else self.session_ref()
     if session is None:  # gone, and its graphs with it
       return
-    for gid in {gid for gid, _ in self.graphs.values()}:
-      if isinstance(gid, int):
-        try:
-          session.release(gid)
-        except Exception:  # pylint: disable=broad-except
-          pass  # released already (the session's own release)
-    self.graphs.clear()
+    with self.lock:
+      for gid in {gid for gid, _ in self.graphs.values()}:
+        if isinstance(gid, int):
+          try:
+            session.release(gid)
+          except Exception:  # pylint: disable=broad-except
+            pass  # released already (the session's own release)
+      self.graphs.clear()
 
 
 _ALL = weakref.WeakSet()  # every Signatures alive: jax.clear_caches() releases them
+_ALL_LOCK = threading.Lock()  # (a WeakSet changed while listed raised: a review's find)
 
 
 class _JaxCaches:
@@ -93,18 +98,19 @@ class _JaxCaches:
   ran its old graph: a break-it find)."""
 
   @staticmethod
-  def cache_clear():
-    for sigs in list(_ALL):
-      with sigs.lock:  # not while another thread compiles for it
-        sigs.release()
+  def _all():
+    with _ALL_LOCK:
+      return list(_ALL)
 
-  @staticmethod
-  def cache_info():
-    return functools._CacheInfo(0, 0, None, len(_ALL))  # pylint: disable=protected-access
+  def cache_clear(self):
+    for sigs in self._all():
+      sigs.release()  # (under its lock: not while another thread compiles for it)
 
-  @staticmethod
-  def cache_keys():
-    return [key for sigs in list(_ALL) for key in list(sigs.graphs)]
+  def cache_info(self):
+    return functools._CacheInfo(0, 0, None, len(self._all()))  # pylint: disable=protected-access
+
+  def cache_keys(self):
+    return [key for sigs in self._all() for key in list(sigs.graphs)]
 
 
 _CLEARED = _JaxCaches()  # held here: jax's registry holds it weakly

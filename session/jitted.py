@@ -194,7 +194,10 @@ class Jitted:
   @property
   def graph_ids(self):
     """The graphs compiled for this wrapper's function in its session (shared
-    by its wrappers with the same statics), one per signature."""
+    by its wrappers with the same statics), one per signature. Each is run
+    by this wrapper with its signature's argument types only, weak types
+    included: a `session.run` of one by hand with other weak types is not
+    guarded (tracing.keyed_by_weak_types)."""
     sigs = self._sigs
     with sigs.lock:  # a compile in another thread adds to them
       gids = list(dict.fromkeys(g for g, _ in sigs.graphs.values() if g is not _JAX))
@@ -205,9 +208,7 @@ class Jitted:
     """Releases the graphs compiled for this function in this session (the
     ones its wrappers with these statics share), as jax.jit's clear_cache
     drops its executables; the next call compiles again."""
-    sigs = self._sigs
-    with sigs.lock:  # not while another thread compiles for it
-      sigs.release()
+    self._sigs.release()  # (under its lock: not while another thread compiles for it)
 
   def __get__(self, obj, objtype=None):  # a jitted method: bound as jax.jit binds it,
     # a method (__self__, __name__, .lower(obj, ...) through __func__: a break-it find)
@@ -252,7 +253,7 @@ class Jitted:
       return self._under_trace()(*args, **kwargs)
     if not _top_level():  # under a trace (even with concrete arguments: a collective
       return self._under_trace()(*args, **kwargs)  # over vmap's axis name): jax.jit, inline
-    leaves, treedef = tree_util.tree_flatten((dyn_args, dyn_kw) if dyn_kw else dyn_args)
+    leaves, treedef = tree_util.tree_flatten((dyn_args, dyn_kw))
     # the trace-time configuration is part of the signature, as in jax.jit's
     # cache (threefry_partitionable, dtype and rank promotion, the mesh...)
     try:
