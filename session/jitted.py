@@ -144,6 +144,8 @@ def _leaf_key(x):
   # numpy arrays and scalars, anything else jax takes (custom element types); not
   # a JAX type: a TypeError, on which __call__ hands the call to jax.jit
   aval = jax.api_util.shaped_abstractify(x)
+  if type(aval) is not ShapedArray:  # a jax.Ref, flax's hijax Variable...: jax.jit's to run
+    raise TypeError("to jax.jit")  # (a Variable had no dtype to check: a break-it find)
   check_valid_dtype(aval.dtype)  # np.datetime64 and np.void abstractify (a break-it find)
   # a numpy value as the uncommitted array jax.jit takes it for: one graph for
   # np.float32(1) and jnp.float32(1), as in jax.jit's cache
@@ -165,8 +167,12 @@ class Jitted:
                        f"{type(session).__name__}")
     # first: the __dict__ it copies from fn may be another wrapper's (jax.grad
     # and jax.vmap of a js.jit function forward it), whose own attributes
-    # must not replace this one's (a break-it find: the inner function ran)
-    functools.update_wrapper(self, fn)
+    # must not replace this one's (a break-it find: the inner function ran);
+    # nor may it hide this class's methods (equinox's filter_jit has a
+    # `_signature` field: a break-it find, "'Signature' object is not callable")
+    functools.update_wrapper(self, fn, updated=())
+    self.__dict__.update((k, v) for k, v in getattr(fn, "__dict__", {}).items()
+                         if not hasattr(Jitted, k))
     self._fn = fn
     # jax.jit(fn, ...), for calls under a trace; made first, so that statics
     # of the wrong type, or that the signature does not have, raise jax's own
@@ -297,7 +303,7 @@ class Jitted:
     signature. Arguments committed to the session's device and uncommitted
     ones trace one program (jax.jit traces it once: a break-it find): the
     graph of the signature with every argument uncommitted serves both."""
-    if _placed_elsewhere(key[2], self.session.device) or _jax_only(key[2]):
+    if _placed_elsewhere(key[2], self.session.device) or _jax_only(self._fn, key[2]):
       return _JAX, None
     sigs = self._sigs
     home = key[:2] + (tuple(k[:2] + (None,) for k in key[2]),) + key[3:]
@@ -399,15 +405,20 @@ def _placed_elsewhere(leaf_keys, home):
       or s.memory_kind not in (None, memory)) for _, _, s in leaf_keys)
 
 
-def _jax_only(leaf_keys):
-  """Whether an argument is one jax.jit takes and a session does not: a
-  jax.Ref (jax.jit mutates it in place; a break-it find: it failed in
-  kernel selection), or anything else whose type is not an array's; a
-  64-bit array made while x64 was on, now off (jax.jit converts it to 32
-  bits; the session's executable refused its type: a break-it find)."""
-  return any(type(aval) is not ShapedArray or (
-      not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) and
-      jax.dtypes.canonicalize_dtype(aval.dtype) != aval.dtype) for _, aval, _ in leaf_keys)
+def _jax_only(fn, leaf_keys):
+  """Whether jax.jit runs this signature, a session not: a 64-bit array
+  made while x64 was on, now off (jax.jit converts it to 32 bits; the
+  session's executable refused its type: a break-it find), or a function
+  jax.jit cannot key its cache by (unhashable: its TypeError, where this
+  ran it: a break-it find). (A leaf that is no array - a jax.Ref - is
+  jax.jit's call at _leaf_key.)"""
+  try:
+    hash(fn)
+  except TypeError:
+    return True
+  return any(not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) and
+             jax.dtypes.canonicalize_dtype(aval.dtype) != aval.dtype
+             for _, aval, _ in leaf_keys)
 
 
 def _commits(graph, committed):

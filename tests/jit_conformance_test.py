@@ -109,6 +109,34 @@ class JitConformanceTest(absltest.TestCase):
       with self.subTest(name):
         _equal(self, js.jit(f)(a, b), jax.jit(f)(a, b))
 
+  def test_wrapped_functions_attributes_hide_nothing(self):
+    # equinox's filter_jit holds a `_signature` field; update_wrapper copied
+    # it over js.jit's method of that name (a break-it find)
+    def f(x):
+      return x * 2 - 1
+    f._signature, f._compile, f.clear_cache = "a field", "a field", "a field"
+    x = jnp.asarray(_x(13))
+    _equal(self, js.jit(f)(x), jax.jit(f)(x))
+    self.assertEqual(js.jit(f)._signature.__self__.__class__, js.jit(f).__class__)
+
+  def test_unhashable_callables_raise_as_jax_jit(self):
+    class Unhashable:
+      __hash__ = None
+
+      def __call__(self, x):
+        return x * 2
+    x = jnp.asarray(_x(14))
+    for jit in (jax.jit, js.jit):
+      with self.assertRaisesRegex(TypeError, "unhashable type"):
+        jit(Unhashable())(x)
+
+  def test_flax_hijax_variables_run_as_jax_jit(self):
+    from flax import nnx  # pylint: disable=import-outside-toplevel
+    with nnx.var_defaults(hijax=True):
+      lin = nnx.Linear(2, 3, rngs=nnx.Rngs(15))
+    x = jnp.asarray(_x(16, n=2)).reshape(1, 2)
+    _equal(self, js.jit(lambda m, x: m(x))(lin, x), jax.jit(lambda m, x: m(x))(lin, x))
+
   def test_a_keyword_named_self(self):
     def step(self, x):
       return x * self
