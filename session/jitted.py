@@ -3,9 +3,11 @@
     f = js.jit(fn, static_argnums=(), static_argnames=(), session=None)
     y = f(x, n=3)
 
-The first call with a new argument signature compiles `fn` in the session (the
-given one, or one default Session per process) and later calls with that
-signature `run` it. A signature is what jax.jit's cache tells apart: the
+The first call with a new argument signature compiles, in the session (the
+given one, or one default Session per process), the program jax.jit traces
+of `fn` (jax.jit's own trace, from its cache: `fn` is traced as often as
+under jax.jit, with .lower/.trace/.eval_shape and calls under a trace
+around), and later calls with that signature `run` it. A signature is what jax.jit's cache tells apart: the
 values of the static arguments, the pytree structure of the others (keyword
 arguments included) and each leaf's type, shape, dtype and weak type. The
 output keeps `fn`'s pytree, as jax.jit's does.
@@ -328,31 +330,55 @@ class Jitted:
   def _compile(self, statics, args, dyn_args, dyn_kw):
     """The session graph of one signature. Its function takes the dynamic
     keyword args (in key order), then the dynamic positional ones, one
-    session argument each, under a signature of fn's names: a tracing error
-    names them as under jax.jit ("the argument x", "args[1]", "b")."""
+    session argument each, under a signature of fn's names (the graph's
+    inputs are named so). It evaluates the program jax.jit traced of fn:
+    jax.jit's own trace, from its cache - once per signature, shared with
+    .lower/.trace/.eval_shape and with calls under a trace (the session
+    traced fn again: a break-it find) - so tracing errors are jax.jit's
+    own, and no user code runs in the session's trace. The program is held
+    for the compile alone (tracing again after it: FunctionGone)."""
     fn, n = self._fn, len(args)
     (static_pos, static_kw) = statics
     static_at = dict(static_pos)
     keys = sorted(dyn_kw)
     k = len(keys)
-
-    try:  # the graph keeps `call` (its outputs' weak types are traced again
-      own = weakref.ref(fn)  # from it): fn held weakly, so that it goes with
-    except TypeError:  # its wrappers (session/jit_cache.py); one weakref
-      own = lambda: fn  # noqa: E731  cannot follow is not shared: held
+    kwargs = {**dict(static_kw), **dyn_kw}
+    held = {}  # jax.jit's trace, made when the session traces `call`: after its checks
 
     def call(*dyn):
-      it = iter(dyn[k:])
-      full = [static_at[i] if i in static_at else next(it) for i in range(n)]
-      return own()(*full, **dict(static_kw), **dict(zip(keys, dyn[:k])))
+      if "traced" not in held:
+        if "done" in held:
+          raise tracing.FunctionGone(f"jaxsession.jit({_name(fn)}): its program is "
+                                     "traced once, at compile")
+        try:
+          held["traced"] = self._traced.trace(*args, **kwargs)
+        except Exception:
+          held["failed"] = True
+          raise
+      traced = held["traced"]
+      if traced.in_tree != tree_util.tree_structure((tuple(dyn_args), dyn_kw)):
+        raise AssertionError(f"jaxsession.jit: jax.jit's trace of {_name(fn)} takes "
+                             f"{traced.in_tree}, the signature {(tuple(dyn_args), dyn_kw)}")
+      leaves = tree_util.tree_leaves((dyn[k:], dict(zip(keys, dyn[:k]))))
+      # constants jax hoisted to arguments (a tracer leaked from another trace:
+      # the session's trace holds it as a constant and says so, as jax.jit)
+      hoisted = getattr(traced, "_consts", ())
+      outs = jax.core.eval_jaxpr(traced.jaxpr.jaxpr, traced.jaxpr.consts, *hoisted, *leaves)
+      return tree_util.tree_unflatten(traced.out_tree, outs)
     params = tracing.arg_parameters(fn, [i for i in range(n) if i not in static_at])
     tracing.signed(call, fn, _keyword_parameters(fn, keys, {p.name for p in params}) + params)
     try:  # (its signatures key every leaf's weak type: nothing for run to guard)
       with tracing.keyed_by_weak_types():
         return self.session.compile(call, *[dyn_kw[key] for key in keys], *dyn_args,
                                     updates_state=False, name=_name(fn))
-    finally:  # (tracing errors name fn through it, at compile)
+    except Exception:
+      if held.get("failed"):  # jax.jit's own error, as its call raises it (a static
+        self._traced(*args, **kwargs)  # whose __eq__ raises: a TypeError of fn there,
+      raise  # not the trace's ValueError)
+    finally:
       call.__dict__.pop("__wrapped__", None)
+      held.clear()
+      held["done"] = True
 
 
 def _keyword_parameters(fn, keys, taken):

@@ -154,8 +154,7 @@ class SignatureAndLayoutTest(absltest.TestCase):
     def f(x, y):
       traces.append(1)
       return x * 2.0 + y
-    for first_committed in (False, True):
-      del traces[:]
+    for first_committed in (False, True):  # (f traced once in all: jax.jit's trace, cached)
       g = js.jit(f, session=js.Session())
       loose = _x(4)
       held = jax.device_put(_x(4), jax.devices()[0])
