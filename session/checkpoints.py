@@ -41,6 +41,7 @@ from jaxsession.runtime.state import holding, private_copy, with_weak_type
 FORMAT = step_dirs.FORMAT
 MAX_PENDING = 2  # saves being written or queued at once, per Session
 
+
 @interrupts.critical  # a Ctrl-C during the import waits for it, then is raised
 def _ocp():
   """orbax.checkpoint, imported on first use (~1 s). An import a Ctrl-C

@@ -7,10 +7,11 @@ The first call with a new argument signature compiles, in the session (the
 given one, or one default Session per process), the program jax.jit traces
 of `fn` (jax.jit's own trace, from its cache: `fn` is traced as often as
 under jax.jit, with .lower/.trace/.eval_shape and calls under a trace
-around), and later calls with that signature `run` it. A signature is what jax.jit's cache tells apart: the
-values of the static arguments, the pytree structure of the others (keyword
-arguments included) and each leaf's type, shape, dtype and weak type. The
-output keeps `fn`'s pytree, as jax.jit's does.
+around), and later calls with that signature `run` it. A signature is what
+jax.jit's cache tells apart: the values of the static arguments, the pytree
+structure of the others (keyword arguments included) and each leaf's type,
+shape, dtype and weak type. The output keeps `fn`'s pytree, as jax.jit's
+does.
 
 Called under a trace (inside grad, vmap, another jit: a tracer among the
 arguments), it traces `fn` inline as jax.jit does - it *is* jax.jit there -
@@ -22,10 +23,11 @@ statics and session shares its graphs, as jax.jit's cache is keyed by the
 function (`js.jit(f)(x)` wrapped anew at each call compiles once); they are
 kept a while after its last wrapper goes (session/jit_cache.py). Outputs are
 committed to their device where jax.jit's are: where an argument the
-program uses (as jax.jit's DCE tells) was. A signature a session cannot run
-as jax.jit does - arguments committed to other devices or sharded, a
-jax.Ref taken or closed over, a 64-bit array after x64 was turned off - is
-jax.jit's call. `jax.clear_caches()` releases every graph, as it drops
+program uses (as jax.jit's DCE tells) was. A call a session cannot run as
+jax.jit does - arguments committed to other devices or sharded, a jax.Ref
+(or another leaf that is no array, as flax's hijax Variables) taken or
+closed over, a 64-bit array after x64 was turned off, an unhashable
+function - is jax.jit's call. `jax.clear_caches()` releases every graph, as it drops
 jax.jit's executables. Given any other jax.jit option (donate_argnums,
 shardings, inline, ...) `jit` returns jax.jit itself.
 """
