@@ -100,9 +100,8 @@ def _resolve_statics(fn, argnums, argnames):
   for i, p in enumerate(positional):
     if complete_nums and p.name in names and p.kind != p.POSITIONAL_ONLY:
       nums.add(i)
-    if complete_names and (i in nums or (i - len(positional)) in nums):
-      if p.kind != p.POSITIONAL_ONLY:
-        names.add(p.name)
+    if complete_names and i in nums and p.kind != p.POSITIONAL_ONLY:  # (not a
+      names.add(p.name)  # negative position, as jax.jit: a review's find)
   return frozenset(nums), frozenset(names)
 
 
@@ -121,6 +120,10 @@ _NO_STATICS = ((), ())
 
 class _Traced(Exception):
   """A tracer among the arguments: the call is jax.jit's, traced inline."""
+
+
+class _OtherStatics(Exception):
+  """jax.jit's trace took other arguments as static than this signature."""
 
 
 def _leaf_key(x):
@@ -217,7 +220,9 @@ class Jitted:
   def clear_cache(self):
     """Releases the graphs compiled for this function in this session (the
     ones its wrappers with these statics share), as jax.jit's clear_cache
-    drops its executables; the next call compiles again."""
+    drops its executables (its trace too: the graphs are compiled from
+    it; a review's find); the next call traces and compiles again."""
+    self._traced.clear_cache()
     self._sigs.release()  # (under its lock: not while another thread compiles for it)
 
   def __get__(self, obj, objtype=None):  # a jitted method: bound as jax.jit binds it,
@@ -315,8 +320,8 @@ class Jitted:
     if gid is None:
       try:
         gid = self._compile(statics, args, dyn_args, dyn_kw)
-      except tracing.MutableArrays:  # a jax.Ref it closes over: jax.jit runs it
-        return _JAX, None
+      except (tracing.MutableArrays, _OtherStatics):  # a jax.Ref it closes over, statics
+        return _JAX, None  # split otherwise than jax.jit's: jax.jit runs it
     leaves = tree_util.tree_leaves(([dyn_kw[k] for k in sorted(dyn_kw)], dyn_args))
     graph = self.session.graph(gid)
     if home != key and home not in sigs.graphs:  # (nothing committed: the program's
@@ -352,15 +357,10 @@ class Jitted:
         if "done" in held:
           raise tracing.FunctionGone(f"jaxsession.jit({_name(fn)}): its program is "
                                      "traced once, at compile")
-        try:
-          held["traced"] = self._traced.trace(*args, **kwargs)
-        except Exception:
-          held["failed"] = True
-          raise
+        held["traced"] = self._traced.trace(*args, **kwargs)  # (its errors: jax.jit's)
       traced = held["traced"]
       if traced.in_tree != tree_util.tree_structure((tuple(dyn_args), dyn_kw)):
-        raise AssertionError(f"jaxsession.jit: jax.jit's trace of {_name(fn)} takes "
-                             f"{traced.in_tree}, the signature {(tuple(dyn_args), dyn_kw)}")
+        raise _OtherStatics  # jax.jit split the statics otherwise: its call
       leaves = tree_util.tree_leaves((dyn[k:], dict(zip(keys, dyn[:k]))))
       # constants jax hoisted to arguments (a tracer leaked from another trace:
       # the session's trace holds it as a constant and says so, as jax.jit)
@@ -373,10 +373,6 @@ class Jitted:
       with tracing.keyed_by_weak_types():
         return self.session.compile(call, *[dyn_kw[key] for key in keys], *dyn_args,
                                     updates_state=False, name=_name(fn))
-    except Exception:
-      if held.get("failed"):  # jax.jit's own error, as its call raises it (a static
-        self._traced(*args, **kwargs)  # whose __eq__ raises: a TypeError of fn there,
-      raise  # not the trace's ValueError)
     finally:
       call.__dict__.pop("__wrapped__", None)
       held.clear()

@@ -159,6 +159,39 @@ class JitConformanceTest(absltest.TestCase):
         _equal(self, out, jax.jit(f)(x, 2.0))
     self.assertEqual(counts[1], counts[0])
 
+  def test_clear_cache_errors_and_a_negative_static_trace_as_jax_jit(self):
+    # a review's finds: a wrapper's clear_cache kept jax's trace (the old
+    # program ran again); a tracing error traced fn twice and came back
+    # chained to itself; static_argnums=-1 made a keyword argument static
+    x = jnp.asarray(_x(18))
+    for jit in (jax.jit, js.jit):
+      with self.subTest(jit=jit.__module__):
+        scale, traces = [np.float32(2.0)], []
+
+        def f(v):
+          traces.append(1)
+          return v * scale[0]
+        g = jit(f)
+        np.testing.assert_array_equal(g(x), x * np.float32(2.0))
+        scale[0] = np.float32(-0.5)
+        g.clear_cache()
+        np.testing.assert_array_equal(g(x), x * np.float32(-0.5))
+        self.assertLen(traces, 2)
+        del traces[:]
+
+        def bad(v):
+          traces.append(1)
+          return v.reshape(7)
+        with self.assertRaises(TypeError) as raised:
+          jit(bad)(x)
+        self.assertLen(traces, 1)
+        self.assertIsNone(raised.exception.__context__)
+
+    def g3(a, b, c):
+      return a * b + c
+    _equal(self, js.jit(g3, static_argnums=-1)(x, 2.0, c=3),
+           jax.jit(g3, static_argnums=-1)(x, 2.0, c=3))
+
   def test_a_keyword_named_self(self):
     def step(self, x):
       return x * self
