@@ -324,7 +324,7 @@ def _step_number(step):
   if not isinstance(step, numbers.Integral):
     dtype = getattr(step, "dtype", None)
     if not (isinstance(step, (jax.Array, np.ndarray)) and step.shape == () and
-            np.issubdtype(dtype, np.integer)):
+            jax.numpy.issubdtype(dtype, jax.numpy.integer)):  # (a key's: not numpy's)
       return None
   number = int(step)
   return number if number >= 0 else None

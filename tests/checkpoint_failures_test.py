@@ -97,7 +97,8 @@ class StepNumbersTest(absltest.TestCase):
       self.assertEqual(sess.restore(gid, d, jnp.asarray(4, jnp.int32)), 4)
       np.testing.assert_array_equal(sess.get_state(gid)[0], w)
       self.assertEqual(sess.restore(gid, d, np.uint8(4)), 4)
-      for bad in (jnp.bool_(True), jnp.float32(5), jnp.int32(-1), jnp.arange(5, 7), 5.0):
+      for bad in (jnp.bool_(True), jnp.float32(5), jnp.int32(-1), jnp.arange(5, 7), 5.0,
+                  jax.random.key(3), jax.ShapeDtypeStruct((), jnp.int32)):
         with self.assertRaisesRegex(js.InputError, "step must be an int >= 0"):
           sess.save(gid, d, bad)
         with self.assertRaisesRegex(js.InputError, "step must be an int >= 0 or None"):

@@ -15,7 +15,12 @@ from jaxsession.errors import InputError
 
 
 def _x(seed, n=3, dtype=np.float32):
-  return np.random.default_rng(seed).standard_normal(n).astype(dtype)
+  """Fresh random values, with -0.0 and (from 3 elements on) NaN and inf."""
+  x = np.random.default_rng(seed).standard_normal(n).astype(dtype)
+  x[0] = -0.0
+  if n >= 3:
+    x[1:3] = (np.nan, np.inf)
+  return x
 
 
 def _equal(test, got, want):
@@ -150,6 +155,7 @@ class JitConformanceTest(absltest.TestCase):
         return jnp.sin(v) * scale
       g = jit(f)
       g.lower(x, 2.0)
+      g.trace(x, 2.0)
       g.eval_shape(x, 2.0)
       jax.grad(lambda v: jnp.sum(g(v, 2.0)))(x)  # under a trace: jax.jit's
       out = g(x, 2.0)
