@@ -14,6 +14,7 @@ other folder (another program's orbax checkpoints, a user's "2024") is
 kept and counted in the order of steps (break-it finds: the first save
 deleted them; two writers deleted each other's steps in flight).
 """
+import contextlib
 import itertools
 import os
 import shutil
@@ -95,6 +96,7 @@ CLAIM = "jaxsession_saving."
 _HOST = socket.gethostname().replace(".", "_")
 _IN_FLIGHT = set()  # this process's claims whose saves (or deletions) run now
 _IN_FLIGHT_LOCK = threading.Condition()  # notified as a claim goes
+_WAITING = {}  # path -> this process's writers waiting to save there, in order
 _RESERVE_LOCK = threading.Lock()  # one reservation at a time in this process
 _WRITERS = itertools.count()
 
@@ -110,18 +112,59 @@ def this_process(name):
 
 
 def wait_for_writers(path, but=None):
-  """Until no writer of this process but `but` has a save in flight in
-  `path` (a claim made and not yet released): every Session's of the
-  process, a dropped one's included. Claims a forked child inherited name
-  its parent's pid: not waited for."""
+  """Until the saves in flight in `path` now (claims made and not yet
+  released) by this process's writers but `but` are written: every
+  Session's of the process, a dropped one's included. Claims made later are
+  not waited for (a session saving continuously held another's restore back
+  for as long as it saved). Claims a forked child inherited name its
+  parent's pid: not waited for."""
+  with _IN_FLIGHT_LOCK:
+    now = _in_flight(path, but)
+    _IN_FLIGHT_LOCK.wait_for(lambda: not now & _IN_FLIGHT)
+
+
+def _in_flight(path, but=None):
+  """This process's claims in flight in `path`, but writer `but`'s."""
   mine = f".{_HOST}.{os.getpid()}."
   skip = None if but is None else f"{mine}{but}"
+  return {name for name in _IN_FLIGHT if os.path.dirname(name) == path and mine in name
+          and not (skip and name.endswith(skip))}
 
-  def clear():
-    return not any(os.path.dirname(name) == path and mine in name and
-                   not (skip and name.endswith(skip)) for name in _IN_FLIGHT)
+
+@contextlib.contextmanager
+def in_line(path, writer):
+  """`writer` waits its turn to save into `path` while inside: after the
+  writers of this process already waiting there, and before any that come
+  later (`reserve` refuses those) - a session saving continuously into a
+  directory kept another's save waiting for as long as it saved."""
   with _IN_FLIGHT_LOCK:
-    _IN_FLIGHT_LOCK.wait_for(clear)
+    _WAITING.setdefault(path, []).append(writer)
+  try:
+    yield
+  finally:
+    with _IN_FLIGHT_LOCK:
+      _WAITING[path].remove(writer)
+      if not _WAITING[path]:
+        del _WAITING[path]
+      _IN_FLIGHT_LOCK.notify_all()
+
+
+def wait_turn(path, writer):
+  """Until `writer` (in_line) is first in line for `path` and no other
+  writer of this process has a save in flight there."""
+  with _IN_FLIGHT_LOCK:
+    _IN_FLIGHT_LOCK.wait_for(lambda: _ahead(path, writer) is None and
+                             not _in_flight(path, writer))
+
+
+def _ahead(path, writer):
+  """The pseudo claim name of a writer of this process waiting in line for
+  `path` before `writer` (every waiter where `writer` is not in line), or
+  None. Called under _IN_FLIGHT_LOCK."""
+  line = _WAITING.get(path, ())
+  for other in line[:line.index(writer) if writer in line else len(line)]:
+    return _claim_name("waiting", other)
+  return None
 
 
 def _claim_name(step, writer):
@@ -144,7 +187,9 @@ def reserve(path, step, writer):
   if jax.process_index() == 0:
     with _RESERVE_LOCK:
       remove_incomplete(path)  # before every process's orbax lists the steps
-      theirs = _live_claims(path, writer)
+      with _IN_FLIGHT_LOCK:
+        ahead = _ahead(path, writer)
+      theirs = [ahead] if ahead else _live_claims(path, writer)
       if not theirs:
         claim(path, step, writer)
         theirs = _live_claims(path, writer)

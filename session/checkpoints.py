@@ -158,10 +158,11 @@ class Checkpointer:
                          f"{errors[0]}{_others(errors)}") from errors[0]
     # another Session's saves of this process into `path` are written first (a
     # Session dropped with a save in flight left the next one refused, and its
-    # restore reading an older step or none: a break-it find); where one
-    # claims meanwhile, it is waited for again
-    while not self._hand_off(entry, where, path, manager, step):
-      step_dirs.wait_for_writers(path, but=self._writer)
+    # restore reading an older step or none: a break-it find), in turn
+    if not self._hand_off(entry, where, path, manager, step):
+      with step_dirs.in_line(path, self._writer):
+        while not self._hand_off(entry, where, path, manager, step):
+          step_dirs.wait_turn(path, self._writer)
     if jax.process_count() > 1:  # written before it returns: orbax syncs the
       self.wait()  # processes by collectives, which interleaved with the next run's
       # in another order on each process and deadlocked (a review's find)

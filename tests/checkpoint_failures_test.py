@@ -372,6 +372,70 @@ class TwoWritersTest(absltest.TestCase):
       self.assertEqual(b.restore(gb, real), 2)
       np.testing.assert_array_equal(np.asarray(b.get_state(gb)[0]), wb)
 
+  def _saving_on(self, sess, gid, d, cap, done, errors):
+    """A thread saving steps 1, 2, ... into `d` as fast as it can until a
+    save is refused or `cap` are made; `done` gets the steps saved."""
+    def loop():
+      try:
+        for n in range(1, cap + 1):
+          sess.save(gid, d, n)
+          done.append(n)
+        sess.wait_until_saved()
+      except js.errors.InputError as exc:
+        errors.append(str(exc))
+    return threading.Thread(target=loop)
+
+  def test_a_restore_is_not_held_back_by_another_sessions_later_saves(self):
+    # a restore waited until no session of the process had a save in flight
+    # in the directory: beside one saving continuously, until it stopped
+    (a, ga, _), (b, gb, _) = self._sessions()
+    cap = 120
+    with tempfile.TemporaryDirectory() as d:
+      a.save(ga, d, 0)
+      a.wait_until_saved()
+      b.restore(gb, d)  # (orbax imported, the directory read once)
+      done, errors = [], []
+      saver = self._saving_on(a, ga, d, cap, done, errors)
+      saver.start()
+      try:
+        while len(done) < 3 and saver.is_alive():
+          threading.Event().wait(0.01)
+        got = b.restore(gb, d)
+        restored_before = len(done)
+      finally:
+        saver.join()
+      self.assertEqual(errors, [])
+      self.assertLess(restored_before, cap)  # while the other session still saved
+      self.assertGreaterEqual(got, 1)
+      np.testing.assert_array_equal(np.asarray(b.get_state(gb)[0]),
+                                    np.asarray(a.get_state(ga)[0]))  # a's, every step
+
+  def test_a_save_takes_its_turn_beside_another_sessions_continuous_saves(self):
+    # another session's save waited until the saving one stopped (every
+    # later save of it claimed first)
+    (a, ga, _), (b, gb, wb) = self._sessions()
+    cap = 120
+    with tempfile.TemporaryDirectory() as d:
+      a.save(ga, d, 0)
+      a.wait_until_saved()
+      done, errors = [], []
+      saver = self._saving_on(a, ga, d, cap, done, errors)
+      saver.start()
+      try:
+        while len(done) < 3 and saver.is_alive():
+          threading.Event().wait(0.01)
+        b.save(gb, d, 10 ** 6)
+        b.wait_until_saved()
+      finally:
+        saver.join()
+      # its turn came while the other still saved: that one's next step is
+      # then refused as out of order, as any save of an earlier step is
+      self.assertLess(len(done), cap)
+      self.assertEqual(len(errors), 1)
+      self.assertIn("is not after step 1000000", errors[0])
+      self.assertEqual(a.restore(ga, d), 10 ** 6)
+      np.testing.assert_array_equal(np.asarray(a.get_state(ga)[0]), wb)
+
 
 if __name__ == "__main__":
   absltest.main()
