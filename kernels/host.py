@@ -1,5 +1,6 @@
 """Host kernels: code that runs between executables, not inside them."""
 import functools
+import logging as std_logging
 import sys
 
 import jax
@@ -61,13 +62,9 @@ def _call_on_cpu(callback, args):
   """The callback with the CPU as default device (as jax.jit runs it); the
   context is skipped when the CPU is the default device already."""
   if jax.config.jax_default_device is None and _cpu_backend():
-    results = callback(*args)
-  else:
-    with jax.default_device(_cpu()):
-      results = callback(*args)
-  if isinstance(results, np.ndarray):  # the usual single array, already a leaf
-    return [results]
-  return tree_util.tree_leaves(results)
+    return callback(*args)
+  with jax.default_device(_cpu()):
+    return callback(*args)
 
 
 @register_kernel("pure_callback", backend="host", name="host:pure_callback")
@@ -81,7 +78,7 @@ def run_pure_callback(node, *args):
 def _direct(callback, num_args):
   """The user's function itself when jax's flat wrapper would only repack
   positional array arguments (its in_tree is ((leaf, ...), {})): one tree
-  round trip less a call. Results are flattened by `_call_on_cpu`."""
+  round trip less a call. Results are flattened by the kernel's run."""
   func, in_tree = getattr(callback, "callback_func", None), getattr(callback, "in_tree", None)
   if func is None or in_tree is None:  # an internal jax structure changed: the wrapper
     return callback
@@ -92,6 +89,18 @@ def _direct(callback, num_args):
   if kwargs or list(args) != list(range(num_args)):
     return callback
   return func
+
+
+# jax's record of a failed callback, which jax.jit logs where its executable
+# runs one (stdlib logging: the logger is jax's own, for handlers set on it)
+_JAX_CALLBACK_LOG = std_logging.getLogger("jax._src.callback")
+
+
+def _failed():
+  """Logs the exception being handled, a callback's, as jax.jit logs it
+  ("jax.pure_callback failed", with the traceback) before it propagates (a
+  JAX test suite's find: the record was missing)."""
+  _JAX_CALLBACK_LOG.exception("jax.pure_callback failed")
 
 
 def prepare_pure_callback(node):
@@ -109,11 +118,15 @@ def prepare_pure_callback(node):
       if type(a) is not ARRAY and not isinstance(a, jax.Array):  # ARRAY: jax_api.py
         args = _callback_args(args)
         break
-    if cpu_backend and config.jax_default_device is None:
-      results = callback(*args)
-      results = [results] if isinstance(results, np.ndarray) else tree_util.tree_leaves(results)
-    else:
-      results = _call_on_cpu(callback, args)
+    try:  # (free until raised)
+      if cpu_backend and config.jax_default_device is None:
+        results = callback(*args)
+      else:
+        results = _call_on_cpu(callback, args)
+    except Exception:
+      _failed()
+      raise
+    results = [results] if isinstance(results, np.ndarray) else tree_util.tree_leaves(results)
     if len(results) != count:
       raise TypeError(f"callback returned {len(results)} results, declared {count}")
     if count == 1:
@@ -132,7 +145,11 @@ def prepare_pure_callback(node):
   def run_one(a):  # one array in, one out (most callbacks): run's checks, unrolled
     if type(a) is not ARRAY or not cpu_backend or config.jax_default_device is not None:
       return run(a)
-    out = callback(a)
+    try:
+      out = callback(a)
+    except Exception:
+      _failed()
+      raise
     if type(out) is np.ndarray and out.dtype == dtype0 and out.shape == shape0:
       return [_private(out, 3)]  # held by `out`
     results = tree_util.tree_leaves(out)

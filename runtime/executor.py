@@ -223,7 +223,14 @@ def plan_program(graph, program, spec, rest_tree, layout):
       return with_weak_type(jax.numpy.array(out, copy=True), copy_weak[n])  # to an array)
     return out
 
-  def finish(outs):
+  # outputs no executable made (a host op's, moved to the device or not)
+  host_made = [n for n, v in enumerate(graph.outputs) if not isinstance(v, Literal)
+               and v.producer is not None and v.producer.place == "host"]
+  maybe_special, special_on = debug_flags.MAYBE, debug_flags.on
+
+  def finish(outs, leaves):
+    if host_made and maybe_special[0] and special_on():
+      _check_host_made(spec.where, graph, layout, leaves, outs, host_made)
     if keep:  # new state made on the host, laid out as its slot
       outs = list(outs)
       for i, s in keep:
@@ -232,11 +239,11 @@ def plan_program(graph, program, spec, rest_tree, layout):
     if plain_outputs:
       return outs
     return [output(n, out) for n, out in enumerate(outs)]
-  post = finish if keep or not plain_outputs else None
+  post = finish if keep or not plain_outputs or host_made else None
 
   def run_flat(state, leaves):
     outs = checked_plan((state,), (leaves,))
-    return outs if post is None else post(outs)
+    return outs if post is None else post(outs, leaves)
 
   def run(*xs):
     state, args = xs[:base], xs[base:]
@@ -256,7 +263,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
     except RECOVERABLE as exc:
       outs = recover(exc, (state,), (leaves,))
     if post is not None:
-      outs = post(outs)
+      outs = post(outs, leaves)
     out = outs[-1] if single_output else tree_util.tree_unflatten(rest_tree, outs[k:])
     if bare_run:  # no state: the user outputs alone, as a bare executable returns them
       return out
@@ -268,6 +275,19 @@ def plan_program(graph, program, spec, rest_tree, layout):
     program.run = codegen.generate(program, direct=(
         run, lambda exc, user: recover(exc, ((),), (list(user),))[-1]))
   return program
+
+
+def _check_host_made(where, graph, layout, leaves, outs, host_made):
+  """Under jax_debug_nans (infs): raises special_value's error where an
+  output a host op made (no executable's, which jax checks) holds a nan
+  (inf), before anything is committed - jax.jit checks every output of
+  its executable, a callback's result among them (a JAX test suite's find)."""
+  for n in host_made:
+    kind = debug_flags.special_in(outs[n])
+    if kind is not None:
+      raise special_value(where, graph, layout, leaves, _special(
+          f"{where}: output {n}, made by a host op, holds {kind} (jax_debug_{kind}s); "
+          "the state is unchanged", kind))
 
 
 def _kept_layout(graph, layout, i):
@@ -480,6 +500,21 @@ def special_value(where, graph, layout, user_leaves, exc, sunk=None):
   step of the whole run."""
   what = getattr(exc, "special", None) or (exc.args[1] if len(exc.args) > 1 else "nan")
   kinds = debug_flags.checked_kinds()  # read before the replay turns the checks off
+  if graph.replays_specials:  # else its caller's to explain (js.jit: as jax.jit does)
+    error = _replayed(where, graph, layout, user_leaves, kinds, sunk)
+    if error is not None:
+      return error
+  if getattr(exc, "special", None):
+    return exc  # an inner run's error, already in these words
+  return _special(  # the state is the slots' own, untouched (Runner.call)
+      f"{where}: an executable ({exc.args[0] if exc.args else '?'}) produced {what} "
+      f"(jax_debug_{what}s); the state is unchanged", what)
+
+
+def _replayed(where, graph, layout, user_leaves, kinds, sunk):
+  """special_value's error naming the node (or the state leaf) that makes a
+  nan (inf), found by replaying the run; None where the replay finds none
+  or cannot run."""
   try:
     with debug_flags.checks_off():  # the replay checks each node's outputs itself
       state = list(layout.leaves_of(layout.gather()))
@@ -501,11 +536,7 @@ def special_value(where, graph, layout, user_leaves, exc, sunk=None):
         return passed
   except (InputError, KeyError, TypeError, ValueError, RuntimeError):
     pass  # the replay could not run: name the executable
-  if getattr(exc, "special", None):
-    return exc  # an inner run's error, already in these words
-  return _special(  # the state is the slots' own, untouched (Runner.call)
-      f"{where}: an executable ({exc.args[0] if exc.args else '?'}) produced {what} "
-      f"(jax_debug_{what}s); the state is unchanged", what)
+  return None
 
 
 def _special(message, what):

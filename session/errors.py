@@ -24,8 +24,10 @@ class PartitionError(SessionError):
   """`partition_or_error` is set and the graph needs more than one device partition."""
 
 
-class HostOpError(SessionError):
-  """A host kernel or callback raised; the original exception is `__cause__`."""
+class HostOpError(SessionError, RuntimeError):
+  """A host kernel or callback raised; the original exception is `__cause__`.
+  A RuntimeError too, as jax.jit's error for a raising callback is (code
+  written for jax.jit catches RuntimeError: a JAX test suite's find)."""
 
 
 class PassError(SessionError):

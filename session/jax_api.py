@@ -61,6 +61,27 @@ except ImportError:  # an internal path: no Ref is told apart (isinstance of () 
   AbstractRef = ()
 
 
+try:  # jax.jit's answer to a nan (inf) its debug flags found in an output
+  from jax._src.api_util import InternalFloatingPointError as _Special
+  from jax._src.api_util import maybe_recursive_nan_check as _deoptimized
+except ImportError:  # an internal path: the same steps, in the session's words
+  _Special = None
+
+
+def deoptimized(fn, args, kwargs, name, kind):
+  """Raises what jax.jit raises where jax_debug_nans (infs) finds `kind` in
+  an output of jit(`fn`) (`name`: "jit(f)"): it says so on stdout, calls fn
+  itself on the arguments, op by op, and raises the FloatingPointError (or
+  ZeroDivisionError) of the op that made it, else its own error saying the
+  de-optimized function made none."""
+  if _Special is not None:
+    _deoptimized(_Special(name, kind), fn, args, kwargs)
+  print("Invalid nan value encountered in the output of a jax.jit function. "
+        "Calling the de-optimized version.")
+  fn(*args, **kwargs)
+  raise FloatingPointError(f"{name} produced {kind}; the de-optimized function did not")
+
+
 def transfer_refused(exc):
   """Whether a transfer guard (jax.transfer_guard) refused a transfer: an
   executable's implicit one of an argument, before it ran anything, or an

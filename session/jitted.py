@@ -49,8 +49,8 @@ from jaxsession import jit_cache, tracing
 from jaxsession.errors import InputError, UnknownGraphError
 # _top_level: True outside every trace (vmap with an axis name, grad, jit, ...);
 # where jax lacks the internal API, tracer arguments alone tell a trace
-from jaxsession.jax_api import ARRAY, check_valid_dtype, context_meshes, real_jit, \
-    trace_state_clean as _top_level
+from jaxsession.jax_api import ARRAY, check_valid_dtype, context_meshes, deoptimized, \
+    real_jit, trace_state_clean as _top_level
 from jaxsession.runtime.state import with_weak_type
 
 
@@ -166,8 +166,9 @@ class Jitted:
   """What `jit` returns: call it as `fn`."""
 
   def __init__(self, fn, static_argnums, static_argnames, session):
-    if not callable(fn):
-      raise InputError(f"jaxsession.jit: expected a callable, got {type(fn).__name__}")
+    if not callable(fn):  # jax.jit's own TypeError ("Expected a callable value, got 3")
+      real_jit(fn)
+      raise TypeError(f"Expected a callable value, got {fn!r}")
     from jaxsession.session import Session  # pylint: disable=import-outside-toplevel
     if session is not None and not isinstance(session, Session):
       raise InputError(f"jaxsession.jit: session must be a jaxsession.Session or None, got "
@@ -305,6 +306,14 @@ class Jitted:
         for stale in [k for k, (g, _) in sigs.graphs.items() if g == gid]:
           del sigs.graphs[stale]
       return self(*args, **kwargs)
+    except InputError:  # a deleted (donated) argument: jax.jit's RuntimeError
+      if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+        return self._under_trace()(*args, **kwargs)
+      raise
+    except FloatingPointError as exc:  # jax_debug_nans (infs) found one in an output:
+      if getattr(exc, "special", None) is None:  # jax.jit's de-optimized call
+        raise
+      deoptimized(self._fn, args, kwargs, f"jit({_name(self._fn)})", exc.special)
     return out if committed is None else _committed_as_jit(out, committed)
 
   def _signature(self, key, statics, args, dyn_args, dyn_kw):
@@ -512,7 +521,10 @@ def _name(fn):
   return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def jit(fn=None, static_argnums=None, static_argnames=None, session=None, **jax_options):
+_NO_FN = object()  # jit(static_argnums=...): a decorator; jit(None) is jax.jit's TypeError
+
+
+def jit(fn=_NO_FN, static_argnums=None, static_argnames=None, session=None, **jax_options):
   """A drop-in for `jax.jit(fn, static_argnums, static_argnames)` that
   compiles per argument signature in `session` (default: one Session per
   process) and runs there; see the module docstring. `jit(static_argnums=..)`
@@ -531,9 +543,9 @@ def jit(fn=None, static_argnums=None, static_argnames=None, session=None, **jax_
     logging.log_first_n(logging.INFO, "jaxsession.jit: options %s are jax.jit's; "
                         "such functions run as jax.jit", 1, sorted(jax_options))
     return real_jit(fn, static_argnums=static_argnums, static_argnames=static_argnames,
-                    **jax_options) if fn is not None else functools.partial(
+                    **jax_options) if fn is not _NO_FN else functools.partial(
                         jit, static_argnums=static_argnums, static_argnames=static_argnames,
                         **jax_options)
-  if fn is None:
+  if fn is _NO_FN:
     return lambda f: Jitted(f, static_argnums, static_argnames, session)
   return Jitted(fn, static_argnums, static_argnames, session)

@@ -236,6 +236,7 @@ class Session:
                                   host_callbacks=self.options.host_callbacks,
                                   inputs_kept=tracing.keyed())
     graph.updates_state = updates
+    graph.replays_specials = not tracing.keyed()
     spmd.mark_graph(graph, mesh_layout, self.options, self.platform)
     digest = spmd.compile_checksum(mesh_layout, state_flats, dyn_flats, closed, [
         state_nums, static_nums, updates, state_map], [example_args[i] for i in static_nums])

@@ -465,7 +465,9 @@ def keyed_by_weak_types():
   weak_sensitive and WeakOutputs have nothing to guard and trace nothing
   again - an optax step's N leaves were 3N traces of the user's function at
   js.jit's first call (a break-it find: 100 leaves, 47-78 s), and WeakOutputs
-  cost its every run a pass over the leaves."""
+  cost its every run a pass over the leaves. Its graphs also commit outputs
+  by the inputs jax.jit's own DCE keeps, and leave a nan (inf) the debug
+  flags find to the caller (graph.replays_specials)."""
   before = getattr(_KEYED, "on", False)
   _KEYED.on = True
   try:

@@ -214,6 +214,37 @@ class DebugNansTest(absltest.TestCase):
         sess.run(gid, x)
     np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
 
+  def test_what_a_host_op_returns_is_checked_as_jax_jit_checks_an_output(self):
+    # a nan a callback returned as an output, or as new state, was not found
+    # (no executable made it: a JAX test suite's find); the state stays
+    calls = []
+
+    def nan_where_negative(v):
+      calls.append(1)
+      v = np.asarray(v)
+      return np.where(v < 0, np.float32(np.nan), v).astype(np.float32)
+
+    def step(s, x):
+      y = jax.pure_callback(nan_where_negative, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return y, s * 2.0  # the callback's result is the new state
+    s0 = jnp.asarray(np.random.default_rng(19).standard_normal(4), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(step, s0, s0, state_argnums=0)
+    good = jnp.abs(s0) + 1.0
+    bad = good.at[2].set(-1.0)
+    with jax.debug_nans(True):
+      np.testing.assert_array_equal(sess.run(gid, good), s0 * 2.0)
+      np.testing.assert_array_equal(sess.get_state(gid)[0], good)
+      with self.assertRaisesRegex(FloatingPointError, r"node \d+ 'pure_callback'.*nan"):
+        sess.run(gid, bad)
+    np.testing.assert_array_equal(sess.get_state(gid)[0], good)
+    out_only = sess.compile(lambda x: jax.pure_callback(
+        nan_where_negative, jax.ShapeDtypeStruct(x.shape, x.dtype), x), s0)
+    np.testing.assert_array_equal(sess.run(out_only, bad), nan_where_negative(bad))  # flag off
+    with jax.debug_nans(True):
+      with self.assertRaisesRegex(FloatingPointError, r"node \d+ 'pure_callback'.*nan"):
+        sess.run(out_only, bad)
+
   def test_a_chunked_run_checks_the_state_between_chunks(self):
     """docs/concepts.md: a nan the state holds between two steps, cleared by
     the next, passes one scan (one executable: a first steps value) but not

@@ -2,7 +2,11 @@
 apart: jax.clear_caches(), jax.Ref arguments and constants, 64-bit arrays
 after x64 is turned off, the commitment of PRNG key outputs and of outputs
 of programs whose committed argument jax's own DCE keeps or drops, a
-keyword named `self`, and the errors of bad statics."""
+keyword named `self`, and the errors of bad statics; and where JAX's own
+test modules found them apart: jax_debug_nans/infs errors, a raising
+callback's error and log record, a deleted argument."""
+import contextlib
+import io
 import warnings
 
 from absl.testing import absltest
@@ -12,6 +16,9 @@ import numpy as np
 
 import jaxsession as js
 from jaxsession.errors import InputError
+
+
+calls = []  # a callback's calls, counted
 
 
 def _x(seed, n=3, dtype=np.float32):
@@ -230,6 +237,68 @@ class JitConformanceTest(absltest.TestCase):
       with self.subTest(str(options)):
         self.assertNotIn(None, raised)
         self.assertEqual(raised[3], raised[1])
+
+  def _flagged(self, jit, fn, *args):
+    """(what fn under `jit` raised - type and message - or returned, the
+    lines it printed, the callback calls), for jax_debug_nans/infs cases."""
+    calls.clear()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      try:
+        out = jit(fn)(*args)
+        jax.block_until_ready(out)
+        what = ("returned", np.asarray(out).tobytes())
+      except (FloatingPointError, ZeroDivisionError) as exc:
+        what = (type(exc), str(exc))
+    return what, printed.getvalue().splitlines(), len(calls)
+
+  def test_debug_nans_and_infs_raise_as_jax_jit(self):
+    # the session named the node in its own words; jax.jit says so on stdout
+    # and calls fn de-optimized, raising the error of the op that makes the
+    # nan (a JAX test suite's find), and a nan a top-level callback returned
+    # was not found at all
+    def noted(v):
+      calls.append(1)
+      return np.asarray(v, np.float32) * np.float32(np.nan)
+    cb = lambda x: jax.pure_callback(noted, jax.ShapeDtypeStruct(x.shape, x.dtype), x)  # noqa: E731
+    x = jnp.asarray(_x(41, 4)[3:], jnp.float32)  # finite, fresh
+    cases = [("nans", jnp.log, (-jnp.abs(x) - 1.0,)),
+             ("infs", lambda a: 1.0 / a, (x * 0.0,)),
+             ("nans", lambda a: (a, float("nan")), (x,)),  # no op makes it: jax's own message
+             ("nans", cb, (x,)),
+             ("nans", lambda a: (a * 2.0, cb(a)), (x,)),
+             ("infs", lambda a: jnp.where(jnp.isinf(1.0 / a), 0.0, a), (x * 0.0,)),  # masked
+             ("nans", lambda a, s: jax.lax.cond(s > 0, jnp.log, jnp.exp, a), (-jnp.abs(x), 1.0))]
+    for n, (flag, fn, args) in enumerate(cases):
+      with self.subTest(case=n), getattr(jax, f"debug_{flag}")(True):
+        self.assertEqual(self._flagged(js.jit, fn, *args), self._flagged(jax.jit, fn, *args))
+
+  def test_callback_errors_are_runtime_errors_logged_as_jax_jit_logs_them(self):
+    def boom(v):
+      raise ValueError(f"boom {np.asarray(v).shape}")
+    x = jnp.asarray(_x(42, 2), jnp.float32)
+    fns = [lambda a: jax.pure_callback(boom, jax.ShapeDtypeStruct(a.shape, a.dtype), a),
+           lambda a: jax.pure_callback(lambda: a, jax.ShapeDtypeStruct(a.shape, a.dtype), a),
+           lambda a: jax.lax.scan(lambda c, _: (jax.pure_callback(
+               boom, jax.ShapeDtypeStruct(c.shape, c.dtype), c), None), a, None, length=2)[0]]
+    for n, fn in enumerate(fns):
+      with self.subTest(case=n):
+        records = []
+        for jit in (jax.jit, js.jit):
+          with self.assertLogs("jax._src.callback", "ERROR") as logs:
+            with self.assertRaises(RuntimeError):  # jax.jit's JaxRuntimeError; a HostOpError
+              jax.block_until_ready(jit(fn)(x))
+          records.append([r.getMessage() for r in logs.records])
+        self.assertEqual(records[1], records[0])
+
+  def test_a_deleted_argument_raises_jax_jits_runtime_error(self):
+    f = lambda a: a * 2.0  # noqa: E731
+    x = jnp.asarray(_x(43), jnp.float32)
+    js.jit(f)(x)  # compiled for its signature first
+    x.delete()
+    for jit in (jax.jit, js.jit):
+      with self.assertRaisesRegex(RuntimeError, "Array has been deleted"):
+        jit(f)(x)
 
 
 if __name__ == "__main__":

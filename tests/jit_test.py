@@ -197,8 +197,10 @@ class JitTest(absltest.TestCase):
       js.jit(lambda x, d: x, static_argnums=1)(x, {"a": 1})
     with self.assertRaisesRegex(TypeError, "not a valid JAX type"):  # jax.jit's, compiling nothing
       js.jit(lambda a: a * 2)(jax.ShapeDtypeStruct((3,), jnp.float32))
-    with self.assertRaisesRegex(js.InputError, "callable"):
-      js.jit(3)
+    for bad in (3, "f", None):  # jax.jit's TypeError (a JAX test suite's find: InputError,
+      with self.assertRaisesRegex(TypeError, "Expected a callable value, got"):  # or None
+        js.jit(bad)  # taken for the decorator form)
+    self.assertTrue(callable(js.jit(static_argnums=0)))  # the decorator form: fn not given
     two = lambda a, b: a + b  # noqa: E731
     for bad in (dict(static_argnums=3), dict(static_argnames="zz")):  # jax.jit's ValueError
       with self.assertRaises(ValueError):

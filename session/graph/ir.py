@@ -168,6 +168,10 @@ class KernelGraph:
     # which commits outputs by them); None: not asked
     self.read_before_rewrites = None
     self.lays_out = False  # the traced program lays out values (jax_api.lays_out)
+    # a nan (inf) the debug flags find in a run is explained by replaying the
+    # graph op by op (executor.special_value); False for js.jit's graphs,
+    # where jax.jit's de-optimized call of fn explains it
+    self.replays_specials = True
     # (pass name, text) per node a pass removed: how its results are computed
     # now (dump() lists them: a fold, a merge or a rewrite is a decision too)
     self.removed = []
