@@ -3,6 +3,7 @@ is reported (wait_until_saved and the next save named only the first, the
 rest were dropped), and the first save's import of orbax's TensorStore runs
 where a Ctrl-C waits for it (an interrupted import of it cannot be retried:
 "initialization failed", then an abort)."""
+import contextlib
 import os
 import tempfile
 import threading
@@ -372,9 +373,16 @@ class TwoWritersTest(absltest.TestCase):
       self.assertEqual(b.restore(gb, real), 2)
       np.testing.assert_array_equal(np.asarray(b.get_state(gb)[0]), wb)
 
-  def _saving_on(self, sess, gid, d, cap, done, errors):
-    """A thread saving steps 1, 2, ... into `d` as fast as it can until a
-    save is refused or `cap` are made; `done` gets the steps saved."""
+  @contextlib.contextmanager
+  def _beside_a_saver(self, sess, gid, d, cap):
+    """Inside: another thread saves `sess`'s steps 1, 2, ... into `d` as
+    fast as it can, until a save is refused or `cap` are made (it has made
+    3 on entry); yields (the steps saved so far, the refusals), and waits
+    for the thread on exit."""
+    sess.save(gid, d, 0)
+    sess.wait_until_saved()  # (orbax imported)
+    done, errors = [], []
+
     def loop():
       try:
         for n in range(1, cap + 1):
@@ -383,7 +391,14 @@ class TwoWritersTest(absltest.TestCase):
         sess.wait_until_saved()
       except js.errors.InputError as exc:
         errors.append(str(exc))
-    return threading.Thread(target=loop)
+    saver = threading.Thread(target=loop)
+    saver.start()
+    try:
+      while len(done) < 3 and saver.is_alive():
+        threading.Event().wait(0.01)
+      yield done, errors
+    finally:
+      saver.join()
 
   def test_a_restore_is_not_held_back_by_another_sessions_later_saves(self):
     # a restore waited until no session of the process had a save in flight
@@ -391,19 +406,9 @@ class TwoWritersTest(absltest.TestCase):
     (a, ga, _), (b, gb, _) = self._sessions()
     cap = 120
     with tempfile.TemporaryDirectory() as d:
-      a.save(ga, d, 0)
-      a.wait_until_saved()
-      b.restore(gb, d)  # (orbax imported, the directory read once)
-      done, errors = [], []
-      saver = self._saving_on(a, ga, d, cap, done, errors)
-      saver.start()
-      try:
-        while len(done) < 3 and saver.is_alive():
-          threading.Event().wait(0.01)
+      with self._beside_a_saver(a, ga, d, cap) as (done, errors):
         got = b.restore(gb, d)
         restored_before = len(done)
-      finally:
-        saver.join()
       self.assertEqual(errors, [])
       self.assertLess(restored_before, cap)  # while the other session still saved
       self.assertGreaterEqual(got, 1)
@@ -416,18 +421,9 @@ class TwoWritersTest(absltest.TestCase):
     (a, ga, _), (b, gb, wb) = self._sessions()
     cap = 120
     with tempfile.TemporaryDirectory() as d:
-      a.save(ga, d, 0)
-      a.wait_until_saved()
-      done, errors = [], []
-      saver = self._saving_on(a, ga, d, cap, done, errors)
-      saver.start()
-      try:
-        while len(done) < 3 and saver.is_alive():
-          threading.Event().wait(0.01)
+      with self._beside_a_saver(a, ga, d, cap) as (done, errors):
         b.save(gb, d, 10 ** 6)
         b.wait_until_saved()
-      finally:
-        saver.join()
       # its turn came while the other still saved: that one's next step is
       # then refused as out of order, as any save of an earlier step is
       self.assertLess(len(done), cap)
@@ -435,7 +431,6 @@ class TwoWritersTest(absltest.TestCase):
       self.assertIn("is not after step 1000000", errors[0])
       self.assertEqual(a.restore(ga, d), 10 ** 6)
       np.testing.assert_array_equal(np.asarray(a.get_state(ga)[0]), wb)
-
 
 if __name__ == "__main__":
   absltest.main()
