@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from jaxsession.errors import InputError
+from jaxsession.errors import HostOpError, InputError
 from jaxsession.graph.ir import Literal
 from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes
 from jaxsession.jax_api import ARRAY, placed
@@ -192,13 +192,15 @@ def plan_program(graph, program, spec, rest_tree, layout):
   def conform_leaves(xs):
     return ([spec.conform_leaf(i, j, x) for (i, j), x in zip(flat_index, xs[0])],)
 
-  def failure(exc, state, xs):
+  def failure(exc, state, xs, replay=True):
     if isinstance(exc, SPECIAL_VALUE):
-      return special_value(spec.where, graph, layout, xs[0], exc)
+      return special_value(spec.where, graph, layout, xs[0], exc) if replay else exc
     if not isinstance(exc, jax.errors.JaxRuntimeError):
       conform_leaves(xs)  # refused before running: InputError naming it
     return exc
-  checked_plan = checked(plan, conform_leaves, failure)
+  # run_flat: a step of a sunk run, which replays the whole run (a step's own
+  # replay ran its callbacks once more: a break-it find)
+  stepwise = checked(plan, conform_leaves, lambda exc, state, xs: failure(exc, state, xs, False))
   recover = recovery(plan, conform_leaves, failure)
 
   # a host-made output: a CPU array, on the graph's device where that is one
@@ -228,9 +230,9 @@ def plan_program(graph, program, spec, rest_tree, layout):
                and v.producer is not None and v.producer.place == "host"]
   maybe_special, special_on = debug_flags.MAYBE, debug_flags.on
 
-  def finish(outs, leaves):
+  def finish(outs, leaves, replay=True):
     if host_made and maybe_special[0] and special_on():
-      _check_host_made(spec.where, graph, layout, leaves, outs, host_made)
+      _check_host_made(spec.where, graph, layout, leaves, outs, host_made, replay)
     if keep:  # new state made on the host, laid out as its slot
       outs = list(outs)
       for i, s in keep:
@@ -242,8 +244,8 @@ def plan_program(graph, program, spec, rest_tree, layout):
   post = finish if keep or not plain_outputs or host_made else None
 
   def run_flat(state, leaves):
-    outs = checked_plan((state,), (leaves,))
-    return outs if post is None else post(outs, leaves)
+    outs = stepwise((state,), (leaves,))
+    return outs if post is None else post(outs, leaves, False)
 
   def run(*xs):
     state, args = xs[:base], xs[base:]
@@ -258,7 +260,7 @@ def plan_program(graph, program, spec, rest_tree, layout):
           leaves[reg - base] = spec.conform_leaf(i, j, leaves[reg - base])
     else:
       leaves = user_leaves(args)
-    try:  # checked_plan, inlined: a frame less a run
+    try:  # checked(plan, ...), inlined: a frame less a run
       outs = plan(state, leaves)
     except RECOVERABLE as exc:
       outs = recover(exc, (state,), (leaves,))
@@ -277,17 +279,18 @@ def plan_program(graph, program, spec, rest_tree, layout):
   return program
 
 
-def _check_host_made(where, graph, layout, leaves, outs, host_made):
-  """Under jax_debug_nans (infs): raises special_value's error where an
-  output a host op made (no executable's, which jax checks) holds a nan
-  (inf), before anything is committed - jax.jit checks every output of
-  its executable, a callback's result among them (a JAX test suite's find)."""
+def _check_host_made(where, graph, layout, leaves, outs, host_made, replay=True):
+  """Under jax_debug_nans (infs): raises special_value's error (with
+  `replay`, else unexplained: a sunk run's step) where an output a host op
+  made (no executable's, which jax checks) holds a nan (inf), before
+  anything is committed - jax.jit checks every output of its executable, a
+  callback's result among them (a JAX test suite's find)."""
   for n in host_made:
     kind = debug_flags.special_in(outs[n])
     if kind is not None:
-      raise special_value(where, graph, layout, leaves, _special(
-          f"{where}: output {n}, made by a host op, holds {kind} (jax_debug_{kind}s); "
-          "the state is unchanged", kind))
+      found = _special(f"{where}: output {n}, made by a host op, holds {kind} "
+                       f"(jax_debug_{kind}s); the state is unchanged", kind)
+      raise special_value(where, graph, layout, leaves, found) if replay else found
 
 
 def _kept_layout(graph, layout, i):
@@ -534,6 +537,8 @@ def _replayed(where, graph, layout, user_leaves, kinds, sunk):
                           + f" produced {kind} (jax_debug_{kind}s)", kind)
       if passed is not None:  # no node made it: a leaf returned as it came holds it
         return passed
+  except HostOpError:  # (a RuntimeError: not the replay's own failure)
+    raise
   except (InputError, KeyError, TypeError, ValueError, RuntimeError):
     pass  # the replay could not run: name the executable
   return None
@@ -561,6 +566,12 @@ def _replay(graph, state, user, kinds):
       outs = jax.block_until_ready(kernel_fn(node)(node, *ins))
     except (FloatingPointError, SPECIAL_VALUE):  # jax's checks, if still on
       return (node, kinds[0] if kinds else "nan"), state
+    except Exception as exc:  # a callback raising as it runs again: its error, as
+      if node.place == "host" or node.props.may_fail:  # jax.jit's de-optimized call
+        raise HostOpError(f"host kernel {node.kernel.name} of {callbacks.where(node)} "  # raises it
+                          f"raised {type(exc).__name__}: {exc} (as the run was replayed "
+                          "to find its nan or inf)") from exc
+      raise
     for out in outs:
       kind = debug_flags.special_in(out, kinds)
       if kind is not None:

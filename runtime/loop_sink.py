@@ -170,8 +170,8 @@ def stepped_program(program, layout, spec, rest_tree, steps, leading=None, graph
         for k in layout.updated_idx:  # outputs[:num_outputs] are the state's new values
           state[k] = flat[k]
         outs.append(flat[layout.num_outputs:])
-    except FloatingPointError as exc:
-      raise whole_run(exc, graph, layout, spec, args, steps, leading) from exc
+    except (FloatingPointError, SPECIAL_VALUE) as exc:  # (a step's: unexplained)
+      raise whole_run(exc, graph, layout, spec, args, steps, leading) from None
     try:
       stacked = stack(outs) if outs[0] else []
     except SPECIAL_VALUE as exc:  # jax_debug_nans/infs on the stacked outputs

@@ -24,6 +24,7 @@ import threading
 import jax
 
 from jaxsession import processes
+from jaxsession.runtime import interrupts
 
 FORMAT = "jaxsession-checkpoint-1"
 DELETING = ".jaxsession_deleting."  # a step folder being removed (orbax lists no such name)
@@ -132,19 +133,37 @@ def _in_flight(path, but=None):
 
 
 @contextlib.contextmanager
+@interrupts.critical  # its own frame: a Ctrl-C there waits for the points below
 def in_line(path, writer):
   """`writer` waits its turn to save into `path` while inside: after the
   writers of this process already waiting there, and before any that come
   later (`reserve` refuses those) - a session saving continuously into a
-  directory kept another's save waiting for as long as it saved."""
-  with _IN_FLIGHT_LOCK:
-    _WAITING.setdefault(path, []).append(writer)
+  directory kept another's save waiting for as long as it saved. A Ctrl-C
+  in here is raised where the line is as it should be (one landing between
+  the join and the `try`, or before the removal, left the writer in line
+  for good and every later save into `path` waiting: a break-it find)."""
   try:
+    _join_line(path, writer)
+    if interrupts.pending:  # raised here, inside: not held over the wait outside
+      interrupts.deliver()
     yield
   finally:
-    with _IN_FLIGHT_LOCK:
-      _WAITING[path].remove(writer)
-      if not _WAITING[path]:
+    _leave_line(path, writer)
+    if interrupts.pending:
+      interrupts.deliver()
+
+
+def _join_line(path, writer):
+  with _IN_FLIGHT_LOCK:
+    _WAITING.setdefault(path, []).append(writer)
+
+
+def _leave_line(path, writer):
+  with _IN_FLIGHT_LOCK:
+    line = _WAITING.get(path, [])
+    if writer in line:
+      line.remove(writer)
+      if not line:
         del _WAITING[path]
       _IN_FLIGHT_LOCK.notify_all()
 

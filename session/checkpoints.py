@@ -105,6 +105,10 @@ class Checkpointer:
     writer_thread.background_priority()
     while True:
       write = self._queue.get()
+      if isinstance(write, threading.Event):  # written_so_far's mark: reached
+        write.set()
+        self._queue.task_done()
+        continue
       try:
         with writer_thread.quick_thread_switches():
           write()
@@ -280,6 +284,17 @@ class Checkpointer:
     if errors:  # the first, naming every other failure (they were dropped: a break-it find)
       raise RuntimeError(f"{errors[0]}{_others(errors)}") from errors[0]
 
+  def _written_so_far(self):
+    """Until the writes queued before this call are done - not those queued
+    meanwhile (a restore beside this session's own saves from another thread
+    waited for as long as it saved: a break-it find)."""
+    with self._lock:  # (no writer thread before the first save: nothing queued)
+      if self._worker is None:
+        return
+    reached = threading.Event()
+    self._queue.put(reached)
+    reached.wait()
+
   def restore(self, entry, where, directory, step):
     """The new leaves per slot, read and checked; `step` and the leaves."""
     asked = None if step is None else _step_number(step)
@@ -288,7 +303,7 @@ class Checkpointer:
       if step is not None and asked is None:
         raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
     path = _agreed_path(where, directory, asked, checks)
-    self._queue.join()  # the pending saves written (their errors stay for wait/save),
+    self._written_so_far()  # the pending saves written (their errors stay for wait/save),
     step_dirs.wait_for_writers(path)  # and every other Session's of this process there
     manager = self._manager(where, path, create=False)
     for _ in range(3):  # the newest one, removed by another writer's keep-N meanwhile

@@ -5,6 +5,8 @@ where a Ctrl-C waits for it (an interrupted import of it cannot be retried:
 "initialization failed", then an abort)."""
 import contextlib
 import os
+import signal
+import sys
 import tempfile
 import threading
 from unittest import mock
@@ -431,6 +433,62 @@ class TwoWritersTest(absltest.TestCase):
       self.assertIn("is not after step 1000000", errors[0])
       self.assertEqual(a.restore(ga, d), 10 ** 6)
       np.testing.assert_array_equal(np.asarray(a.get_state(ga)[0]), wb)
+
+  def test_a_restore_beside_its_own_sessions_saves_from_another_thread(self):
+    # it waited for every write the session queued, those queued meanwhile
+    # included: beside a thread saving continuously, until it stopped
+    (a, ga, wa), _ = self._sessions()
+    cap = 120
+    with tempfile.TemporaryDirectory() as d:
+      with self._beside_a_saver(a, ga, d, cap) as (done, errors):
+        got = a.restore(ga, d)
+        restored_before = len(done)
+      self.assertEqual(errors, [])
+      self.assertLess(restored_before, cap)
+      self.assertGreaterEqual(got, 1)
+      np.testing.assert_array_equal(np.asarray(a.get_state(ga)[0]), wa)
+
+  def test_a_ctrl_c_anywhere_in_line_leaves_no_waiter(self):
+    # one landing between joining the line and its try (or before the
+    # removal) left the writer in line for good: every later save into the
+    # directory by another session waited forever (a break-it find)
+    from jaxsession import checkpoint_steps  # pylint: disable=import-outside-toplevel
+    code = checkpoint_steps.in_line.__wrapped__.__code__
+    lines = sorted({line for _, _, line in code.co_lines() if line is not None})[1:]
+    a, b = js.Session(), js.Session()
+    big = jnp.asarray(np.random.default_rng(9).standard_normal(1 << 22), jnp.float32)
+    ga = a.compile(lambda s: (s * 2.0, s[0]), big, state_argnums=0)
+    gb = b.compile(lambda s: (s + 1.0, s[0]), big[:8], state_argnums=0)
+    with tempfile.TemporaryDirectory() as d:
+      for n, line in enumerate(lines):
+        fired = []
+
+        def trace(frame, event, arg):  # pylint: disable=unused-argument
+          if frame.f_code is not code:
+            return None
+          def local(frame, event, arg):  # pylint: disable=unused-argument
+            if event == "line" and frame.f_lineno == line and not fired:
+              fired.append(line)
+              os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C as that line runs
+            return local
+          return local
+        a.save(ga, d, 3 * n + 1)  # in flight: b's save waits in line
+        sys.settrace(trace)
+        try:
+          b.save(gb, d, 3 * n + 2)
+        except KeyboardInterrupt:
+          pass
+        finally:
+          sys.settrace(None)
+        left = dict(checkpoint_steps._WAITING)  # pylint: disable=protected-access
+        with self.subTest(line=line):
+          self.assertEqual(left, {})
+        if left:
+          break  # (a's next save would wait for it forever)
+        a.save(ga, d, 3 * n + 3)  # returns: nobody stays in line before it
+      a.wait_until_saved()
+      b.wait_until_saved()
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -245,6 +245,31 @@ class DebugNansTest(absltest.TestCase):
       with self.assertRaisesRegex(FloatingPointError, r"node \d+ 'pure_callback'.*nan"):
         sess.run(out_only, bad)
 
+  def test_a_sunk_plan_replays_once_a_callback_made_nan(self):
+    # a step's own replay ran the callbacks once more before the whole run's
+    # (a break-it find); one cut of that leaked jax's private error type
+    calls = []
+
+    def nan_where_negative(v):
+      calls.append(1)
+      v = np.asarray(v)
+      return np.where(v < 0, np.float32(np.nan), v).astype(np.float32)
+
+    def step(s, x):
+      return jax.pure_callback(nan_where_negative, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               s + x), jnp.sum(s)
+    rng = np.random.default_rng(23)
+    s0 = jnp.asarray(rng.uniform(1, 2, 4), jnp.float32)
+    xs = jnp.asarray(rng.uniform(1, 2, (3, 4)), jnp.float32).at[1, 0].set(-9.0)
+    sess = js.Session()
+    gid = sess.compile(step, s0, xs[0], state_argnums=0)
+    with jax.debug_nans(True):
+      with self.assertRaisesRegex(FloatingPointError, r"node \d+ 'pure_callback' at .*, "
+                                  r"step 1 of the 3 steps produced nan"):
+        sess.run(gid, xs, steps=3)
+    self.assertLen(calls, 4)  # steps 0 and 1, then the whole run's replay of them
+    np.testing.assert_array_equal(sess.get_state(gid)[0], s0)
+
   def test_a_chunked_run_checks_the_state_between_chunks(self):
     """docs/concepts.md: a nan the state holds between two steps, cleared by
     the next, passes one scan (one executable: a first steps value) but not

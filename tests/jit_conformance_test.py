@@ -291,6 +291,23 @@ class JitConformanceTest(absltest.TestCase):
           records.append([r.getMessage() for r in logs.records])
         self.assertEqual(records[1], records[0])
 
+  def test_a_weak_constant_returned_moved_keeps_its_weak_type(self):
+    # folded to a constant, a weak scalar broadcast or reshaped came back
+    # strong, and promoted otherwise afterwards (int8 + it: int32)
+    rng = np.random.default_rng(44)
+    weak = [jnp.asarray(int(rng.integers(-2**30, 2**30))), jnp.asarray(float(rng.normal())),
+            jnp.asarray(complex(rng.normal(), -0.0))]
+    for n, c in enumerate(weak):
+      for f in (lambda: jnp.broadcast_to(c, (3,)), lambda: c.reshape(1, 1),
+                lambda: (c[None], jnp.expand_dims(c, 0).T),
+                lambda x: (x * 2, jnp.full((2,), c))):
+        args = (jnp.asarray(_x(45 + n), jnp.float32),) if f.__code__.co_argcount else ()
+        with self.subTest(const=n):
+          got, want = js.jit(f)(*args), jax.jit(f)(*args)
+          _equal(self, got, want)
+          for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            self.assertEqual((g + jnp.int8(3)).dtype, (w + jnp.int8(3)).dtype)
+
   def test_a_deleted_argument_raises_jax_jits_runtime_error(self):
     f = lambda a: a * 2.0  # noqa: E731
     x = jnp.asarray(_x(43), jnp.float32)
