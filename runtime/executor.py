@@ -566,9 +566,11 @@ def _replay(graph, state, user, kinds):
       outs = jax.block_until_ready(kernel_fn(node)(node, *ins))
     except (FloatingPointError, SPECIAL_VALUE):  # jax's checks, if still on
       return (node, kinds[0] if kinds else "nan"), state
-    except Exception as exc:  # a callback raising as it runs again: its error, as
-      if node.place == "host" or node.props.may_fail:  # jax.jit's de-optimized call
-        raise HostOpError(f"host kernel {node.kernel.name} of {callbacks.where(node)} "  # raises it
+    except Exception as exc:
+      # a callback raising as it runs again: its error, as jax.jit's
+      # de-optimized call raises it
+      if node.place == "host" or node.props.may_fail:
+        raise HostOpError(f"host kernel {node.kernel.name} of {callbacks.where(node)} "
                           f"raised {type(exc).__name__}: {exc} (as the run was replayed "
                           "to find its nan or inf)") from exc
       raise

@@ -180,10 +180,9 @@ def _ahead(path, writer):
   """The pseudo claim name of a writer of this process waiting in line for
   `path` before `writer` (every waiter where `writer` is not in line), or
   None. Called under _IN_FLIGHT_LOCK."""
-  line = _WAITING.get(path, ())
-  for other in line[:line.index(writer) if writer in line else len(line)]:
-    return _claim_name("waiting", other)
-  return None
+  line = _WAITING.get(path, [])
+  before = line[:line.index(writer)] if writer in line else line
+  return _claim_name("waiting", before[0]) if before else None
 
 
 def _claim_name(step, writer):
