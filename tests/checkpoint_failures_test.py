@@ -402,20 +402,22 @@ class TwoWritersTest(absltest.TestCase):
     finally:
       saver.join()
 
-  def test_a_restore_is_not_held_back_by_another_sessions_later_saves(self):
+  def test_a_restore_is_not_held_back_by_saves_asked_for_after_it(self):
     # a restore waited until no session of the process had a save in flight
-    # in the directory: beside one saving continuously, until it stopped
-    (a, ga, _), (b, gb, _) = self._sessions()
+    # in the directory, and for every write its own session queued, those
+    # queued meanwhile included: beside a thread saving continuously (another
+    # session's, or its own), until it stopped
+    (a, ga, wa), (b, gb, _) = self._sessions()
     cap = 120
-    with tempfile.TemporaryDirectory() as d:
-      with self._beside_a_saver(a, ga, d, cap) as (done, errors):
-        got = b.restore(gb, d)
-        restored_before = len(done)
-      self.assertEqual(errors, [])
-      self.assertLess(restored_before, cap)  # while the other session still saved
-      self.assertGreaterEqual(got, 1)
-      np.testing.assert_array_equal(np.asarray(b.get_state(gb)[0]),
-                                    np.asarray(a.get_state(ga)[0]))  # a's, every step
+    for reader, gid in ((b, gb), (a, ga)):
+      with tempfile.TemporaryDirectory() as d, self.subTest(own=reader is a):
+        with self._beside_a_saver(a, ga, d, cap) as (done, errors):
+          got = reader.restore(gid, d)
+          restored_before = len(done)
+        self.assertEqual(errors, [])
+        self.assertLess(restored_before, cap)  # while the saves went on
+        self.assertGreaterEqual(got, 1)
+        np.testing.assert_array_equal(np.asarray(reader.get_state(gid)[0]), wa)  # a's
 
   def test_a_save_takes_its_turn_beside_another_sessions_continuous_saves(self):
     # another session's save waited until the saving one stopped (every
@@ -433,20 +435,6 @@ class TwoWritersTest(absltest.TestCase):
       self.assertIn("is not after step 1000000", errors[0])
       self.assertEqual(a.restore(ga, d), 10 ** 6)
       np.testing.assert_array_equal(np.asarray(a.get_state(ga)[0]), wb)
-
-  def test_a_restore_beside_its_own_sessions_saves_from_another_thread(self):
-    # it waited for every write the session queued, those queued meanwhile
-    # included: beside a thread saving continuously, until it stopped
-    (a, ga, wa), _ = self._sessions()
-    cap = 120
-    with tempfile.TemporaryDirectory() as d:
-      with self._beside_a_saver(a, ga, d, cap) as (done, errors):
-        got = a.restore(ga, d)
-        restored_before = len(done)
-      self.assertEqual(errors, [])
-      self.assertLess(restored_before, cap)
-      self.assertGreaterEqual(got, 1)
-      np.testing.assert_array_equal(np.asarray(a.get_state(ga)[0]), wa)
 
   def test_a_ctrl_c_anywhere_in_line_leaves_no_waiter(self):
     # one landing between joining the line and its try (or before the

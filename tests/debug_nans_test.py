@@ -17,6 +17,16 @@ import jaxsession as js
 from subproc import run_json
 
 
+def _nan_where_negative(calls):
+  """A callback (numpy): its argument with nan where it is negative; each
+  call appended to `calls`."""
+  def callback(v):
+    calls.append(1)
+    v = np.asarray(v)
+    return np.where(v < 0, np.float32(np.nan), v).astype(np.float32)
+  return callback
+
+
 class DebugNansTest(absltest.TestCase):
   """jax_debug_nans on (before compile, as jax.jit reads it at trace time):
   a nan is a FloatingPointError naming the graph and the node, and the
@@ -218,11 +228,7 @@ class DebugNansTest(absltest.TestCase):
     # a nan a callback returned as an output, or as new state, was not found
     # (no executable made it: a JAX test suite's find); the state stays
     calls = []
-
-    def nan_where_negative(v):
-      calls.append(1)
-      v = np.asarray(v)
-      return np.where(v < 0, np.float32(np.nan), v).astype(np.float32)
+    nan_where_negative = _nan_where_negative(calls)
 
     def step(s, x):
       y = jax.pure_callback(nan_where_negative, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
@@ -249,11 +255,7 @@ class DebugNansTest(absltest.TestCase):
     # a step's own replay ran the callbacks once more before the whole run's
     # (a break-it find); one cut of that leaked jax's private error type
     calls = []
-
-    def nan_where_negative(v):
-      calls.append(1)
-      v = np.asarray(v)
-      return np.where(v < 0, np.float32(np.nan), v).astype(np.float32)
+    nan_where_negative = _nan_where_negative(calls)
 
     def step(s, x):
       return jax.pure_callback(nan_where_negative, jax.ShapeDtypeStruct(x.shape, x.dtype),
