@@ -22,7 +22,7 @@ def node_key(node):
   except TypeError:
     return None
   inputs = tuple(v.key() if isinstance(v, Literal) else v.id for v in node.inputs)
-  return (node.op, params, inputs)
+  return (node.op, params, inputs, id(node.ctx))  # (contexts are interned by jax)
 
 
 class CommonSubexpressionElimination(Pass):

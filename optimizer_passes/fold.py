@@ -40,7 +40,7 @@ import numpy as np
 from jaxsession.jax_api import real_jit
 from jaxsession.graph import op_properties
 from jaxsession.graph.ir import Literal, Value, aval_bytes, dtype_specials, param_key
-from jaxsession.graph.lowering import kernel_fn
+from jaxsession.graph.lowering import kernel_fn, typed
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
 
@@ -84,7 +84,9 @@ def evaluate(node, args, platform=None):
     # The operands are closed over, so they are HLO constants and XLA folds the
     # node as it would inside the user's jax.jit.
     with jax.default_device(jax.local_devices(backend=platform)[0] if platform else None):
-      outs = [np.asarray(out) for out in real_jit(lambda: fn(node, *arrays))()]
+      typed_args = [typed(a, v.aval) for a, v in zip(arrays, node.inputs)]  # (64-bit
+      # ones stay 64-bit under a caller without x64)
+      outs = [np.asarray(out) for out in real_jit(lambda: fn(node, *typed_args))()]
   if any(_float_zero(out) for out in outs):
     return None
   return outs

@@ -391,7 +391,7 @@ def copy_into_readers(graph):
       if not readers or not closes(node, q):
         continue
       copy = graph.make_node(node.op, node.prim, node.params, node.inputs,
-                             [value.aval], node.effects, node.source)
+                             [value.aval], node.effects, node.source, node.ctx)
       copy.kernel, copy.place, copy.stream = node.kernel, node.place, node.stream
       copy.notes.append(f"a copy of node {node.id} '{node.op}' (read before the host work "
                         "too) in its readers' device partition: XLA rewrites or fuses them "

@@ -256,7 +256,7 @@ class Rewriter:
   def emit(self, op, prim, params, inputs, out_avals, note=None):
     """A new node (its outputs are returned: one Value, or a list)."""
     node = self.graph.make_node(op, prim, params, inputs, out_avals,
-                                source=self.root.source)
+                                source=self.root.source, ctx=self.root.ctx)
     if note:
       node.notes.append(note)
     self.emitted.append(node)
@@ -323,6 +323,8 @@ class RewritePass(Pass):
       m = Match(graph.const_values)
       if not match(rule.pattern, node.outputs[0], m):
         continue
+      if any(n.ctx is not node.ctx for n in m.nodes):
+        continue  # the rewrite binds under one setting (settings.py)
       exported = [m.captures[name] for name in rule.exports]
       if not _closed(m.nodes, node, graph_outputs, {id(v) for v in exported}):
         continue

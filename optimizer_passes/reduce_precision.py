@@ -59,7 +59,8 @@ def narrowed_view(node):
     if isinstance(value, Literal):
       return Literal(value.value, int32_aval(value.aval))
     return Value(value.id, int32_aval(value.aval))
-  view = Node(node.id, node.op, node.prim, node.params, [narrow(v) for v in node.inputs])
+  view = Node(node.id, node.op, node.prim, node.params, [narrow(v) for v in node.inputs],
+              ctx=node.ctx)
   view.outputs = [narrow(o) for o in node.outputs]
   return view
 
@@ -67,7 +68,7 @@ def narrowed_view(node):
 def _cast_node(graph, value, dtype, out_aval, node, note):
   cast = graph.make_node("convert_element_type", lax.convert_element_type_p,
                          {"new_dtype": np.dtype(dtype), "weak_type": False, "sharding": None},
-                         [value], [out_aval], source=node.source)
+                         [value], [out_aval], source=node.source, ctx=node.ctx)
   cast.notes.append(f"reduce precision for node {node.id}: {note}")
   return cast
 

@@ -18,7 +18,7 @@ from jaxsession.jax_api import placed, real_jit, transfer_refused
 from jaxsession.graph import liveness
 from jaxsession.errors import HostOpError
 from jaxsession.graph.ir import Literal, aval_str
-from jaxsession.graph.lowering import kernel_fn, lower_nodes
+from jaxsession.graph.lowering import const_input, kernel_fn, lower_nodes
 from jaxsession.graph.op_properties import is_transfer
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.compile_cache import executable_key
@@ -383,7 +383,7 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
   for value in graph.inputs_of_kind("state") + graph.inputs_of_kind("input"):
     register(value)
   for value in graph.inputs_of_kind("const"):
-    register(value, graph.const_values[value.id])
+    register(value, const_input(graph.const_values[value.id], value.aval))
   user_leaf = {}  # register -> (arg, leaf)
   num_state = len(graph.inputs_of_kind("state"))
   flat = [(i, j) for i, avals in enumerate(spec.avals) for j in range(len(avals))]

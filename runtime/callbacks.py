@@ -111,7 +111,7 @@ def instrumented(nodes, recorder):
       out.append(node)
       continue
     copy = Node(node.id, node.op, node.prim, _wrap_params(node.params, recorder),
-                node.inputs, node.effects, node.source)
+                node.inputs, node.effects, node.source, node.ctx)
     copy.outputs, copy.kernel, copy.place = node.outputs, node.kernel, node.place
     out.append(copy)
   return out

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxsession.graph import settings
 from jaxsession.graph.ir import Literal, Value, aval_str
 
 # SessionOptions fields that never change an executable (dumps, checks,
@@ -137,7 +138,8 @@ def fingerprint(graph, spec_avals, options_key=(), platform="cpu", extra=()):
         params_text(node.params), "in", ",".join(ref(v) for v in node.inputs),
         "out", ",".join(define(v) for v in node.outputs),
         "effects", ",".join(sorted(map(str, node.effects or ()))),
-        "kernel", kernel_text(node.kernel), "place", str(node.place), "stream", str(node.stream))
+        "kernel", kernel_text(node.kernel), "place", str(node.place), "stream", str(node.stream),
+        "settings", _settings_text(node.ctx, memo))
   writer.put("outputs", ",".join(ref(v) for v in graph.outputs))
   for part in graph.partitions or ():
     writer.put("partition", str(part.index), part.place, str(part.stream),
@@ -310,11 +312,23 @@ def _jaxpr_text(jaxpr, memo):
     params = canonical(dict(eqn.params), memo)
     effects = ",".join(sorted(map(str, eqn.effects)))
     outs = ",".join(var(v) for v in eqn.outvars)
-    parts.append(f"{eqn.primitive.name}{params}({ins})->({outs})!{effects}")
+    parts.append(f"{eqn.primitive.name}{params}({ins})->({outs})!{effects}"
+                 f"!{_settings_text(getattr(eqn, 'ctx', None), memo)}")
   parts.append("out(" + ",".join(var(v) for v in jaxpr.outvars) + ")")
   text = "{" + ";".join(parts) + "}"
   memo[key] = (jaxpr, text)  # the jaxpr is kept so its id stays its own
   return text
+
+
+def _settings_text(ctx, memo):
+  """The jax settings an equation (a node) binds under, which change its
+  bits (graph/settings.py; jax interns contexts, so each is written once)."""
+  if ctx is None:
+    return "-"
+  key = ("settings", id(ctx))
+  if key not in memo:
+    memo[key] = (ctx, settings.describe(ctx))
+  return memo[key][1]
 
 
 def _aval_text(aval):

@@ -22,7 +22,7 @@ from jax import tree_util
 
 from jaxsession.errors import HostOpError, InputError
 from jaxsession.graph.ir import Literal
-from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes
+from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes, read_literal
 from jaxsession.jax_api import ARRAY, placed
 from jaxsession.runtime import callbacks, codegen, debug_flags, horizontal, interrupts, sharding
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
@@ -448,7 +448,7 @@ def eager_program(graph, spec, rest_tree, layout, steps=None, leading=None):
   def one_step(leaves, user):
     env = dict(consts)
     env.update(zip(in_ids, [*leaves, *user]))
-    read = lambda v: v.value if isinstance(v, Literal) else env[v.id]  # noqa: E731
+    read = lambda v: read_literal(v) if isinstance(v, Literal) else env[v.id]  # noqa: E731
     for node in graph.nodes:
       args = [read(v) for v in node.inputs]
       host = hosts.get(id(node))
@@ -561,7 +561,7 @@ def _replay(graph, state, user, kinds):
   env = dict(graph_consts(graph))
   env.update(zip([v.id for v in graph.inputs if v.kind != "const"], state + user))
   for node in graph.nodes:
-    ins = [v.value if isinstance(v, Literal) else env[v.id] for v in node.inputs]
+    ins = [read_literal(v) if isinstance(v, Literal) else env[v.id] for v in node.inputs]
     try:
       outs = jax.block_until_ready(kernel_fn(node)(node, *ins))
     except (FloatingPointError, SPECIAL_VALUE):  # jax's checks, if still on

@@ -12,7 +12,7 @@ the jaxpr (at any depth) become `const` inputs; literals stay literals.
 from jax._src.lax.lax import optimization_barrier_p  # no public handle on the primitive
 from jax.extend import core as jcore
 
-from jaxsession.graph import op_properties
+from jaxsession.graph import op_properties, settings
 from jaxsession.graph.ir import KernelGraph, Literal
 
 
@@ -167,11 +167,12 @@ class _Import:
   may go to the host, and the memo of bodies with host work. (An inlined
   body's equations without a user frame of their own take their call's
   source line: a kept jit inside jax.nn.relu's custom_jvp has none.)"""
-  __slots__ = ("host_callbacks", "seen")
+  __slots__ = ("host_callbacks", "seen", "caller")
 
   def __init__(self, host_callbacks):
     self.host_callbacks = host_callbacks
     self.seen = {}
+    self.caller = settings.caller()  # the settings a node binds under unless its own differ
 
   def inlines(self, eqn):
     if eqn.primitive.name not in KEPT_CALLS:
@@ -192,7 +193,8 @@ def _import_eqns(graph, env, eqns, how, outer_source=None):
         env[var] = value
       continue
     node = graph.add_node(eqn.primitive.name, eqn.primitive, eqn.params, inputs,
-                          [v.aval for v in eqn.outvars], eqn.effects, source)
+                          [v.aval for v in eqn.outvars], eqn.effects, source,
+                          settings.of_equation(eqn, how.caller))
     for var, value in zip(eqn.outvars, node.outputs):
       env[var] = value  # DropVars are harmless keys: nobody reads them
 

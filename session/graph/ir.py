@@ -15,6 +15,7 @@ import weakref
 import numpy as np
 import jax
 
+from jaxsession.graph import settings
 from jaxsession.graph.divisors import divisor_cone
 from jaxsession.graph.op_properties import CALLS, node_props
 from jaxsession.graph.text import call_str, param_str, sharded
@@ -105,9 +106,9 @@ class Literal:
 class Node:
   """One operation: a JAX primitive, or a fused op made by a pass."""
   __slots__ = ("id", "op", "prim", "params", "inputs", "outputs", "effects",
-               "source", "kernel", "place", "stream", "notes", "_props", "_checked")
+               "source", "ctx", "kernel", "place", "stream", "notes", "_props", "_checked")
 
-  def __init__(self, nid, op, prim, params, inputs, effects=(), source=None):
+  def __init__(self, nid, op, prim, params, inputs, effects=(), source=None, ctx=None):
     self.id = nid
     self.op = op              # primitive name or fused-op name
     self.prim = prim          # the jax Primitive (None for fused ops)
@@ -116,6 +117,7 @@ class Node:
     self.outputs = []
     self.effects = effects
     self.source = source      # "file:line (function)" of the user code
+    self.ctx = ctx            # jax settings it binds under, where not the caller's (settings.py)
     self.kernel = None        # SelectKernel: a KernelBuildInfo
     self.place = None         # HardwareOptimize: "device" or "host"
     self.stream = None        # AssignStream: the queue number
@@ -195,15 +197,15 @@ class KernelGraph:
       self.const_values[value.id] = const_value
     return value
 
-  def make_node(self, op, prim, params, inputs, out_avals, effects=(), source=None):
+  def make_node(self, op, prim, params, inputs, out_avals, effects=(), source=None, ctx=None):
     """Creates a node with fresh output values; the caller places it."""
-    node = Node(next(self._ids), op, prim, params, inputs, effects, source)
+    node = Node(next(self._ids), op, prim, params, inputs, effects, source, ctx)
     node.outputs = [self.new_value(a, node, index=i) for i, a in enumerate(out_avals)]
     return node
 
-  def add_node(self, op, prim, params, inputs, out_avals, effects=(), source=None):
+  def add_node(self, op, prim, params, inputs, out_avals, effects=(), source=None, ctx=None):
     """Appends a node at the end of the execution order."""
-    node = self.make_node(op, prim, params, inputs, out_avals, effects, source)
+    node = self.make_node(op, prim, params, inputs, out_avals, effects, source, ctx)
     self.insert_node(len(self.nodes), node)
     return node
 
@@ -390,6 +392,8 @@ class KernelGraph:
         decided.append(f"place={node.place}")
       if node.stream is not None:
         decided.append(f"stream={node.stream}")
+      if node.ctx is not None:  # traced under other jax settings than the caller's
+        decided.append(f"settings: {settings.describe(node.ctx)}")
       line = f"  node {node.id}: {outs} = {node.op}"  # reasons and errors name node ids
       if params:
         line += f"[{params}]"

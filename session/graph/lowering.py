@@ -8,16 +8,25 @@ under `jax.jit` this yields one XLA computation for the whole node list.
 import numpy as np
 import jax
 from jax.core import ShapedArray
+from jax._src.literals import TypedNdArray  # jax's uncanonicalized constant: no public name
 
-from jaxsession.graph import liveness
+from jaxsession.graph import liveness, settings
 from jaxsession.errors import KernelSelectError
 from jaxsession.graph.ir import Literal, aval_str, mesh_of
 from jaxsession.kernels import xla as xla_kernels
 
 
 def kernel_fn(node):
-  """The kernel function chosen for `node` (the XLA bind kernel if none yet)."""
-  return node.kernel.fn if node.kernel is not None else xla_kernels.bind_primitive
+  """The kernel function chosen for `node` (the XLA bind kernel if none yet),
+  called under the jax settings the node was traced under (settings.py)."""
+  fn = node.kernel.fn if node.kernel is not None else xla_kernels.bind_primitive
+  if node.ctx is None:
+    return fn
+
+  def under_own_settings(node, *args):
+    with settings.binding(node.ctx):
+      return fn(node, *args)
+  return under_own_settings
 
 
 def check_kernel_outputs(node, outs):
@@ -65,9 +74,7 @@ def lower_nodes(nodes, in_values, out_values, consts=None):
   meshes = [node_mesh(n) for n in nodes]
 
   def read(env, value):
-    if isinstance(value, Literal):  # (a folded weak one: its weak type kept)
-      return value.value if type(value.value) in _PY_SCALARS else literal_output(value)
-    return env[value.id]
+    return read_literal(value) if isinstance(value, Literal) else env[value.id]
 
   def run_nodes(*arrays):
     env = dict(bound)
@@ -89,7 +96,7 @@ def lower_nodes(nodes, in_values, out_values, consts=None):
       for vid in free:
         del env[vid]
     return [literal_output(v) if isinstance(v, Literal) else
-            _weak(env[v.id]) if v.id in weak_consts else env[v.id] for v in out_values]
+            typed(env[v.id], v.aval) if v.id in weak_consts else env[v.id] for v in out_values]
 
   # a weakly typed constant returned as it is (a folded broadcast of a weak
   # scalar): a numpy array, strong as the executable returns it (a JAX test
@@ -102,21 +109,28 @@ def lower_nodes(nodes, in_values, out_values, consts=None):
 _PY_SCALARS = (bool, int, float, complex)
 
 
+def read_literal(literal):
+  """A Literal as a kernel reads it: a Python scalar as it is (weak), any
+  other value `typed` (a folded weak one keeps its weak type)."""
+  value = literal.value
+  return value if type(value) in _PY_SCALARS else typed(value, literal.aval)
+
+
 def literal_output(literal):
-  """A Literal as a traced function reads or returns it, in its aval's dtype
-  and weak type (a folded one's value is a numpy scalar: taken as it is, a
-  weakly typed result came back strong, and promoted otherwise: a break-it
-  find)."""
-  value = np.asarray(literal.value, literal.aval.dtype)
-  if not getattr(literal.aval, "weak_type", False):
-    return value
-  return _weak(value)
+  """A Literal as a traced function reads or returns it (`typed`)."""
+  return typed(literal.value, literal.aval)
 
 
-def _weak(value):
-  """`value` (a numpy array) weakly typed, as a traced function reads it."""
-  from jax._src.lax import lax as lax_internal  # pylint: disable=import-outside-toplevel
-  return lax_internal._convert_element_type(value, value.dtype, weak_type=True)  # pylint: disable=protected-access
+def typed(value, aval):
+  """`value` (a constant) in `aval`'s dtype and weak type, as jax's own
+  literals are: a numpy array jax never canonicalizes. (As a plain numpy
+  value, a folded weak result came back strong, and promoted otherwise: a
+  break-it find; and a 64-bit literal of a function that turns
+  jax.enable_x64 on inside itself became 32-bit under a caller without it,
+  and the op reading it failed to compile.)"""
+  array = np.asarray(value, aval.dtype)
+  return TypedNdArray(array, ShapedArray(array.shape, array.dtype,
+                                         weak_type=bool(getattr(aval, "weak_type", False))))
 
 
 def lower_graph(graph):
@@ -128,4 +142,15 @@ def lower_graph(graph):
 
 def graph_consts(graph):
   """value id -> array of every const input of `graph`."""
-  return {v.id: graph.const_values[v.id] for v in graph.inputs_of_kind("const")}
+  return {v.id: const_input(graph.const_values[v.id], v.aval)
+          for v in graph.inputs_of_kind("const")}
+
+
+def const_input(array, aval):
+  """A captured constant as a kernel or executable reads it: as it is,
+  unless jax would narrow it (a 64-bit numpy constant captured under
+  jax.enable_x64 inside the function, read under a caller without it):
+  then `typed`, in its own dtype."""
+  if isinstance(array, np.ndarray) and jax.dtypes.canonicalize_dtype(array.dtype) != array.dtype:
+    return typed(array, aval)
+  return array
