@@ -1,4 +1,8 @@
 """Errors raised by jaxsession. Each names what is wrong and where."""
+try:  # what jax.jit raises for a callback that raised (a RuntimeError)
+  from jax.errors import JaxRuntimeError as _JaxRuntimeError
+except ImportError:  # an older jax
+  _JaxRuntimeError = RuntimeError
 
 
 class SessionError(Exception):
@@ -24,10 +28,11 @@ class PartitionError(SessionError):
   """`partition_or_error` is set and the graph needs more than one device partition."""
 
 
-class HostOpError(SessionError, RuntimeError):
+class HostOpError(SessionError, _JaxRuntimeError):
   """A host kernel or callback raised; the original exception is `__cause__`.
-  A RuntimeError too, as jax.jit's error for a raising callback is (code
-  written for jax.jit catches RuntimeError: a JAX test suite's find)."""
+  A jax.errors.JaxRuntimeError (so a RuntimeError) too, as jax.jit's error
+  for a raising callback is: code written for jax.jit catches it (a JAX test
+  suite's find)."""
 
 
 class PassError(SessionError):

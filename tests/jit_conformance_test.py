@@ -286,7 +286,7 @@ class JitConformanceTest(absltest.TestCase):
         records = []
         for jit in (jax.jit, js.jit):
           with self.assertLogs("jax._src.callback", "ERROR") as logs:
-            with self.assertRaises(RuntimeError):  # jax.jit's JaxRuntimeError; a HostOpError
+            with self.assertRaises(jax.errors.JaxRuntimeError):  # js.jit's: a HostOpError
               jax.block_until_ready(jit(fn)(x))
           records.append([r.getMessage() for r in logs.records])
         self.assertEqual(records[1], records[0])
