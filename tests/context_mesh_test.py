@@ -197,6 +197,23 @@ def failure(call):
 with jax.set_mesh(A):
   out["callback_kinds"] = [failure(lambda: js.jit(raising)(rows)),
                            same(js.jit(lambda a: a * 2)(rows), rows * 2)]
+# an argument committed to the session's device, read by a program laid out
+# over a mesh of other devices too: jax.jit's error, naming the argument and
+# the constraint (js.jit gave jax's executable's input check); uncommitted,
+# the same program runs
+def constrained(inp):
+  return jax.lax.with_sharding_constraint(inp * 2, NamedSharding(A, P("data")))
+def error_of(call):
+  try:
+    call()
+  except Exception as exc:  # pylint: disable=broad-except
+    return [type(exc).__name__, str(exc)]
+  return None
+on_0 = jax.device_put(rows, devs[0])
+wrapped = js.jit(constrained)
+out["committed_elsewhere"] = [error_of(lambda: jax.jit(constrained)(on_0)),
+                              error_of(lambda: wrapped(on_0)), error_of(lambda: wrapped(on_0)),
+                              same(wrapped(rows), jax.jit(constrained)(rows))]
 print(json.dumps(out))
 """
 
@@ -251,6 +268,13 @@ class ContextMeshTest(SnippetTest):
     self.assertIn(stateless, (["call", "HostOpError", "RuntimeError"],
                               ["read", "JaxRuntimeError"]))
     self.assertTrue(works_after)
+
+  def test_an_argument_committed_off_the_programs_mesh_is_jax_jits_error(self):
+    want, first, again, runs_uncommitted = self.out["committed_elsewhere"]
+    self.assertEqual(want[0], "ValueError")
+    self.assertIn("Received incompatible devices", want[1])
+    self.assertEqual([first, again], [want, want])
+    self.assertTrue(runs_uncommitted)
 
   def test_collectives_name_their_sources_as_the_dump_does(self):
     self.assertEqual(self.out["collective_sources"], [False, True, True])
