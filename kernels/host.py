@@ -196,20 +196,7 @@ def device_to_host(node, x):
   return [jax.device_put(np.array(x), _cpu())]  # np.array reads the early copy
 
 
-def _narrowed_argument(node):
-  """Why an executable cannot take `node`'s value as an argument: a 64-bit
-  one (made under jax.enable_x64 inside the function) while the caller has
-  x64 off, where jax narrows every argument to 32 bits (jax.jit's own
-  callback fails at its run: an output dtype it did not expect)."""
-  dtype = node.outputs[0].aval.dtype
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or \
-      jax.dtypes.canonicalize_dtype(dtype) == dtype:
-    return None
-  return (f"a {np.dtype(dtype).name} host value cannot be an argument of an executable "
-          "while jax_enable_x64 is off (jax narrows it); turn x64 on for the call")
-
-
-@register_kernel("transfer_h2d", backend="xla", name="xla:h2d", accepts=_narrowed_argument)
+@register_kernel("transfer_h2d", backend="xla", name="xla:h2d")
 def host_to_device(node, x):
   """A host value for device readers: the executable's argument, so the call
   that runs it copies it in (the cheapest copy JAX offers: ~1 µs against

@@ -9,6 +9,7 @@ rejected (MindSpore's kernel-select report).
 import dataclasses
 from typing import Callable, Optional, Tuple
 
+import jax
 import numpy as np
 
 from jaxsession.graph import op_properties
@@ -37,6 +38,10 @@ class KernelBuildInfo:
       return f"platform {platform} not in {list(self.platforms)}"
     if self.op == ANY_PRIMITIVE and node.prim is None:
       return f"{node.op} is a fused op with no primitive to bind"
+    if self.backend == "host":
+      narrowed = _narrowed_64_bit(node)
+      if narrowed is not None:
+        return narrowed
     for kind, allowed, values in (("input", self.dtypes, node.inputs),
                                   ("output", self.out_dtypes, node.outputs)):
       if allowed is None:
@@ -48,6 +53,25 @@ class KernelBuildInfo:
     if self.accepts is not None:
       return self.accepts(node)
     return None
+
+
+def _narrowed_64_bit(node):
+  """Why no host kernel takes `node`: it reads or makes a 64-bit value (made
+  under jax.enable_x64 inside the function) while the caller has x64 off,
+  where jax narrows what crosses to the host and back. Left inside the
+  executable, it runs as jax.jit runs it (a callback's operands narrowed to
+  32 bits, a 64-bit result refused when it runs); on the host it saw 64-bit
+  operands and its 64-bit results came back narrowed (a break-it find)."""
+  for value in (*node.inputs, *node.outputs):
+    dtype = getattr(value.aval, "dtype", None)
+    try:
+      narrow = dtype is not None and jax.dtypes.canonicalize_dtype(dtype) != dtype
+    except TypeError:  # extended dtypes (PRNG keys) are never narrowed
+      narrow = False
+    if narrow:
+      return (f"a {np.dtype(dtype).name} value crosses to the host while jax_enable_x64 "
+              "is off (jax narrows it): it stays inside the executable, as under jax.jit")
+  return None
 
 
 def _dtype_name(aval):

@@ -44,11 +44,6 @@ NOT_EXECUTABLE_OPTIONS = frozenset({
     "recompile_warn_limit", "precompile_buckets", "enable_profiling", "compile_cache_size",
     "checkpoint_keep"})
 
-# jax settings read while a program is traced or lowered.
-_JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision",
-                 "jax_threefry_partitionable", "jax_numpy_rank_promotion",
-                 "jax_numpy_dtype_promotion", "jax_default_prng_impl")
-
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -66,9 +61,9 @@ def options_key(options):
 
 
 def jax_settings():
-  """The jax configuration an executable depends on (tracing and lowering)."""
-  values = jax.config.values
-  return tuple((name, repr(values.get(name))) for name in _JAX_SETTINGS) + (
+  """The jax configuration an executable depends on (tracing and lowering:
+  settings.TRACED), as the caller has it, a `with` block's included."""
+  return tuple((name, repr(value)) for name, value in settings.traced_values()) + (
       ("jax", jax.__version__),)
 
 

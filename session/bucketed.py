@@ -27,7 +27,7 @@ from jax import tree_util
 
 from jaxsession import inputs, tracing
 from jaxsession.errors import InputError, UnknownGraphError
-from jaxsession.graph import importer
+from jaxsession.graph import importer, settings
 from jaxsession.graph.ir import Literal, aval_str
 from jaxsession.optimizer_passes.dce import DeadCodeElimination
 from jaxsession.optimizer_passes.simplify import Simplify
@@ -44,6 +44,7 @@ class BucketedGraph:
                run_positions, policy):
     self.session = session
     self.fn = fn
+    self.settings = settings.snapshot()  # a bucket compiled at a later run: under them
     self.name = name
     self.example_args = example_args
     self.kwargs = kwargs              # Session.compile's keywords for every bucket
@@ -249,7 +250,7 @@ class BucketedGraph:
     if self.first is not None and self.state_nums:  # the first bucket's slots, one per
       # state arg, already mapped
       kwargs["state_from"], kwargs["state_map"] = self.first, None
-    with jax.default_device(self.device):
+    with jax.default_device(self.device), settings.restored(self.settings):
       return self.session.compile(self.fn, *self.examples(size),
                                   name=f"{self.name}[batch {size}]", **kwargs)
 

@@ -4,6 +4,7 @@ import dataclasses
 from typing import Any, Dict, List
 
 from jaxsession.errors import InputError
+from jaxsession.graph import settings
 from jaxsession.inputs import ArgSpec
 from jaxsession.report import CompileReport
 from jaxsession.runtime import loop_sink
@@ -28,6 +29,8 @@ class Entry:
   first_steps: int = None   # the first steps value run: its own executable per in_axes
   released: bool = False
   bucketed: Any = None      # a BucketedGraph: run dispatches to its sub-graphs
+  # the jax settings it was compiled under: what run builds later is built under them
+  settings: Any = dataclasses.field(default_factory=settings.snapshot)
 
   def __post_init__(self):
     self.call = self._wrap(self.runner, None)  # run's hot path: one attribute, one call

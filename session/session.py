@@ -12,7 +12,7 @@ from jax.extend import core as jcore
 
 from jaxsession import (bucketed, checkpoints, gc_pause, inputs, own_device, pipeline,
                         processes, spmd, state_values, tracing)
-from jaxsession.graph import importer
+from jaxsession.graph import importer, settings
 from jaxsession.argnums import _argnums, _graph_id, _replaced, _shared_slots, check_shared
 from jaxsession.errors import InputError, SessionError, UnknownGraphError
 from jaxsession.inputs import ArgSpec
@@ -437,7 +437,8 @@ class Session:
           call = entry.sunk.get((steps, leading))
           if call is None:
             start = time.perf_counter()
-            with spmd.own_context(self.options, entry.spec.device):
+            with spmd.own_context(self.options, entry.spec.device), \
+                settings.restored(entry.settings):
               call = entry.sunk[steps, leading] = entry.sunk_call(steps, leading)
             took = time.perf_counter() - start  # a run's own compile: Build alone
             self.profiler.record_compile(graph_id, f"{entry.name} run(steps={steps})", (),
@@ -453,7 +454,8 @@ class Session:
           and not isinstance(exc, SessionError)):
         # an executable refuses to run under jax.disable_jit() before it runs
         # anything: run op by op, as jax.jit does there
-        with spmd.own_context(self.options, entry.spec.device):
+        with spmd.own_context(self.options, entry.spec.device), \
+            settings.restored(entry.settings):
           return entry.make_eager(steps, leading).call(args)
       raise
 

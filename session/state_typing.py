@@ -22,6 +22,7 @@ import jax
 from jax import tree_util
 
 from jaxsession import tracing
+from jaxsession.graph import settings
 from jaxsession.inputs import weak_type_error
 
 
@@ -48,6 +49,7 @@ class GraphTyping:
     self.base = base
     self.updates = updates
     self._answers = {}  # frozenset of ((arg, leaf), weak) -> other_step's answer
+    self.settings = settings.snapshot()  # traced again under its compile's settings
 
   @classmethod
   def make(cls, wrapped, closed, state_args, dyn_args, updates):
@@ -69,7 +71,8 @@ class GraphTyping:
     key = frozenset(flips.items())
     step = self._answers.get(key)
     if step is None:
-      step = self._answers[key] = self._trace(flips)
+      with settings.restored(self.settings):
+        step = self._answers[key] = self._trace(flips)
     return step
 
   def _trace(self, flips):

@@ -88,22 +88,87 @@ class InnerSettingsTest(absltest.TestCase):
       x[3] = 1e300  # inf in 32 bits
       self.assert_as_jit(narrow, x)
 
-  def test_a_64_bit_host_value_for_the_device_under_a_32_bit_caller_is_refused(self):
-    def fn(x):
+  def test_callbacks_on_64_bit_values_under_a_32_bit_caller_run_as_jax_jit_runs_them(self):
+    # they stay inside the executable: jax narrows their operands to 32 bits
+    # and refuses a 64-bit result when it runs; on the host they saw 64-bit
+    # operands, and a 64-bit result came back narrowed (2**40 + 5 as 5)
+    seen = []
+
+    def host(a):
+      seen.append(a.dtype)
+      return np.float32(float(a[1]) * 3 - 1)
+
+    def operand(x):
+      with jax.enable_x64(True):
+        y = jnp.asarray(x, jnp.float64) / 3
+        return jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.float32), y)
+
+    def result(x):
+      with jax.enable_x64(True):
+        return jax.pure_callback(lambda a: np.asarray(a, np.int64) + 2**40 + 5,
+                                 jax.ShapeDtypeStruct((5,), jnp.int64), x)
+
+    def read_on_the_device(x):
       with jax.enable_x64(True):
         y = jnp.asarray(x, jnp.float64) * 1.25
         z = jax.pure_callback(np.cos, jax.ShapeDtypeStruct((5,), jnp.float64), y)
         return z * 2.0 + y
 
-    with self.assertRaises(RuntimeError):  # jax.jit: the callback's output, at its run
-      jax.jit(fn)(_x(4))
-    for call in (js.jit(fn), lambda x: _session_call(fn, x)):
-      with self.assertRaisesRegex(js.errors.KernelSelectError,
-                                  "float64 host value cannot be an argument of an "
-                                  "executable while jax_enable_x64 is off"):
-        call(_x(4))
-    with jax.enable_x64(True):  # with x64 on for the call, it runs as jax.jit's
-      self.assert_as_jit(fn, _x(4))
+    x = np.arange(5, dtype=np.float32)
+    self.assert_as_jit(operand, x)
+    self.assertEqual(set(seen), {np.dtype(np.float32)})
+    for fn in (result, read_on_the_device):
+      for call in (jax.jit(fn), js.jit(fn), lambda a, fn=fn: _session_call(fn, a)):
+        with self.subTest(fn.__name__), self.assertRaises(jax.errors.JaxRuntimeError):
+          jax.block_until_ready(call(x))
+    with jax.enable_x64(True):  # with x64 on for the call, they run as jax.jit's
+      self.assert_as_jit(result, x)
+      self.assert_as_jit(read_on_the_device, _x(4))
+
+  def test_what_a_session_builds_later_is_built_under_its_compiles_settings(self):
+    # run(steps=), a new shape bucket: built at a run, under the caller's
+    # settings of that run before (other random bits than the same steps run
+    # one by one; a 64-bit graph's first sunk run failed to build)
+    def step(key, x):
+      key, sub = jax.random.split(key)
+      return key, jax.random.normal(sub, (2,)) + x
+
+    key, flip = jax.random.key(3), not jax.config.jax_threefry_partitionable
+    with jax.threefry_partitionable(flip):
+      session = js.Session()
+      gid = session.compile(step, key, jnp.zeros(2), state_argnums=0)
+      want, k = [], key
+      for _ in range(4):
+        k, out = jax.jit(step)(k, jnp.zeros(2))
+        want.append(out)
+    sunk = session.run(gid, jnp.zeros((4, 2)), steps=4)
+    np.testing.assert_array_equal(sunk, np.stack(want))
+    np.testing.assert_array_equal(jax.random.key_data(session.get_state(gid)[0]),
+                                  jax.random.key_data(k))
+
+    def scaled(x, k):
+      return x * jax.random.uniform(k, (x.shape[1],))
+
+    rows = np.random.default_rng(6).standard_normal((9, 5)).astype(np.float32)
+    with jax.threefry_partitionable(flip):
+      gid = session.compile(scaled, rows[:4], key, buckets={0: "auto"})
+      want = {n: jax.jit(scaled)(rows[:n], key) for n in (3, 9)}
+    for n in (3, 9):  # 9 rows: a bucket built at this run
+      np.testing.assert_array_equal(session.run(gid, rows[:n], key), want[n])
+
+    def divide(c, x):
+      return c / 3 + x, jnp.sum(c)
+
+    with jax.enable_x64(True):
+      c0 = jnp.asarray(_x(7, 4)[2:], jnp.float64)  # inf and a finite value
+      xs = jnp.asarray(_x(8, 6).reshape(3, 2), jnp.float64)
+      gid = session.compile(divide, c0, xs[0], state_argnums=0)
+      c, want = c0, []
+      for i in range(3):
+        c, out = jax.jit(divide)(c, xs[i])
+        want.append(out)
+    np.testing.assert_array_equal(session.run(gid, xs, steps=3), np.stack(want))
+    np.testing.assert_array_equal(session.get_state(gid)[0], c)
 
   def test_random_bits_under_a_switched_threefry_partitionable(self):
     flip = not jax.config.jax_threefry_partitionable

@@ -15,6 +15,7 @@ drew other bits than jax.jit's, and an xla_metadata block inside the
 function tagged no op.)
 """
 import contextlib
+import dataclasses
 
 from jax._src import config as jax_config  # the settings eqn.ctx holds have no public setter
 from jax._src import xla_metadata_lib
@@ -25,6 +26,45 @@ except ImportError:  # a jax without equation contexts: every node binds as the 
   _current = None
 
 FIELDS = ("threefry_partitionable", "compute_type", "xla_metadata")
+
+# The jax settings a trace or a lowering reads, which jax.jit keys its cache by.
+TRACED = ("enable_x64", "default_matmul_precision", "threefry_partitionable",
+          "numpy_rank_promotion", "numpy_dtype_promotion", "default_prng_impl")
+
+
+def traced_values():
+  """(jax option name, value) of every TRACED setting, as the caller has them."""
+  return tuple((getattr(jax_config, name).name, getattr(jax_config, name).value)
+               for name in TRACED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+  """The settings a Session compiled a graph under (`snapshot`)."""
+  values: tuple  # per TRACED name, its value
+  ctx: object    # the caller's equation context (compute type, xla_metadata), or None
+
+
+def snapshot():
+  """The caller's settings now, for `restored`."""
+  return Snapshot(tuple(getattr(jax_config, name).value for name in TRACED), caller())
+
+
+@contextlib.contextmanager
+def restored(snap):
+  """Traces and builds under `snap`, a compile's settings: what a Session
+  builds of a graph later - a run(steps=)'s executable, a shape bucket, the
+  state's other weak types - computes as its compile does, whatever the
+  caller's settings are at that run (under the run's own, a sunk run drew
+  other random bits than the same steps run one by one: a break-it find)."""
+  states = [getattr(jax_config, name) for name in TRACED]
+  before = [state.swap_local(value) for state, value in zip(states, snap.values)]
+  try:
+    with binding(snap.ctx) if snap.ctx is not None else contextlib.nullcontext():
+      yield
+  finally:
+    for state, value in zip(states, before):
+      state.set_local(value)
 
 
 def caller():
