@@ -26,7 +26,10 @@ direct one (`generate(..., direct=...)`): a stateless plan of array
 arguments with one output, written with its run's argument check and
 recovery around the same statements (`_ops`). Under jax.disable_jit() a
 plan raises OpByOp before its first op (Session.run then runs the graph op
-by op).
+by op). A plan runs under the x64 setting it was built under: its host ops
+convert what crosses (a callback's results, a value placed on the device)
+as jax does under that setting (an x64 graph run with x64 off narrowed its
+float64 host results, and refused them: a break-it find).
 """
 import jax
 
@@ -59,7 +62,8 @@ def generate(program, direct=None):
   of the concrete type, and runs under jax.disable_jit(), go to `slow(*user)`
   (the generic run, before any op); what the ops raise goes to
   `recover(exc, user)`, as the generic run recovers it."""
-  namespace = {"config": jax.config, "OpByOp": OpByOp}
+  namespace = {"config": jax.config, "OpByOp": OpByOp, "X64": bool(jax.config.jax_enable_x64),
+               "enable_x64": jax.enable_x64}
   fixed = set()
   for r, value in enumerate(program.template):
     if value is not None:
@@ -70,7 +74,10 @@ def generate(program, direct=None):
   if direct is None:
     lines = ["def plan(state, user):",
              "  if config.jax_disable_jit:  # before any op runs: nothing runs twice",
-             "    raise OpByOp()"]
+             "    raise OpByOp()",
+             "  if config.jax_enable_x64 is not X64:  # run as built",
+             "    with enable_x64(X64):",
+             "      return plan(state, user)"]
     if state:
       lines.append(f"  {_names(state)} = state")
     if user:
@@ -86,7 +93,8 @@ def generate(program, direct=None):
              f"  if len(user) == {len(user)}:"]
     if user:
       lines.append(f"    {_names(user)} = user")
-    lines += [f"    if {arrays} and not config.jax_disable_jit:",
+    lines += [f"    if {arrays} and not config.jax_disable_jit and "
+              "config.jax_enable_x64 is X64:",
               "      try:"]
     lines += _ops(program, namespace, fixed, "        ")
     lines += ["      except RECOVERABLE as exc:",

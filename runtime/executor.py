@@ -460,7 +460,11 @@ def eager_program(graph, spec, rest_tree, layout, steps=None, leading=None):
         except Exception as exc:
           raise host[1](exc) from exc
       env.update(zip([o.id for o in node.outputs], outs))
-    return [read(v) for v in graph.outputs]
+    # a host result (a transfer to the device is the value itself here) placed
+    # as the plan's transfer places it: kept as numpy, an x64 graph's float64
+    # new state was narrowed where it was next read with x64 off (a break-it find)
+    return [placed(np.array(x)) if type(x) is np.ndarray else x
+            for x in map(read, graph.outputs)]
 
   def run(*xs):
     leaves = layout.leaves_of(xs[:n])

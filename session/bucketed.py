@@ -44,7 +44,8 @@ class BucketedGraph:
                run_positions, policy):
     self.session = session
     self.fn = fn
-    self.settings = settings.snapshot()  # a bucket compiled at a later run: under them
+    self.settings = settings.snapshot()  # a bucket traced or compiled at a later run: under them
+    self.x64 = bool(jax.config.jax_enable_x64)  # the pads and slices of a run: under it
     self.name = name
     self.example_args = example_args
     self.kwargs = kwargs              # Session.compile's keywords for every bucket
@@ -116,7 +117,12 @@ class BucketedGraph:
 
   def trace(self, size):
     """fn traced and imported as compile imports it, the bucketed arguments at
-    `size` rows: (the KernelGraph, the run arguments' examples)."""
+    `size` rows: (the KernelGraph, the run arguments' examples); under the
+    compile's jax settings (a bucket's check at a later run too)."""
+    with settings.restored(self.settings):
+      return self._trace(size)
+
+  def _trace(self, size):
     examples = self.examples(size)
     # the state's non-array leaves in its treedef, as compile traces it
     state_args = [static_leaves.hide(examples[i]) for i in self.state_nums]
@@ -324,6 +330,9 @@ class BucketedGraph:
   def run(self, args, steps=None):
     """A bucketed run: the arguments checked here (errors name the graph the
     user compiled), then Session.run of the bucket's sub-graph."""
+    if jax.config.jax_enable_x64 is not self.x64:  # padded and sliced as compiled (a float64
+      with jax.enable_x64(self.x64):  # output came back float32 with x64 off: a break-it find)
+        return self.run(args, steps)
     axis = 0 if steps is None else 1
     self.precheck(args, steps)
     n = self.batch_size(args, axis)

@@ -46,6 +46,7 @@ from jax import tree_util
 from jax.core import ShapedArray
 
 from jaxsession import jit_cache, tracing
+from jaxsession.graph import settings
 from jaxsession.errors import InputError, UnknownGraphError
 # _top_level: True outside every trace (vmap with an axis name, grad, jit, ...);
 # where jax lacks the internal API, tracer arguments alone tell a trace
@@ -310,15 +311,6 @@ class Jitted:
       if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
         return self._under_trace()(*args, **kwargs)
       raise
-    except ValueError:  # jax's check before an executable runs: an argument committed
-      # to the session's device, read by a program laid out over other devices
-      # (jax.jit names the argument and the constraint: a JAX test suite's find);
-      # jax.jit's to run, or refuse, from now on
-      if not any(isinstance(x, jax.Array) and x.committed for x in leaves):
-        raise
-      with sigs.lock:
-        sigs.graphs[key] = (_JAX, None)
-      return self._under_trace()(*args, **kwargs)
     except FloatingPointError as exc:  # jax_debug_nans (infs) found one in an output:
       if getattr(exc, "special", None) is None:  # jax.jit's de-optimized call
         raise
@@ -341,6 +333,8 @@ class Jitted:
       except (tracing.MutableArrays, _OtherStatics):  # a jax.Ref it closes over, statics
         return _JAX, None  # split otherwise than jax.jit's: jax.jit runs it
     leaves = tree_util.tree_leaves(([dyn_kw[k] for k in sorted(dyn_kw)], dyn_args))
+    if _off_the_programs_devices(self.session.executables(gid), key[2]):
+      return _JAX, None
     graph = self.session.graph(gid)
     if home != key and home not in sigs.graphs:  # (nothing committed: the program's
       # own layouts alone commit; False here lost them where a committed call came
@@ -419,10 +413,7 @@ def _keyword_parameters(fn, keys, taken):
   return out
 
 
-try:  # the tuple jax.jit keys its own caches by (~0.2 µs a call here)
-  from jax._src.config import trace_context as _trace_context
-except ImportError:  # an internal API: the settings the compile cache reads
-  from jaxsession.runtime.compile_cache import jax_settings as _trace_context
+_trace_context = settings.trace_key
 
 
 try:  # the caller's jax.set_mesh mesh, devices included (~0.07 µs a call)
@@ -445,6 +436,23 @@ def _placed_elsewhere(leaf_keys, home):
   return any(s is not None and (
       s.device_set != devices or not isinstance(s, jax.sharding.SingleDeviceSharding)
       or s.memory_kind not in (None, memory)) for _, _, s in leaf_keys)
+
+
+def _off_the_programs_devices(executables, leaf_keys):
+  """Whether a committed argument (on the session's device) is read by a
+  program laid out over other devices too (a sharding constraint over a
+  mesh): jax.jit refuses the call before it runs anything, naming the
+  argument and the constraint; so does this wrapper, by calling it (the
+  session's executable refused it after a host callback before it had run,
+  with another message: a JAX test suite's find)."""
+  committed = [s for _, _, s in leaf_keys if s is not None]
+  if not committed:
+    return False
+  devices = set()
+  for exe in executables:
+    for sharding in jax.tree.leaves((exe.input_shardings, exe.output_shardings)):
+      devices |= sharding.device_set
+  return any(devices and s.device_set != devices for s in committed)
 
 
 def _jax_only(fn, leaf_keys):

@@ -30,7 +30,7 @@ from jax import tree_util
 from jax.extend import core as jcore
 
 from jaxsession import gc_pause, pipeline
-from jaxsession.graph import importer
+from jaxsession.graph import importer, settings
 from jaxsession.errors import InputError, KernelSelectError
 from jaxsession.inputs import leaf_aval
 from jaxsession.graph.ir import KernelGraph, aval_str
@@ -98,8 +98,11 @@ class OpRunner:
     if key is None:  # effects or user code: never cached
       compiled = build().value
     else:
-      # keyed by the device too: an executable runs where it was compiled
-      compiled, _ = self._cache.get_or_compile((key, session_device()), build)
+      # keyed by the device too: an executable runs where it was compiled; and by
+      # the jax settings, as jax.jit's cache (under another threefry_partitionable
+      # it gave the first setting's bits: a break-it find)
+      compiled, _ = self._cache.get_or_compile((key, session_device(), settings.trace_key()),
+                                               build)
     return self._execute(compiled, leaves)
 
   # -- building ----------------------------------------------------------------

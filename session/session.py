@@ -529,7 +529,9 @@ class Session:
     entry = self._entry(graph_id)
     where = f"restore(graph {graph_id} '{entry.name}')"
     state_values.refuse_under_trace(where)  # before the checkpoint is read
-    with spmd.own_context(self.options):  # read and laid out on the slots' devices
+    # read and laid out on the slots' devices, under the compile's settings (an
+    # x64 graph's checkpoint read with x64 off failed its checksums: a break-it find)
+    with spmd.own_context(self.options), settings.restored(entry.settings):
       step, values = self._checkpoints.restore(entry, where, directory, step)
       state_values.rebind(where, lambda: (entry.lock, [
           (f"{where}: state arg {k}", slot, value)

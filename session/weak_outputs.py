@@ -24,6 +24,7 @@ import jax
 from jax import tree_util
 
 from jaxsession import tracing
+from jaxsession.graph import settings
 from jaxsession.errors import InputError
 from jaxsession.inputs import is_weak
 from jaxsession.jax_api import ARRAY
@@ -47,6 +48,7 @@ class WeakOutputs:
     self.args = sorted({i for i, _ in self.watched})  # the arguments flattened each run
     self.compiled = tuple(bool(spec.avals[i][j].weak_type) for i, j in self.watched)
     self.flags = {self.compiled: tuple(out_weak)}
+    self.settings = settings.snapshot()  # traced again under its compile's settings
 
   @classmethod
   def make(cls, wrapped, state_args, dyn_args, spec, out_shape, closed):
@@ -71,8 +73,9 @@ class WeakOutputs:
         leaves[j] = jax.ShapeDtypeStruct(leaves[j].shape, leaves[j].dtype, weak_type=weak)
         dyn[i] = tree_util.tree_unflatten(treedef, leaves)
       try:
-        traced, (_, rest) = jax.make_jaxpr(self.wrapped, return_shape=True)(
-            self.state_structs, *dyn)
+        with settings.restored(self.settings):  # (a run's setting would answer otherwise,
+          traced, (_, rest) = jax.make_jaxpr(self.wrapped, return_shape=True)(  # for good)
+              self.state_structs, *dyn)
         if self.base is not None and tracing.arithmetic(traced.jaxpr) != self.base:
           flags = OTHER  # the scalars' weak types together change the program
         else:

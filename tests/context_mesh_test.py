@@ -201,19 +201,25 @@ with jax.set_mesh(A):
 # over a mesh of other devices too: jax.jit's error, naming the argument and
 # the constraint (js.jit gave jax's executable's input check); uncommitted,
 # the same program runs
-def constrained(inp):
-  return jax.lax.with_sharding_constraint(inp * 2, NamedSharding(A, P("data")))
+calls = []
+def counted(v):
+  calls.append(1)
+  return np.asarray(v) + 1
+def constrained(inp, y):  # (the callback ran, on the host, before the refusal)
+  z = jax.pure_callback(counted, jax.ShapeDtypeStruct(y.shape, y.dtype), y)
+  return jax.lax.with_sharding_constraint(inp * 2 + z, NamedSharding(A, P("data")))
 def error_of(call):
   try:
     call()
   except Exception as exc:  # pylint: disable=broad-except
-    return [type(exc).__name__, str(exc)]
+    return [type(exc).__name__, str(exc), len(calls)]
   return None
-on_0 = jax.device_put(rows, devs[0])
+on_0, one = jax.device_put(rows, devs[0]), jnp.float32(1.5)
 wrapped = js.jit(constrained)
-out["committed_elsewhere"] = [error_of(lambda: jax.jit(constrained)(on_0)),
-                              error_of(lambda: wrapped(on_0)), error_of(lambda: wrapped(on_0)),
-                              same(wrapped(rows), jax.jit(constrained)(rows))]
+out["committed_elsewhere"] = [error_of(lambda: jax.jit(constrained)(on_0, one)),
+                              error_of(lambda: wrapped(on_0, one)),
+                              error_of(lambda: wrapped(on_0, one)),
+                              same(wrapped(rows, one), jax.jit(constrained)(rows, one))]
 print(json.dumps(out))
 """
 
@@ -273,6 +279,7 @@ class ContextMeshTest(SnippetTest):
     want, first, again, runs_uncommitted = self.out["committed_elsewhere"]
     self.assertEqual(want[0], "ValueError")
     self.assertIn("Received incompatible devices", want[1])
+    self.assertEqual(want[2], 0)  # nothing ran, the callback neither
     self.assertEqual([first, again], [want, want])
     self.assertTrue(runs_uncommitted)
 

@@ -125,51 +125,6 @@ class InnerSettingsTest(absltest.TestCase):
       self.assert_as_jit(result, x)
       self.assert_as_jit(read_on_the_device, _x(4))
 
-  def test_what_a_session_builds_later_is_built_under_its_compiles_settings(self):
-    # run(steps=), a new shape bucket: built at a run, under the caller's
-    # settings of that run before (other random bits than the same steps run
-    # one by one; a 64-bit graph's first sunk run failed to build)
-    def step(key, x):
-      key, sub = jax.random.split(key)
-      return key, jax.random.normal(sub, (2,)) + x
-
-    key, flip = jax.random.key(3), not jax.config.jax_threefry_partitionable
-    with jax.threefry_partitionable(flip):
-      session = js.Session()
-      gid = session.compile(step, key, jnp.zeros(2), state_argnums=0)
-      want, k = [], key
-      for _ in range(4):
-        k, out = jax.jit(step)(k, jnp.zeros(2))
-        want.append(out)
-    sunk = session.run(gid, jnp.zeros((4, 2)), steps=4)
-    np.testing.assert_array_equal(sunk, np.stack(want))
-    np.testing.assert_array_equal(jax.random.key_data(session.get_state(gid)[0]),
-                                  jax.random.key_data(k))
-
-    def scaled(x, k):
-      return x * jax.random.uniform(k, (x.shape[1],))
-
-    rows = np.random.default_rng(6).standard_normal((9, 5)).astype(np.float32)
-    with jax.threefry_partitionable(flip):
-      gid = session.compile(scaled, rows[:4], key, buckets={0: "auto"})
-      want = {n: jax.jit(scaled)(rows[:n], key) for n in (3, 9)}
-    for n in (3, 9):  # 9 rows: a bucket built at this run
-      np.testing.assert_array_equal(session.run(gid, rows[:n], key), want[n])
-
-    def divide(c, x):
-      return c / 3 + x, jnp.sum(c)
-
-    with jax.enable_x64(True):
-      c0 = jnp.asarray(_x(7, 4)[2:], jnp.float64)  # inf and a finite value
-      xs = jnp.asarray(_x(8, 6).reshape(3, 2), jnp.float64)
-      gid = session.compile(divide, c0, xs[0], state_argnums=0)
-      c, want = c0, []
-      for i in range(3):
-        c, out = jax.jit(divide)(c, xs[i])
-        want.append(out)
-    np.testing.assert_array_equal(session.run(gid, xs, steps=3), np.stack(want))
-    np.testing.assert_array_equal(session.get_state(gid)[0], c)
-
   def test_random_bits_under_a_switched_threefry_partitionable(self):
     flip = not jax.config.jax_threefry_partitionable
 

@@ -8,7 +8,10 @@ under `jax.jit` this yields one XLA computation for the whole node list.
 import numpy as np
 import jax
 from jax.core import ShapedArray
-from jax._src.literals import TypedNdArray  # jax's uncanonicalized constant: no public name
+try:  # jax's uncanonicalized constant (its jaxprs' literals): no public name
+  from jax._src.literals import TypedNdArray
+except ImportError:  # an older jax: 64-bit constants of x64 blocks are narrowed there
+  TypedNdArray = None
 
 from jaxsession.graph import liveness, settings
 from jaxsession.errors import KernelSelectError
@@ -129,8 +132,16 @@ def typed(value, aval):
   jax.enable_x64 on inside itself became 32-bit under a caller without it,
   and the op reading it failed to compile.)"""
   array = np.asarray(value, aval.dtype)
-  return TypedNdArray(array, ShapedArray(array.shape, array.dtype,
-                                         weak_type=bool(getattr(aval, "weak_type", False))))
+  weak = bool(getattr(aval, "weak_type", False))
+  if TypedNdArray is None:
+    return _weak(array) if weak else array
+  return TypedNdArray(array, ShapedArray(array.shape, array.dtype, weak_type=weak))
+
+
+def _weak(value):
+  """`value` (a numpy array) weakly typed, as a traced function reads it."""
+  from jax._src.lax import lax as lax_internal  # pylint: disable=import-outside-toplevel
+  return lax_internal._convert_element_type(value, value.dtype, weak_type=True)  # pylint: disable=protected-access
 
 
 def lower_graph(graph):

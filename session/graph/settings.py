@@ -27,44 +27,66 @@ except ImportError:  # a jax without equation contexts: every node binds as the 
 
 FIELDS = ("threefry_partitionable", "compute_type", "xla_metadata")
 
-# The jax settings a trace or a lowering reads, which jax.jit keys its cache by.
-TRACED = ("enable_x64", "default_matmul_precision", "threefry_partitionable",
-          "numpy_rank_promotion", "numpy_dtype_promotion", "default_prng_impl")
+# jax's settings it keys its traces by (config.trace_context_names) are the
+# ones a trace or a lowering may read; the session sets two itself where it
+# builds (its device: spmd.own_context; jit's off switch: the eager runs), and
+# the meshes and equation contexts are no `State`s (own_context, `binding`).
+_OWN = frozenset(("jax_disable_jit", "jax_default_device"))
+_KNOWN = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable",
+          "jax_numpy_rank_promotion", "jax_numpy_dtype_promotion", "jax_default_prng_impl")
+
+
+try:  # the tuple jax.jit keys its own caches by (~0.2 µs a call here)
+  from jax._src.config import trace_context as trace_key
+except ImportError:  # an internal API: the values of the settings above
+  def trace_key():
+    return traced_values()
+
+
+def _traced_states():
+  try:
+    names = jax_config.trace_context_names()
+  except Exception:  # pylint: disable=broad-except  (a jaxlib without the list)
+    names = _KNOWN
+  states = jax_config.config_states
+  return [states[name] for name in names if name in states and name not in _OWN]
 
 
 def traced_values():
-  """(jax option name, value) of every TRACED setting, as the caller has them."""
-  return tuple((getattr(jax_config, name).name, getattr(jax_config, name).value)
-               for name in TRACED)
+  """(jax option name, value) of every setting jax keys a trace by, as the
+  caller has them now (a `with` block's included)."""
+  return tuple((state.name, state.value) for state in _traced_states())
 
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
   """The settings a Session compiled a graph under (`snapshot`)."""
-  values: tuple  # per TRACED name, its value
+  values: tuple  # (jax State, its value) per setting jax keys a trace by
   ctx: object    # the caller's equation context (compute type, xla_metadata), or None
 
 
 def snapshot():
   """The caller's settings now, for `restored`."""
-  return Snapshot(tuple(getattr(jax_config, name).value for name in TRACED), caller())
+  return Snapshot(tuple((state, state.value) for state in _traced_states()), caller())
 
 
 @contextlib.contextmanager
 def restored(snap):
   """Traces and builds under `snap`, a compile's settings: what a Session
-  builds of a graph later - a run(steps=)'s executable, a shape bucket, the
-  state's other weak types - computes as its compile does, whatever the
-  caller's settings are at that run (under the run's own, a sunk run drew
-  other random bits than the same steps run one by one: a break-it find)."""
-  states = [getattr(jax_config, name) for name in TRACED]
-  before = [state.swap_local(value) for state, value in zip(states, snap.values)]
-  try:
-    with binding(snap.ctx) if snap.ctx is not None else contextlib.nullcontext():
-      yield
-  finally:
-    for state, value in zip(states, before):
-      state.set_local(value)
+  builds or traces of a graph later - a run(steps=)'s executable, a shape
+  bucket and its checks, the state's other weak types, the outputs' weak
+  types, an eager run, a restore's reads - computes as its compile does,
+  whatever the caller's settings are at that run (under the run's own, a
+  sunk run drew other random bits than the same steps run one by one, and a
+  bucket compiled under default_matmul_precision was refused: break-it
+  finds). Each differing setting is entered with jax's own context manager."""
+  with contextlib.ExitStack() as stack:
+    for state, value in snap.values:
+      if state.value is not value and state.value != value:
+        stack.enter_context(state(value))
+    if snap.ctx is not None:
+      stack.enter_context(binding(snap.ctx))
+    yield
 
 
 def caller():
@@ -88,16 +110,19 @@ def describe(ctx):
 
 @contextlib.contextmanager
 def binding(ctx):
-  """Binds under `ctx`'s settings (as jax's JaxprEqnContextManager, the
-  abstract mesh left as it is)."""
+  """Binds under `ctx`'s settings, as jax's JaxprEqnContextManager enters an
+  equation's (its xla_metadata merged into the caller's), the abstract mesh
+  left to lowering.node_mesh. (horizontal.py binds jax's own equations with
+  jax's manager itself, their name stacks too.)"""
+  manager = jax_config.xla_metadata_context_manager
+  metadata = manager.get_local()
+  if ctx.xla_metadata:
+    manager.set_local(xla_metadata_lib.update_metadata(metadata, ctx.xla_metadata))
   threefry = jax_config.threefry_partitionable.swap_local(ctx.threefry_partitionable)
   compute = jax_config.compute_on_context_manager.swap_local(ctx.compute_type)
-  metadata = jax_config.xla_metadata_context_manager.swap_local(
-      xla_metadata_lib.XlaMetadata(ctx.xla_metadata) if ctx.xla_metadata else None)
   try:
     yield
   finally:
-    jax_config.xla_metadata_context_manager.set_local(metadata)
     jax_config.compute_on_context_manager.set_local(compute)
     jax_config.threefry_partitionable.set_local(threefry)
-
+    manager.set_local(metadata)
