@@ -62,9 +62,14 @@ def options_key(options):
 
 def jax_settings():
   """The jax configuration an executable depends on (tracing and lowering:
-  settings.TRACED), as the caller has it, a `with` block's included."""
+  settings.traced_values, and the caller's compute type and xla_metadata,
+  which tag every op bound under them), as the caller has it, a `with`
+  block's included (an executable compiled inside a metadata block served
+  the same program compiled outside it: a review's find)."""
+  ctx = settings.caller()
   return tuple((name, repr(value)) for name, value in settings.traced_values()) + (
-      ("jax", jax.__version__),)
+      ("equation context", "-" if ctx is None else settings.describe(ctx)),
+      ("jax", jax.__version__))
 
 
 def fingerprint(graph, spec_avals, options_key=(), platform="cpu", extra=()):

@@ -21,6 +21,7 @@ import numpy as np
 from jax import tree_util
 
 from jaxsession.errors import HostOpError, InputError
+from jaxsession.graph import settings
 from jaxsession.graph.ir import Literal
 from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes, read_literal
 from jaxsession.jax_api import ARRAY, placed
@@ -242,6 +243,8 @@ def plan_program(graph, program, spec, rest_tree, layout):
       return outs
     return [output(n, out) for n, out in enumerate(outs)]
   post = finish if keep or not plain_outputs or host_made else None
+  if post is not None:  # its conversions as the plan's, under the x64 it was built under (a
+    post = settings.as_built(post)  # host-made float64 output was narrowed: a review's find)
 
   def run_flat(state, leaves):
     outs = stepwise((state,), (leaves,))

@@ -45,7 +45,9 @@ class BucketedGraph:
     self.session = session
     self.fn = fn
     self.settings = settings.snapshot()  # a bucket traced or compiled at a later run: under them
-    self.x64 = bool(jax.config.jax_enable_x64)  # the pads and slices of a run: under it
+    # a run's pads and slices under the compile's x64 (a float64 output came back
+    # float32 with x64 off: a break-it find)
+    self.padded, self.sliced = settings.as_built(self._padded), settings.as_built(self._sliced)
     self.name = name
     self.example_args = example_args
     self.kwargs = kwargs              # Session.compile's keywords for every bucket
@@ -330,9 +332,6 @@ class BucketedGraph:
   def run(self, args, steps=None):
     """A bucketed run: the arguments checked here (errors name the graph the
     user compiled), then Session.run of the bucket's sub-graph."""
-    if jax.config.jax_enable_x64 is not self.x64:  # padded and sliced as compiled (a float64
-      with jax.enable_x64(self.x64):  # output came back float32 with x64 off: a break-it find)
-        return self.run(args, steps)
     axis = 0 if steps is None else 1
     self.precheck(args, steps)
     n = self.batch_size(args, axis)
@@ -351,11 +350,15 @@ class BucketedGraph:
       self.policy.record(n, size, self.sizes)
     gid = self.executable(size)
     if size != n:
-      args = tuple(tree_util.tree_map(lambda x: policy_lib.pad_rows(x, size, axis), a)
-                   if i in self.run_index else a for i, a in enumerate(args))
+      args = self.padded(args, size, axis)
     out = self.session.run(gid, *args, steps=steps)
-    if size == n:
-      return out
+    return out if size == n else self.sliced(out, n, axis)
+
+  def _padded(self, args, size, axis):
+    return tuple(tree_util.tree_map(lambda x: policy_lib.pad_rows(x, size, axis), a)
+                 if i in self.run_index else a for i, a in enumerate(args))
+
+  def _sliced(self, out, n, axis):
     leaves, treedef = tree_util.tree_flatten(out)
     leaves = [x if ax is None else policy_lib.slice_rows(x, n, ax + axis)
               for x, ax in zip(leaves, self.output_axes)]

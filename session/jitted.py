@@ -333,13 +333,13 @@ class Jitted:
       except (tracing.MutableArrays, _OtherStatics):  # a jax.Ref it closes over, statics
         return _JAX, None  # split otherwise than jax.jit's: jax.jit runs it
     leaves = tree_util.tree_leaves(([dyn_kw[k] for k in sorted(dyn_kw)], dyn_args))
-    if _off_the_programs_devices(self.session.executables(gid), key[2]):
-      return _JAX, None
     graph = self.session.graph(gid)
     if home != key and home not in sigs.graphs:  # (nothing committed: the program's
       # own layouts alone commit; False here lost them where a committed call came
       # first, a review's find)
       sigs.graphs[home] = (gid, _to_fix(graph, _commits(graph, [False] * len(leaves))))
+    if _off_the_programs_devices(self.session.executables(gid), key[2]):
+      return _JAX, None  # (the graph serves the uncommitted signature: compiled once)
     return gid, _to_fix(graph, _commits(graph, [isinstance(x, jax.Array) and x.committed
                                                 for x in leaves]))
 

@@ -10,6 +10,7 @@ result narrowed or refused, a checkpoint called corrupted. run_op and the
 compile cache are keyed by the settings. Compared with jax.jit under the
 compile's settings, bit for bit."""
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 import jax
@@ -152,6 +153,58 @@ class CompileSettingsTest(absltest.TestCase):
         other = session.compile(step, jnp.zeros(4, jnp.float64), x, state_argnums=0)
       session.restore(other, folder)  # "checkpoint ... is corrupted" with x64 off
       np.testing.assert_array_equal(session.get_state(other)[0], want[3])
+
+  def test_outputs_a_plan_makes_on_the_host_keep_their_64_bit_types(self):
+    def doubled(x):  # the callback's result returned as it is, and a literal
+      return jax.pure_callback(lambda v: v * 2 + 1e-9, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               x), 2.0
+
+    with jax.enable_x64(True):
+      x = jnp.asarray(_x(10, 4), jnp.float64)
+      want = jax.jit(doubled)(x)
+      session = js.Session()
+      gid = session.compile(doubled, x)
+    for got in (session.run(gid, x), session.run(gid, x[None], steps=1)):
+      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        self.assertEqual((g.dtype, g.weak_type), (w.dtype, w.weak_type))
+        np.testing.assert_array_equal(np.reshape(g, np.shape(w)), w)
+
+  def test_a_callers_xla_metadata_tags_what_is_compiled_under_it_alone(self):
+    from jax.experimental.xla_metadata import set_xla_metadata  # pylint: disable=import-outside-toplevel
+
+    def step(c, x):
+      return c + jnp.sin(x), jnp.cos(c).sum()
+
+    def tagged(session, gid):
+      return any("probe_tag" in e.as_text() for e in session.executables(gid))
+
+    session = js.Session()
+    with set_xla_metadata(probe_tag="compile"):
+      inside = session.compile(step, jnp.zeros(3), jnp.ones(3), state_argnums=0)
+    outside = session.compile(step, jnp.zeros(3), jnp.ones(3), state_argnums=0)
+    self.assertEqual([tagged(session, inside), tagged(session, outside)], [True, False])
+    built, compile_lowered = [], jax.stages.Lowered.compile
+
+    def recorded(lowered, *args, **kwargs):
+      built.append(lowered.as_text())
+      return compile_lowered(lowered, *args, **kwargs)
+    with mock.patch.object(jax.stages.Lowered, "compile", recorded), \
+        set_xla_metadata(probe_tag="run"):  # a sunk executable built at this run
+      session.run(outside, jnp.ones((2, 3)), steps=2)
+    self.assertNotEmpty(built)
+    self.assertFalse(any("probe_tag" in text for text in built))
+
+  def test_debug_checks_follow_the_caller_of_the_run(self):
+    def reused(key):
+      return jax.random.normal(key, (2,)) + jax.random.normal(key, (2,))
+
+    key, session = jax.random.key(0), js.Session()
+    gid = session.compile(reused, key)
+    with jax.debug_key_reuse(True), jax.disable_jit():  # op by op, as jax.jit runs it there
+      with self.assertRaises(jax.errors.KeyReuseError):
+        jax.jit(reused)(key)
+      with self.assertRaises(jax.errors.KeyReuseError):
+        session.run(gid, key)
 
   def test_run_op_is_keyed_by_the_settings(self):
     def draw(key):

@@ -215,11 +215,22 @@ def error_of(call):
     return [type(exc).__name__, str(exc), len(calls)]
   return None
 on_0, one = jax.device_put(rows, devs[0]), jnp.float32(1.5)
-wrapped = js.jit(constrained)
+own = js.Session()
+wrapped = js.jit(constrained, session=own)
+def known_graphs():
+  found = set()
+  for gid in range(4):
+    try:
+      own.graph(gid)
+      found.add(gid)
+    except js.errors.UnknownGraphError:
+      pass
+  return found
 out["committed_elsewhere"] = [error_of(lambda: jax.jit(constrained)(on_0, one)),
                               error_of(lambda: wrapped(on_0, one)),
                               error_of(lambda: wrapped(on_0, one)),
-                              same(wrapped(rows, one), jax.jit(constrained)(rows, one))]
+                              same(wrapped(rows, one), jax.jit(constrained)(rows, one)),
+                              known_graphs() == set(wrapped.graph_ids)]  # none left behind
 print(json.dumps(out))
 """
 
@@ -276,12 +287,13 @@ class ContextMeshTest(SnippetTest):
     self.assertTrue(works_after)
 
   def test_an_argument_committed_off_the_programs_mesh_is_jax_jits_error(self):
-    want, first, again, runs_uncommitted = self.out["committed_elsewhere"]
+    want, first, again, runs_uncommitted, graphs = self.out["committed_elsewhere"]
     self.assertEqual(want[0], "ValueError")
     self.assertIn("Received incompatible devices", want[1])
     self.assertEqual(want[2], 0)  # nothing ran, the callback neither
     self.assertEqual([first, again], [want, want])
     self.assertTrue(runs_uncommitted)
+    self.assertTrue(graphs)  # (the committed call's graph was left behind, compiled again)
 
   def test_collectives_name_their_sources_as_the_dump_does(self):
     self.assertEqual(self.out["collective_sources"], [False, True, True])

@@ -17,6 +17,7 @@ function tagged no op.)
 import contextlib
 import dataclasses
 
+import jax
 from jax._src import config as jax_config  # the settings eqn.ctx holds have no public setter
 from jax._src import xla_metadata_lib
 
@@ -29,9 +30,13 @@ FIELDS = ("threefry_partitionable", "compute_type", "xla_metadata")
 
 # jax's settings it keys its traces by (config.trace_context_names) are the
 # ones a trace or a lowering may read; the session sets two itself where it
-# builds (its device: spmd.own_context; jit's off switch: the eager runs), and
-# the meshes and equation contexts are no `State`s (own_context, `binding`).
-_OWN = frozenset(("jax_disable_jit", "jax_default_device"))
+# builds (its device: spmd.own_context; jit's off switch: the eager runs), the
+# debug checks follow the caller of the run, as jax_debug_nans does (pinned to
+# the compile's, a key reuse jax.jit refuses ran: a review's find), and the
+# meshes and equation contexts are no `State`s (own_context, `_replaced`).
+_OWN = frozenset(("jax_disable_jit", "jax_default_device", "jax_check_static_indices",
+                  "jax_pallas_enable_debug_checks"))
+_OWN_PREFIXES = ("jax_debug_", "jax_error_checking_")
 _KNOWN = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable",
           "jax_numpy_rank_promotion", "jax_numpy_dtype_promotion", "jax_default_prng_impl")
 
@@ -49,7 +54,8 @@ def _traced_states():
   except Exception:  # pylint: disable=broad-except  (a jaxlib without the list)
     names = _KNOWN
   states = jax_config.config_states
-  return [states[name] for name in names if name in states and name not in _OWN]
+  return [states[name] for name in names if name in states and name not in _OWN
+          and not name.startswith(_OWN_PREFIXES)]
 
 
 def traced_values():
@@ -85,8 +91,39 @@ def restored(snap):
       if state.value is not value and state.value != value:
         stack.enter_context(state(value))
     if snap.ctx is not None:
-      stack.enter_context(binding(snap.ctx))
+      stack.enter_context(_replaced(snap.ctx))
     yield
+
+
+def as_built(fn):
+  """`fn` run under the x64 setting it is wrapped under, a build's: what it
+  converts (a host result placed on the device, a padded or sliced batch)
+  keeps the compile's 64-bit types under a caller with x64 off. (A plan's
+  own body checks it inline: codegen.py.)"""
+  config, x64 = jax.config, bool(jax.config.jax_enable_x64)
+
+  def run(*args):
+    if config.jax_enable_x64 is x64:
+      return fn(*args)
+    with jax.enable_x64(x64):
+      return fn(*args)
+  return run
+
+
+@contextlib.contextmanager
+def _replaced(ctx):
+  """The caller's compute type and xla_metadata replaced by `ctx`'s, a
+  compile's (merged, as `binding` merges an equation's, a run's own
+  metadata tagged the sunk executable built at that run: a review's find)."""
+  manager = jax_config.xla_metadata_context_manager
+  metadata = manager.swap_local(
+      xla_metadata_lib.XlaMetadata(dict(ctx.xla_metadata)) if ctx.xla_metadata else None)
+  compute = jax_config.compute_on_context_manager.swap_local(ctx.compute_type)
+  try:
+    yield
+  finally:
+    jax_config.compute_on_context_manager.set_local(compute)
+    manager.set_local(metadata)
 
 
 def caller():
