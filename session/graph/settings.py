@@ -13,6 +13,12 @@ differ from the caller's, and every kernel call binds under them
 different settings. (Bound under the caller's, jax.random.bits and split
 drew other bits than jax.jit's, and an xla_metadata block inside the
 function tagged no op.)
+
+The caller's own settings at compile are a graph's too: a Session keeps a
+`snapshot` of every setting jax keys a trace by, and what it builds or
+traces of the graph at a later call runs `restored` to them (and converts
+`as_built`, under the compile's x64), so the graph computes as compiled
+whatever the caller's settings are at that call.
 """
 import contextlib
 import dataclasses
@@ -113,8 +119,9 @@ def as_built(fn):
 @contextlib.contextmanager
 def _replaced(ctx):
   """The caller's compute type and xla_metadata replaced by `ctx`'s, a
-  compile's (merged, as `binding` merges an equation's, a run's own
-  metadata tagged the sunk executable built at that run: a review's find)."""
+  compile's - not merged into them, as `binding` merges an equation's
+  (merged, a run's own metadata tagged the sunk executable built at that
+  run: a review's find)."""
   manager = jax_config.xla_metadata_context_manager
   metadata = manager.swap_local(
       xla_metadata_lib.XlaMetadata(dict(ctx.xla_metadata)) if ctx.xla_metadata else None)
