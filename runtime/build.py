@@ -21,7 +21,7 @@ from jaxsession.graph.ir import Literal, aval_str
 from jaxsession.graph.lowering import const_input, kernel_fn, lower_nodes
 from jaxsession.graph.op_properties import is_transfer
 from jaxsession.runtime import callbacks
-from jaxsession.runtime.compile_cache import executable_key
+from jaxsession.runtime.fingerprint import executable_key
 from jaxsession.runtime.state import private_copy
 
 try:  # what an executable's output check raises under jax_debug_nans/infs

@@ -124,7 +124,7 @@ def single_program(graph, spec, rest_tree, layout, cache=None, key=None, hooks=N
   """A graph that is one device partition: one ahead-of-time compiled
   executable, whose own argument check runs before it runs or consumes
   anything (no warm-up, no tracing at run time, never a recompile). `cache`
-  and `key` (the graph's fingerprint, runtime/compile_cache.py): the
+  and `key` (the graph's fingerprint, runtime/fingerprint.py): the
   executable is looked up before it is traced; the key adds the output
   pytree and the state layout, which shape it beyond the graph."""
   recorder = callbacks.ErrorRecorder()

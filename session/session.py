@@ -21,8 +21,8 @@ from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.options import SessionOptions
 from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_transfers
 from jaxsession.run_op import OpRunner
-from jaxsession.runtime import (build, compile_cache, executor, interrupts, loop_sink, memory,
-                                static_leaves)
+from jaxsession.runtime import (build, compile_cache, executor, fingerprint, interrupts,
+                                loop_sink, memory, static_leaves)
 from jaxsession.runtime.packing import SlotLeaf
 from jaxsession.runtime.state_layout import state_layout
 from jaxsession.runtime.profiler import Profiler
@@ -266,11 +266,11 @@ class Session:
     # graph (not the Python function), so a second compile of the same
     # program with the same types and options compiles nothing.
     cache = compile_cache.RecordingCache(self._executables, owner=gid)
-    key = compile_cache.fingerprint(graph, spec.avals, compile_cache.options_key(self.options),
-                                    self.platform, extra=(rest_tree, spmd.key_text(mesh_layout),
-                                                          # an executable runs where it was compiled
-                                                          mesh_layout is None and
-                                                          str(session_device())))
+    key = fingerprint.fingerprint(graph, spec.avals, fingerprint.options_key(self.options),
+                                  self.platform, extra=(rest_tree, spmd.key_text(mesh_layout),
+                                                        # an executable runs where it was compiled
+                                                        mesh_layout is None and
+                                                        str(session_device())))
     build_start = time.perf_counter()
     hooks = self.profiler.graph_hooks(None, name, graph)  # bound to the id below
     runner, make_sunk, make_eager = self._build(graph, spec, rest_tree, leaf_slots, cache,

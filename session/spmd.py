@@ -23,7 +23,7 @@ from jaxsession import processes
 from jaxsession.errors import InputError
 from jaxsession.inputs import leaf_aval, paths_of
 from jaxsession.graph.ir import aval_str
-from jaxsession.runtime import build, collectives, compile_cache, sharding
+from jaxsession.runtime import build, collectives, fingerprint, sharding
 from jaxsession.runtime.state import sub_byte
 
 
@@ -279,7 +279,7 @@ def key_text(mesh_layout):
       return ()
     return ("ambient", repr(jax.sharding.get_abstract_mesh()),
             tuple(int(d.id) for d in mesh.devices.flat))
-  return compile_cache.canonical([mesh_layout.args, mesh_layout.state])
+  return fingerprint.canonical([mesh_layout.args, mesh_layout.state])
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""The compile cache (runtime/compile_cache.py): the fingerprint of the
+"""The compile cache (runtime/fingerprint.py, runtime/compile_cache.py): the fingerprint of the
 optimised graph, the in-memory ExecutableCache and its use by Build, and
 JAX's persistent cache across processes."""
 import gc
@@ -27,8 +27,9 @@ from jaxsession.graph.importer import import_jaxpr
 from jaxsession.inputs import ArgSpec
 from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.runtime import build, compile_cache, executor, state_layout
-from jaxsession.runtime.compile_cache import (DoNotStore, ExecutableCache, RecordingCache,
-                                              fingerprint, options_key)
+from jaxsession.runtime import fingerprint as fingerprints
+from jaxsession.runtime.compile_cache import DoNotStore, ExecutableCache, RecordingCache
+from jaxsession.runtime.fingerprint import fingerprint, options_key
 
 
 def optimised(fn, *args, options=None):
@@ -176,7 +177,7 @@ class FingerprintTest(absltest.TestCase):
     for _ in range(200):
       obj = Param()
       ids.add(id(obj))
-      tokens.add(compile_cache.canonical(obj))
+      tokens.add(fingerprints.canonical(obj))
       del obj                  # CPython hands the address to the next one...
     self.assertLen(tokens, 200)  # ...but never the token
     self.assertLessEqual(len(ids), 200)
