@@ -68,6 +68,74 @@ except ImportError:  # an internal path: the same steps, in the session's words
   _Special = None
 
 
+try:  # jax.jit's own C++ call object (jax/_src/pjit.py's _cpp_pjit makes it)
+  from jax._src import core as _core, dtypes as _dtypes, sharding_impls as _shardings
+  from jax._src import tree_util as _jtu
+  from jax._src.interpreters import pxla as _pxla
+  from jax._src.lib import _jax as _jaxlib
+  _FRONT_KEYS = _pxla.JitGlobalCppCacheKeys()  # no shardings, donation or options
+except ImportError:  # an internal path: every call takes the Python path
+  _jaxlib = None
+
+
+def front_cache():
+  """The executables of the C++ fronts made with it (`cpp_front`), per
+  signature: one function's, shared by its fronts. None without fronts."""
+  return None if _jaxlib is None else _jaxlib.PjitFunctionCache(capacity=8)
+
+
+def cpp_front(fn, cache_miss, cache):
+  """jax.jit's C++ call object of `fn` (no statics, no donation): a call
+  whose signature - pytree, each leaf's type, shape, dtype, weak type,
+  sharding and commitment, jax's jit-keyed settings, the trace state - has
+  an executable in `cache` runs it in C++, as jax.jit's call does; any
+  other call returns `cache_miss(*args, **kwargs)`, which answers
+  (outputs, `fastpath(...)` for the signature or None, False). Under
+  jax.disable_jit() it calls fn. None where this jax lacks one."""
+  if cache is None:
+    return None
+  try:
+    front = _jaxlib.pjit(getattr(fn, "__name__", type(fn).__name__), fn, cache_miss, [], [],
+                         _FRONT_KEYS, _jtu.dispatch_registry, _pxla.cc_shard_arg, cache)
+    front._fun = fn  # pylint: disable=protected-access  (jax_debug_nans' check of an
+    # output the front made calls fn op by op, as jax.jit's: it reads this)
+    return front
+  except Exception:  # pylint: disable=broad-except  (an internal API changed)
+    return None
+
+
+def fastpath(compiled, outs, num_args):
+  """What a C++ front needs to run `compiled` (a jax.stages.Compiled whose
+  call, on the signature's `num_args` flat arguments, gave `outs`) itself
+  at the signature's later calls - as jax.jit's own executables hand it
+  theirs - or None where jax would not (effects, host callbacks, outputs of
+  other than jax's array type, another pytree than the executable's)."""
+  try:
+    exe, params = compiled._executable, compiled._params  # pylint: disable=protected-access
+    call = exe.unsafe_call
+    if not (isinstance(exe, _pxla.MeshExecutable) and isinstance(call, _pxla.ExecuteReplicated)
+            and not call.has_unordered_effects and not call.ordered_effects
+            and not call.has_host_callbacks and not getattr(exe, "_mut", None)
+            and not params.is_high and _jtu.tree_structure(outs) == params.out_tree):
+      return None
+    flat, tree = _pxla.reflatten_outputs_for_dispatch(params.out_tree, _jtu.tree_leaves(outs))
+    if not all(type(x) is ARRAY for x in flat):
+      return None
+    const_args = exe.shard_const_args(params.const_args)
+    kept = exe._kept_var_idx  # pylint: disable=protected-access
+    in_shardings = [  # a key array's, as its buffer holds it (jax's own rule)
+        _shardings.physical_sharding(a, s) if a is not _core.abstract_token
+        and _dtypes.issubdtype(a.dtype, _dtypes.extended) else s
+        for s, a in zip(exe._in_shardings, exe.in_avals)]  # pylint: disable=protected-access
+    return _pxla.MeshExecutableFastpathData(
+        exe.xla_executable, tree, in_shardings, exe._out_shardings,  # pylint: disable=protected-access
+        [x.aval for x in flat], [x._committed for x in flat],  # pylint: disable=protected-access
+        [i in kept for i in range(len(const_args) + num_args)],
+        exe._dispatch_in_layouts, const_args)  # pylint: disable=protected-access
+  except Exception:  # pylint: disable=broad-except  (an internal API changed)
+    return None
+
+
 def deoptimized(fn, args, kwargs, name, kind):
   """Raises what jax.jit raises where jax_debug_nans (infs) finds `kind` in
   an output of jit(`fn`) (`name`: "jit(f)"): it says so on stdout, calls fn

@@ -29,7 +29,7 @@ import queue
 import threading
 import weakref
 
-from jaxsession.jax_api import register_cache
+from jaxsession.jax_api import front_cache, register_cache
 
 PARKED = 32  # Signatures kept after their last wrapper went, most recent first
 
@@ -46,7 +46,7 @@ os.register_at_fork(after_in_child=_REAPER.clear)
 class Signatures:
   """One function's graphs in one session, per signature."""
   __slots__ = ("graphs", "lock", "session_ref", "wrappers", "fn_id", "fn_ref", "key",
-               "__weakref__")
+               "front", "__weakref__")
 
   def __init__(self, session, fn_id, fn_ref, key):
     # signature -> (graph id or jitted._JAX, whether jax.jit commits the
@@ -58,6 +58,9 @@ class Signatures:
     self.session_ref = None if session is None else weakref.ref(session)
     self.wrappers = 0
     self.fn_id, self.fn_ref, self.key = fn_id, fn_ref, key  # fn_ref None: not shared
+    # the executables the wrappers' C++ fronts run without Python, per signature
+    # (jax_api.cpp_front): the graphs', so released with them
+    self.front = front_cache()
     with _ALL_LOCK:
       _ALL.add(self)
 
@@ -78,6 +81,7 @@ class Signatures:
     if session is None:  # gone, and its graphs with it
       return
     with self.lock:
+      self.forget()
       for gid in {gid for gid, _ in self.graphs.values()}:
         if isinstance(gid, int):
           try:
@@ -85,6 +89,23 @@ class Signatures:
           except Exception:  # pylint: disable=broad-except
             pass  # released already (the session's own release)
       self.graphs.clear()
+
+  def forget(self):
+    """The fronts run none of these graphs' executables: the next call of
+    each signature takes the Python path (which finds a released graph)."""
+    if self.front is not None:
+      self.front.clear()
+
+
+def graph_released(session, gid):
+  """A graph released by hand (Session.release): the fronts of the
+  functions it served stop running its executable."""
+  with _ALL_LOCK:
+    everything = list(_ALL)
+  for sigs in everything:
+    if sigs.session_ref is not None and sigs.session_ref() is session and \
+        any(g == gid for g, _ in list(sigs.graphs.values())):
+      sigs.forget()
 
 
 _ALL = weakref.WeakSet()  # every Signatures alive: jax.clear_caches() releases them

@@ -11,7 +11,11 @@ around), and later calls with that signature `run` it. A signature is what
 jax.jit's cache tells apart: the values of the static arguments, the pytree
 structure of the others (keyword arguments included) and each leaf's type,
 shape, dtype and weak type. The output keeps `fn`'s pytree, as jax.jit's
-does.
+does. A wrapper without statics is called through jax.jit's own C++ call
+object (jax_api.cpp_front): where a signature's graph is one executable with
+nothing around it, taking no keyword arguments, the signature check and the
+run are C++'s, as in a jax.jit call; every other call takes this module's
+Python path (tests/jit_front_test.py; benchmarks/dispatch.py's js.jit rows).
 
 Called under a trace (inside grad, vmap, another jit: a tracer among the
 arguments), it traces `fn` inline as jax.jit does - it *is* jax.jit there -
@@ -50,8 +54,8 @@ from jaxsession.graph import settings
 from jaxsession.errors import InputError, UnknownGraphError
 # _top_level: True outside every trace (vmap with an axis name, grad, jit, ...);
 # where jax lacks the internal API, tracer arguments alone tell a trace
-from jaxsession.jax_api import ARRAY, check_valid_dtype, context_meshes, deoptimized, \
-    real_jit, trace_state_clean as _top_level
+from jaxsession.jax_api import ARRAY, check_valid_dtype, context_meshes, cpp_front, \
+    deoptimized, fastpath, real_jit, trace_state_clean as _top_level
 from jaxsession.runtime.state import with_weak_type
 
 
@@ -197,6 +201,10 @@ class Jitted:
     self._session = session  # held here; the shared graphs hold it weakly
     self._sigs = jit_cache.acquire(fn, (self._static_nums, self._static_names), session)
     weakref.finalize(self, jit_cache.dropped, self._sigs)
+    # a call of a signature whose graph the front runs itself costs what jax.jit's
+    # does (benchmarks/dispatch.py's js.jit rows); statics are split in Python
+    self._front = None if self._static_nums or self._static_names else \
+        cpp_front(fn, _front_miss(weakref.ref(self)), self._sigs.front)
 
   @property
   def session(self):
@@ -232,7 +240,8 @@ class Jitted:
     return self if obj is None else types.MethodType(self, obj)
 
   def __getattr__(self, name):
-    if name.startswith("__") or name in ("_fn", "_sigs", "_session", "_traced", "graph_ids"):
+    if name.startswith("__") or name in ("_fn", "_sigs", "_session", "_traced", "_front",
+                                         "graph_ids"):
       raise AttributeError(name)
     if name in AOT:  # jax.jit's own, of fn and these statics
       return getattr(self._traced, name)
@@ -262,6 +271,18 @@ class Jitted:
     return statics, dyn_args, dyn_kw
 
   def __call__(self, /, *args, **kwargs):  # (a keyword argument may be named self)
+    front = self._front
+    if front is not None:  # jax.jit's C++ call: _call where it has no executable
+      return front(*args, **kwargs)
+    return self._call(args, kwargs)
+
+  def _call(self, args, kwargs, fast=None):
+    """The call in Python: the signature, compiled on first use, and its run.
+    `fast` (a list, from the C++ front's miss): gets the front's data for
+    the signature where the front may run it itself - a graph that is one
+    executable and nothing around it (Entry.direct), outputs as it returns
+    them, no keyword arguments (the front passes them after the positional
+    ones, the graph takes them first)."""
     if jax.config.jax_disable_jit:  # jax.jit runs fn op by op here
       return self._fn(*args, **kwargs)
     try:
@@ -306,7 +327,7 @@ class Jitted:
       with sigs.lock:          # entry): compiled again, as on first use
         for stale in [k for k, (g, _) in sigs.graphs.items() if g == gid]:
           del sigs.graphs[stale]
-      return self(*args, **kwargs)
+      return self._call(args, kwargs, fast)
     except InputError:  # a deleted (donated) argument: jax.jit's RuntimeError
       if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
         return self._under_trace()(*args, **kwargs)
@@ -315,7 +336,13 @@ class Jitted:
       if getattr(exc, "special", None) is None:  # jax.jit's de-optimized call
         raise
       deoptimized(self._fn, args, kwargs, f"jit({_name(self._fn)})", exc.special)
-    return out if committed is None else _committed_as_jit(out, committed)
+    if committed is not None:
+      return _committed_as_jit(out, committed)
+    if fast is not None and not dyn_kw:
+      entry = self.session._graphs.get(gid)  # pylint: disable=protected-access
+      if entry is not None and entry.direct is not None and len(entry.executables) == 1:
+        fast.append(fastpath(entry.executables[0], out, len(leaves)))
+    return out
 
   def _signature(self, key, statics, args, dyn_args, dyn_kw):
     """(graph id or _JAX, whether jax.jit commits the outputs) of a new
@@ -389,6 +416,16 @@ class Jitted:
       call.__dict__.pop("__wrapped__", None)
       held.clear()
       held["done"] = True
+
+
+def _front_miss(wrapper):
+  """The C++ front's call where it has no executable for the signature: the
+  wrapper's Python call (held weakly: the wrapper holds its front)."""
+  def cache_miss(*args, **kwargs):
+    fast = []
+    out = wrapper()._call(args, kwargs, fast)  # pylint: disable=protected-access
+    return out, (fast[0] if fast else None), False
+  return cache_miss
 
 
 def _keyword_parameters(fn, keys, taken):

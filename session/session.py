@@ -10,7 +10,7 @@ import jax
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import (bucketed, checkpoints, gc_pause, inputs, own_device, pipeline,
+from jaxsession import (bucketed, checkpoints, gc_pause, inputs, jit_cache, own_device, pipeline,
                         processes, spmd, state_values, tracing)
 from jaxsession.graph import importer, settings
 from jaxsession.argnums import _argnums, _graph_id, _replaced, _shared_slots, check_shared
@@ -548,6 +548,7 @@ class Session:
       if self._graphs.pop(_graph_id(graph_id), None) is None:
         raise UnknownGraphError(f"graph id {graph_id!r} was already released")
       entry.released = True
+    jit_cache.graph_released(self, _graph_id(graph_id))  # no js.jit front runs it
     if entry.bucketed is not None:  # its sub-graphs own the executables and state
       for sub in entry.bucketed.release():
         self.release(sub)

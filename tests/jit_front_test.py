@@ -1,0 +1,186 @@
+"""jaxsession.jit's C++ front: a signature whose graph is one executable and
+nothing around it runs in jax.jit's own C++ call, its Python path taken
+once; every other call takes the Python path; what the front runs is what
+the Python path and jax.jit return, bit for bit, at every call."""
+import threading
+from unittest import mock
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsession as js
+from jaxsession import jitted
+import tests.jit_test as jt
+
+
+class PythonCalls:
+  """Counts the wrapper's Python path (Jitted._call) calls."""
+
+  def __init__(self, test):
+    self.count = 0
+    real = jitted.Jitted._call
+
+    def counted(wrapper, *args, **kwargs):
+      self.count += 1
+      return real(wrapper, *args, **kwargs)
+    patcher = mock.patch.object(jitted.Jitted, "_call", counted)
+    patcher.start()
+    test.addCleanup(patcher.stop)
+
+
+class JitFrontTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.rng = np.random.default_rng(46)
+    self.calls = PythonCalls(self)
+
+  def check(self, fn, *arg_lists, python_calls, **jit_kwargs):
+    """fn through js.jit and jax.jit on each argument list three times:
+    bit-equal outputs, commitment and weak types included; the Python path
+    taken `python_calls` times in all."""
+    ours, ref = js.jit(fn, session=js.Session(), **jit_kwargs), jax.jit(fn, **jit_kwargs)
+    before = self.calls.count
+    for args in arg_lists:
+      for _ in range(3):
+        got, want = ours(*args), ref(*args)
+        jt.same(self, got, want)
+        self.assertEqual([x.committed for x in jax.tree.leaves(got)],
+                         [x.committed for x in jax.tree.leaves(want)])
+    self.assertEqual(self.calls.count - before, python_calls)
+    return ours
+
+  def test_a_hot_signature_runs_in_the_front_bit_for_bit(self):
+    x = jt.nasty(self.rng, (5, 3))
+    y = jt.nasty(self.rng, (3,))
+    big = jnp.asarray([2**31 - 1, -2**31, 7], jnp.int32)
+
+    def f(x, y, n):
+      return {"s": jnp.sin(x) * y + 1.0, "m": jnp.max(x, axis=0), "n": n * 3 + 1,
+              "x": x}  # an input returned as it came
+    self.check(f, (x, y, big), (x[::-1], y * 2, big[::-1]), python_calls=1)
+    # numpy arguments: another signature to jax's C++ call (no sharding), one graph
+    self.check(f, (x, y, big), (np.asarray(x), np.asarray(y), np.asarray(big)),
+               python_calls=2)
+    self.check(f, (x, y, big), (x[:2], y, big[:1]), python_calls=2)  # another shape
+
+  def test_key_arrays_pythons_scalars_and_x64(self):
+    key = jax.random.key(3)
+    x = jt.nasty(self.rng, (8,))
+    self.check(lambda k, x: x + jax.random.normal(k, x.shape), (key, x),
+               (jax.random.split(key)[1], x), python_calls=1)
+    # a Python scalar: a weakly typed argument of the signature, as in jax.jit's
+    self.check(lambda x, s: x * s, (x, 2.5), (x, -0.0), (x, np.float32(2.5)), python_calls=2)
+    with jax.enable_x64(True):
+      wide = jnp.asarray([2**62 + 3, -2**63, 0], jnp.int64)
+      self.check(lambda a: (a // 3, a.astype(jnp.float64) * 0.1), (wide,), (wide[::-1],),
+                 python_calls=1)
+
+  def test_calls_the_front_cannot_run(self):
+    x = jt.nasty(self.rng, (4,))
+    # keyword arguments: the graph takes them first, the front passes them last
+    ours, ref = js.jit(lambda x, *, s: x * s, session=js.Session()), jax.jit(lambda x, *, s: x * s)
+    for _ in range(2):
+      jt.same(self, ours(x, s=x), ref(x, s=x))
+    self.assertEqual(self.calls.count, 2)
+    # a host callback between executables; statics (split in Python)
+    seen = []
+
+    def logged(x):
+      jax.debug.callback(lambda v: seen.append(np.asarray(v)), x)
+      return x + 1
+    self.check(logged, (x,), python_calls=3)
+    self.assertLen(seen, 6)
+    self.check(lambda x, n: x * n, (x, 3), python_calls=3, static_argnums=1)
+    # arguments committed to the session's device: jax.jit commits the outputs
+    committed = jax.device_put(x, jax.devices()[0])
+    self.check(lambda x: x * 2, (committed,), (x,), python_calls=4)
+
+  def test_cleared_and_released_graphs_leave_the_front(self):
+    scale = [2.0]
+
+    def f(x):
+      return x * scale[0]
+    sess = js.Session()
+    ours, x = js.jit(f, session=sess), jt.nasty(self.rng, (4,))
+    ours(x)
+    ours(x)
+    self.assertEqual(self.calls.count, 1)
+    scale[0] = 3.0
+    jax.clear_caches()  # jax.jit traces again, so does js.jit: the front forgot
+    jt.same(self, ours(x), jax.jit(f)(x))
+    self.assertEqual(self.calls.count, 2)
+    scale[0] = 4.0
+    ours.clear_cache()
+    jt.same(self, ours(x), x * 4.0)
+    ours(x)
+    self.assertEqual(self.calls.count, 3)
+    (gid,) = ours.graph_ids
+    sess.release(gid)  # by hand: the next call compiles again (its Python path
+    jt.same(self, ours(x), x * 4.0)  # finds the graph gone, then compiles: 2)
+    ours(x)
+    self.assertEqual(self.calls.count, 5)
+    self.assertNotIn(gid, ours.graph_ids)
+    self.assertLen(ours.graph_ids, 1)
+
+  def test_a_new_wrapper_of_the_function_shares_the_front(self):
+    def f(x):
+      return jnp.cos(x) - 1.0
+    sess, x = js.Session(), jt.nasty(self.rng, (6,))
+    js.jit(f, session=sess)(x)
+    jt.same(self, js.jit(f, session=sess)(x), jax.jit(f)(x))
+    self.assertEqual(self.calls.count, 1)
+    js.jit(f, session=js.Session())(x)  # another session: its own graphs
+    self.assertEqual(self.calls.count, 2)
+
+  def test_debug_flags_disable_jit_and_traces_after_the_front(self):
+    traced = []
+
+    def f(x):
+      traced.append(type(x))
+      return jnp.log(x) * 2.0
+    ours = js.jit(f, session=js.Session())
+    x = jnp.asarray(self.rng.uniform(1, 2, (4,)), jnp.float32)
+    ours(x)
+    ours(x)
+    with jax.debug_nans(True):
+      with self.assertRaisesRegex(FloatingPointError, "nan"):
+        ours(-x)
+      with self.assertRaisesRegex(FloatingPointError, "nan"):
+        jax.jit(f)(-x)
+    del traced[:]
+    with jax.disable_jit():  # fn op by op, on arrays
+      jt.same(self, ours(x), jnp.log(x) * 2.0)
+    self.assertEqual(traced, [type(x)])
+    jt.same(self, jax.vmap(ours)(x[:, None]), jax.vmap(jax.jit(f))(x[:, None]))
+    jt.same(self, jax.grad(lambda v: ours(v).sum())(x), jax.grad(lambda v: jax.jit(f)(v).sum())(x))
+    deleted = jnp.ones(4) + x
+    deleted.delete()
+    with self.assertRaisesRegex(RuntimeError, "deleted"):
+      ours(deleted)
+
+  def test_threads_share_the_front(self):
+    ours = js.jit(lambda x: jnp.tanh(x) * 3.0, session=js.Session())
+    xs = [jt.nasty(self.rng, (16,)) for _ in range(4)]
+    want = [jax.jit(lambda x: jnp.tanh(x) * 3.0)(x) for x in xs]
+    errors = []
+
+    def worker(i):
+      try:
+        for _ in range(200):
+          jt.same(self, ours(xs[i]), want[i])
+      except Exception as exc:  # pylint: disable=broad-except
+        errors.append(exc)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    self.assertEqual(errors, [])
+    self.assertLessEqual(self.calls.count, 4)  # one per thread at most: compiles race
+
+
+if __name__ == "__main__":
+  absltest.main()
