@@ -9,6 +9,7 @@ call see and commit a consistent state; graphs with no slot in common run in
 parallel.
 """
 import dataclasses
+import enum
 import itertools
 import threading
 
@@ -395,6 +396,47 @@ def tree_difference(expected, got, path=""):
     if found:
       return found
   return f"at {where}: structures differ"
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum)
+
+
+def _stable(value):
+  """`value` described alike in every process: plain values by repr;
+  tuples, lists and dicts by their items; any other object by its type alone
+  (a function's or an object's repr holds its address)."""
+  if isinstance(value, _PLAIN):
+    return repr(value)
+  if isinstance(value, (tuple, list)):
+    name = "" if type(value) in (tuple, list) else type(value).__qualname__
+    return f"{name}[{', '.join(map(_stable, value))}]"
+  if isinstance(value, dict):
+    return "{" + ", ".join(f"{_stable(k)}: {_stable(v)}" for k, v in value.items()) + "}"
+  return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def structure_statics(treedef):
+  """[[path, node type, its static metadata described]] of a structure's
+  nodes that carry metadata (a dataclass's static fields, a non-array leaf
+  kept static, a container's keys), described alike in every process
+  (_stable): what a checkpoint records of the structure beside its leaf
+  paths, to compare at restore."""
+  out = []
+
+  def walk(value, path):
+    node, children = _children(value)
+    data = node.node_data()
+    if data is None:  # a leaf
+      return
+    kind, metadata = data
+    if metadata is not None:
+      out.append([path or "(root)", f"{kind.__module__}.{kind.__qualname__}",
+                  _stable(static_leaves.carried(metadata))])
+    for key, child in children:
+      walk(child, path + tree_util.keystr((key,)))
+  leaf = jax.ShapeDtypeStruct((), np.float32)  # (an unflatten may read its leaves' types)
+  walk(tree_util.tree_unflatten(treedef, [leaf] * treedef.num_leaves), "")
+  return out
 
 
 def _kind(x):

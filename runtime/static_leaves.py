@@ -111,5 +111,12 @@ def static_paths(tree):
 def difference(expected, got):
   """What differs between two Static nodes, for tree_difference's message."""
   return (f"the non-array leaf kept static is {_Same(got.value)!r}, the state was compiled "
-          f"for {_Same(expected.value)!r} (another object would need another program; "
-          "compile again for it)")
+          f"for {_Same(expected.value)!r} (another object would need another program: "
+          "compile a graph with this object in its example, or set it inside the function - "
+          "a mode flag such as equinox's inference_mode - and pass the state as compiled)")
+
+
+def carried(metadata):
+  """The object a Static node's treedef metadata carries; other metadata as
+  it is."""
+  return metadata.value if isinstance(metadata, _Same) else metadata

@@ -36,7 +36,7 @@ from jaxsession import processes, state_typing
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
 from jaxsession.runtime import debug_flags, interrupts
-from jaxsession.runtime.state import holding, private_copy, with_weak_type
+from jaxsession.runtime.state import holding, private_copy, structure_statics, with_weak_type
 
 FORMAT = step_dirs.FORMAT
 MAX_PENDING = 2  # saves being written or queued at once, per Session
@@ -78,7 +78,8 @@ def _meta(entry, keys):
   slots = []
   for slot, impls in zip(entry.slots, keys):
     slots.append({"name": slot.name, "paths": _paths(slot),
-                  "types": [aval_str(a) for a in slot.avals], "keys": impls})
+                  "types": [aval_str(a) for a in slot.avals], "keys": impls,
+                  "statics": structure_statics(slot.treedef)})
   return {"format": FORMAT, "graph": entry.name, "slots": slots}
 
 
@@ -535,6 +536,18 @@ def _check_meta(where, name, meta, entry):
       raise InputError(f"{where}: state arg {k} of {name} has another structure than "
                        f"slot {slot.name}: missing {missing or 'nothing'}, extra "
                        f"{extra or 'nothing'}")
+    statics = got.get("statics")  # (not in checkpoints of before 2026-12-06)
+    if statics is not None:
+      mine = structure_statics(slot.treedef)
+      for (path, kind, saved), (_, _, now) in zip(statics, mine):
+        if saved != now:
+          raise InputError(f"{where}: state arg {k} of {name} at path {path}: the "
+                           f"checkpoint's {kind} holds the static metadata {saved}, the "
+                           f"slot's {now} (a pytree's static fields are part of its "
+                           "structure: restore into a graph compiled for them)")
+      if len(statics) != len(mine):
+        raise InputError(f"{where}: state arg {k} of {name} has another structure than "
+                         f"slot {slot.name}: its nodes carry other static metadata")
     for j, (path, saved_type, aval) in enumerate(zip(paths, got["types"], slot.avals)):
       want = aval_str(aval)
       if saved_type.rstrip("~") != want.rstrip("~"):

@@ -252,3 +252,60 @@ class KilledSaveTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+STATIC_CHILD = r"""
+import dataclasses, json, sys
+import jax, jax.numpy as jnp
+import numpy as np
+import jaxsession as js
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Model:
+  w: jax.Array
+  act: str = dataclasses.field(metadata=dict(static=True))
+
+def step(state, x):
+  model, fn = state  # fn: a function in the state, kept static (its repr holds an address)
+  y = jax.nn.relu(x * model.w) if model.act == "relu" else jnp.tanh(x * model.w)
+  return (Model(model.w * 0.5 + fn(x), model.act), fn), jnp.sum(y)
+
+mode, directory, act = sys.argv[1:]
+w = np.float32([0.75, -0.0, 3.5])
+sess = js.Session()
+gid = sess.compile(step, (Model(jnp.asarray(w), act), jnp.sin), w, state_argnums=0)
+if mode == "save":
+  sess.run(gid, w)
+  sess.save(gid, directory, 1)
+  sess.wait_until_saved()
+  print(json.dumps({"w": np.asarray(sess.get_state(gid)[0][0].w).tolist()}))
+else:
+  before = np.asarray(sess.get_state(gid)[0][0].w).tolist()
+  try:
+    sess.restore(gid, directory)
+    print(json.dumps({"w": np.asarray(sess.get_state(gid)[0][0].w).tolist()}))
+  except js.InputError as exc:
+    print(json.dumps({"refused": str(exc),
+                      "unchanged": np.asarray(sess.get_state(gid)[0][0].w).tolist() == before}))
+"""
+
+
+@pytest.mark.slow
+class StaticFieldsTest(absltest.TestCase):
+
+  def test_static_fields_are_checked_across_processes(self):
+    """A dataclass's static field is part of the state's structure, as
+    set_state checks it: a checkpoint restores in a fresh process into a
+    graph compiled for the same fields (a function kept static compares by
+    type: its address differs between processes), and a graph compiled for
+    another value refuses it, naming the path, its state unchanged."""
+    with tempfile.TemporaryDirectory() as directory:
+      saved = run_json(STATIC_CHILD, devices=1, args=("save", directory, "relu"))
+      same = run_json(STATIC_CHILD, devices=1, args=("restore", directory, "relu"))
+      self.assertEqual(same, saved)
+      other = run_json(STATIC_CHILD, devices=1, args=("restore", directory, "tanh"))
+      self.assertTrue(other["unchanged"])
+      self.assertIn("at path [0]", other["refused"])
+      self.assertIn("['relu']", other["refused"])
+      self.assertIn("['tanh']", other["refused"])
