@@ -272,8 +272,8 @@ class Jitted:
 
   def __call__(self, /, *args, **kwargs):  # (a keyword argument may be named self)
     front = self._front
-    if front is not None:  # jax.jit's C++ call: _call where it has no executable
-      return front(*args, **kwargs)
+    if front is not None and not kwargs:  # jax.jit's C++ call: _call where it has
+      return front(*args)  # no executable (keyword arguments: never, so not tried)
     return self._call(args, kwargs)
 
   def _call(self, args, kwargs, fast=None):
@@ -281,8 +281,9 @@ class Jitted:
     `fast` (a list, from the C++ front's miss): gets the front's data for
     the signature where the front may run it itself - a graph that is one
     executable and nothing around it (Entry.direct), outputs as it returns
-    them, no keyword arguments (the front passes them after the positional
-    ones, the graph takes them first)."""
+    them. Keyword arguments never reach the front: it would pass them after
+    the positional ones, the graph takes them first (its signature names
+    them before fn's *args)."""
     if jax.config.jax_disable_jit:  # jax.jit runs fn op by op here
       return self._fn(*args, **kwargs)
     try:
@@ -338,7 +339,7 @@ class Jitted:
       deoptimized(self._fn, args, kwargs, f"jit({_name(self._fn)})", exc.special)
     if committed is not None:
       return _committed_as_jit(out, committed)
-    if fast is not None and not dyn_kw:
+    if fast is not None:
       entry = self.session._graphs.get(gid)  # pylint: disable=protected-access
       if entry is not None and entry.direct is not None and len(entry.executables) == 1:
         fast.append(fastpath(entry.executables[0], out, len(leaves)))
