@@ -280,8 +280,7 @@ class Jitted:
     """The call in Python: the signature, compiled on first use, and its run.
     `fast` (a list, from the C++ front's miss): gets the front's data for
     the signature where the front may run it itself - a graph that is one
-    executable and nothing around it (Entry.direct), outputs as it returns
-    them. Keyword arguments never reach the front: it would pass them after
+    executable and nothing around it (Entry.direct). Keyword arguments never reach the front: it would pass them after
     the positional ones, the graph takes them first (its signature names
     them before fn's *args)."""
     if jax.config.jax_disable_jit:  # jax.jit runs fn op by op here
@@ -337,8 +336,8 @@ class Jitted:
       if getattr(exc, "special", None) is None:  # jax.jit's de-optimized call
         raise
       deoptimized(self._fn, args, kwargs, f"jit({_name(self._fn)})", exc.special)
-    if committed is not None:
-      return _committed_as_jit(out, committed)
+    if committed is not None:  # (the front commits its outputs as these are)
+      out = _committed_as_jit(out, committed)
     if fast is not None:
       entry = self.session._graphs.get(gid)  # pylint: disable=protected-access
       if entry is not None and entry.direct is not None and len(entry.executables) == 1:
