@@ -7,6 +7,10 @@ from jaxsession.options import SessionOptions
 from jaxsession.pipeline import register_pass, unregister_pass
 from jaxsession.session import Session
 from jaxsession.jitted import jit
+from jaxsession.jax_api import hide_frames as _hide_frames
+
+_hide_frames("jaxsession", "jaxsession.runtime", "jaxsession.kernels",
+             "jaxsession.optimizer_passes")
 
 __all__ = ["Session", "SessionOptions", "jit", "register_pass", "unregister_pass", "KernelGraph", "Node", "Value", "Literal",
            "errors", "SessionError", "InputError", "UnknownGraphError",

@@ -7,6 +7,9 @@ A user may route their code through the session with `jax.jit = jaxsession.jit`
 session's own compiles (Build, constant folding, layouts) must not route back
 into themselves, so they call this one.
 """
+import importlib.util
+import os
+
 import jax
 
 try:
@@ -66,6 +69,28 @@ try:  # jax.jit's answer to a nan (inf) its debug flags found in an output
   from jax._src.api_util import maybe_recursive_nan_check as _deoptimized
 except ImportError:  # an internal path: the same steps, in the session's words
   _Special = None
+
+
+try:  # jax's traceback filtering: frames of the folders it excludes are left out
+  # of a traceback below an api_boundary (JAX_TRACEBACK_FILTERING)
+  from jax._src.traceback_util import api_boundary, register_exclusion as _exclude
+except ImportError:  # an internal path: tracebacks keep every frame
+  def api_boundary(fn):
+    return fn
+
+  def _exclude(path):  # pylint: disable=unused-argument
+    pass
+
+
+def hide_frames(*packages):
+  """jax's traceback filtering leaves out the frames of these packages' code
+  (names), as it leaves out jax's own: an error inside a function
+  jaxsession.jit traces shows the frames jax.jit's shows (JAX's
+  errors_test), and jax's source locations name the user's line."""
+  for name in packages:
+    spec = importlib.util.find_spec(name)
+    for folder in (spec.submodule_search_locations or ()) if spec is not None else ():
+      _exclude(os.path.abspath(folder))
 
 
 try:  # jax.jit's own C++ call object (jax/_src/pjit.py's _cpp_pjit makes it)

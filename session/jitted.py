@@ -54,8 +54,8 @@ from jaxsession.graph import settings
 from jaxsession.errors import InputError, UnknownGraphError
 # _top_level: True outside every trace (vmap with an axis name, grad, jit, ...);
 # where jax lacks the internal API, tracer arguments alone tell a trace
-from jaxsession.jax_api import ARRAY, check_valid_dtype, context_meshes, cpp_front, \
-    deoptimized, fastpath, real_jit, trace_state_clean as _top_level
+from jaxsession.jax_api import ARRAY, api_boundary, check_valid_dtype, context_meshes, \
+    cpp_front, deoptimized, fastpath, real_jit, trace_state_clean as _top_level
 from jaxsession.runtime.state import with_weak_type
 
 
@@ -270,19 +270,26 @@ class Jitted:
     hash(statics)  # unhashable: a TypeError, on which __call__ hands the call to jax.jit
     return statics, dyn_args, dyn_kw
 
-  def __call__(self, /, *args, **kwargs):  # (a keyword argument may be named self)
+  @property
+  def __call__(self):
+    """jax.jit's C++ call object (cpp_front), itself: a call runs no Python
+    frame of this module's around it, so a traceback through it is what
+    jax.jit's is (JAX's errors_test); else the Python path behind jax's
+    traceback filtering boundary."""
     front = self._front
-    if front is not None and not kwargs:  # jax.jit's C++ call: _call where it has
-      return front(*args)  # no executable (keyword arguments: never, so not tried)
+    return front if front is not None else self._python_call
+
+  @api_boundary
+  def _python_call(self, /, *args, **kwargs):  # (a keyword argument may be named self)
     return self._call(args, kwargs)
 
   def _call(self, args, kwargs, fast=None):
     """The call in Python: the signature, compiled on first use, and its run.
     `fast` (a list, from the C++ front's miss): gets the front's data for
     the signature where the front may run it itself - a graph that is one
-    executable and nothing around it (Entry.direct). Keyword arguments never reach the front: it would pass them after
-    the positional ones, the graph takes them first (its signature names
-    them before fn's *args)."""
+    executable and nothing around it (Entry.direct), no keyword arguments
+    (the front would pass them after the positional ones; the graph takes
+    them first, its signature naming them before fn's *args)."""
     if jax.config.jax_disable_jit:  # jax.jit runs fn op by op here
       return self._fn(*args, **kwargs)
     try:
@@ -338,8 +345,8 @@ class Jitted:
       deoptimized(self._fn, args, kwargs, f"jit({_name(self._fn)})", exc.special)
     if committed is not None:  # (the front commits its outputs as these are)
       out = _committed_as_jit(out, committed)
-    if fast is not None:
-      entry = self.session._graphs.get(gid)  # pylint: disable=protected-access
+    if fast is not None and not dyn_kw:  # (the front passes keyword arguments last,
+      entry = self.session._graphs.get(gid)  # the graph takes them first)  # pylint: disable=protected-access
       if entry is not None and entry.direct is not None and len(entry.executables) == 1:
         fast.append(fastpath(entry.executables[0], out, len(leaves)))
     return out
@@ -421,6 +428,7 @@ class Jitted:
 def _front_miss(wrapper):
   """The C++ front's call where it has no executable for the signature: the
   wrapper's Python call (held weakly: the wrapper holds its front)."""
+  @api_boundary
   def cache_miss(*args, **kwargs):
     fast = []
     out = wrapper()._call(args, kwargs, fast)  # pylint: disable=protected-access

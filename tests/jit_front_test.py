@@ -3,6 +3,7 @@ nothing around it runs in jax.jit's own C++ call, its Python path taken
 once; every other call takes the Python path; what the front runs is what
 the Python path and jax.jit return, bit for bit, at every call."""
 import threading
+import traceback
 from unittest import mock
 
 from absl.testing import absltest
@@ -15,6 +16,23 @@ from jaxsession import jitted
 import tests.jit_test as jt
 
 
+def frames(jit, mode, fn, *args):
+  """(file, function) of the frames a traceback shows for fn(*args) under
+  JAX_TRACEBACK_FILTERING=mode; the exception's type name."""
+  before = jax.config.jax_traceback_filtering
+  jax.config.update("jax_traceback_filtering", mode)
+  try:
+    jit(fn)(*args)
+  except (AssertionError, TypeError) as exc:  # fn's assert; jax's TypeError
+    kept = [(f, line) for f, line in traceback.walk_tb(exc.__traceback__)
+            if not (mode == "tracebackhide" and "__tracebackhide__" in f.f_locals)]
+    return type(exc).__name__, [(s.filename, s.name)
+                                for s in traceback.StackSummary.extract(kept)]
+  finally:
+    jax.config.update("jax_traceback_filtering", before)
+  raise AssertionError("no error")
+
+
 class PythonCalls:
   """Counts the wrapper's Python path (Jitted._call) calls."""
 
@@ -25,9 +43,14 @@ class PythonCalls:
     def counted(wrapper, *args, **kwargs):
       self.count += 1
       return real(wrapper, *args, **kwargs)
-    patcher = mock.patch.object(jitted.Jitted, "_call", counted)
-    patcher.start()
-    test.addCleanup(patcher.stop)
+    self.patcher = mock.patch.object(jitted.Jitted, "_call", counted)
+    self.patcher.start()
+    test.addCleanup(self.stop)
+
+  def stop(self):
+    if self.patcher is not None:
+      self.patcher.stop()
+      self.patcher = None
 
 
 class JitFrontTest(absltest.TestCase):
@@ -161,6 +184,29 @@ class JitFrontTest(absltest.TestCase):
     deleted.delete()
     with self.assertRaisesRegex(RuntimeError, "deleted"):
       ours(deleted)
+
+  def test_tracebacks_show_the_frames_jax_jits_show(self):
+    self.calls.stop()  # (its frame is this file's: it would show)
+    def inner(x):
+      assert x.ndim == 7, "wrong rank"
+
+    def nested(jit):  # an error in a jitted function another one calls
+      return lambda x: 2 + jit(inner)(x)
+
+    class NoJaxType:
+      pass
+    for mode in ("remove_frames", "tracebackhide"):
+      for make, arg in ((nested, jnp.arange(3.0)), (lambda jit: lambda a: a + 1, NoJaxType())):
+        want = frames(jax.jit, mode, make(jax.jit), arg)
+        ours = frames(js.jit, mode, make(js.jit), arg)
+        self.assertEqual(ours, want)
+        self.assertEqual(ours[0], "TypeError" if make is not nested else "AssertionError")
+        self.assertNotIn("jaxsession", str(ours))
+      # a wrapper with statics: no front, its Python path behind jax's boundary
+      self.assertEqual(frames(lambda f: js.jit(f, static_argnums=1), mode,
+                              lambda x, n: inner(x * n), jnp.ones(2), 3),
+                       frames(lambda f: jax.jit(f, static_argnums=1), mode,
+                              lambda x, n: inner(x * n), jnp.ones(2), 3))
 
   def test_threads_share_the_front(self):
     ours = js.jit(lambda x: jnp.tanh(x) * 3.0, session=js.Session())
