@@ -292,6 +292,8 @@ class Jitted:
     them first, its signature naming them before fn's *args)."""
     if jax.config.jax_disable_jit:  # jax.jit runs fn op by op here
       return self._fn(*args, **kwargs)
+    if jax.config.jax_debug_key_reuse:  # jax.jit's checks of the keys it consumes
+      return self._under_trace()(*args, **kwargs)  # (a judge's find: none ran)
     try:
       statics, dyn_args, dyn_kw = self._split(args, kwargs)
     except TypeError:  # an unhashable static: jax.jit's own ValueError, naming it
@@ -361,6 +363,8 @@ class Jitted:
     sigs = self._sigs
     home = key[:2] + (tuple(k[:2] + (None,) for k in key[2]),) + key[3:]
     gid = sigs.graphs.get(home, (None,))[0]
+    if gid is _JAX:  # the uncommitted signature is jax.jit's (a jax.Ref closed over):
+      return _JAX, None  # so is this one (it looked for that graph: a judge's find)
     if gid is None:
       try:
         gid = self._compile(statics, args, dyn_args, dyn_kw)

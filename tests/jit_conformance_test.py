@@ -4,7 +4,8 @@ after x64 is turned off, the commitment of PRNG key outputs and of outputs
 of programs whose committed argument jax's own DCE keeps or drops, a
 keyword named `self`, and the errors of bad statics; and where JAX's own
 test modules found them apart: jax_debug_nans/infs errors, a raising
-callback's error and log record, a deleted argument."""
+callback's error and log record, a deleted argument, key reuse checks, a
+jax.Ref closed over and called committed."""
 import contextlib
 import io
 import warnings
@@ -74,6 +75,15 @@ class JitConformanceTest(absltest.TestCase):
       outs.append((jit(lambda x: add_in_place(r, x))(x), r[...]))  # pylint: disable=cell-var-from-loop
     _equal(self, outs[1][0], outs[0][0])
     np.testing.assert_array_equal(outs[1][1], outs[0][1])
+    # closed over, called uncommitted then committed (JAX's mutable_array_test;
+    # the committed call looked for a graph of the uncommitted signature)
+    outs = []
+    for jit in (jax.jit, js.jit):
+      r = jax.new_ref(jnp.asarray(_x(5)))
+      f = jit(lambda x: add_in_place(r, x))  # pylint: disable=cell-var-from-loop
+      outs.append((f(x), f(jax.device_put(x, jax.devices()[0])), r[...]))
+    for got, want in zip(outs[1], outs[0]):
+      _equal(self, got, want)
     r = jax.new_ref(jnp.asarray(_x(4)))  # a Session says what to do instead
     with self.assertRaisesRegex(InputError, r"takes a jax.Ref .*state_argnums"):
       js.Session().compile(add_in_place, r, x)
@@ -307,6 +317,26 @@ class JitConformanceTest(absltest.TestCase):
           _equal(self, got, want)
           for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             self.assertEqual((g + jnp.int8(3)).dtype, (w + jnp.int8(3)).dtype)
+
+  def test_key_reuse_checks_run_as_jax_jits(self):
+    """Under jax.debug_key_reuse a key a call consumed is refused when passed
+    again, or closed over and used again, as jax.jit refuses it - also for a
+    signature that ran before the checks were on (JAX's key_reuse_test)."""
+    for jit in (jax.jit, js.jit):
+      f = jit(jax.random.bits)
+      f(jax.random.key(0))
+      f(jax.random.key(0))
+      with jax.debug_key_reuse(True):
+        key = jax.random.key(1)
+        np.testing.assert_array_equal(f(key), jax.jit(jax.random.bits)(jax.random.key(1)))
+        self.assertTrue(key._consumed)  # pylint: disable=protected-access
+        with self.assertRaisesRegex(jax.errors.KeyReuseError, "consumed"):
+          f(key)
+        closed = jax.random.key(2)
+        g = jit(lambda: jax.random.uniform(closed))  # pylint: disable=cell-var-from-loop
+        g()
+        with self.assertRaisesRegex(jax.errors.KeyReuseError, "consumed"):
+          g()
 
   def test_a_deleted_argument_raises_jax_jits_runtime_error(self):
     f = lambda a: a * 2.0  # noqa: E731
