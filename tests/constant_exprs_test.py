@@ -127,3 +127,26 @@ class FusedParamsTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class BroadcastConstantsTest(absltest.TestCase):
+
+  def test_a_broadcast_constant_stays_unfolded_as_xlas_folder_leaves_it(self):
+    """XLA folds no broadcast that grows a constant, so a reduction of one runs
+    at run time under jax.jit, and so does a division by it; folded here, XLA
+    folded the reduction and divided by a constant otherwise (JAX's
+    scipy_signal_test: istft's overlap-add normalisation, 1 ulp apart)."""
+    w = jnp.asarray(RNG.random(8).astype(np.float32) + 0.5)  # closed over
+
+    def overlap_add(y):  # 5 frames of 8, hop 4
+      y = y.T.reshape(5, 2, 4).transpose(1, 0, 2)
+      y = jnp.pad(y, ((0, 0), (0, 1), (0, 0)))
+      return y.reshape(2, 24)[:, :22].sum(0)
+
+    def normalised(x):
+      window = jnp.broadcast_to(w[:, None] * w[:, None], (8, 5))
+      return overlap_add(x * w[:, None]) / overlap_add(window), window.mean(axis=1)
+    for seed in range(4):
+      x = np.random.default_rng(seed).standard_normal((8, 5)).astype(np.float32)
+      x[0, :3] = (-0.0, np.inf, np.nan)
+      _same(self, normalised, x)
