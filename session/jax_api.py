@@ -82,15 +82,16 @@ except ImportError:  # an internal path: tracebacks keep every frame
     pass
 
 
-def hide_frames(*packages):
-  """jax's traceback filtering leaves out the frames of these packages' code
-  (names), as it leaves out jax's own: an error inside a function
+def hide_frames(*names):
+  """jax's traceback filtering leaves out the frames of these packages' or
+  modules' code, as it leaves out jax's own: an error inside a function
   jaxsession.jit traces shows the frames jax.jit's shows (JAX's
   errors_test), and jax's source locations name the user's line."""
-  for name in packages:
+  for name in names:
     spec = importlib.util.find_spec(name)
-    for folder in (spec.submodule_search_locations or ()) if spec is not None else ():
-      _exclude(os.path.abspath(folder))
+    if spec is not None:
+      for place in spec.submodule_search_locations or [spec.origin]:
+        _exclude(os.path.abspath(place))
 
 
 try:  # jax.jit's own C++ call object (jax/_src/pjit.py's _cpp_pjit makes it)

@@ -28,7 +28,12 @@ import types
 import jax
 import numpy as np
 
+from jaxsession.jax_api import api_boundary, hide_frames  # noqa: E402
+
 ROUTE = os.environ.get("JAXSESSION_ROUTE") == "1"
+# the routing's own frames are left out of jax's filtered tracebacks, as
+# jaxsession's are: JAX's errors_test counts the frames it shows
+hide_frames("jax_suite_route")
 OUT = os.environ.get("JAXSESSION_SUITE_OUT")
 ROUTED_KWARGS = {"static_argnums", "static_argnames"}
 
@@ -114,6 +119,7 @@ class RoutedJit:
   def __get__(self, obj, objtype=None):  # a jitted method
     return self if obj is None else types.MethodType(self, obj)
 
+  @api_boundary
   def __call__(self, *args, **kwargs):
     if _under_a_trace(args, kwargs) or jax.config.jax_disable_jit:
       STATS["calls under a trace or disable_jit"] += 1
