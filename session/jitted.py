@@ -49,14 +49,13 @@ import numpy as np
 from jax import tree_util
 from jax.core import ShapedArray
 
-from jaxsession import jit_cache, tracing
+from jaxsession import jit_cache, jit_commits, tracing
 from jaxsession.graph import settings
 from jaxsession.errors import InputError, UnknownGraphError
 # _top_level: True outside every trace (vmap with an axis name, grad, jit, ...);
 # where jax lacks the internal API, tracer arguments alone tell a trace
-from jaxsession.jax_api import ARRAY, api_boundary, check_valid_dtype, context_meshes, \
-    cpp_front, deoptimized, fastpath, real_jit, trace_state_clean as _top_level
-from jaxsession.runtime.state import with_weak_type
+from jaxsession.jax_api import ARRAY, api_boundary, check_valid_dtype, cpp_front, \
+    deoptimized, fastpath, real_jit, trace_state_clean as _top_level
 
 
 _DEFAULT = []                 # the process's default Session, made on first use
@@ -346,7 +345,7 @@ class Jitted:
         raise
       deoptimized(self._fn, args, kwargs, f"jit({_name(self._fn)})", exc.special)
     if committed is not None:  # (the front commits its outputs as these are)
-      out = _committed_as_jit(out, committed)
+      out = jit_commits.as_jit(out, committed)
     if fast is not None and not dyn_kw:  # (the front passes keyword arguments last,
       entry = self.session._graphs.get(gid)  # the graph takes them first)  # pylint: disable=protected-access
       if entry is not None and entry.direct is not None and len(entry.executables) == 1:
@@ -375,11 +374,11 @@ class Jitted:
     if home != key and home not in sigs.graphs:  # (nothing committed: the program's
       # own layouts alone commit; False here lost them where a committed call came
       # first, a review's find)
-      sigs.graphs[home] = (gid, _to_fix(graph, _commits(graph, [False] * len(leaves))))
+      sigs.graphs[home] = (gid, jit_commits.to_fix(graph, [False] * len(leaves)))
     if _off_the_programs_devices(self.session.executables(gid), key[2]):
       return _JAX, None  # (the graph serves the uncommitted signature: compiled once)
-    return gid, _to_fix(graph, _commits(graph, [isinstance(x, jax.Array) and x.committed
-                                                for x in leaves]))
+    return gid, jit_commits.to_fix(graph, [isinstance(x, jax.Array) and x.committed
+                                           for x in leaves])
 
   def _under_trace(self):
     return self._traced
@@ -518,69 +517,6 @@ def _jax_only(fn, leaf_keys):
   return any(not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) and
              jax.dtypes.canonicalize_dtype(aval.dtype) != aval.dtype
              for _, aval, _ in leaf_keys)
-
-
-def _commits(graph, committed):
-  """Whether jax.jit commits the outputs of this call: where the program
-  lays out values itself or runs on a mesh (the session's, or a context
-  mesh: jax.jit's outputs over several devices, committed - uncommitted
-  they failed the next op, a break-it find), or where an argument the
-  program uses is committed (it drops the unused ones first; a review's
-  find). `committed`: per input leaf of the graph, in its input order,
-  whether it is a committed array."""
-  if graph.lays_out or graph.mesh is not None or _in_context_mesh():
-    return True
-  inputs = graph.inputs_of_kind("input")
-  if len(inputs) != len(committed):  # not one input per leaf: any committed one
-    return any(committed)
-  read = graph.read_before_rewrites  # as jax.jit's DCE leaves them: x * 0 reads x
-  if read is not None:  # (a review's find: int x * 0 was simplified away, x unused)
-    return any(c and v.id in read for c, v in zip(committed, inputs))
-  returned = {id(v) for v in graph.outputs}  # (no jax DCE to ask: the final graph's)
-  return any(c and (v.users or id(v) in returned) for c, v in zip(committed, inputs))
-
-
-def _to_fix(graph, committed):
-  """How __call__ commits the outputs of a signature: None where the
-  session returns them as jax.jit does already - uncommitted, as its
-  executables return them - and no pass over them is needed (~0.1 µs a
-  leaf, benchmarks/dispatch.py's js.jit rows); else `committed` (a host
-  op's output is committed: an uncommitted call recommits it)."""
-  if committed or any(node.place == "host" for node in graph.nodes):
-    return committed
-  return None
-
-
-def _in_context_mesh():
-  """Whether jax.jit takes a context mesh now (jax.set_mesh's, or an
-  abstract one with an explicit axis) and so commits its outputs."""
-  concrete, abstract = context_meshes()
-  return (concrete is not None and not concrete.empty) or (
-      abstract is not None and not abstract.empty and
-      any(t == jax.sharding.AxisType.Explicit for t in abstract.axis_types))
-
-
-def _committed_as_jit(out, committed):
-  """`out` with each array committed as jax.jit commits its outputs: where
-  an argument was committed (a device_put one), else not (a later op may
-  move it). The session's own outputs are on its device either way, a host
-  op's result committed, an executable's not; a PRNG key array as its
-  data is (it stayed uncommitted: a break-it find)."""
-  leaves = tree_util.tree_leaves(out)
-  if all(not isinstance(x, jax.Array) or x.committed == committed for x in leaves):
-    return out
-  return tree_util.tree_map(lambda x: _recommitted(x, committed), out)
-
-
-def _recommitted(x, committed):
-  if type(x) is ARRAY:
-    return with_weak_type(x, x.weak_type, committed)
-  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) \
-      and x.committed != committed:
-    data = jax.random.key_data(x)
-    return jax.random.wrap_key_data(with_weak_type(data, data.weak_type, committed),
-                                    impl=jax.random.key_impl(x))
-  return x
 
 
 def _name(fn):

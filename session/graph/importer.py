@@ -92,7 +92,7 @@ try:  # what jax.jit's lowering reads off a program to commit its outputs
   from jax._src.sharding_impls import UnspecifiedValue as _Unspecified
   from jax._src.interpreters.partial_eval import dce_jaxpr as _dce
 except ImportError:  # an internal path: no jaxpr is taken to lay out its values, and
-  _dce = None  # js.jit commits by the inputs the final graph reads (jitted._commits)
+  _dce = None  # js.jit commits by the inputs the final graph reads (jit_commits._commits)
 
 
 def lays_out(jaxpr):
