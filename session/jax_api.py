@@ -110,10 +110,11 @@ def front_cache():
   return None if _jaxlib is None else _jaxlib.PjitFunctionCache(capacity=8)
 
 
-def cpp_front(fn, cache_miss, cache):
-  """jax.jit's C++ call object of `fn` (no statics, no donation): a call
-  whose signature - pytree, each leaf's type, shape, dtype, weak type,
-  sharding and commitment, jax's jit-keyed settings, the trace state - has
+def cpp_front(fn, cache_miss, cache, static_argnums=(), static_argnames=()):
+  """jax.jit's C++ call object of `fn` (no donation): a call whose
+  signature - the static arguments' values, the pytree, each leaf's type,
+  shape, dtype, weak type, sharding and commitment, jax's jit-keyed
+  settings, the trace state - has
   an executable in `cache` runs it in C++, as jax.jit's call does; any
   other call returns `cache_miss(*args, **kwargs)`, which answers
   (outputs, `fastpath(...)` for the signature or None, False). Under
@@ -121,8 +122,8 @@ def cpp_front(fn, cache_miss, cache):
   if cache is None:
     return None
   try:
-    front = _jaxlib.pjit(getattr(fn, "__name__", type(fn).__name__), fn, cache_miss, [], [],
-                         _FRONT_KEYS, _jtu.dispatch_registry, _pxla.cc_shard_arg, cache)
+    front = _jaxlib.pjit(getattr(fn, "__name__", type(fn).__name__), fn, cache_miss,
+                         list(static_argnums), list(static_argnames), _FRONT_KEYS, _jtu.dispatch_registry, _pxla.cc_shard_arg, cache)
     front._fun = fn  # pylint: disable=protected-access  (jax_debug_nans' check of an
     # output the front made calls fn op by op, as jax.jit's: it reads this)
     return front

@@ -11,11 +11,12 @@ around), and later calls with that signature `run` it. A signature is what
 jax.jit's cache tells apart: the values of the static arguments, the pytree
 structure of the others (keyword arguments included) and each leaf's type,
 shape, dtype and weak type. The output keeps `fn`'s pytree, as jax.jit's
-does. A wrapper without statics is called through jax.jit's own C++ call
-object (jax_api.cpp_front): where a signature's graph is one executable with
-nothing around it, taking no keyword arguments, the signature check and the
-run are C++'s, as in a jax.jit call; every other call takes this module's
-Python path (tests/jit_front_test.py; benchmarks/dispatch.py's js.jit rows).
+does. A wrapper is called through jax.jit's own C++ call object
+(jax_api.cpp_front; not with a static position counted from the end): where
+a signature's graph is one executable with nothing around it, taking no
+dynamic keyword argument, the signature check and the run are C++'s, as in
+a jax.jit call; every other call takes this module's Python path
+(tests/jit_front_test.py; benchmarks/dispatch.py's js.jit rows).
 
 Called under a trace (inside grad, vmap, another jit: a tracer among the
 arguments), it traces `fn` inline as jax.jit does - it *is* jax.jit there -
@@ -201,9 +202,12 @@ class Jitted:
     self._sigs = jit_cache.acquire(fn, (self._static_nums, self._static_names), session)
     weakref.finalize(self, jit_cache.dropped, self._sigs)
     # a call of a signature whose graph the front runs itself costs what jax.jit's
-    # does (benchmarks/dispatch.py's js.jit rows); statics are split in Python
-    self._front = None if self._static_nums or self._static_names else \
-        cpp_front(fn, _front_miss(weakref.ref(self)), self._sigs.front)
+    # does (benchmarks/dispatch.py's js.jit rows); the front passes it the
+    # dynamic arguments alone, as the graph takes them (a static position from
+    # the end is found per call: the Python path's)
+    self._front = None if any(i < 0 for i in self._static_nums) else cpp_front(
+        fn, _front_miss(weakref.ref(self)), self._sigs.front, sorted(self._static_nums),
+        sorted(self._static_names))
 
   @property
   def session(self):

@@ -116,11 +116,32 @@ class JitFrontTest(absltest.TestCase):
       return x + 1
     self.check(logged, (x,), python_calls=3)
     self.assertLen(seen, 6)
-    self.check(lambda x, n: x * n, (x, 3), python_calls=3, static_argnums=1)
+    # a static position counted from the end: found per call, in Python
+    self.check(lambda x, n: x * n, (x, 3), python_calls=3, static_argnums=-1)
     # an argument committed to the session's device: jax.jit commits the
     # outputs, so does the front (its signature: another one, the same graph)
     committed = jax.device_put(x, jax.devices()[0])
     self.check(lambda x: x * 2, (committed,), (x,), (committed,), python_calls=2)
+
+  def test_static_arguments_key_the_fronts_signatures(self):
+    """Statics by position or name: one graph per static value and type (2,
+    2.0 and True trace other programs), each run by the front after its
+    first call; keyword statics too (no dynamic keyword argument left)."""
+    def f(x, k, *, mode="mul"):
+      return x * k if mode == "mul" else x - k
+    x = jt.nasty(self.rng, (5,))
+    for statics in ({"static_argnums": 1}, {"static_argnames": ("k", "mode")},
+                    {"static_argnums": (1,), "static_argnames": ("mode",)}):
+      wrapped, ref = js.jit(f, session=js.Session(), **statics), jax.jit(f, **statics)
+      before = self.calls.count
+      for _ in range(3):
+        for args, kwargs in (((x, 2), {}), ((x, 2.0), {}), ((x, True), {}),
+                             ((x, 3), {"mode": "sub"})):
+          if "mode" not in statics.get("static_argnames", ()) and kwargs:
+            continue  # mode is no static there: a str argument, jax.jit's TypeError
+          jt.same(self, wrapped(*args, **kwargs), ref(*args, **kwargs))
+      runs = 4 if "mode" in statics.get("static_argnames", ()) else 3
+      self.assertEqual(self.calls.count - before, runs, statics)
 
   def test_cleared_and_released_graphs_leave_the_front(self):
     scale = [2.0]
