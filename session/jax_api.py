@@ -106,24 +106,27 @@ except ImportError:  # an internal path: every call takes the Python path
 
 def front_cache():
   """The executables of the C++ fronts made with it (`cpp_front`), per
-  signature: one function's, shared by its fronts. None without fronts."""
-  return None if _jaxlib is None else _jaxlib.PjitFunctionCache(capacity=8)
+  signature: one function's, shared by its fronts, as many signatures as
+  jax.jit's cache keeps (at 8, a function called at 20 shapes took the
+  Python path at every call). None without fronts."""
+  return None if _jaxlib is None else _jaxlib.PjitFunctionCache(capacity=4096)
 
 
 def cpp_front(fn, cache_miss, cache, static_argnums=(), static_argnames=()):
   """jax.jit's C++ call object of `fn` (no donation): a call whose
   signature - the static arguments' values, the pytree, each leaf's type,
   shape, dtype, weak type, sharding and commitment, jax's jit-keyed
-  settings, the trace state - has
-  an executable in `cache` runs it in C++, as jax.jit's call does; any
-  other call returns `cache_miss(*args, **kwargs)`, which answers
-  (outputs, `fastpath(...)` for the signature or None, False). Under
-  jax.disable_jit() it calls fn. None where this jax lacks one."""
+  settings, the trace state - has an executable in `cache` runs it in C++,
+  as jax.jit's call does; any other call returns `cache_miss(*args,
+  **kwargs)`, which answers (outputs, `fastpath(...)` for the signature or
+  None, False). Under jax.disable_jit() it calls fn. None where this jax
+  lacks one."""
   if cache is None:
     return None
   try:
     front = _jaxlib.pjit(getattr(fn, "__name__", type(fn).__name__), fn, cache_miss,
-                         list(static_argnums), list(static_argnames), _FRONT_KEYS, _jtu.dispatch_registry, _pxla.cc_shard_arg, cache)
+                         list(static_argnums), list(static_argnames), _FRONT_KEYS,
+                         _jtu.dispatch_registry, _pxla.cc_shard_arg, cache)
     front._fun = fn  # pylint: disable=protected-access  (jax_debug_nans' check of an
     # output the front made calls fn op by op, as jax.jit's: it reads this)
     return front

@@ -89,6 +89,16 @@ class JitFrontTest(absltest.TestCase):
                python_calls=2)
     self.check(f, (x, y, big), (x[:2], y, big[:1]), python_calls=2)  # another shape
 
+  def test_many_signatures_stay_in_the_front(self):
+    ours = js.jit(lambda x: x * 2.0 - 1.0, session=js.Session())
+    xs = [jt.nasty(self.rng, (n,)) for n in range(4, 24)]
+    for x in xs:
+      ours(x)
+    before = self.calls.count
+    for x in xs:  # (a front keeping 8 signatures took the Python path at each)
+      jt.same(self, ours(x), x * 2.0 - 1.0)
+    self.assertEqual(self.calls.count, before)
+
   def test_key_arrays_pythons_scalars_and_x64(self):
     key = jax.random.key(3)
     x = jt.nasty(self.rng, (8,))
