@@ -11,7 +11,9 @@ parallel.
 import dataclasses
 import enum
 import itertools
+import numbers
 import threading
+import types
 
 import jax
 import numpy as np
@@ -398,21 +400,49 @@ def tree_difference(expected, got, path=""):
   return f"at {where}: structures differ"
 
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum)
-
-
 def _stable(value):
-  """`value` described alike in every process: plain values by repr;
-  tuples, lists and dicts by their items; any other object by its type alone
-  (a function's or an object's repr holds its address)."""
-  if isinstance(value, _PLAIN):
+  """`value` described alike in every process, and alike where == (set_state's
+  test) holds as far as a description can tell: numbers by value (1, 1.0 and
+  True alike; np.float32(0.1) as the float it holds), strings and enums by
+  repr, classes and functions by their qualified names, tuples, lists and
+  dicts by their items; any other object by its type alone (its repr may
+  hold its address)."""
+  if isinstance(value, (str, bytes, enum.Enum, type(None))):
     return repr(value)
+  if isinstance(value, numbers.Number) and not isinstance(value, enum.Enum):
+    try:
+      if isinstance(value, numbers.Integral):
+        return repr(int(value))
+      if not isinstance(value, numbers.Real):
+        return repr(complex(value))
+      real = float(value)
+      return repr(int(real)) if real.is_integer() else repr(real)
+    except (TypeError, ValueError, OverflowError):
+      pass
   if isinstance(value, (tuple, list)):
     name = "" if type(value) in (tuple, list) else type(value).__qualname__
     return f"{name}[{', '.join(map(_stable, value))}]"
   if isinstance(value, dict):
     return "{" + ", ".join(f"{_stable(k)}: {_stable(v)}" for k, v in value.items()) + "}"
+  if isinstance(value, types.MethodType):  # (flax's TrainState.apply_fn: a Module's)
+    value = value.__func__
+  own = getattr(value, "__dict__", {})  # a class's or a function's own names
+  if isinstance(value, type) or ("__qualname__" in own and "__module__" in own) or \
+      isinstance(value, types.FunctionType):
+    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
   return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def _described(kind, metadata):
+  """A node's metadata described (_stable), a dataclass's static fields by
+  name where they can be told (so a refusal names the field)."""
+  metadata = static_leaves.carried(metadata)
+  if dataclasses.is_dataclass(kind) and isinstance(metadata, tuple):
+    names = [f.name for f in dataclasses.fields(kind)
+             if f.metadata.get("pytree_node", True) is False or f.metadata.get("static")]
+    if len(names) == len(metadata):
+      return "[" + ", ".join(f"{n}={_stable(v)}" for n, v in zip(names, metadata)) + "]"
+  return _stable(metadata)
 
 
 def structure_statics(treedef):
@@ -431,7 +461,7 @@ def structure_statics(treedef):
     kind, metadata = data
     if metadata is not None:
       out.append([path or "(root)", f"{kind.__module__}.{kind.__qualname__}",
-                  _stable(static_leaves.carried(metadata))])
+                  _described(kind, metadata)])
     for key, child in children:
       walk(child, path + tree_util.keystr((key,)))
   leaf = jax.ShapeDtypeStruct((), np.float32)  # (an unflatten may read its leaves' types)

@@ -307,5 +307,45 @@ class StaticFieldsTest(absltest.TestCase):
       other = run_json(STATIC_CHILD, devices=1, args=("restore", directory, "tanh"))
       self.assertTrue(other["unchanged"])
       self.assertIn("at path [0]", other["refused"])
-      self.assertIn("['relu']", other["refused"])
-      self.assertIn("['tanh']", other["refused"])
+      self.assertIn("[act='relu']", other["refused"])
+      self.assertIn("[act='tanh']", other["refused"])
+
+  def test_restore_and_set_state_agree_on_static_fields(self):
+    """restore takes a checkpoint's static field where set_state takes that
+    value (== holds: 1 and 1.0, False and 0) and refuses it where set_state
+    refuses it (np.float32(0.1) and (0.5), jnp.float32 and jnp.bfloat16), the
+    state unchanged (a break-it find: they disagreed both ways)."""
+    import dataclasses  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class State:
+      w: jax.Array
+      cfg: object = dataclasses.field(metadata=dict(static=True))
+
+    def step(s, x):
+      return State(s.w + x, s.cfg), jnp.sum(s.w)
+    x = jnp.asarray(np.float32([0.5, -0.0]))
+    for saved, now in ((1, 1.0), (False, 0), (np.float32(0.1), np.float32(0.5)),
+                       (jnp.float32, jnp.bfloat16)):
+      with tempfile.TemporaryDirectory() as directory:
+        sess = js.Session()
+        first = sess.compile(step, State(x * 3, saved), x, state_argnums=0)
+        sess.save(first, directory, 1)
+        sess.wait_until_saved()
+        gid = sess.compile(step, State(x, now), x, state_argnums=0)
+        try:
+          sess.set_state(gid, State(x * 3, saved))
+          takes = True
+        except js.InputError:
+          takes = False
+        sess.set_state(gid, State(x * 2, now))
+        if takes:
+          sess.restore(gid, directory)
+          np.testing.assert_array_equal(sess.get_state(gid)[0].w, x * 3)
+        else:
+          with self.assertRaisesRegex(js.InputError, "cfg="):
+            sess.restore(gid, directory)
+          np.testing.assert_array_equal(sess.get_state(gid)[0].w, x * 2)
+        self.assertEqual(takes, bool(saved == now), (saved, now))
