@@ -403,13 +403,15 @@ def tree_difference(expected, got, path=""):
 def _stable(value):
   """`value` described alike in every process, and alike where == (set_state's
   test) holds as far as a description can tell: numbers by value (1, 1.0 and
-  True alike; np.float32(0.1) as the float it holds), strings and enums by
-  repr, classes and functions by their qualified names, tuples, lists and
-  dicts by their items; any other object by its type alone (its repr may
-  hold its address)."""
-  if isinstance(value, (str, bytes, enum.Enum, type(None))):
+  True alike; np.float32(0.1) as the float it holds), strings by repr,
+  enum members, classes and functions by their qualified names, tuples,
+  lists and dicts by their items; any other object by its type alone (its
+  repr may hold its address)."""
+  if isinstance(value, enum.Enum):  # (a member's value may be an object)
+    return f"{type(value).__module__}.{type(value).__qualname__}.{value.name}"
+  if isinstance(value, (str, bytes, type(None))):
     return repr(value)
-  if isinstance(value, numbers.Number) and not isinstance(value, enum.Enum):
+  if isinstance(value, numbers.Number):
     try:
       if isinstance(value, numbers.Integral):
         return repr(int(value))

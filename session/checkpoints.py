@@ -518,6 +518,26 @@ def _check_digests(where, name, meta, entry, read):
                          "the state is unchanged (restore another step)")
 
 
+def _warn_static_differences(where, k, name, saved, mine):
+  """The checkpoint's static metadata (a dataclass's static fields, a mode
+  flag kept static) is the saving graph's program, not state: restore keeps
+  the graph's own - an eval graph compiled in inference mode restores a
+  training checkpoint, as it did before the checkpoint recorded them - and
+  says where they differ (a model compiled with another activation than
+  the one its weights were trained with: a break-it find, restored unsaid)."""
+  mine_at = {path: (kind, now) for path, kind, now in mine}
+  differ = [f"{path}: {kind} {value} in the checkpoint, {mine_at[path][1]} in the graph"
+            for path, kind, value in saved
+            if path in mine_at and mine_at[path] != (kind, value)]
+  differ += [f"{path}: only in the checkpoint" for path, _, _ in saved if path not in mine_at]
+  seen = {path for path, _, _ in saved}
+  differ += [f"{path}: only in the graph" for path, _, _ in mine if path not in seen]
+  if differ:
+    logging.warning("%s: state arg %d of %s was saved by a program with other static "
+                    "metadata; the graph keeps its own (%s%s)", where, k, name,
+                    "; ".join(differ[:4]), f"; {len(differ) - 4} more" if len(differ) > 4 else "")
+
+
 def _check_meta(where, name, meta, entry):
   """InputError unless the checkpoint's slots are the graph's: count, leaf
   paths and types."""
@@ -538,16 +558,7 @@ def _check_meta(where, name, meta, entry):
                        f"{extra or 'nothing'}")
     statics = got.get("statics")  # (not in checkpoints of before 2026-12-06)
     if statics is not None:
-      mine = structure_statics(slot.treedef)
-      for (path, kind, saved), (_, _, now) in zip(statics, mine):
-        if saved != now:
-          raise InputError(f"{where}: state arg {k} of {name} at path {path}: the "
-                           f"checkpoint's {kind} holds the static metadata {saved}, the "
-                           f"slot's {now} (a pytree's static fields are part of its "
-                           "structure: restore into a graph compiled for them)")
-      if len(statics) != len(mine):
-        raise InputError(f"{where}: state arg {k} of {name} has another structure than "
-                         f"slot {slot.name}: its nodes carry other static metadata")
+      _warn_static_differences(where, k, name, statics, structure_statics(slot.treedef))
     for j, (path, saved_type, aval) in enumerate(zip(paths, got["types"], slot.avals)):
       want = aval_str(aval)
       if saved_type.rstrip("~") != want.rstrip("~"):
