@@ -7,6 +7,7 @@ A user may route their code through the session with `jax.jit = jaxsession.jit`
 session's own compiles (Build, constant folding, layouts) must not route back
 into themselves, so they call this one.
 """
+import functools
 import importlib.util
 import os
 
@@ -129,6 +130,10 @@ def cpp_front(fn, cache_miss, cache, static_argnums=(), static_argnames=()):
                          _jtu.dispatch_registry, _pxla.cc_shard_arg, cache)
     front._fun = fn  # pylint: disable=protected-access  (jax_debug_nans' check of an
     # output the front made calls fn op by op, as jax.jit's: it reads this)
+    try:  # fn's name and doc, as jax.jit's object carries them
+      functools.update_wrapper(front, fn)
+    except Exception:  # pylint: disable=broad-except  (a callable without them)
+      pass
     return front
   except Exception:  # pylint: disable=broad-except  (an internal API changed)
     return None

@@ -167,6 +167,23 @@ def _leaf_key(x):
 AOT = ("lower", "trace", "eval_shape")  # jax.jit's, forwarded as they are
 
 
+class _CallSlot:
+  """Jitted.__call__: on a wrapper, jax.jit's C++ call object (cpp_front)
+  itself - a call runs no Python frame of this module's around it, so a
+  traceback through it is what jax.jit's is (JAX's errors_test) - else the
+  Python path behind jax's traceback filtering boundary; on the class, a
+  method taking the wrapper first (`type(f).__call__(f, x)`, as jax.jit's)."""
+
+  def __get__(self, wrapper, owner=None):
+    if wrapper is None:
+      return self
+    front = wrapper._front  # pylint: disable=protected-access
+    return front if front is not None else wrapper._python_call  # pylint: disable=protected-access
+
+  def __call__(self, wrapper, /, *args, **kwargs):
+    return self.__get__(wrapper)(*args, **kwargs)
+
+
 class Jitted:
   """What `jit` returns: call it as `fn`."""
 
@@ -206,8 +223,8 @@ class Jitted:
     # dynamic arguments alone, as the graph takes them (a static position from
     # the end is found per call: the Python path's)
     self._front = None if any(i < 0 for i in self._static_nums) else cpp_front(
-        fn, _front_miss(weakref.ref(self)), self._sigs.front, sorted(self._static_nums),
-        sorted(self._static_names))
+        fn, _front_miss(weakref.ref(self), self._traced), self._sigs.front,
+        sorted(self._static_nums), sorted(self._static_names))
 
   @property
   def session(self):
@@ -273,14 +290,7 @@ class Jitted:
     hash(statics)  # unhashable: a TypeError, on which __call__ hands the call to jax.jit
     return statics, dyn_args, dyn_kw
 
-  @property
-  def __call__(self):
-    """jax.jit's C++ call object (cpp_front), itself: a call runs no Python
-    frame of this module's around it, so a traceback through it is what
-    jax.jit's is (JAX's errors_test); else the Python path behind jax's
-    traceback filtering boundary."""
-    front = self._front
-    return front if front is not None else self._python_call
+  __call__ = _CallSlot()
 
   @api_boundary
   def _python_call(self, /, *args, **kwargs):  # (a keyword argument may be named self)
@@ -297,12 +307,14 @@ class Jitted:
       return self._fn(*args, **kwargs)
     if jax.config.jax_debug_key_reuse:  # jax.jit's checks of the keys it consumes
       return self._under_trace()(*args, **kwargs)  # (a judge's find: none ran)
+    # (each hand-over to jax.jit is made outside the except clause that found it:
+    # inside, the internal exception was chained into jax.jit's traceback)
     try:
       statics, dyn_args, dyn_kw = self._split(args, kwargs)
     except TypeError:  # an unhashable static: jax.jit's own ValueError, naming it
-      return self._under_trace()(*args, **kwargs)
-    if not _top_level():  # under a trace (even with concrete arguments: a collective
-      return self._under_trace()(*args, **kwargs)  # over vmap's axis name): jax.jit, inline
+      statics = None
+    if statics is None or not _top_level():  # or under a trace (even with concrete
+      return self._under_trace()(*args, **kwargs)  # arguments: vmap's axis name): inline
     leaves, treedef = tree_util.tree_flatten((dyn_args, dyn_kw))
     # the trace-time configuration is part of the signature, as in jax.jit's
     # cache (threefry_partitionable, dtype and rank promotion, the mesh...)
@@ -310,7 +322,8 @@ class Jitted:
       leaf_keys = tuple(map(_leaf_key, leaves))
     except (TypeError, _Traced):  # a tracer; a leaf of no JAX type, a type without a
       # value, an int past the default int: jax.jit's own error, naming fn and the
-      # path (or its run, if it takes it)
+      leaf_keys = None  # path (or its run, if it takes it)
+    if leaf_keys is None:
       return self._under_trace()(*args, **kwargs)
     # a static's type too, as jax.jit's cache keys it: 2 and 2.0 are equal and
     # hash alike, yet trace other programs (a fuzzer's find)
@@ -319,10 +332,12 @@ class Jitted:
            _concrete_mesh())  # jax.set_mesh's devices: the abstract mesh has no order
     sigs = self._sigs
     try:
-      entry = sigs.graphs.get(key)
+      entry = sigs.graphs.get(key, _MISSING)
     except Exception:  # pylint: disable=broad-except  # a static whose __eq__ raises:
-      return self._under_trace()(*args, **kwargs)  # jax.jit's ValueError naming it
+      entry = None  # jax.jit's ValueError naming it
     if entry is None:
+      return self._under_trace()(*args, **kwargs)
+    if entry is _MISSING:
       with sigs.lock:
         entry = sigs.graphs.get(key)
         if entry is None:
@@ -341,13 +356,15 @@ class Jitted:
           del sigs.graphs[stale]
       return self._call(args, kwargs, fast)
     except InputError:  # a deleted (donated) argument: jax.jit's RuntimeError
-      if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
-        return self._under_trace()(*args, **kwargs)
-      raise
+      if not any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+        raise
+      out = _MISSING
     except FloatingPointError as exc:  # jax_debug_nans (infs) found one in an output:
       if getattr(exc, "special", None) is None:  # jax.jit's de-optimized call
         raise
       deoptimized(self._fn, args, kwargs, f"jit({_name(self._fn)})", exc.special)
+    if out is _MISSING:
+      return self._under_trace()(*args, **kwargs)
     if committed is not None:  # (the front commits its outputs as these are)
       out = jit_commits.as_jit(out, committed)
     if fast is not None and not dyn_kw:  # (the front passes keyword arguments last,
@@ -432,13 +449,17 @@ class Jitted:
       held["done"] = True
 
 
-def _front_miss(wrapper):
+def _front_miss(wrapper, traced):
   """The C++ front's call where it has no executable for the signature: the
-  wrapper's Python call (held weakly: the wrapper holds its front)."""
+  wrapper's Python call (held weakly: the wrapper holds its front); once the
+  wrapper is gone (its `__call__` kept alone), jax.jit's call (`traced`)."""
   @api_boundary
   def cache_miss(*args, **kwargs):
+    alive = wrapper()
+    if alive is None:
+      return traced(*args, **kwargs), None, False
     fast = []
-    out = wrapper()._call(args, kwargs, fast)  # pylint: disable=protected-access
+    out = alive._call(args, kwargs, fast)  # pylint: disable=protected-access
     return out, (fast[0] if fast else None), False
   return cache_miss
 
@@ -475,6 +496,7 @@ except ImportError:  # an internal API: the public form (~0.4 µs)
 
 
 _JAX = "jax.jit"  # a signature jax.jit itself runs (see _placed_elsewhere)
+_MISSING = object()
 
 
 def _placed_elsewhere(leaf_keys, home):

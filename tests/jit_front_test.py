@@ -239,6 +239,27 @@ class JitFrontTest(absltest.TestCase):
                        frames(lambda f: jax.jit(f, static_argnums=1), mode,
                               lambda x, n: inner(x * n), jnp.ones(2), 3))
 
+  def test_call_through_the_class_and_a_call_kept_alone(self):
+    x = jt.nasty(self.rng, (3,))
+
+    def double(v):
+      return v * 2.0
+    ours = js.jit(double, session=js.Session())
+    jt.same(self, type(ours).__call__(ours, x), jax.jit(double)(x))  # as jax.jit's
+    self.assertEqual(ours.__call__.__name__, "double")
+    kept = js.jit(lambda v: v - 1.0, session=js.Session()).__call__  # the wrapper goes
+    for shape in ((3,), (2, 2)):  # a new signature after it went: jax.jit's call
+      y = jt.nasty(self.rng, shape)
+      jt.same(self, kept(y), y - 1.0)
+    # an argument jax.jit refuses, found by the Python path in an except clause:
+    # jax.jit's error, nothing of the session's chained into it
+    with self.assertRaises(TypeError) as refused:
+      ours(jax.ShapeDtypeStruct((3,), jnp.float32))
+    with self.assertRaises(TypeError) as want:
+      jax.jit(double)(jax.ShapeDtypeStruct((3,), jnp.float32))
+    self.assertEqual(str(refused.exception), str(want.exception))
+    self.assertEqual(repr(refused.exception.__context__), repr(want.exception.__context__))
+
   def test_threads_share_the_front(self):
     ours = js.jit(lambda x: jnp.tanh(x) * 3.0, session=js.Session())
     xs = [jt.nasty(self.rng, (16,)) for _ in range(4)]
