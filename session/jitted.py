@@ -274,6 +274,11 @@ class Jitted:
   def __deepcopy__(self, memo):
     return self
 
+  def __reduce__(self):  # pickled as jax.jit's is: the function and its statics,
+    # compiled again where it is loaded (in the default Session there: a Session,
+    # its executables and locks are no picklable value)
+    return (jit, (self._fn, self._argnums, self._argnames))
+
   def _split(self, args, kwargs):
     """(static key, dynamic positional args, dynamic keyword args)."""
     if not (self._static_nums or self._static_names):

@@ -260,6 +260,17 @@ class JitFrontTest(absltest.TestCase):
     self.assertEqual(str(refused.exception), str(want.exception))
     self.assertEqual(repr(refused.exception.__context__), repr(want.exception.__context__))
 
+  def test_pickled_as_jax_jits_function(self):
+    import cloudpickle  # pylint: disable=import-outside-toplevel
+    x = jt.nasty(self.rng, (4,))
+    scale = 3.0
+    ours = js.jit(lambda v, n: v * scale + n, static_argnums=1)
+    ours(x, 2)
+    back = cloudpickle.loads(cloudpickle.dumps(ours))
+    self.assertIsInstance(back, jitted.Jitted)
+    jt.same(self, back(x, 2), jax.jit(lambda v, n: v * scale + n, static_argnums=1)(x, 2))
+    self.assertIs(back.session, js.jit(abs).session)  # the default one, where loaded
+
   def test_threads_share_the_front(self):
     ours = js.jit(lambda x: jnp.tanh(x) * 3.0, session=js.Session())
     xs = [jt.nasty(self.rng, (16,)) for _ in range(4)]
