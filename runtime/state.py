@@ -411,6 +411,8 @@ def _stable(value):
     return f"{type(value).__module__}.{type(value).__qualname__}.{value.name}"
   if isinstance(value, (str, bytes, type(None))):
     return repr(value)
+  if isinstance(value, np.bool_):  # (no numbers.Number: as the bool it holds)
+    value = bool(value)
   if isinstance(value, numbers.Number):
     try:
       if isinstance(value, numbers.Integral):
@@ -421,11 +423,12 @@ def _stable(value):
       return repr(int(real)) if real.is_integer() else repr(real)
     except (TypeError, ValueError, OverflowError):
       pass
-  if isinstance(value, (tuple, list)):
+  if isinstance(value, (tuple, list)):  # ((1, 2) != [1, 2])
     name = "" if type(value) in (tuple, list) else type(value).__qualname__
-    return f"{name}[{', '.join(map(_stable, value))}]"
-  if isinstance(value, dict):
-    return "{" + ", ".join(f"{_stable(k)}: {_stable(v)}" for k, v in value.items()) + "}"
+    left, right = "[]" if isinstance(value, list) else "()"
+    return f"{name}{left}{', '.join(map(_stable, value))}{right}"
+  if isinstance(value, dict):  # (== ignores the order of the keys)
+    return "{" + ", ".join(sorted(f"{_stable(k)}: {_stable(v)}" for k, v in value.items())) + "}"
   if isinstance(value, types.MethodType):  # (flax's TrainState.apply_fn: a Module's)
     value = value.__func__
   own = getattr(value, "__dict__", {})  # a class's or a function's own names

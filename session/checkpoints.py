@@ -329,6 +329,11 @@ class Checkpointer:
       leaves = [jax.random.wrap_key_data(x, impl=keys[str(j)]) if str(j) in keys else
                 with_weak_type(x, weak[j]) for j, x in enumerate(row)]
       values.append(tree_util.tree_unflatten(slot.treedef, leaves))
+    for k, slot in enumerate(entry.slots):  # said once every check passed
+      statics = meta["slots"][k].get("statics")  # (none before 2026-12-06)
+      if statics is not None:
+        _warn_static_differences(where, k, f"{path}/{step}", statics,
+                                 structure_statics(slot.treedef))
     return step, values
 
 
@@ -556,9 +561,6 @@ def _check_meta(where, name, meta, entry):
       raise InputError(f"{where}: state arg {k} of {name} has another structure than "
                        f"slot {slot.name}: missing {missing or 'nothing'}, extra "
                        f"{extra or 'nothing'}")
-    statics = got.get("statics")  # (not in checkpoints of before 2026-12-06)
-    if statics is not None:
-      _warn_static_differences(where, k, name, statics, structure_statics(slot.treedef))
     for j, (path, saved_type, aval) in enumerate(zip(paths, got["types"], slot.avals)):
       want = aval_str(aval)
       if saved_type.rstrip("~") != want.rstrip("~"):

@@ -154,8 +154,9 @@ def fastpath(compiled, outs, num_args):
             and not params.is_high and _jtu.tree_structure(outs) == params.out_tree):
       return None
     flat, tree = _pxla.reflatten_outputs_for_dispatch(params.out_tree, _jtu.tree_leaves(outs))
-    if not all(type(x) is ARRAY for x in flat):
-      return None
+    if not all(type(x) is ARRAY for x in flat) or [
+        (x.shape, x.dtype) for x in flat] != [(a.shape, a.dtype) for a in exe.out_avals]:
+      return None  # (outputs the executable did not make as they are)
     const_args = exe.shard_const_args(params.const_args)
     kept = exe._kept_var_idx  # pylint: disable=protected-access
     in_shardings = [  # a key array's, as its buffer holds it (jax's own rule)

@@ -374,8 +374,11 @@ class Jitted:
       out = jit_commits.as_jit(out, committed)
     if fast is not None and not dyn_kw:  # (the front passes keyword arguments last,
       entry = self.session._graphs.get(gid)  # the graph takes them first)  # pylint: disable=protected-access
-      if entry is not None and entry.direct is not None and len(entry.executables) == 1:
-        fast.append(fastpath(entry.executables[0], out, len(leaves)))
+      # (one executable that is the whole graph: a plan's device partition beside
+      # a host op is one executable too, and ran without the host op: a review's find)
+      exe = None if entry is None or entry.direct is None else entry.runner.exe
+      if exe is not None:
+        fast.append(fastpath(exe, out, len(leaves)))
     return out
 
   def _signature(self, key, statics, args, dyn_args, dyn_kw):

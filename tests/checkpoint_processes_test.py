@@ -318,23 +318,27 @@ class StaticFieldsTest(absltest.TestCase):
 
   def test_static_fields_that_differ_as_set_state_tells_them_are_said(self):
     """restore says a static field differs where set_state would refuse
-    the value (np.float32(0.1) and (0.5), jnp.float32 and jnp.bfloat16), not
-    where == holds (1 and 1.0, False and 0), and binds the arrays either way
-    (a break-it find: the descriptions disagreed with == both ways)."""
+    the value (np.float32(0.1) and (0.5), jnp.float32 and jnp.bfloat16,
+    np.True_ and np.False_, (1, 2) and (2, 1)), not where == holds (1 and
+    1.0, False and 0, (1, 2) and (1, 2.0)), and binds the arrays either way
+    (break-it and review finds: they disagreed both ways)."""
     import dataclasses  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
 
-    @jax.tree_util.register_dataclass
-    @dataclasses.dataclass
-    class State:
-      w: jax.Array
-      cfg: object = dataclasses.field(metadata=dict(static=True))
-
-    def step(s, x):
-      return State(s.w + x, s.cfg), jnp.sum(s.w)
     x = jnp.asarray(np.float32([0.5, -0.0]))
     for saved, now in ((1, 1.0), (False, 0), (np.float32(0.1), np.float32(0.5)),
-                       (jnp.float32, jnp.bfloat16)):
+                       (jnp.float32, jnp.bfloat16), (np.True_, np.False_), ((1, 2), (1, 2.0)),
+                       ((1, 2), (2, 1))):
+      # a class and a step per case: a cache keyed by the structure compared
+      # np.float32(0.1) with (1, 2) and raised (numpy's ==, jax's ValueError)
+      @jax.tree_util.register_dataclass
+      @dataclasses.dataclass
+      class State:
+        w: jax.Array
+        cfg: object = dataclasses.field(metadata=dict(static=True))
+
+      def step(s, x, State=State):  # pylint: disable=redefined-outer-name
+        return State(s.w + x, s.cfg), jnp.sum(s.w)
       with tempfile.TemporaryDirectory() as directory:
         sess = js.Session()
         first = sess.compile(step, State(x * 3, saved), x, state_argnums=0)

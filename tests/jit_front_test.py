@@ -126,6 +126,13 @@ class JitFrontTest(absltest.TestCase):
       return x + 1
     self.check(logged, (x,), python_calls=3)
     self.assertLen(seen, 6)
+    # a host op that makes the device partition's input, the output a list: a
+    # plan of one executable and a host op (its executable ran alone: a review's find)
+    def host_then_device(v):
+      y = jax.pure_callback(lambda a: np.sin(np.asarray(a)[:2]) + 100,
+                            jax.ShapeDtypeStruct((2,), v.dtype), v)
+      return [y * 2.0]
+    self.check(host_then_device, (x,), python_calls=3)
     # a static position counted from the end: found per call, in Python
     self.check(lambda x, n: x * n, (x, 3), python_calls=3, static_argnums=-1)
     # an argument committed to the session's device: jax.jit commits the
