@@ -144,9 +144,11 @@ def fastpath(compiled, outs, num_args):
   call, on the signature's `num_args` flat arguments, gave `outs`) itself
   at the signature's later calls - as jax.jit's own executables hand it
   theirs - or None where jax would not (effects, host callbacks, outputs of
-  other than jax's array type, another pytree than the executable's)."""
+  other than jax's array type, another pytree or other types than the
+  executable's own)."""
+  # pylint: disable=protected-access
   try:
-    exe, params = compiled._executable, compiled._params  # pylint: disable=protected-access
+    exe, params = compiled._executable, compiled._params
     call = exe.unsafe_call
     if not (isinstance(exe, _pxla.MeshExecutable) and isinstance(call, _pxla.ExecuteReplicated)
             and not call.has_unordered_effects and not call.ordered_effects
@@ -158,16 +160,16 @@ def fastpath(compiled, outs, num_args):
         (x.shape, x.dtype) for x in flat] != [(a.shape, a.dtype) for a in exe.out_avals]:
       return None  # (outputs the executable did not make as they are)
     const_args = exe.shard_const_args(params.const_args)
-    kept = exe._kept_var_idx  # pylint: disable=protected-access
+    kept = exe._kept_var_idx
     in_shardings = [  # a key array's, as its buffer holds it (jax's own rule)
         _shardings.physical_sharding(a, s) if a is not _core.abstract_token
         and _dtypes.issubdtype(a.dtype, _dtypes.extended) else s
-        for s, a in zip(exe._in_shardings, exe.in_avals)]  # pylint: disable=protected-access
+        for s, a in zip(exe._in_shardings, exe.in_avals)]
     return _pxla.MeshExecutableFastpathData(
-        exe.xla_executable, tree, in_shardings, exe._out_shardings,  # pylint: disable=protected-access
-        [x.aval for x in flat], [x._committed for x in flat],  # pylint: disable=protected-access
+        exe.xla_executable, tree, in_shardings, exe._out_shardings,
+        [x.aval for x in flat], [x._committed for x in flat],
         [i in kept for i in range(len(const_args) + num_args)],
-        exe._dispatch_in_layouts, const_args)  # pylint: disable=protected-access
+        exe._dispatch_in_layouts, const_args)
   except Exception:  # pylint: disable=broad-except  (an internal API changed)
     return None
 

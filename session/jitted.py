@@ -304,10 +304,11 @@ class Jitted:
   def _call(self, args, kwargs, fast=None):
     """The call in Python: the signature, compiled on first use, and its run.
     `fast` (a list, from the C++ front's miss): gets the front's data for
-    the signature where the front may run it itself - a graph that is one
-    executable and nothing around it (Entry.direct), no keyword arguments
-    (the front would pass them after the positional ones; the graph takes
-    them first, its signature naming them before fn's *args)."""
+    the signature where the front may run it itself - a graph whose one
+    executable is the whole graph, with nothing around it (Runner.exe,
+    Entry.direct), no dynamic keyword arguments (the front would pass them
+    after the positional ones; the graph takes them first, its signature
+    naming them before fn's *args)."""
     if jax.config.jax_disable_jit:  # jax.jit runs fn op by op here
       return self._fn(*args, **kwargs)
     if jax.config.jax_debug_key_reuse:  # jax.jit's checks of the keys it consumes
@@ -373,9 +374,10 @@ class Jitted:
     if committed is not None:  # (the front commits its outputs as these are)
       out = jit_commits.as_jit(out, committed)
     if fast is not None and not dyn_kw:  # (the front passes keyword arguments last,
-      entry = self.session._graphs.get(gid)  # the graph takes them first)  # pylint: disable=protected-access
-      # (one executable that is the whole graph: a plan's device partition beside
-      # a host op is one executable too, and ran without the host op: a review's find)
+      # the graph takes them first). One executable that is the whole graph: a
+      # plan's device partition beside a host op is one executable too, and ran
+      # without the host op (a review's find)
+      entry = self.session._graphs.get(gid)  # pylint: disable=protected-access
       exe = None if entry is None or entry.direct is None else entry.runner.exe
       if exe is not None:
         fast.append(fastpath(exe, out, len(leaves)))
@@ -504,7 +506,7 @@ except ImportError:  # an internal API: the public form (~0.4 µs)
 
 
 _JAX = "jax.jit"  # a signature jax.jit itself runs (see _placed_elsewhere)
-_MISSING = object()
+_MISSING = object()  # _call's marker: no graph for the signature yet; a call for jax.jit
 
 
 def _placed_elsewhere(leaf_keys, home):
