@@ -160,7 +160,9 @@ def acquire(fn, statics, session):
     ref, table = entry
     sigs = table.get(key)
     if sigs is None or (session is not None and sigs.session_ref() is not session):
-      sigs = table[key] = Signatures(session, id(fn), ref, key)  # (a dead session's id again)
+      if sigs is not None:  # a dead session's id again: what it parked went with it,
+        _PARK.pop(id(sigs), None)  # and once replaced here, no death would find it
+      sigs = table[key] = Signatures(session, id(fn), ref, key)
     sigs.wrappers += 1
     _PARK.pop(id(sigs), None)
     return sigs
