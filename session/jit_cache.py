@@ -77,11 +77,11 @@ class Signatures:
   def release(self):
     """Releases the graphs, under the lock (a wrapper's clear_cache, the
     reaper and jax.clear_caches may release at once: a review's find)."""
+    self.forget()  # (also where the session went: a front kept alone held its executables)
     session = None if self.session_ref is None else self.session_ref()
     if session is None:  # gone, and its graphs with it
       return
     with self.lock:
-      self.forget()
       for gid in {gid for gid, _ in self.graphs.values()}:
         if isinstance(gid, int):
           try:

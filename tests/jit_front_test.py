@@ -2,6 +2,7 @@
 nothing around it runs in jax.jit's own C++ call, its Python path taken
 once; every other call takes the Python path; what the front runs is what
 the Python path and jax.jit return, bit for bit, at every call."""
+import gc
 import threading
 import traceback
 from unittest import mock
@@ -258,6 +259,18 @@ class JitFrontTest(absltest.TestCase):
     for shape in ((3,), (2, 2)):  # a new signature after it went: jax.jit's call
       y = jt.nasty(self.rng, shape)
       jt.same(self, kept(y), y - 1.0)
+      jt.same(self, kept(y), y - 1.0)
+    wrapper = js.jit(lambda v: v * 3.0, session=js.Session())
+    y = jt.nasty(self.rng, (5,))
+    wrapper(y)
+    wrapper(y)  # the front runs the session's executable
+    kept = wrapper.__call__
+    self.assertEqual(kept._cache_size(), 1)  # pylint: disable=protected-access
+    del wrapper
+    gc.collect()  # the wrapper gone: jax.clear_caches() still empties the front kept
+    jax.clear_caches()
+    self.assertEqual(kept._cache_size(), 0)  # pylint: disable=protected-access
+    jt.same(self, kept(y), y * 3.0)
     # an argument jax.jit refuses, found by the Python path in an except clause:
     # jax.jit's error, nothing of the session's chained into it
     with self.assertRaises(TypeError) as refused:
