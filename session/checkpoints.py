@@ -83,6 +83,16 @@ def _meta(entry, keys):
   return {"format": FORMAT, "graph": entry.name, "slots": slots}
 
 
+_POLL_S = 0.05  # how soon a wait for the writer sees a Ctrl-C
+
+
+def _alive(worker):
+  if worker.is_alive():
+    return True
+  raise RuntimeError("the checkpoint writer thread has died (see its traceback on stderr); "
+                     "saves still queued are not written: save again in a new Session")
+
+
 class Checkpointer:
   """A Session's checkpoints: one orbax CheckpointManager per directory,
   the background saves and their errors."""
@@ -279,7 +289,7 @@ class Checkpointer:
     return write
 
   def wait(self):
-    self._queue.join()
+    self._until_written(everything=True)
     with self._lock:
       errors, self._errors = self._errors, []
     if errors:  # the first, naming every other failure (they were dropped: a break-it find)
@@ -289,12 +299,36 @@ class Checkpointer:
     """Until the writes queued before this call are done - not those queued
     meanwhile (a restore beside this session's own saves from another thread
     waited for as long as it saved: a break-it find)."""
-    with self._lock:  # (no writer thread before the first save: nothing queued)
-      if self._worker is None:
+    self._until_written(everything=False)
+
+  @interrupts.critical
+  def _until_written(self, everything):
+    """Waits for the writes queued before this call (`everything`: and those
+    queued meanwhile, as Queue.join). The queue's and the events' own Python
+    is shared with the writer thread: a Ctrl-C raised inside it (Queue.put,
+    Event.wait) left the queue's count short or a waiter's lock released,
+    the writer died on its next task_done() or set(), and every later save
+    and the exit hung (a break-it find). So a Ctrl-C waits for the wait's
+    next poll, which ends it, then is raised; a writer that died (a bug)
+    is an error, not a hang."""
+    try:
+      with self._lock:  # (no writer thread before the first save: nothing queued)
+        worker = self._worker
+      if worker is None:
         return
-    reached = threading.Event()
-    self._queue.put(reached)
-    reached.wait()
+      queue_ = self._queue
+      if everything:
+        with queue_.all_tasks_done:
+          while queue_.unfinished_tasks and not interrupts.waiting() and _alive(worker):
+            queue_.all_tasks_done.wait(_POLL_S)
+      else:
+        reached = threading.Event()  # set by the writer when it takes it
+        queue_.put(reached)
+        while not reached.wait(_POLL_S) and not interrupts.waiting() and _alive(worker):
+          pass
+    finally:
+      interrupts.deliver()
+
 
   def restore(self, entry, where, directory, step):
     """The new leaves per slot, read and checked; `step` and the leaves."""

@@ -478,5 +478,65 @@ class TwoWritersTest(absltest.TestCase):
       b.wait_until_saved()
 
 
+
+class WriterWaitTest(absltest.TestCase):
+
+  def test_a_ctrl_c_inside_the_waits_for_the_writer_leaves_it_working(self):
+    # a Ctrl-C raised inside the queue's or an event's own Python as restore
+    # or wait_until_saved waited for the writer thread left the queue's count
+    # short or a waiter's lock released: the writer died on its next
+    # task_done() or set() and every later save and the exit hung (a
+    # break-it find, 3 runs in 4 under rapid SIGINTs). A Ctrl-C on each line
+    # of that Python, in turn: each is raised, and the writer goes on.
+    import queue  # pylint: disable=import-outside-toplevel
+    codes = [queue.Queue.put, queue.Queue.join, threading.Event.wait,
+             threading.Condition.wait, threading.Condition.__enter__,
+             threading.Condition.__exit__]
+    points = [(fn.__code__, line) for fn in codes
+              for line in sorted({ln for _, _, ln in fn.__code__.co_lines() if ln})[1:]]
+    died = []
+    hook, threading.excepthook = threading.excepthook, lambda args: died.append(
+        f"{args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
+    self.addCleanup(setattr, threading, "excepthook", hook)
+    sess = js.Session()
+    state = jnp.asarray(np.random.default_rng(5).standard_normal(1 << 18), jnp.float32)
+    gid = sess.compile(lambda s: (s * 0.5, s[0]), state, state_argnums=0)
+    raised = 0
+    with tempfile.TemporaryDirectory() as d:
+      for n, (code, line) in enumerate(points):
+        fired = []
+
+        def trace(frame, event, arg, code=code, line=line, fired=fired):  # pylint: disable=unused-argument
+          if frame.f_code is not code:
+            return None
+          def local(frame, event, arg):  # pylint: disable=unused-argument
+            if event == "line" and frame.f_lineno == line and not fired:
+              fired.append(line)
+              os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C as that line runs
+            return local
+          return local
+        sess.save(gid, d, 2 * n)  # a write for the wait to wait for
+        sys.settrace(trace)
+        try:
+          (sess.restore if n % 2 else sess.wait_until_saved)(*((gid, d) if n % 2 else ()))
+        except KeyboardInterrupt:
+          raised += 1
+        finally:
+          sys.settrace(None)
+        done = threading.Event()  # the next save is written (in a thread: no hang here)
+        waiter = threading.Thread(target=lambda: (sess.save(gid, d, 2 * n + 1),
+                                                  sess.wait_until_saved(), done.set()))
+        waiter.start()
+        waiter.join(60)
+        with self.subTest(code=code.co_qualname, line=line):
+          self.assertEqual(died, [])
+          self.assertTrue(done.is_set(), "a later save was not written")
+        if died or not done.is_set():
+          break
+      self.assertGreater(raised, 5)  # the Ctrl-Cs landed, and were raised
+      self.assertEqual(sess.restore(gid, d), 2 * n + 1)  # the newest, whole
+      np.testing.assert_array_equal(jax.tree_util.tree_leaves(sess.get_state(gid))[0], state)
+
+
 if __name__ == "__main__":
   absltest.main()
