@@ -22,6 +22,8 @@ import time
 
 import jax
 
+from jaxsession.runtime import interrupts
+
 # -- the in-memory store ------------------------------------------------------
 CacheInfo = collections.namedtuple("CacheInfo", "hits misses size maxsize")
 
@@ -40,7 +42,7 @@ class _Pending:
   """A compile in flight: later askers of the same key wait for it."""
 
   def __init__(self):
-    self.done = threading.Event()
+    self.done = False  # under the cache's lock, notified by its `_finished`
     self.ok = False
     self.value = None
 
@@ -74,6 +76,7 @@ class ExecutableCache:
     self._pins = collections.defaultdict(set)    # key -> owners
     self._owned = collections.defaultdict(set)   # owner -> keys
     self._lock = threading.Lock()
+    self._finished = threading.Condition(self._lock)  # notified as a compile ends
 
   def _pin(self, key, owner):
     if owner is not None and key in self._entries:
@@ -114,7 +117,7 @@ class ExecutableCache:
           pending = self._pending[key] = _Pending()
       if compiles_here:
         return self._compile(key, pending, compile_thunk, owner), False
-      pending.done.wait()
+      interrupts.wait_for(self._finished, lambda: pending.done)
       if pending.ok:
         with self._lock:
           self.hits += 1
@@ -129,7 +132,7 @@ class ExecutableCache:
       with self._lock:
         self.misses += 1
         del self._pending[key]
-      pending.done.set()
+        self._finish(pending)
       raise
     store = not isinstance(value, DoNotStore)
     with self._lock:
@@ -141,12 +144,14 @@ class ExecutableCache:
           self._entries.move_to_end(key)
           self._pin(key, owner)
           self._evict()
-    if not store:
-      pending.done.set()
-      return value.value
-    pending.value, pending.ok = value, True
-    pending.done.set()
-    return value
+        pending.value, pending.ok = value, True
+      self._finish(pending)
+    return value if store else value.value
+
+  def _finish(self, pending):
+    """Under the lock: the compile `pending` stands for is over."""
+    pending.done = True
+    self._finished.notify_all()
 
   def get(self, key, default=None):
     """The cached value without compiling or counting (marks it recently used)."""

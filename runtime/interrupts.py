@@ -140,3 +140,27 @@ def deliver():
   previous = handler.previous if isinstance(handler, _Deferring) else handler
   if callable(previous):
     previous(signum, None)
+
+
+POLL_S = 0.05  # how soon a wait_for sees a Ctrl-C
+
+
+@critical
+def wait_for(cond, ready):
+  """cond.wait_for(ready) - the one wait for another thread in the
+  session's code - where a Ctrl-C waits for the next look at ready()
+  (every POLL_S), which ends the wait, and is then raised. Raised inside a
+  Condition's or a Queue's own Python instead (Condition.wait re-taking its
+  lock, Queue.put between its append and its count), it left a lock
+  released that another thread held, or a count short: that thread died
+  on its next release or task_done(), and every later wait hung (a
+  break-it find: the checkpoint writer, 3 runs in 4 under rapid Ctrl-Cs).
+  Inside another critical function the wait goes on until ready(); that
+  one delivers."""
+  try:
+    with cond:
+      while not ready() and not waiting():
+        cond.wait(POLL_S)
+  finally:
+    deliver()
+

@@ -119,9 +119,13 @@ def wait_for_writers(path, but=None):
   not waited for (a session saving continuously held another's restore back
   for as long as it saved). Claims a forked child inherited name its
   parent's pid: not waited for."""
-  with _IN_FLIGHT_LOCK:
-    now = _in_flight(path, but)
-    _IN_FLIGHT_LOCK.wait_for(lambda: not now & _IN_FLIGHT)
+  now = []  # the claims in flight at the first look (under the lock, as every look)
+
+  def written():
+    if not now:
+      now.append(_in_flight(path, but))
+    return not now[0] & _IN_FLIGHT
+  interrupts.wait_for(_IN_FLIGHT_LOCK, written)
 
 
 def _in_flight(path, but=None):
@@ -171,9 +175,8 @@ def _leave_line(path, writer):
 def wait_turn(path, writer):
   """Until `writer` (in_line) is first in line for `path` and no other
   writer of this process has a save in flight there."""
-  with _IN_FLIGHT_LOCK:
-    _IN_FLIGHT_LOCK.wait_for(lambda: _ahead(path, writer) is None and
-                             not _in_flight(path, writer))
+  interrupts.wait_for(_IN_FLIGHT_LOCK, lambda: _ahead(path, writer) is None and
+                      not _in_flight(path, writer))
 
 
 def _ahead(path, writer):

@@ -69,7 +69,10 @@ def drain(ref):
   if checkpointer is None:
     return
   try:
-    checkpointer._queue.join()  # pylint: disable=protected-access
+    checkpointer.until_written(everything=True)
+  except RuntimeError as exc:  # its writer thread died
+    print(f"jaxsession: {exc}", file=sys.stderr)
+    return
   except KeyboardInterrupt:  # a Ctrl-C while waiting: said aloud, then the process
     print("jaxsession: interrupted while checkpoints were still being written at exit: "
           "the newest may be missing (every complete one is intact)", file=sys.stderr)

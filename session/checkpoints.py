@@ -83,9 +83,6 @@ def _meta(entry, keys):
   return {"format": FORMAT, "graph": entry.name, "slots": slots}
 
 
-_POLL_S = 0.05  # how soon a wait for the writer sees a Ctrl-C
-
-
 def _alive(worker):
   if worker.is_alive():
     return True
@@ -100,7 +97,9 @@ class Checkpointer:
   def __init__(self, keep):
     self.keep = keep
     self._managers = {}
-    self._queue = queue.Queue()  # writes, in the order the saves were asked
+    self._queue = queue.SimpleQueue()  # writes, in the order the saves were asked
+    self._progress = threading.Condition()  # notified as a write is done
+    self._asked = self._done = 0  # writes queued, writes done
     # snapshots alive at once (being written or queued): a save waits for a
     # free one, so a loop saving faster than the disk writes holds two copies
     # of the state, not one per save (a break-it find: 15 x 200 MB)
@@ -116,17 +115,15 @@ class Checkpointer:
     writer_thread.background_priority()
     while True:
       write = self._queue.get()
-      if isinstance(write, threading.Event):  # written_so_far's mark: reached
-        write.set()
-        self._queue.task_done()
-        continue
       try:
         with writer_thread.quick_thread_switches():
           write()
       finally:
         del write  # its snapshot goes before the room is given back
         self._room.release()
-        self._queue.task_done()
+        with self._progress:
+          self._done += 1
+          self._progress.notify_all()
 
   def _manager(self, where, path, create):
     with self._lock:
@@ -214,7 +211,9 @@ class Checkpointer:
       if taken and not interrupts.waiting():
         write = self._prepared(entry, where, path, manager, step)
         if not interrupts.waiting():
-          self._queue.put(write)
+          with self._progress:
+            self._queue.put(write)
+            self._asked += 1
           queued = True
     finally:
       if claimed and not queued:  # nothing was queued: the slot and the step are free
@@ -289,46 +288,25 @@ class Checkpointer:
     return write
 
   def wait(self):
-    self._until_written(everything=True)
+    self.until_written(everything=True)
     with self._lock:
       errors, self._errors = self._errors, []
     if errors:  # the first, naming every other failure (they were dropped: a break-it find)
       raise RuntimeError(f"{errors[0]}{_others(errors)}") from errors[0]
 
-  def _written_so_far(self):
-    """Until the writes queued before this call are done - not those queued
-    meanwhile (a restore beside this session's own saves from another thread
-    waited for as long as it saved: a break-it find)."""
-    self._until_written(everything=False)
-
-  @interrupts.critical
-  def _until_written(self, everything):
-    """Waits for the writes queued before this call (`everything`: and those
-    queued meanwhile, as Queue.join). The queue's and the events' own Python
-    is shared with the writer thread: a Ctrl-C raised inside it (Queue.put,
-    Event.wait) left the queue's count short or a waiter's lock released,
-    the writer died on its next task_done() or set(), and every later save
-    and the exit hung (a break-it find). So a Ctrl-C waits for the wait's
-    next poll, which ends it, then is raised; a writer that died (a bug)
-    is an error, not a hang."""
-    try:
-      with self._lock:  # (no writer thread before the first save: nothing queued)
-        worker = self._worker
-      if worker is None:
-        return
-      queue_ = self._queue
-      if everything:
-        with queue_.all_tasks_done:
-          while queue_.unfinished_tasks and not interrupts.waiting() and _alive(worker):
-            queue_.all_tasks_done.wait(_POLL_S)
-      else:
-        reached = threading.Event()  # set by the writer when it takes it
-        queue_.put(reached)
-        while not reached.wait(_POLL_S) and not interrupts.waiting() and _alive(worker):
-          pass
-    finally:
-      interrupts.deliver()
-
+  def until_written(self, everything):
+    """Until the writes queued before this call are done; `everything`: and
+    those queued meanwhile. Without it, a restore beside this session's own
+    saves from another thread waited for as long as it saved (a break-it
+    find). A Ctrl-C ends the wait (interrupts.wait_for); a writer thread that
+    died (a bug) is an error, not a hang."""
+    with self._lock:  # (no writer thread before the first save: nothing queued)
+      worker = self._worker
+    if worker is None:
+      return
+    target = self._asked
+    interrupts.wait_for(self._progress, lambda: self._done >= (
+        self._asked if everything else target) or not _alive(worker))
 
   def restore(self, entry, where, directory, step):
     """The new leaves per slot, read and checked; `step` and the leaves."""
@@ -338,7 +316,7 @@ class Checkpointer:
       if step is not None and asked is None:
         raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
     path = _agreed_path(where, directory, asked, checks)
-    self._written_so_far()  # the pending saves written (their errors stay for wait/save),
+    self.until_written(everything=False)  # the pending saves written (their errors stay for wait/save),
     step_dirs.wait_for_writers(path)  # and every other Session's of this process there
     manager = self._manager(where, path, create=False)
     for _ in range(3):  # the newest one, removed by another writer's keep-N meanwhile

@@ -4,6 +4,7 @@ JAX's persistent cache across processes."""
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -312,6 +313,56 @@ class ExecutableCacheTest(absltest.TestCase):
     self.assertEqual(outcome["first"], "xla failed")
     self.assertEqual(outcome["second"], ("compiled by the second", False))
     self.assertIn("k", cache)
+
+  def test_a_ctrl_c_while_waiting_for_anothers_compile(self):
+    # a Ctrl-C raised inside the wait's own Python (Condition.wait re-taking
+    # its lock) could leave released a lock the compiling thread held: its
+    # release then failed and every later wait hung (the same wait as the
+    # checkpoint writer's, a break-it find there). A Ctrl-C on each line of
+    # that Python, in turn: raised in the waiter, the compile goes on.
+    js.Session()  # Ctrl-C handling installed (interrupts.install)
+    points = [(fn.__code__, line) for fn in (threading.Condition.wait, threading.Event.wait,
+                                             threading.Condition.__enter__)
+              for line in sorted({ln for _, _, ln in fn.__code__.co_lines() if ln})[1:]]
+    died = []
+    hook, threading.excepthook = threading.excepthook, lambda args: died.append(
+        f"{args.exc_type.__name__}: {args.exc_value}")
+    self.addCleanup(setattr, threading, "excepthook", hook)
+    raised = 0
+    for n, (code, line) in enumerate(points):
+      cache, gate, fired = ExecutableCache(8), threading.Event(), []
+
+      def trace(frame, event, arg, code=code, line=line, fired=fired):  # pylint: disable=unused-argument
+        if frame.f_code is not code:
+          return None
+
+        def local(frame, event, arg):  # pylint: disable=unused-argument
+          if event == "line" and frame.f_lineno == line and not fired:
+            fired.append(line)
+            os.kill(os.getpid(), signal.SIGINT)
+          return local
+        return local
+      compiling = threading.Thread(
+          target=cache.get_or_compile, args=("k", lambda gate=gate: gate.wait() and n))
+      compiling.start()
+      while not cache._pending:  # pylint: disable=protected-access
+        time.sleep(0.001)
+      threading.Timer(0.2, gate.set).start()
+      sys.settrace(trace)
+      try:
+        got = cache.get_or_compile("k", lambda: "the waiter's own")
+      except KeyboardInterrupt:
+        raised += 1
+        got = None
+      finally:
+        sys.settrace(None)
+      compiling.join(10)
+      with self.subTest(code=code.co_qualname, line=line):
+        self.assertFalse(compiling.is_alive())
+        self.assertEqual(died, [])
+        self.assertIn(got, (None, (n, True)))
+        self.assertEqual(cache.get_or_compile("k", lambda: "again"), (n, True))
+    self.assertGreater(raised, 3)
 
   def test_bad_maxsize(self):
     with self.assertRaises(ValueError):
