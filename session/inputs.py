@@ -160,10 +160,30 @@ def is_weak(x):
   return bool(getattr(x, "weak_type", False))
 
 
-_THROUGH_F32 = (np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
+_NARROW = {np.dtype(jax.numpy.bfloat16): 7, np.dtype(np.float16): 10}  # mantissa bits
+_THROUGH_F32 = {}  # (platform, dtype) -> whether XLA there converts float64 through float32
 
 
-def python_scalar(x, dtype):
+def _through_f32(dtype, device):
+  """Whether XLA on `device`'s platform converts a float64 to `dtype`
+  (bfloat16, float16) through float32 - two roundings - or at once. It
+  depends on the machine: this CPU with AVX512-FP16 converts to float16 at
+  once and to bfloat16 through float32, others through float32 both (a test
+  passed on one machine and failed on the next), so XLA is asked, once, with
+  a value the two ways round apart (1 + half an ulp + a little: through
+  float32 the little is lost and the tie goes to even, 1)."""
+  device = device or jax.devices()[0]
+  key = (device.platform, dtype)
+  found = _THROUGH_F32.get(key)
+  if found is None:
+    value = np.float64(1 + 2.0 ** -(_NARROW[dtype] + 1) + 2.0 ** -30)
+    with jax.enable_x64(True):
+      got = jax.jit(lambda v: v.astype(dtype))(jax.device_put(value, device))
+      found = _THROUGH_F32[key] = bool(np.asarray(got, np.float64) == 1.0)
+  return found
+
+
+def python_scalar(x, dtype, device=None):
   """`x` (a Python scalar) as a 0-d array of `dtype`, converted the way jax.jit
   converts it (a float rounds to the float type), or None when jax.jit would
   trace another program for it or the value would change: a float for an
@@ -187,10 +207,10 @@ def python_scalar(x, dtype):
       return None
     # jax.jit takes a Python float as a weak float of the default width
     # (float32 without x64), then converts: two roundings, reproduced here;
-    # XLA converts a float64 to bfloat16 or float16 through float32 (a third)
+    # XLA may convert a float64 to bfloat16 or float16 through float32 (a third)
     with np.errstate(over="ignore"):
       x = np.asarray(x, jax.dtypes.canonicalize_dtype(np.float64))
-      if dtype in _THROUGH_F32:
+      if x.dtype == np.float64 and dtype in _NARROW and _through_f32(dtype, device):
         x = x.astype(np.float32)
       return np.asarray(x, dtype)
   return np.asarray(x, dtype) if kind == "c" else None
@@ -313,7 +333,7 @@ class ArgSpec:
     # (a type test, as jax's own: np.float64 subclasses float but is strongly
     # typed, and was converted as a weak Python float - a break-it find)
     if type(x) in _PY_SCALARS and leading is None and want.shape == ():
-      converted = python_scalar(x, want.dtype)
+      converted = python_scalar(x, want.dtype, self.device)
       if converted is None and type(x) is int and jax.numpy.issubdtype(want.dtype,
                                                                         jax.numpy.inexact):
         raise InputError(f"{place}: Python int {x!r} where {aval_str(want)} was compiled: "
