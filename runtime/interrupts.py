@@ -20,6 +20,11 @@ KeyboardInterrupt there). A run in another thread never receives
 KeyboardInterrupt, so it defers nothing: a Ctrl-C reaches an idle main
 thread at once, whatever other threads run.
 
+The session's waits for another thread (the checkpoint writer, another
+thread's compile of the same program) go through `wait_for`, critical too: a
+Ctrl-C ends the wait at its next look and is raised there, never inside the
+Condition's own Python, where it left a lock or a queue's count wrong.
+
 What it covers: SIGINT, with a Python-level handler installed when a Session
 was created or a graph compiled (Python's default one, or the user's). A
 handler installed after that replaces ours, and a Ctrl-C during a run then

@@ -77,14 +77,15 @@ class InterruptWindowsTest(absltest.TestCase):
     return run_json(PRELUDE + textwrap.dedent(body), devices=1, timeout=300)
 
   def test_a_ctrl_c_inside_the_queueing_of_a_save(self):
-    # after the write was appended, before the queue counted it: the writer
-    # thread died on task_done, and every later wait_until_saved hung
+    # after the write was appended, before it was counted (inside Queue.put,
+    # the writer thread died on task_done, and every later wait_until_saved
+    # hung; now a C SimpleQueue's put, then the session's own count)
     out = self._run("""
-        import queue
-        PUT = queue.Queue.put.__code__
-        line = next(i for i, text in enumerate(open(queue.__file__).read().splitlines(), 1)
-                    if "self.unfinished_tasks += 1" in text and i > PUT.co_firstlineno)
-        fired = interrupt_when(lambda f, e: f.f_code is PUT and e == "line"
+        from jaxsession import checkpoints
+        HAND_OFF = checkpoints.Checkpointer._hand_off.__code__
+        line = next(i for i, text in enumerate(open(checkpoints.__file__).read().splitlines(), 1)
+                    if "self._asked += 1" in text)
+        fired = interrupt_when(lambda f, e: f.f_code is HAND_OFF and e == "line"
                                and f.f_lineno == line)
         first = called(lambda: sess.save(gid, folder, 2))
         writers = [t.name for t in threading.enumerate() if "checkpoint" in t.name]
