@@ -105,6 +105,34 @@ class ExecutableCache:
 
   def get_or_compile(self, key, compile_thunk, owner=None):
     while True:
+      mine = []  # the _Pending this call registered, once it did
+      try:
+        found = self._claim(key, owner, mine)
+        if mine:
+          return self._store(key, mine[0], compile_thunk(), owner)
+      except BaseException:
+        if mine:  # failed, or a Ctrl-C: waiters are told, and compile themselves
+          self._abandon(key, mine[0])
+        raise
+      if not isinstance(found, _Pending):
+        return found
+      interrupts.wait_for(self._finished, lambda: found.done)
+      if found.ok:
+        with self._lock:
+          self.hits += 1
+          self._pin(key, owner)
+        return found.value, True
+      # the compile we waited for failed or was not stored: compile here
+
+  # _claim, _store and _abandon change what other threads wait on: a Ctrl-C
+  # waits for their end (raised inside, it left a compile registered that
+  # no one would finish, and every later compile of the program waited for
+  # it for good: a break-it find)
+  @interrupts.critical
+  def _claim(self, key, owner, mine):
+    """(value, True) for a cached key; else the compile in flight to wait
+    for, or a new one this call registers (appended to `mine`)."""
+    try:
       with self._lock:
         if key in self._entries:
           self._entries.move_to_end(key)
@@ -112,41 +140,43 @@ class ExecutableCache:
           self._pin(key, owner)
           return self._entries[key], True
         pending = self._pending.get(key)
-        compiles_here = pending is None
-        if compiles_here:
+        if pending is None:
           pending = self._pending[key] = _Pending()
-      if compiles_here:
-        return self._compile(key, pending, compile_thunk, owner), False
-      interrupts.wait_for(self._finished, lambda: pending.done)
-      if pending.ok:
-        with self._lock:
-          self.hits += 1
-          self._pin(key, owner)
-        return pending.value, True
-      # the compile we waited for failed or was not stored: compile here
+          mine.append(pending)
+        return pending
+    finally:
+      interrupts.deliver()
 
-  def _compile(self, key, pending, compile_thunk, owner=None):
+  @interrupts.critical
+  def _store(self, key, pending, value, owner):
     try:
-      value = compile_thunk()
-    except BaseException:
+      store = not isinstance(value, DoNotStore)
       with self._lock:
-        self.misses += 1
         del self._pending[key]
+        if store:
+          self.misses += 1
+          if self.maxsize is None or self.maxsize > 0 or owner is not None:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            self._pin(key, owner)
+            self._evict()
+          pending.value, pending.ok = value, True
         self._finish(pending)
-      raise
-    store = not isinstance(value, DoNotStore)
-    with self._lock:
-      del self._pending[key]
-      if store:
-        self.misses += 1
-        if self.maxsize is None or self.maxsize > 0 or owner is not None:
-          self._entries[key] = value
-          self._entries.move_to_end(key)
-          self._pin(key, owner)
-          self._evict()
-        pending.value, pending.ok = value, True
-      self._finish(pending)
-    return value if store else value.value
+      return (value if store else value.value), False
+    finally:
+      interrupts.deliver()
+
+  @interrupts.critical
+  def _abandon(self, key, pending):
+    try:
+      with self._lock:
+        if not pending.done:
+          self.misses += 1
+          if self._pending.get(key) is pending:
+            del self._pending[key]
+          self._finish(pending)
+    finally:
+      interrupts.deliver()
 
   def _finish(self, pending):
     """Under the lock: the compile `pending` stands for is over."""

@@ -162,10 +162,17 @@ def wait_for(cond, ready):
   break-it find: the checkpoint writer, 3 runs in 4 under rapid Ctrl-Cs).
   Inside another critical function the wait goes on until ready(); that
   one delivers."""
-  try:
-    with cond:
-      while not ready() and not waiting():
-        cond.wait(POLL_S)
-  finally:
-    deliver()
+  while True:
+    done = False
+    try:
+      with cond:
+        while not (done := ready()) and not waiting():
+          cond.wait(POLL_S)
+    finally:
+      deliver()  # a Ctrl-C seen: its handler runs here
+    if done:
+      return
+    # the handler returned (the user's own, setting a flag): the wait goes on
+    # (it returned unfinished, and a restore read before its save was written:
+    # a break-it find)
 

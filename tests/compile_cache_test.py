@@ -364,6 +364,49 @@ class ExecutableCacheTest(absltest.TestCase):
         self.assertEqual(cache.get_or_compile("k", lambda: "again"), (n, True))
     self.assertGreater(raised, 3)
 
+  def test_a_ctrl_c_anywhere_in_a_compile_leaves_no_compile_registered(self):
+    # one landing between the compile's registration and its try, or after
+    # the compile returned and before it was stored and finished, left it
+    # registered for good: every later compile of the program, in any
+    # thread, waited for it forever (a break-it find). A Ctrl-C on each line
+    # of the cache's own code, in turn: raised or not, nothing stays behind.
+    js.Session()  # Ctrl-C handling installed (interrupts.install)
+    codes = [ExecutableCache.get_or_compile, ExecutableCache._claim,  # pylint: disable=protected-access
+             ExecutableCache._store, ExecutableCache._abandon]  # pylint: disable=protected-access
+    points = [(fn.__code__, line) for fn in codes
+              for line in sorted({ln for _, _, ln in fn.__code__.co_lines() if ln})[1:]]
+    raised = 0
+    for n, (code, line) in enumerate(points):
+      cache, fired = ExecutableCache(8), []
+
+      def trace(frame, event, arg, code=code, line=line, fired=fired):  # pylint: disable=unused-argument
+        if frame.f_code is not code:
+          return None
+
+        def local(frame, event, arg):  # pylint: disable=unused-argument
+          if event == "line" and frame.f_lineno == line and not fired:
+            fired.append(line)
+            os.kill(os.getpid(), signal.SIGINT)
+          return local
+        return local
+      sys.settrace(trace)
+      try:
+        cache.get_or_compile("k", lambda n=n: n)
+      except KeyboardInterrupt:
+        raised += 1
+      finally:
+        sys.settrace(None)
+      other = []
+      thread = threading.Thread(target=lambda: other.append(
+          cache.get_or_compile("k", lambda: "the other thread's")))
+      thread.start()
+      thread.join(10)
+      with self.subTest(code=code.co_qualname, line=line):
+        self.assertFalse(thread.is_alive(), "a later compile waits for good")
+        self.assertIn(other, ([(n, True)], [("the other thread's", False)]))
+        self.assertEqual(cache._pending, {})  # pylint: disable=protected-access
+    self.assertGreater(raised, 10)
+
   def test_bad_maxsize(self):
     with self.assertRaises(ValueError):
       ExecutableCache(-1)

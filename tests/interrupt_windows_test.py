@@ -100,6 +100,29 @@ class InterruptWindowsTest(absltest.TestCase):
     self.assertEqual([sums[0], sums[-1]], [4.25, 12.25])  # as saved: 4.25 + 4 per run
     self.assertTrue(writers)  # the writer thread lives on
 
+  def test_a_handler_that_returns_does_not_end_the_wait_for_a_save(self):
+    # the user's own handler (a flag for a graceful stop) returns: the wait
+    # went on no more, and wait_until_saved returned with the save unwritten
+    # (a break-it find)
+    out = self._run("""
+        flags = []
+        signal.signal(signal.SIGINT, lambda signum, frame: flags.append(signum))
+        big = sess.compile(lambda w: (w * 0.5, w[0]), jnp.asarray(
+            np.random.default_rng(3).standard_normal(1 << 22), jnp.float32), state_argnums=0)
+        written = []
+        for k in range(3):
+          sess.save(big, folder, 10 + k)
+          for t in (0.005, 0.02, 0.08):
+            threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)).start()
+          sess.wait_until_saved()
+          written.append(10 + k in checkpoint_steps.complete_steps(folder))
+          time.sleep(0.1)
+        print(json.dumps([len(flags), written]))
+        """)
+    flags, written = out
+    self.assertGreater(flags, 0)  # the handler ran
+    self.assertEqual(written, [True, True, True])
+
   def test_a_ctrl_c_as_the_save_takes_a_snapshot_slot(self):
     # inside threading.Semaphore.acquire, as it leaves `with self._cond:`:
     # its lock stayed held and every later save blocked for good
