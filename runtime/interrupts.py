@@ -100,8 +100,26 @@ class _Deferring:
   def __call__(self, signum, frame):
     if _inside_critical(frame):
       pending.append(signum)
+      if sys.getprofile() is None:  # (a profiler's own hook is left alone)
+        sys.setprofile(_undelivered_on_return)
       return
     self.previous(signum, frame)
+
+
+def _undelivered_on_return(frame, event, arg):  # pylint: disable=unused-argument
+  """The main thread's profile hook while a signal is recorded: where the
+  outermost critical function returns with it still recorded - it came
+  after that function's own deliver() looked, or on its `return` - the
+  signal is sent again, to land outside (it stayed recorded until some
+  later critical call ended, or for good: a break-it find). Gone once
+  nothing is recorded."""
+  if not pending:
+    sys.setprofile(None)
+  elif event == "return" and frame.f_code in _CRITICAL and not _inside_critical(frame.f_back):
+    sys.setprofile(None)
+    signum = pending[-1]
+    del pending[:]
+    _resend(signum)
 
 
 def install():

@@ -123,6 +123,46 @@ class InterruptWindowsTest(absltest.TestCase):
     self.assertGreater(flags, 0)  # the handler ran
     self.assertEqual(written, [True, True, True])
 
+  def test_a_ctrl_c_as_a_critical_function_delivers_is_raised_after_it(self):
+    # one arriving as the closing deliver() returned (after its look) was
+    # recorded and delivered by no one: the call returned, a sleep after it
+    # ran its course, and the Ctrl-C came out of some later session call, or
+    # never (a break-it find). Here: as save's deliver() returns, and as a
+    # run returns.
+    out = self._run("""
+        from jaxsession.runtime import interrupts
+        DELIVER = interrupts.deliver.__code__
+        where = []
+        picks = {  # save's deliver() returning; a run returning (its deliver() looked)
+            "_hand_off": lambda f, e: f.f_code is DELIVER and e == "return"
+                                      and f.f_back.f_code.co_name == "_hand_off",
+            "call": lambda f, e: f.f_code in interrupts._CRITICAL and e == "return"
+                                 and f.f_code.co_name == "call"}
+        for caller, call in (("_hand_off", lambda k: sess.save(gid, folder, 10 + k)),
+                             ("call", lambda k: sess.run(gid, jnp.float32(1)))):
+          for k in range(3):
+            fired = interrupt_when(picks[caller])
+            stage = "the call"
+            try:
+              call(k)
+              sys.settrace(None)
+              stage = "the sleeps after it"
+              for _ in range(100):
+                time.sleep(0.02)
+              stage = "never"
+            except KeyboardInterrupt:
+              pass
+            finally:
+              sys.settrace(None)
+            where.append([caller, bool(fired), stage, list(interrupts.pending)])
+        sess.wait_until_saved()
+        print(json.dumps(where))
+        """)
+    for caller, fired, stage, pending in out:
+      self.assertTrue(fired, caller)
+      self.assertIn(stage, ("the call", "the sleeps after it"), caller)
+      self.assertEqual(pending, [], caller)
+
   def test_a_ctrl_c_as_the_save_takes_a_snapshot_slot(self):
     # inside threading.Semaphore.acquire, as it leaves `with self._cond:`:
     # its lock stayed held and every later save blocked for good
