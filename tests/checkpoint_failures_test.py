@@ -5,7 +5,6 @@ where a Ctrl-C waits for it (an interrupted import of it cannot be retried:
 "initialization failed", then an abort)."""
 import contextlib
 import os
-import signal
 import sys
 import tempfile
 import threading
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 import jaxsession as js
+from line_interrupts import ctrl_c_at, line_points
 from subproc import run_json
 
 
@@ -441,33 +441,19 @@ class TwoWritersTest(absltest.TestCase):
     # removal) left the writer in line for good: every later save into the
     # directory by another session waited forever (a break-it find)
     from jaxsession import checkpoint_steps  # pylint: disable=import-outside-toplevel
-    code = checkpoint_steps.in_line.__wrapped__.__code__
-    lines = sorted({line for _, _, line in code.co_lines() if line is not None})[1:]
+    points = line_points(checkpoint_steps.in_line.__wrapped__)
     a, b = js.Session(), js.Session()
     big = jnp.asarray(np.random.default_rng(9).standard_normal(1 << 22), jnp.float32)
     ga = a.compile(lambda s: (s * 2.0, s[0]), big, state_argnums=0)
     gb = b.compile(lambda s: (s + 1.0, s[0]), big[:8], state_argnums=0)
     with tempfile.TemporaryDirectory() as d:
-      for n, line in enumerate(lines):
-        fired = []
-
-        def trace(frame, event, arg):  # pylint: disable=unused-argument
-          if frame.f_code is not code:
-            return None
-          def local(frame, event, arg):  # pylint: disable=unused-argument
-            if event == "line" and frame.f_lineno == line and not fired:
-              fired.append(line)
-              os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C as that line runs
-            return local
-          return local
+      for n, (code, line) in enumerate(points):
         a.save(ga, d, 3 * n + 1)  # in flight: b's save waits in line
-        sys.settrace(trace)
         try:
-          b.save(gb, d, 3 * n + 2)
+          with ctrl_c_at(code, line):
+            b.save(gb, d, 3 * n + 2)
         except KeyboardInterrupt:
           pass
-        finally:
-          sys.settrace(None)
         left = dict(checkpoint_steps._WAITING)  # pylint: disable=protected-access
         with self.subTest(line=line):
           self.assertEqual(left, {})
@@ -489,11 +475,9 @@ class WriterWaitTest(absltest.TestCase):
     # break-it find, 3 runs in 4 under rapid SIGINTs). A Ctrl-C on each line
     # of that Python, in turn: each is raised, and the writer goes on.
     import queue  # pylint: disable=import-outside-toplevel
-    codes = [queue.Queue.put, queue.Queue.join, threading.Event.wait,
-             threading.Condition.wait, threading.Condition.__enter__,
-             threading.Condition.__exit__]
-    points = [(fn.__code__, line) for fn in codes
-              for line in sorted({ln for _, _, ln in fn.__code__.co_lines() if ln})[1:]]
+    points = line_points(queue.Queue.put, queue.Queue.join, threading.Event.wait,
+                         threading.Condition.wait, threading.Condition.__enter__,
+                         threading.Condition.__exit__)
     died = []
     hook, threading.excepthook = threading.excepthook, lambda args: died.append(
         f"{args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
@@ -504,25 +488,12 @@ class WriterWaitTest(absltest.TestCase):
     raised = 0
     with tempfile.TemporaryDirectory() as d:
       for n, (code, line) in enumerate(points):
-        fired = []
-
-        def trace(frame, event, arg, code=code, line=line, fired=fired):  # pylint: disable=unused-argument
-          if frame.f_code is not code:
-            return None
-          def local(frame, event, arg):  # pylint: disable=unused-argument
-            if event == "line" and frame.f_lineno == line and not fired:
-              fired.append(line)
-              os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C as that line runs
-            return local
-          return local
         sess.save(gid, d, 2 * n)  # a write for the wait to wait for
-        sys.settrace(trace)
         try:
-          (sess.restore if n % 2 else sess.wait_until_saved)(*((gid, d) if n % 2 else ()))
+          with ctrl_c_at(code, line):
+            (sess.restore if n % 2 else sess.wait_until_saved)(*((gid, d) if n % 2 else ()))
         except KeyboardInterrupt:
           raised += 1
-        finally:
-          sys.settrace(None)
         done = threading.Event()  # the next save is written (in a thread: no hang here)
         waiter = threading.Thread(target=lambda: (sess.save(gid, d, 2 * n + 1),
                                                   sess.wait_until_saved(), done.set()))

@@ -4,7 +4,6 @@ JAX's persistent cache across processes."""
 import gc
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from jax import tree_util
 
 import jaxsession as js
 from exact import assert_equal_signed, assert_same_bits
+from line_interrupts import ctrl_c_at, line_points
 from jaxsession import gc_pause, pipeline
 from jaxsession.errors import HostOpError
 from jaxsession.graph.importer import import_jaxpr
@@ -321,41 +321,27 @@ class ExecutableCacheTest(absltest.TestCase):
     # checkpoint writer's, a break-it find there). A Ctrl-C on each line of
     # that Python, in turn: raised in the waiter, the compile goes on.
     js.Session()  # Ctrl-C handling installed (interrupts.install)
-    points = [(fn.__code__, line) for fn in (threading.Condition.wait, threading.Event.wait,
-                                             threading.Condition.__enter__)
-              for line in sorted({ln for _, _, ln in fn.__code__.co_lines() if ln})[1:]]
+    points = line_points(threading.Condition.wait, threading.Event.wait,
+                         threading.Condition.__enter__)
     died = []
     hook, threading.excepthook = threading.excepthook, lambda args: died.append(
         f"{args.exc_type.__name__}: {args.exc_value}")
     self.addCleanup(setattr, threading, "excepthook", hook)
     raised = 0
     for n, (code, line) in enumerate(points):
-      cache, gate, fired = ExecutableCache(8), threading.Event(), []
-
-      def trace(frame, event, arg, code=code, line=line, fired=fired):  # pylint: disable=unused-argument
-        if frame.f_code is not code:
-          return None
-
-        def local(frame, event, arg):  # pylint: disable=unused-argument
-          if event == "line" and frame.f_lineno == line and not fired:
-            fired.append(line)
-            os.kill(os.getpid(), signal.SIGINT)
-          return local
-        return local
+      cache, gate = ExecutableCache(8), threading.Event()
       compiling = threading.Thread(
           target=cache.get_or_compile, args=("k", lambda gate=gate: gate.wait() and n))
       compiling.start()
       while not cache._pending:  # pylint: disable=protected-access
         time.sleep(0.001)
       threading.Timer(0.2, gate.set).start()
-      sys.settrace(trace)
       try:
-        got = cache.get_or_compile("k", lambda: "the waiter's own")
+        with ctrl_c_at(code, line):
+          got = cache.get_or_compile("k", lambda: "the waiter's own")
       except KeyboardInterrupt:
         raised += 1
         got = None
-      finally:
-        sys.settrace(None)
       compiling.join(10)
       with self.subTest(code=code.co_qualname, line=line):
         self.assertFalse(compiling.is_alive())
@@ -371,31 +357,16 @@ class ExecutableCacheTest(absltest.TestCase):
     # thread, waited for it forever (a break-it find). A Ctrl-C on each line
     # of the cache's own code, in turn: raised or not, nothing stays behind.
     js.Session()  # Ctrl-C handling installed (interrupts.install)
-    codes = [ExecutableCache.get_or_compile, ExecutableCache._claim,  # pylint: disable=protected-access
-             ExecutableCache._store, ExecutableCache._abandon]  # pylint: disable=protected-access
-    points = [(fn.__code__, line) for fn in codes
-              for line in sorted({ln for _, _, ln in fn.__code__.co_lines() if ln})[1:]]
+    points = line_points(ExecutableCache.get_or_compile, ExecutableCache._claim,  # pylint: disable=protected-access
+                         ExecutableCache._store, ExecutableCache._abandon)  # pylint: disable=protected-access
     raised = 0
     for n, (code, line) in enumerate(points):
-      cache, fired = ExecutableCache(8), []
-
-      def trace(frame, event, arg, code=code, line=line, fired=fired):  # pylint: disable=unused-argument
-        if frame.f_code is not code:
-          return None
-
-        def local(frame, event, arg):  # pylint: disable=unused-argument
-          if event == "line" and frame.f_lineno == line and not fired:
-            fired.append(line)
-            os.kill(os.getpid(), signal.SIGINT)
-          return local
-        return local
-      sys.settrace(trace)
+      cache = ExecutableCache(8)
       try:
-        cache.get_or_compile("k", lambda n=n: n)
+        with ctrl_c_at(code, line):
+          cache.get_or_compile("k", lambda n=n: n)
       except KeyboardInterrupt:
         raised += 1
-      finally:
-        sys.settrace(None)
       other = []
       thread = threading.Thread(target=lambda: other.append(
           cache.get_or_compile("k", lambda: "the other thread's")))
