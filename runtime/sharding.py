@@ -61,6 +61,23 @@ def auto_context():
       {name: jax.sharding.AxisType.Auto for name in current.axis_names}))
 
 
+@contextlib.contextmanager
+def replaced_context(mesh, device):
+  """The context mesh `mesh` (None: none), as its Auto copy, under `device`
+  where given; inside a trace, where jax.set_mesh refuses to run, the
+  caller's mesh stays."""
+  with contextlib.ExitStack() as stack:
+    try:
+      stack.enter_context(jax.set_mesh(mesh))
+    except ValueError:  # inside a trace: jax.set_mesh refuses to run there
+      pass
+    else:
+      stack.enter_context(auto_context())
+    if device is not None:
+      stack.enter_context(jax.default_device(device))
+    yield
+
+
 def _is_spec(x):
   return x is None or isinstance(x, P)
 

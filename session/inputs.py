@@ -171,15 +171,22 @@ def _through_f32(dtype, device):
   once and to bfloat16 through float32, others through float32 both (a test
   passed on one machine and failed on the next), so XLA is asked, once, with
   a value the two ways round apart (1 + half an ulp + a little: through
-  float32 the little is lost and the tie goes to even, 1)."""
-  device = device or jax.devices()[0]
-  key = (device.platform, dtype)
+  float32 the little is lost and the tie goes to even, 1). Asked in a
+  context of its own: no context mesh, the platform's first device, x64,
+  transfers allowed, compiled and called outside any trace around the run
+  (a review's finds: each of those failed the first run)."""
+  platform = getattr(device, "platform", device) or jax.default_backend()
+  key = (platform, dtype)
   found = _THROUGH_F32.get(key)
   if found is None:
+    probe = jax.local_devices(backend=platform)[0]
     value = np.float64(1 + 2.0 ** -(_NARROW[dtype] + 1) + 2.0 ** -30)
-    with jax.enable_x64(True):
-      got = jax.jit(lambda v: v.astype(dtype))(jax.device_put(value, device))
-      found = _THROUGH_F32[key] = bool(np.asarray(got, np.float64) == 1.0)
+    with sharding.replaced_context(None, probe), jax.enable_x64(True), \
+        jax.transfer_guard("allow"):
+      convert = jax.jit(lambda v: v.astype(dtype)).lower(
+          jax.ShapeDtypeStruct((), np.float64)).compile()
+      got = np.asarray(convert(value), np.float64)  # (a device_put is traced in a trace)
+    found = _THROUGH_F32[key] = bool(got == 1.0)
   return found
 
 

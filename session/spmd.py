@@ -104,10 +104,10 @@ def own_context(options, device=None, tracing=False):
   if mesh is not None:
     if _same_mesh(concrete, mesh) and _same_mesh(abstract, mesh):
       return sharding.auto_context()
-    return _replaced(mesh, None)
+    return sharding.replaced_context(mesh, None)
   if tracing or (concrete is None and abstract is None):  # nothing to clear
     return contextlib.nullcontext() if device is None else jax.default_device(device)
-  return _replaced(None, device)
+  return sharding.replaced_context(None, device)
 
 
 def _same_mesh(context, mesh):
@@ -123,23 +123,6 @@ def _same_mesh(context, mesh):
   if not isinstance(context, jax.sharding.Mesh):  # an AbstractMesh has no devices
     return True
   return tuple(context.devices.flat) == tuple(mesh.devices.flat)
-
-
-@contextlib.contextmanager
-def _replaced(mesh, device):
-  """The context mesh `mesh` (None: none), as its Auto copy, under `device`
-  where given; inside a trace, where jax.set_mesh refuses to run, the
-  caller's mesh stays."""
-  with contextlib.ExitStack() as stack:
-    try:
-      stack.enter_context(jax.set_mesh(mesh))
-    except ValueError:  # inside a trace: jax.set_mesh refuses to run there
-      pass
-    else:
-      stack.enter_context(sharding.auto_context())
-    if device is not None:
-      stack.enter_context(jax.default_device(device))
-    yield
 
 
 def traced_types(args):

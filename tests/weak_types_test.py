@@ -303,6 +303,45 @@ class NarrowScalarArgumentTest(absltest.TestCase):
       self.assertEqual(got, want)
 
 
+  def test_xla_is_asked_how_it_narrows_in_a_context_of_its_own(self):
+    # the machine's answer is asked of XLA at the first such run: under the
+    # caller's context mesh, a default device named by a string, or inside
+    # an outer jit's trace that first run failed (a review's finds)
+    out = run_json("""
+      import json
+      import numpy as np, jax, jax.numpy as jnp
+      import jaxsession as js
+      from jaxsession import inputs
+      f = lambda x, s: x * s
+      v = 1 + 2**-8 + 2**-30  # rounds apart once or through float32
+      x = np.asarray(np.random.default_rng(4).standard_normal(4), jnp.bfloat16)
+      want = np.asarray(jax.jit(f)(x, v)).astype(float).tolist()
+      sess = js.Session()
+      gid = sess.compile(f, x, jnp.bfloat16(2))
+      mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+      got = {}
+      inputs._THROUGH_F32.clear()
+      with jax.set_mesh(mesh):
+        got["context mesh"] = np.asarray(sess.run(gid, x, v)).astype(float).tolist()
+      inputs._THROUGH_F32.clear()
+      jax.config.update("jax_default_device", "cpu")
+      got["default device 'cpu'"] = np.asarray(sess.run(gid, x, v)).astype(float).tolist()
+      jax.config.update("jax_default_device", None)
+      inputs._THROUGH_F32.clear()
+      xs = jax.device_put(x)
+      @jax.jit
+      def outer(y):
+        got["inside a trace"] = np.asarray(sess.run(gid, xs, v)).astype(float).tolist()
+        return y + 1
+      outer(1.0)
+      print(json.dumps([want, got]))
+      """, devices=2, x64=True)
+    want, got = out
+    self.assertLen(got, 3)
+    for where, values in got.items():
+      self.assertEqual(values, want, msg=where)
+
+
 class WeakTypesTest(absltest.TestCase):
   """A weak type that changes the program is refused (jax.jit would compile
   another program); one that changes nothing runs on the same executable."""
