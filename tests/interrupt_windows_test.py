@@ -155,13 +155,37 @@ class InterruptWindowsTest(absltest.TestCase):
             finally:
               sys.settrace(None)
             where.append([caller, bool(fired), stage, list(interrupts.pending)])
+        # under a profiler of the user's: it stays, and so does the answer
+        # (a first cut's profile hook replaced a C profiler: a review's find)
+        events = []
+        profiler = lambda frame, event, arg: events.append(event)
+        sys.setprofile(profiler)
+        fired = interrupt_when(picks["call"])
+        stage = "the call"
+        try:
+          sess.run(gid, jnp.float32(1))
+          sys.settrace(None)
+          stage = "the sleeps after it"
+          for _ in range(100):
+            time.sleep(0.02)
+          stage = "never"
+        except KeyboardInterrupt:
+          pass
+        finally:
+          sys.settrace(None)
+        kept, seen = sys.getprofile() is profiler, len(events)
+        sys.setprofile(None)
+        where.append(["call, profiled", bool(fired), stage, list(interrupts.pending)])
         sess.wait_until_saved()
-        print(json.dumps(where))
+        print(json.dumps([where, kept, seen]))
         """)
-    for caller, fired, stage, pending in out:
+    where, kept, seen = out
+    for caller, fired, stage, pending in where:
       self.assertTrue(fired, caller)
       self.assertIn(stage, ("the call", "the sleeps after it"), caller)
       self.assertEqual(pending, [], caller)
+    self.assertTrue(kept)  # the user's profiler is still the one
+    self.assertGreater(seen, 0)
 
   def test_a_ctrl_c_as_the_save_takes_a_snapshot_slot(self):
     # inside threading.Semaphore.acquire, as it leaves `with self._cond:`:
