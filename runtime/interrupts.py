@@ -24,6 +24,9 @@ The session's waits for another thread (the checkpoint writer, another
 thread's compile of the same program) go through `wait_for`, critical too: a
 Ctrl-C ends the wait at its next look and is raised there, never inside the
 Condition's own Python, where it left a lock or a queue's count wrong.
+A signal recorded after the outermost critical function's own deliver()
+looked (or on its return) is sent again once the main thread has left it
+(`_watch`).
 
 What it covers: SIGINT, with a Python-level handler installed when a Session
 was created or a graph compiled (Python's default one, or the user's). A

@@ -138,44 +138,34 @@ class InterruptWindowsTest(absltest.TestCase):
                                       and f.f_back.f_code.co_name == "_hand_off",
             "call": lambda f, e: f.f_code in interrupts._CRITICAL and e == "return"
                                  and f.f_code.co_name == "call"}
+        def stage_of(pick, call):  # where the Ctrl-C came out
+          fired = interrupt_when(pick)
+          stage = "the call"
+          try:
+            call()
+            sys.settrace(None)
+            stage = "the sleeps after it"
+            for _ in range(100):
+              time.sleep(0.02)
+            stage = "never"
+          except KeyboardInterrupt:
+            pass
+          finally:
+            sys.settrace(None)
+          return [bool(fired), stage, list(interrupts.pending)]
         for caller, call in (("_hand_off", lambda k: sess.save(gid, folder, 10 + k)),
                              ("call", lambda k: sess.run(gid, jnp.float32(1)))):
           for k in range(3):
-            fired = interrupt_when(picks[caller])
-            stage = "the call"
-            try:
-              call(k)
-              sys.settrace(None)
-              stage = "the sleeps after it"
-              for _ in range(100):
-                time.sleep(0.02)
-              stage = "never"
-            except KeyboardInterrupt:
-              pass
-            finally:
-              sys.settrace(None)
-            where.append([caller, bool(fired), stage, list(interrupts.pending)])
+            where.append([caller, *stage_of(picks[caller], lambda: call(k))])
         # under a profiler of the user's: it stays, and so does the answer
         # (a first cut's profile hook replaced a C profiler: a review's find)
         events = []
         profiler = lambda frame, event, arg: events.append(event)
         sys.setprofile(profiler)
-        fired = interrupt_when(picks["call"])
-        stage = "the call"
-        try:
-          sess.run(gid, jnp.float32(1))
-          sys.settrace(None)
-          stage = "the sleeps after it"
-          for _ in range(100):
-            time.sleep(0.02)
-          stage = "never"
-        except KeyboardInterrupt:
-          pass
-        finally:
-          sys.settrace(None)
+        where.append(["call, profiled", *stage_of(picks["call"],
+                                                  lambda: sess.run(gid, jnp.float32(1)))])
         kept, seen = sys.getprofile() is profiler, len(events)
         sys.setprofile(None)
-        where.append(["call, profiled", bool(fired), stage, list(interrupts.pending)])
         sess.wait_until_saved()
         print(json.dumps([where, kept, seen]))
         """)
