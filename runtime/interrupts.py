@@ -103,7 +103,10 @@ class _Deferring:
   def __call__(self, signum, frame):
     if _inside_critical(frame):
       if not pending:
-        _thread.start_new_thread(_watch, (threading.main_thread().ident,))
+        try:
+          _thread.start_new_thread(_watch, (threading.main_thread().ident,))
+        except RuntimeError:  # no new threads (the interpreter is finalizing)
+          pass
       pending.append(signum)
       return
     self.previous(signum, frame)
@@ -208,4 +211,3 @@ def wait_for(cond, ready):
     # the handler returned (the user's own, setting a flag): the wait goes on
     # (it returned unfinished, and a restore read before its save was written:
     # a break-it find)
-

@@ -316,9 +316,10 @@ class Checkpointer:
       if step is not None and asked is None:
         raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
     path = _agreed_path(where, directory, asked, checks)
-    self.until_written(everything=False)  # the pending saves written (their errors stay
-    # for wait/save),
-    step_dirs.wait_for_writers(path)  # and every other Session's of this process there
+    # the pending saves written (their errors stay for wait/save), and every
+    # other Session's of this process there
+    self.until_written(everything=False)
+    step_dirs.wait_for_writers(path)
     manager = self._manager(where, path, create=False)
     for _ in range(3):  # the newest one, removed by another writer's keep-N meanwhile
       # the primary's choice on every process (their listings raced another
