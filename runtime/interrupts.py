@@ -192,9 +192,9 @@ def wait_for(cond, ready):
   session's code - where a Ctrl-C waits for the next look at ready()
   (every POLL_S), which ends the wait, and is then raised. Raised inside a
   Condition's or a Queue's own Python instead (Condition.wait re-taking its
-  lock; Queue.put, before this module's SimpleQueue, between its append
-  and its count), it left a lock
-  released that another thread held, or a count short: that thread died
+  lock; Queue.put between its append and its count, where the checkpoint
+  writer now has a SimpleQueue), it left a lock released that another
+  thread held, or a count short: that thread died
   on its next release or task_done(), and every later wait hung (a
   break-it find: the checkpoint writer, 3 runs in 4 under rapid Ctrl-Cs).
   Inside another critical function the wait goes on until ready(); that
