@@ -25,8 +25,10 @@ thread's compile of the same program) go through `wait_for`, critical too: a
 Ctrl-C ends the wait at its next look and is raised there, never inside the
 Condition's own Python, where it left a lock or a queue's count wrong.
 A signal recorded after the outermost critical function's own deliver()
-looked (or on its return) is sent again once the main thread has left it
-(`_watch`).
+looked (or on its return) is raised once the main thread has left it: while
+one is recorded, a watcher thread sends SIGINT again now and then
+(`_watch`), and the handler, which sees the main thread's own frames, raises
+it where no critical function runs.
 
 What it covers: SIGINT, with a Python-level handler installed when a Session
 was created or a graph compiled (Python's default one, or the user's). A
@@ -101,40 +103,55 @@ class _Deferring:
     self.previous = previous
 
   def __call__(self, signum, frame):
+    try:
+      _resent.pop()  # the watcher's: only the recorded signal's reminder
+      resent = True
+    except IndexError:
+      resent = False
     if _inside_critical(frame):
       if not pending:
+        pending.append(signum)
         try:
-          _thread.start_new_thread(_watch, (threading.main_thread().ident,))
+          _thread.start_new_thread(_watch, ())
         except RuntimeError:  # no new threads (the interpreter is finalizing)
           pass
-      pending.append(signum)
+      return
+    if pending:  # recorded inside a critical function the main thread has left
+      del pending[:]
+    elif resent:  # delivered meanwhile: no second KeyboardInterrupt for one Ctrl-C
       return
     self.previous(signum, frame)
 
 
-def _watch(main):
-  """While a signal is recorded: once the main thread runs no critical
-  function and the signal is still recorded - it came after the outermost
-  one's own deliver() looked, or on its `return` - it is sent again, to
-  land outside (it stayed recorded until some later critical call ended,
-  or for good: a break-it find). A raw thread, as _resend's; it reads the
-  main thread's frames, so no profile or trace hook of the user's is
-  touched (a first cut's profile hook replaced a C profiler: a review's
-  find). The signal is taken with one pop, as deliver() takes it: one
-  Ctrl-C is raised once."""
-  while pending:
-    time.sleep(0.005)
-    frame = sys._current_frames().get(main)  # pylint: disable=protected-access
-    if frame is None:
+_resent = []  # reminders the watcher sent, not yet handled
+_WATCH_S = (0.005, 0.5)  # the watcher's first and longest interval
+
+
+def _watch():
+  """While a signal is recorded: SIGINT again, after 5 ms and then at
+  doubling intervals up to 0.5 s, marked as a reminder (`_resent`). The
+  handler runs it in the main thread: inside a critical function it keeps
+  waiting for that one's deliver(); outside - the signal came after the
+  outermost one's own deliver() looked, or on its `return` - it raises the
+  recorded signal there (it stayed recorded until some later critical call
+  ended, or for good: a break-it find); after deliver() took it, a reminder
+  is dropped. A raw thread, as _resend's, that reads nothing of other
+  threads: a first cut looked at the main thread's frames with
+  sys._current_frames(), which on CPython 3.11 holds the interpreter's
+  thread-list lock while it allocates, so a garbage collection there runs
+  jax's gc callback (Python) under that lock - and a thread ending, or
+  starting, waited for the lock while the watcher waited for the GIL: the
+  whole process hung (CI ran out its 90 minutes; gdb showed it). A Ctrl-C
+  the user presses as a reminder is handled may merge with it (one signal)
+  and be dropped with it: press again."""
+  wait, longest = _WATCH_S
+  while True:
+    time.sleep(wait)
+    if not pending:
       return
-    if not _inside_critical(frame):
-      try:
-        signum = pending.pop()
-      except IndexError:  # delivered meanwhile
-        return
-      del pending[:]
-      os.kill(os.getpid(), signum)
-      return
+    _resent.append(True)
+    os.kill(os.getpid(), signal.SIGINT)
+    wait = min(2 * wait, longest)
 
 
 def install():
@@ -173,7 +190,7 @@ def deliver():
   if not _due(sys._getframe(1)):  # pylint: disable=protected-access
     return
   try:
-    signum = pending.pop()  # one pop: _watch may take it too
+    signum = pending.pop()  # one pop: the handler may take it too
   except IndexError:
     return
   del pending[:]

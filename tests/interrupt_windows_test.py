@@ -273,5 +273,57 @@ class InterruptWindowsTest(absltest.TestCase):
     self.assertEqual(out, [[False, True, "KeyboardInterrupt", False], True])
 
 
+@pytest.mark.slow  # subprocesses
+class RecordedCtrlCTest(absltest.TestCase):
+
+  def test_a_ctrl_c_recorded_through_a_long_wait_hangs_nothing(self):
+    # while a Ctrl-C stayed recorded (a run, or a wait inside one, going
+    # on), the watcher thread read the main thread's frames every 5 ms with
+    # sys._current_frames(): CPython 3.11 holds its thread-list lock there
+    # while it allocates, a collection then ran jax's gc callback under it,
+    # and a thread ending waited for that lock holding the GIL the watcher
+    # waited for - the whole process hung (CI ran out its 90 minutes; gdb
+    # showed the two threads). Threads start and end here, the collector
+    # runs often, the GIL changes hands at once: the old watcher hung about
+    # one process in three; each must end, the Ctrl-C raised once per wait.
+    script = """
+        import gc, json, os, signal, sys, threading, time
+        import jaxsession as js
+        from jaxsession.runtime import interrupts
+        js.Session()  # the handler installed
+        sys.setswitchinterval(1e-6)
+        gc.set_threshold(20, 2, 2)
+        heap = [[i] for i in range(300000)]  # (a collection takes a while)
+        stop = time.monotonic() + 6
+        def churn():
+          while time.monotonic() < stop:
+            t = threading.Thread(target=lambda: [[] for _ in range(50)])
+            t.start(); t.join()
+            cycle = []; cycle.append(cycle)
+        workers = [threading.Thread(target=churn) for _ in range(6)]
+        for w in workers: w.start()
+        cond = threading.Condition()
+
+        @interrupts.critical
+        def outer():  # as a run whose callback waits: its wait is not ended
+          interrupts.wait_for(cond, lambda: time.monotonic() > stop)
+          interrupts.deliver()
+        raised = []
+        for wait in (lambda: interrupts.wait_for(cond, lambda: time.monotonic() > stop), outer):
+          threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+          try:
+            wait()
+            raised.append(False)
+          except KeyboardInterrupt:
+            raised.append(True)
+          time.sleep(0.2)
+        for w in workers: w.join()
+        time.sleep(0.6)  # the watcher's reminders, if any were left, land here
+        print(json.dumps(raised))
+        """
+    for _ in range(2):
+      self.assertEqual(run_json(script, devices=1, timeout=90), [True, True])
+
+
 if __name__ == "__main__":
   absltest.main()
