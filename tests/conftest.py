@@ -7,16 +7,25 @@ crashed worker is reported naming the test, and the stacks are printed in
 the summary; `pytest.ini` lets no worker restart, so the hang ends the run.
 The slowest test takes about 30 s on the 2-core CI machine; HANG_S leaves
 room for one several times slower.
+
+The tests that send themselves a Ctrl-C need Python's own SIGINT handler: a
+suite started in the background of a non-interactive shell (`cmd &`) runs
+with SIGINT ignored (pytest-xdist's workers reset it; under `-n 0` those
+tests failed). It is put back here, as tests/subproc.py does for children.
 """
 import faulthandler
 import glob
 import os
+import signal
 import tempfile
 
 import pytest
 
 HANG_S = float(os.environ.get("JAXSESSION_TEST_HANG_S", "600"))
 _DIR = "JAXSESSION_TEST_HANG_DIR"
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config):
