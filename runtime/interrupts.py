@@ -103,13 +103,13 @@ class _Deferring:
     self.previous = previous
 
   def __call__(self, signum, frame):
-    try:
-      _resent.pop()  # the watcher's: only the recorded signal's reminder
-      resent = True
-    except IndexError:
-      resent = False
+    # the watcher's reminders: signals that came before this call are one
+    # call, so it takes every mark (one per reminder left marks behind that
+    # dropped later presses of the user's: a review's find)
+    resent = bool(_resent)
+    del _resent[:]
     if _inside_critical(frame):
-      if not pending:
+      if not pending and not resent:  # (a reminder is never a new press)
         pending.append(signum)
         try:
           _thread.start_new_thread(_watch, ())
@@ -135,7 +135,10 @@ def _watch():
   outermost one's own deliver() looked, or on its `return` - it raises the
   recorded signal there (it stayed recorded until some later critical call
   ended, or for good: a break-it find); after deliver() took it, a reminder
-  is dropped. A raw thread, as _resend's, that reads nothing of other
+  is dropped. A handler the user installed since gets no reminders (a
+  review's find: a handler counting presses quit on its own, Python's
+  default one raised every 0.5 s); the signal then waits for the next
+  critical function's deliver(). A raw thread, as _resend's, that reads nothing of other
   threads: a first cut looked at the main thread's frames with
   sys._current_frames(), which on CPython 3.11 holds the interpreter's
   thread-list lock while it allocates, so a garbage collection there runs
@@ -147,8 +150,8 @@ def _watch():
   wait, longest = _WATCH_S
   while True:
     time.sleep(wait)
-    if not pending:
-      return
+    if not pending or not isinstance(signal.getsignal(signal.SIGINT), _Deferring):
+      return  # delivered; or a handler installed since is not to be reminded
     _resent.append(True)
     os.kill(os.getpid(), signal.SIGINT)
     wait = min(2 * wait, longest)

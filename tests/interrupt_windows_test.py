@@ -324,6 +324,53 @@ class RecordedCtrlCTest(absltest.TestCase):
     for _ in range(2):
       self.assertEqual(run_json(script, devices=1, timeout=90), [True, True])
 
+  def test_reminders_leave_no_mark_and_reach_no_handler_of_the_users(self):
+    # (a review's finds) one handler call takes every reminder that came
+    # before it: one mark per reminder left marks that dropped later
+    # presses (a Ctrl-C recorded while a marked call spent a second in C,
+    # the GIL released); and a handler the user installs while one is
+    # recorded is not reminded (a handler counting presses quit on its own)
+    out = run_json("""
+        import hashlib, json, os, signal, time
+        import jaxsession as js
+        from jaxsession.runtime import interrupts
+        js.Session()
+
+        @interrupts.critical
+        def long_in_c():
+          try:
+            os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, recorded
+            hashlib.pbkdf2_hmac("sha256", b"p", b"s", 1_500_000)  # ~1 s, no GIL
+          finally:
+            interrupts.deliver()
+        first = "returned"
+        try:
+          long_in_c()
+        except KeyboardInterrupt:
+          first = "KeyboardInterrupt"
+        time.sleep(0.6)  # the reminders sent meanwhile are handled
+        later = []
+        for _ in range(6):  # each later press raises
+          try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            later.append("lost")
+          except KeyboardInterrupt:
+            later.append("KeyboardInterrupt")
+
+        @interrupts.critical
+        def recorded_late():  # as one recorded after the call's deliver() looked
+          os.kill(os.getpid(), signal.SIGINT)
+          for _ in range(3):
+            pass
+        recorded_late()
+        calls = []
+        signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+        time.sleep(2)  # no key pressed
+        print(json.dumps([first, later, len(calls)]))
+        """, devices=1, timeout=120)
+    self.assertEqual(out, ["KeyboardInterrupt", ["KeyboardInterrupt"] * 6, 0])
+
 
 if __name__ == "__main__":
   absltest.main()
