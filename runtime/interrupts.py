@@ -103,9 +103,9 @@ class _Deferring:
     self.previous = previous
 
   def __call__(self, signum, frame):
-    # the watcher's reminders: signals that came before this call are one
-    # call, so it takes every mark (one per reminder left marks behind that
-    # dropped later presses of the user's: a review's find)
+    # the watcher's reminders: signals that came before this call merge
+    # into it, so it takes every mark (taking one per call left marks
+    # behind, and each dropped a later press of the user's: a review's find)
     resent = bool(_resent)
     del _resent[:]
     if _inside_critical(frame):
@@ -138,15 +138,15 @@ def _watch():
   is dropped. A handler the user installed since gets no reminders (a
   review's find: a handler counting presses quit on its own, Python's
   default one raised every 0.5 s); the signal then waits for the next
-  critical function's deliver(). A raw thread, as _resend's, that reads nothing of other
-  threads: a first cut looked at the main thread's frames with
-  sys._current_frames(), which on CPython 3.11 holds the interpreter's
-  thread-list lock while it allocates, so a garbage collection there runs
-  jax's gc callback (Python) under that lock - and a thread ending, or
-  starting, waited for the lock while the watcher waited for the GIL: the
-  whole process hung (CI ran out its 90 minutes; gdb showed it). A Ctrl-C
-  the user presses as a reminder is handled may merge with it (one signal)
-  and be dropped with it: press again."""
+  critical function's deliver(). A raw thread, as _resend's, that reads
+  nothing of other threads: a first cut looked at the main thread's frames
+  with sys._current_frames(), which on CPython 3.11 holds the interpreter's
+  thread-list lock while it allocates, so a garbage collection there ran
+  jax's gc callback (Python) under that lock, the callback gave up the GIL,
+  and a thread ending took the GIL and waited for the lock: the whole
+  process hung (CI ran out its 90 minutes; gdb showed the two threads). A
+  Ctrl-C the user presses as a reminder is handled may merge with it (one
+  signal) and be dropped with it: press again."""
   wait, longest = _WATCH_S
   while True:
     time.sleep(wait)

@@ -16,6 +16,7 @@ tests failed). It is put back here, as tests/subproc.py does for children.
 import faulthandler
 import glob
 import os
+import shutil
 import signal
 import tempfile
 
@@ -51,10 +52,22 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
       dump.truncate(0)
 
 
-def pytest_terminal_summary(terminalreporter):
+def _dumps():
+  """(path, text) of each dump file, the empty ones' text ''."""
   for path in sorted(glob.glob(os.path.join(os.environ.get(_DIR, "/nonexistent"), "*.txt"))):
     with open(path) as f:
-      text = f.read()
+      yield path, f.read()
+
+
+def pytest_terminal_summary(terminalreporter):
+  for path, text in _dumps():
     if text:
       terminalreporter.section(f"hung: {os.path.basename(path)}")
       terminalreporter.write(text)
+
+
+def pytest_unconfigure(config):
+  """The controller removes its folder when no test hung (it stays, with the
+  stacks, where one did)."""
+  if not hasattr(config, "workerinput") and not any(text for _, text in _dumps()):
+    shutil.rmtree(os.environ[_DIR], ignore_errors=True)
