@@ -132,6 +132,7 @@ class ExecutableCache:
   def _claim(self, key, owner, mine):
     """(value, True) for a cached key; else the compile in flight to wait
     for, or a new one this call registers (appended to `mine`)."""
+    interrupts.rewrap()
     try:
       with self._lock:
         if key in self._entries:
@@ -149,6 +150,7 @@ class ExecutableCache:
 
   @interrupts.critical
   def _store(self, key, pending, value, owner):
+    interrupts.rewrap()
     try:
       store = not isinstance(value, DoNotStore)
       with self._lock:
@@ -168,6 +170,7 @@ class ExecutableCache:
 
   @interrupts.critical
   def _abandon(self, key, pending):
+    interrupts.rewrap()
     try:
       with self._lock:
         if not pending.done:

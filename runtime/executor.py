@@ -358,8 +358,13 @@ def call_path(program, layout, lock, where="run", user_code=False):
           return recover(exc, (), args)[1]
     return call
 
+  getsignal, sigint, seen, install = (interrupts.getsignal, interrupts.SIGINT,
+                                      interrupts.seen, interrupts.install)
+
   @interrupts.critical  # a Ctrl-C waits for the commit and the unlock
   def call(args):
+    if getsignal(sigint) is not seen[0]:  # interrupts.rewrap(), inline: a SIGINT
+      install()  # handler the user installed since is wrapped before the lock
     if not acquire(False):  # a lock's acquire/release: ~0.2 µs less a run than `with`
       refuse_reentry(lock, where)  # (a callback of this thread's run: never acquired)
       acquire()

@@ -30,16 +30,21 @@ one is recorded, a watcher thread sends SIGINT again now and then
 (`_watch`), and the handler, which sees the main thread's own frames, raises
 it where no critical function runs.
 
-What it covers: SIGINT, with a Python-level handler installed when a Session
-was created or a graph compiled (Python's default one, or the user's). A
-handler installed after that replaces ours, and a Ctrl-C during a run then
-behaves as that handler makes it; compiling another graph wraps it again.
+What it covers: SIGINT, with a Python-level handler (Python's default one,
+or the user's), wrapped when a Session is created or a graph compiled, and
+again by the next critical function where one was installed since
+(`rewrap`: one look at the handler, ~20 ns; a handler installed after the
+Session was compiled let one Ctrl-C consume the donated state, and every
+later run failed with "Array has been deleted": a break-it find). One
+installed inside a critical function (by a run's host callback) is wrapped
+by the next one: until then a Ctrl-C behaves as that handler makes it.
 A SIGINT whose KeyboardInterrupt CPython ignores (raised inside a gc
 callback, a __del__ or a weakref callback) is sent again (`_Unraisable`).
 Other signals, and SIGINT handlers set to SIG_IGN/SIG_DFL or installed in C,
 are left alone. A run of the main thread that never returns (a callback that
 blocks forever) cannot be interrupted by Ctrl-C: its state would be lost.
 """
+import _signal
 import _thread
 import os
 import signal
@@ -157,17 +162,33 @@ def _watch():
     wait = min(2 * wait, longest)
 
 
+_MAIN = threading.main_thread().ident
+SIGINT = _signal.SIGINT  # an int (signal.SIGINT's enum costs a lookup)
+getsignal = _signal.getsignal  # the raw handler: signal.getsignal's enum costs ~2 µs
+seen = [None]  # the SIGINT handler install() left: ours, or one it leaves alone
+
+
 def install():
   """Wraps the current SIGINT handler in a deferring one, once per handler:
   only from the main thread, and only a Python callable that is not ours."""
-  if threading.current_thread() is not threading.main_thread():
+  if _thread.get_ident() != _MAIN:
     return
   if not isinstance(sys.unraisablehook, _Unraisable):
     sys.unraisablehook = _Unraisable(sys.unraisablehook)
-  current = signal.getsignal(signal.SIGINT)
-  if isinstance(current, _Deferring) or not callable(current):
-    return
-  signal.signal(signal.SIGINT, _Deferring(current))
+  current = getsignal(signal.SIGINT)
+  if callable(current) and not isinstance(current, _Deferring):
+    current = _Deferring(current)
+    signal.signal(signal.SIGINT, current)
+  seen[0] = current
+
+
+def rewrap():
+  """install() where the SIGINT handler is not the one it left: the first
+  step of every critical function (Runner.call inlines it), before it takes
+  a lock. A Ctrl-C before it is raised by the user's handler where nothing
+  was done yet."""
+  if getsignal(SIGINT) is not seen[0]:
+    install()
 
 
 def _due(frame):
@@ -219,6 +240,7 @@ def wait_for(cond, ready):
   break-it find: the checkpoint writer, 3 runs in 4 under rapid Ctrl-Cs).
   Inside another critical function the wait goes on until ready(); that
   one delivers."""
+  rewrap()
   while True:
     done = False
     try:

@@ -354,6 +354,7 @@ def holding(lock, fn, where="this call"):
   lock is released (runtime/interrupts.py), so no lock stays held; refused
   from a callback of a run holding it (refuse_reentry, naming `where`).
   Runner.call writes the same out inline (the hot path)."""
+  interrupts.rewrap()
   refuse_reentry(lock, where)
   try:
     with lock:

@@ -146,6 +146,7 @@ def in_line(path, writer):
   in here is raised where the line is as it should be (one landing between
   the join and the `try`, or before the removal, left the writer in line
   for good and every later save into `path` waiting: a break-it find)."""
+  interrupts.rewrap()
   try:
     _join_line(path, writer)
     if interrupts.pending:  # raised here, inside: not held over the wait outside

@@ -48,6 +48,7 @@ def _ocp():
   interrupted cannot be retried in the process (tensorstore's extension:
   "initialization failed", then an abort - a break-it find), so a SIGINT
   during it is held until the import is done."""
+  interrupts.rewrap()
   try:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   except ModuleNotFoundError as exc:
@@ -188,6 +189,7 @@ class Checkpointer:
     step claimed: break-it finds), then is raised with nothing claimed or
     queued unless the write already was. False where another Session of
     this process is saving into `path`: nothing claimed (save waits)."""
+    interrupts.rewrap()
     claimed, taken, queued, before = False, False, False, -1
     try:
       with self._lock:  # steps increase per directory, as orbax keeps them

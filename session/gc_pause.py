@@ -45,6 +45,7 @@ class _Paused:
 
   @interrupts.critical
   def __enter__(self):
+    interrupts.rewrap()
     _enter()
     if interrupts.waiting():  # a Ctrl-C while entering: the body never runs
       _leave()
@@ -53,6 +54,7 @@ class _Paused:
 
   @interrupts.critical
   def __exit__(self, *exc):
+    interrupts.rewrap()
     _leave()
     interrupts.deliver()
     return False
