@@ -52,7 +52,7 @@ import numpy as np
 
 from jaxsession.graph.divisors import divisor_cone
 from jaxsession.graph.ir import Literal, Value
-from jaxsession.graph.op_properties import facts, moves_or_maps
+from jaxsession.graph.op_properties import facts, moves_or_maps, rewritten_through_one_reader
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.reorder import (ScheduleDecision, count_partitions,
                                                  order_peak, two_queue_order)
@@ -321,7 +321,11 @@ def _same_when_returned(value, phase):
   division by a square root, a rewrite XLA makes only where that has one
   reader), and no add there that contracts with its product into an FMA
   (x * y + 1 where x * y is returned too: a review's find, the callback
-  read other bits)."""
+  read other bits), and no transpose of a dot there: XLA computes the
+  transpose of a dot that one node reads as the dot of the swapped
+  operands, and a reduction of it sums in that layout's order (a judge's
+  find: a gradient's norm read by a callback, 1 ulp off, where copies of
+  the gradients' transposes made the partition return their dots)."""
   maker = value.producer
   product = maker.op in ("mul", "square", "integer_pow")
   for r in value.users:
@@ -329,7 +333,8 @@ def _same_when_returned(value, phase):
       continue
     rop, at, _ = _as_xla_reads(r, value)
     if (_rewritten(r, value) or (product and r.op in ("add", "sub", "add_any", "AddN"))
-        or (rop == "div" and 1 in at and maker.op in ("sqrt", "rsqrt"))):
+        or (rop == "div" and 1 in at and maker.op in ("sqrt", "rsqrt"))
+        or rewritten_through_one_reader(maker.op, r.op)):
       return False
   return True
 

@@ -210,6 +210,17 @@ CALLS = ("jit", "pjit")
 DIVIDES = ("div", "rem")
 
 
+def rewritten_through_one_reader(maker, reader):
+  """Whether XLA's simplifier rewrites `reader` (an op name) through the
+  `maker` op of its operand only where that operand has no other reader:
+  the transpose of a dot, computed as the dot of the swapped operands (a
+  reduction of it then sums in that layout's order). The passes that change
+  how many read a value keep it so for these pairs (optimizer_passes/cse.py,
+  move_into_readers.py); a division by what makes its divisor is
+  graph/divisors.py's."""
+  return maker == "dot_general" and reader == "transpose"
+
+
 def _facts(*names, **facts):
   return {name: OpFacts(**facts) for name in names}
 
