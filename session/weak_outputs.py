@@ -115,12 +115,12 @@ class WeakOutputs:
                         for x in (flat[i][j] for i, j in watched))
       except IndexError:  # an argument or a leaf missing (a raw IndexError: a judge's find)
         pattern = None
-      if pattern == compiled:
+      if pattern == compiled or pattern is None:  # (None: the call's checks name it)
         return call(args)
-      if pattern is None or len(args) != len(treedefs) or any(
-          tree_util.tree_structure(args[i]) != treedefs[i] for i in watched_args):
-        return call(args)  # not the compiled arguments: the call's checks name what is wrong
       want = self.out_flags(pattern)
+      if (want is GONE or want is OTHER) and (len(args) != len(treedefs) or any(
+          tree_util.tree_structure(args[i]) != treedefs[i] for i in watched_args)):
+        return call(args)  # not the compiled arguments: the call's checks name what is wrong
       if want is GONE:
         raise InputError(f"{self.spec.where}: scalar arguments typed otherwise than the "
                          "compile's examples (weak or strong) cannot be checked: the graph's "
