@@ -214,11 +214,26 @@ def rewritten_through_one_reader(maker, reader):
   """Whether XLA's simplifier rewrites `reader` (an op name) through the
   `maker` op of its operand only where that operand has no other reader:
   the transpose of a dot, computed as the dot of the swapped operands (a
-  reduction of it then sums in that layout's order). The passes that change
+  reduction of it then sums in that layout's order); products by one
+  factor added, factored; a reshape sunk below its elementwise reader (a
+  reduction then sums in another order). The passes that change
   how many read a value keep it so for these pairs (optimizer_passes/cse.py,
   move_into_readers.py); a division by what makes its divisor is
   graph/divisors.py's."""
-  return maker == "dot_general" and reader == "transpose"
+  if maker == "dot_general":
+    return reader == "transpose"
+  if maker == "mul":  # a * c + b * c factored to (a + b) * c
+    return reader in ("add", "sub")
+  if maker == "reshape":  # sunk below its elementwise reader (XLA's ReshapeMover)
+    return facts(reader).elementwise
+  return False
+
+
+# readers XLA rewrites where one operand is read twice - x * x is taken as
+# non-negative (an abs or a comparison of it folded), sqrt(a) * sqrt(a) is
+# a - which jax.jit's program, each written apart, shows XLA only after its
+# own CSE, past those rewrites (optimizer_passes/cse.py)
+READS_ONE_VALUE_TWICE = ("mul",)
 
 
 def _facts(*names, **facts):
