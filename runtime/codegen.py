@@ -34,6 +34,7 @@ float64 host results, and refused them: a break-it find).
 import jax
 
 from jaxsession.jax_api import ARRAY
+from jaxsession.runtime import interrupts
 from jaxsession.runtime.build import RECOVERABLE, moved_on_refusal
 
 
@@ -116,9 +117,13 @@ def _ops(program, namespace, fixed, indent):
     namespace[f"f{k}"] = op.fn
     call = f"{_names(op.outs) if op.outs else '_'} = f{k}({', '.join(f'r{r}' for r in op.ins)})"
     if op.error is not None:  # a host op: whatever it raises names the node
-      namespace[f"e{k}"] = op.error
+      namespace[f"e{k}"], namespace["rewrap"] = op.error, interrupts.rewrap
       lines += [f"{indent}try:", f"{indent}  {call}", f"{indent}except Exception as exc:",
-                f"{indent}  raise e{k}(exc) from exc"]
+                f"{indent}  raise e{k}(exc) from exc",
+                # a SIGINT handler the callback installed defers too, for the
+                # rest of the run (one Ctrl-C there deleted the donated state,
+                # 151 of 500: a break-it find)
+                f"{indent}rewrap()"]
     elif op.host_ins:  # host results in: a transfer guard's refusal moves them
       namespace[f"g{k}"] = moved_on_refusal(op.fn, op.host_ins, op.in_shardings)
       retry = call.replace(f"f{k}(", f"g{k}(exc, ", 1)

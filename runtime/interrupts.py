@@ -36,8 +36,14 @@ again by the next critical function where one was installed since
 (`rewrap`: one look at the handler, ~20 ns; a handler installed after the
 Session was compiled let one Ctrl-C consume the donated state, and every
 later run failed with "Array has been deleted": a break-it find). One
-installed inside a critical function (by a run's host callback) is wrapped
-by the next one: until then a Ctrl-C behaves as that handler makes it.
+installed by a run's host callback is wrapped as the callback returns.
+Wrapping replaces the handler object: code that puts its previous handler
+back only where the current one is still its own (`if getsignal(SIGINT) is
+mine`, asyncio.Runner's) finds ours and leaves it (a break-it find: a
+graceful-stop handler of the last step stayed, and the next Ctrl-C set its
+flag alone). asyncio's handler of loop.add_signal_handler, which does
+nothing, is not wrapped; a wakeup fd of the user's gets a byte for each of
+the watcher's reminders too.
 A SIGINT whose KeyboardInterrupt CPython ignores (raised inside a gc
 callback, a __del__ or a weakref callback) is sent again (`_Unraisable`).
 Other signals, and SIGINT handlers set to SIG_IGN/SIG_DFL or installed in C,
@@ -115,7 +121,7 @@ class _Deferring:
     del _resent[:]
     if _inside_critical(frame):
       if not pending and not resent:  # (a reminder is never a new press)
-        pending.append(signum)
+        pending.append((signum, self))  # (delivered to the handler it deferred)
         try:
           _thread.start_new_thread(_watch, ())
         except RuntimeError:  # no new threads (the interpreter is finalizing)
@@ -176,10 +182,19 @@ def install():
   if not isinstance(sys.unraisablehook, _Unraisable):
     sys.unraisablehook = _Unraisable(sys.unraisablehook)
   current = getsignal(signal.SIGINT)
-  if callable(current) and not isinstance(current, _Deferring):
+  if callable(current) and not isinstance(current, _Deferring) and not _does_nothing(current):
     current = _Deferring(current)
     signal.signal(signal.SIGINT, current)
   seen[0] = current
+
+
+def _does_nothing(handler):
+  """asyncio's SIGINT handler of `loop.add_signal_handler`, which does
+  nothing (its work is the wakeup fd's, written in C): raising nothing, it
+  needs no deferring, and wrapped, the watcher's reminders each wrote the
+  wakeup fd again (its callback ran 2-4 times a press: a break-it find)."""
+  unix_events = sys.modules.get("asyncio.unix_events")
+  return unix_events is not None and handler is getattr(unix_events, "_sighandler_noop", None)
 
 
 def rewrap():
@@ -214,14 +229,17 @@ def deliver():
   if not _due(sys._getframe(1)):  # pylint: disable=protected-access
     return
   try:
-    signum = pending.pop()  # one pop: the handler may take it too
+    signum, deferring = pending.pop()  # one pop: the handler may take it too
   except IndexError:
     return
   del pending[:]
-  handler = signal.getsignal(signum)
-  previous = handler.previous if isinstance(handler, _Deferring) else handler
-  if callable(previous):
-    previous(signum, None)
+  # the handler this one deferred, not the one installed now: a handler a
+  # run's callback installed that calls ours ran for the press already, and
+  # ran twice (a break-it find: 183 of 500 presses)
+  # the frame that called the outermost critical function (_due), where the
+  # Ctrl-C lands: None broke handlers that log it (50 of 50 presses), and a
+  # critical function's own made a handler calling ours defer it again
+  deferring.previous(signum, sys._getframe(1).f_back)  # pylint: disable=protected-access
 
 
 POLL_S = 0.05  # how soon a wait_for sees a Ctrl-C

@@ -47,6 +47,21 @@ if KIND == "mesh":
 sess = js.Session(options)
 if KIND == "host":
   fn = host_body
+calls = [0]
+if KIND == "cb_late":  # a handler of the user's, installed by the run's callback
+  prev_handler = signal.getsignal(signal.SIGINT)
+
+  def chaining(signum, frame):  # counts, then calls the one it found
+    calls[0] += 1
+    prev_handler(signum, frame)
+
+  def installs(a):  # (jax.jit's replay runs it on an XLA thread: no handler there)
+    if threading.current_thread() is threading.main_thread():
+      signal.signal(signal.SIGINT, chaining)
+    return np.tanh(np.asarray(a)).astype(np.float32)
+
+  def fn(s, x):
+    return body(s, jax.pure_callback(installs, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
 if KIND == "bucketed":
   state = {"w": jnp.asarray(rng.standard_normal((48,)), jnp.float32), "n": jnp.int32(0)}
   x = jnp.asarray(rng.standard_normal((5, 48)), jnp.float32)
@@ -55,7 +70,7 @@ if KIND == "bucketed":
                      buckets={1: [8]})
 else:
   gid = sess.compile(fn, state, x, state_argnums=0)
-if KIND == "host":
+if KIND in ("host", "cb_late"):
   assert len(sess.report(gid).partitions) > 1, sess.report(gid).partitions
 if KIND in ("sunk", "stepped"):
   steps = 3
@@ -123,7 +138,7 @@ for trial in range(TRIALS):
   sess.set_state(gid, start)
 import json
 print(json.dumps({"interrupted": interrupted, "bad": bad, "donated": donated,
-                  "runs": counts}))
+                  "runs": counts, "calls": calls[0]}))
 """
 
 # Two state args: their slots' locks are taken one by one; a Ctrl-C between
@@ -306,6 +321,7 @@ class InterruptTest(absltest.TestCase):  # slow: seven subprocesses, ~30-130 s h
     self.assertEqual(out["bad"], [])
     self.assertEqual(out["interrupted"], TRIALS)
     self.assertGreater(out["donated"], 0)
+    return out
 
   def test_single_partition(self):
     self.check("single")
@@ -329,6 +345,14 @@ class InterruptTest(absltest.TestCase):  # slow: seven subprocesses, ~30-130 s h
     # wrapped by the next run (a break-it find: one Ctrl-C consumed the
     # donated state and every later run failed)
     self.check("late")
+
+  def test_a_handler_a_runs_callback_installs(self):
+    # wrapped after the callback, for the rest of the run (one Ctrl-C there
+    # deleted the state: 151 of 500), and run once a press (the deferred
+    # press went to the handler installed then, which had run: 183 of 500
+    # ran twice; break-it finds)
+    out = self.check("cb_late")
+    self.assertEqual(out["calls"], out["interrupted"])
 
   def test_a_run_in_another_thread_holds_back_no_ctrl_c(self):
     out = run_json(THREAD_CHILD, timeout=200)

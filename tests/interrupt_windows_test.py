@@ -231,7 +231,7 @@ class InterruptWindowsTest(absltest.TestCase):
     out = self._run("""
         from jaxsession import gc_pause
         from jaxsession.runtime import interrupts
-        interrupts.pending.append(signal.SIGINT)  # as the handler records it
+        interrupts.pending.append((signal.SIGINT, signal.getsignal(signal.SIGINT)))  # as recorded
         seen = []
         def worker():
           sess.compile(lambda a: a * 3, jnp.ones(3))
@@ -258,7 +258,7 @@ class InterruptWindowsTest(absltest.TestCase):
 
         @interrupts.critical
         def outer():  # as Runner.call: ends by delivering
-          interrupts.pending.append(signal.SIGINT)  # a Ctrl-C the handler recorded
+          interrupts.pending.append((signal.SIGINT, signal.getsignal(signal.SIGINT)))  # recorded
           with gc_pause.paused():
             inside = gc.isenabled()
           seen.extend([inside, bool(interrupts.pending)])
