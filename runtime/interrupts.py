@@ -233,12 +233,12 @@ def deliver():
   except IndexError:
     return
   del pending[:]
-  # the handler this one deferred, not the one installed now: a handler a
+  # the handler that deferred it, not the one installed now (a handler a
   # run's callback installed that calls ours ran for the press already, and
-  # ran twice (a break-it find: 183 of 500 presses)
-  # the frame that called the outermost critical function (_due), where the
-  # Ctrl-C lands: None broke handlers that log it (50 of 50 presses), and a
-  # critical function's own made a handler calling ours defer it again
+  # ran twice: 183 of 500 presses), with the frame that called the outermost
+  # critical function (_due), where the Ctrl-C lands (None broke handlers
+  # that log it, 50 of 50 presses; a critical function's own frame made a
+  # handler calling ours defer it again: break-it finds)
   deferring.previous(signum, sys._getframe(1).f_back)  # pylint: disable=protected-access
 
 
