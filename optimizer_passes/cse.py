@@ -13,8 +13,8 @@ simplifier then computed as the dot of the swapped operands, before its
 own CSE merges what jax.jit's program repeats, and `d.T * d.T` was summed
 in that layout's order (a judge's find: 7 of 12 inputs 1 ulp off);
 merged dots each transposed once lose that rewrite (`_readers_kept`);
-likewise a product by one factor added (XLA factors it) and a reshape its
-elementwise reader would sink. Nor a merge after which one product reads
+likewise a product by one factor added (XLA factors it) and a reshape or
+transpose its elementwise reader would sink. Nor a merge after which one product reads
 one value twice (READS_ONE_VALUE_TWICE: XLA takes x * x as non-negative,
 and folded an abs of it, a NaN's sign, and a `>= 0` of it: a fuzzer's
 finds). Merges of an operand two readers then share are still made

@@ -215,8 +215,8 @@ def rewritten_through_one_reader(maker, reader):
   `maker` op of its operand only where that operand has no other reader:
   the transpose of a dot, computed as the dot of the swapped operands (a
   reduction of it then sums in that layout's order); products by one
-  factor added, factored; a reshape sunk below its elementwise reader (a
-  reduction then sums in another order). The passes that change
+  factor added, factored; a reshape or transpose sunk below its
+  elementwise reader (a reduction then sums in another order). The passes that change
   how many read a value keep it so for these pairs (optimizer_passes/cse.py,
   move_into_readers.py); a division by what makes its divisor is
   graph/divisors.py's."""
@@ -224,7 +224,7 @@ def rewritten_through_one_reader(maker, reader):
     return reader == "transpose"
   if maker == "mul":  # a * c + b * c factored to (a + b) * c
     return reader in ("add", "sub")
-  if maker == "reshape":  # sunk below its elementwise reader (XLA's ReshapeMover)
+  if maker in ("reshape", "transpose"):  # sunk below its elementwise reader (ReshapeMover)
     return facts(reader).elementwise
   return False
 
