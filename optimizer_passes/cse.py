@@ -14,10 +14,10 @@ own CSE merges what jax.jit's program repeats, and `d.T * d.T` was summed
 in that layout's order (a judge's find: 7 of 12 inputs 1 ulp off);
 merged dots each transposed once lose that rewrite (`_readers_kept`);
 likewise a product by one factor added (XLA factors it) and a reshape or
-transpose its elementwise reader would sink. Nor a merge after which one product reads
-one value twice (READS_ONE_VALUE_TWICE: XLA takes x * x as non-negative,
-and folded an abs of it, a NaN's sign, and a `>= 0` of it: a fuzzer's
-finds). Merges of an operand two readers then share are still made
+transpose its elementwise reader would sink. Nor a merge after which one product or sum
+reads one value twice (READS_ONE_VALUE_TWICE: XLA takes x * x as
+non-negative, and folded an abs of it, a NaN's sign, and a `>= 0` of it;
+it factored y * c + y * c, which overflowed: a fuzzer's finds). Merges of an operand two readers then share are still made
 (sqrt(A) * sqrt(A) of a merged A: docs/numerics.md's table).
 
 Not under a mesh (see `run`). Run after DCE (fewer nodes to hash); DCE again

@@ -36,6 +36,11 @@ def _matches_jit(test, fn, *args):
   return sess.report(gid)
 
 
+def _run_once(fn, args):
+  sess = js.Session()
+  return sess.run(sess.compile(fn, *args), *args)
+
+
 class DCETest(absltest.TestCase):
 
   def test_removes_dead_chain(self):
@@ -72,7 +77,7 @@ class DCETest(absltest.TestCase):
 class CSETest(absltest.TestCase):
 
   def test_merges_identical_nodes(self):
-    fn = lambda x: jnp.sin(x) * 2 + jnp.sin(x) * 2
+    fn = lambda x: jnp.exp(jnp.sin(x) * 2) - jnp.tanh(jnp.sin(x) * 2)
     graph, before, changed, _ = _run_pass(CommonSubexpressionElimination(), fn, _x(3))
     self.assertTrue(changed)
     self.assertEqual(before.count("sin"), 2)
@@ -119,7 +124,9 @@ class CSETest(absltest.TestCase):
              "abs(sin * sin)": lambda a, b: jnp.abs(jnp.sin(a) * jnp.sin(a)),
              "log * log >= 0": lambda a, b: jnp.where(jnp.log(a) * jnp.log(a) >= 0, 1.0, 2.0),
              "((a + 1) * (a + 1)) ** 0.5": lambda a, b: ((a + 1.0) * (a + 1.0)) ** 0.5,
-             "((a.T * a.T) ** 0.5, a.T)": lambda a, b: ((a.T * a.T) ** 0.5, a.T)}
+             "((a.T * a.T) ** 0.5, a.T)": lambda a, b: ((a.T * a.T) ** 0.5, a.T),
+             "a * .5 + a * .5, a broadcast twice": lambda a, b: (  # (a + a) * .5 overflows
+                 jnp.broadcast_to(a, (2, 16, 32)) * 0.5 + jnp.broadcast_to(a, (2, 16, 32)) * 0.5)}
     for name, fn in cases.items():
       with self.subTest(name):
         graph, _, _, _ = _run_pass(CommonSubexpressionElimination(), fn, _x(16, 32), _x(16, 8))
@@ -129,6 +136,8 @@ class CSETest(absltest.TestCase):
           self.assertEqual(ops.count("dot_general"), 2 if "twice" in name else 1)
         for _ in range(6):
           _matches_jit(self, fn, _x(16, 32), _x(16, 8))
+        big = (_x(16, 32) * 1e38, _x(16, 8))  # (finite where only a sum overflows)
+        assert_same_bits(_run_once(fn, big), jax.jit(fn)(*big), f"{name}, big values")
 
 
 class SessionPassesTest(absltest.TestCase):

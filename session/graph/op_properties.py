@@ -230,10 +230,11 @@ def rewritten_through_one_reader(maker, reader):
 
 
 # readers XLA rewrites where one operand is read twice - x * x is taken as
-# non-negative (an abs or a comparison of it folded), sqrt(a) * sqrt(a) is
-# a - which jax.jit's program, each written apart, shows XLA only after its
-# own CSE, past those rewrites (optimizer_passes/cse.py)
-READS_ONE_VALUE_TWICE = ("mul",)
+# non-negative (an abs or a comparison of it folded), y * c + y * c is
+# factored as (y + y) * c (an overflow) - which jax.jit's program, each
+# written apart, shows XLA only after its own CSE, past those rewrites
+# (optimizer_passes/cse.py)
+READS_ONE_VALUE_TWICE = ("mul", "add")
 
 
 def _facts(*names, **facts):
