@@ -213,7 +213,7 @@ def _due(frame):
   and where no critical function further out runs (that one delivers at its
   end: a compile from a run's callback must not raise inside the run's
   commit)."""
-  return (bool(pending) and threading.current_thread() is threading.main_thread()
+  return (bool(pending) and _thread.get_ident() == _MAIN
           and not _inside_critical(frame.f_back))
 
 

@@ -324,6 +324,32 @@ class RecordedCtrlCTest(absltest.TestCase):
     for _ in range(2):
       self.assertEqual(run_json(script, devices=1, timeout=90), [True, True])
 
+  def test_a_handler_set_since_is_wrapped_and_asyncios_is_left_alone(self):
+    # a handler set after the compile is wrapped by the next run; asyncio's
+    # handler of add_signal_handler, which does nothing, is not (wrapped,
+    # the watcher's reminders fired its callback 2-4 times a press: a
+    # break-it find)
+    out = run_json("""
+        import asyncio, json, signal
+        import jax.numpy as jnp
+        import jaxsession as js
+        sess = js.Session()
+        gid = sess.compile(lambda a, x: (a + x, a), jnp.ones(3), jnp.ones(3), state_argnums=0)
+        mine = lambda signum, frame: None
+        signal.signal(signal.SIGINT, mine)
+        sess.run(gid, jnp.ones(3))
+        wrapped = signal.getsignal(signal.SIGINT)
+        loop = asyncio.new_event_loop()
+        loop.add_signal_handler(signal.SIGINT, lambda: None)
+        noop = signal.getsignal(signal.SIGINT)
+        sess.run(gid, jnp.ones(3))
+        print(json.dumps([wrapped is not mine and getattr(wrapped, "previous", None) is mine,
+                          signal.getsignal(signal.SIGINT) is noop]))
+        loop.remove_signal_handler(signal.SIGINT)
+        loop.close()
+        """, devices=1, timeout=120)
+    self.assertEqual(out, [True, True])
+
   def test_reminders_leave_no_mark_and_reach_no_handler_of_the_users(self):
     # (a review's finds) one handler call takes every reminder that came
     # before it: one mark per reminder left marks that dropped later
