@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsession.graph import op_properties
-from jaxsession.graph.ir import Literal
+from jaxsession.graph.ir import Literal, same_value
 from jaxsession.optimizer_passes.base import PassResult
 from jaxsession.optimizer_passes.pattern import Pat, RewritePass, Rule
 
@@ -48,8 +48,10 @@ PALLAS_NOTE = ("bit-identical to the unfused graph with its XLA kernel; on GPU t
 
 
 def first(add, operand):
-  """Whether `operand` is the first input of the add that computes `add`."""
-  return add.producer.inputs[0] is operand
+  """Whether `operand` (or a duplicate of it cse marked) is the first input
+  of the add that computes `add`."""
+  inputs = add.producer.inputs
+  return inputs[0] is operand or (inputs[1] is not operand and same_value(inputs[0], operand))
 
 
 def _keeps_reduced_axes(expanded, x, axes):

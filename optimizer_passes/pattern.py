@@ -20,7 +20,7 @@ from jax.core import ShapedArray
 import numpy as np
 
 from jaxsession.graph import op_properties
-from jaxsession.graph.ir import Literal, Value
+from jaxsession.graph.ir import Literal, Value, same_value
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
 
@@ -48,7 +48,8 @@ class Pat:
   @classmethod
   def var(cls, name, where=None):
     """Anything (a value or a literal), captured as `name`; the same name
-    used twice must be the same value."""
+    used twice must be the same value (graph/ir.py same_value: duplicates
+    cse marked are one)."""
     pat = cls((), name=name, where=where)
     pat.kind = "var"
     return pat
@@ -105,8 +106,7 @@ class Match:
       self.captures[name] = value
       self.trail.append(name)
       return True
-    return seen is value or (isinstance(seen, Literal) and isinstance(value, Literal)
-                             and seen.key() == value.key())
+    return same_value(seen, value)
 
 
 SPLAT_LIMIT = 1 << 16  # elements; larger consts are not inspected

@@ -8,7 +8,8 @@ import numpy as np
 import jaxsession as js
 from jaxsession.graph.importer import import_jaxpr
 from jaxsession.optimizer_passes.base import PassContext, PassManager
-from jaxsession.optimizer_passes.cse import CommonSubexpressionElimination
+from jaxsession.graph.ir import same_value
+from jaxsession.optimizer_passes.cse import NOTE, CommonSubexpressionElimination
 from jaxsession.optimizer_passes.dce import DeadCodeElimination
 from exact import assert_same_bits, with_specials
 
@@ -76,19 +77,31 @@ class DCETest(absltest.TestCase):
 
 class CSETest(absltest.TestCase):
 
-  def test_merges_identical_nodes(self):
+  def test_marks_identical_nodes_and_leaves_them_for_xla(self):
     fn = lambda x: jnp.exp(jnp.sin(x) * 2) - jnp.tanh(jnp.sin(x) * 2)
     graph, before, changed, _ = _run_pass(CommonSubexpressionElimination(), fn, _x(3))
-    self.assertTrue(changed)
-    self.assertEqual(before.count("sin"), 2)
-    self.assertEqual([n.op for n in graph.nodes].count("sin"), 1)
-    self.assertEqual([n.op for n in graph.nodes].count("mul"), 1)
+    self.assertFalse(changed)  # marks only: XLA's CSE merges, as in jax.jit's program
+    self.assertEqual([n.op for n in graph.nodes], before)
+    sins = [n for n in graph.nodes if n.op == "sin"]
+    muls = [n for n in graph.nodes if n.op == "mul"]
+    self.assertLen(sins, 2)
+    for first, second in (sins, muls):
+      self.assertIs(second.outputs[0].same_as, first.outputs[0])
+      self.assertTrue(same_value(first.outputs[0], second.outputs[0]))
+      self.assertEqual(second.notes, [f"{NOTE.format(first.id)}: both left to XLA, whose "
+                                      "CSE merges them as in jax.jit's program; fusions "
+                                      "read them as one value"])
+    self.assertFalse(same_value(sins[0].outputs[0], muls[0].outputs[0]))
+    # marked afresh: a second run neither stacks notes nor keeps stale marks
+    PassManager("Optimize", [CommonSubexpressionElimination()]).run(graph, PassContext())
+    self.assertLen(muls[1].notes, 1)
     _matches_jit(self, fn, _x(3))
 
-  def test_different_params_or_literals_are_not_merged(self):
+  def test_different_params_or_literals_are_not_marked(self):
     fn = lambda x: x.sum(0) + x.sum(1) + (x * 2).sum() + (x * 3).sum()
     graph, _, changed, _ = _run_pass(CommonSubexpressionElimination(), fn, _x(3, 3))
     self.assertFalse(changed)
+    self.assertTrue(all(o.same_as is None for n in graph.nodes for o in n.outputs))
     _matches_jit(self, fn, _x(3, 3))
 
   def test_random_draws_are_not_merged(self):
@@ -96,7 +109,9 @@ class CSETest(absltest.TestCase):
     fn = lambda x: (draw() * x, draw() * x)
     graph, _, changed, _ = _run_pass(CommonSubexpressionElimination(), fn, _x(8))
     self.assertFalse(changed)
-    self.assertEqual([n.op for n in graph.nodes].count("rng_uniform"), 2)
+    draws = [n for n in graph.nodes if n.op == "rng_uniform"]
+    self.assertLen(draws, 2)
+    self.assertFalse(same_value(draws[0].outputs[0], draws[1].outputs[0]))
 
   def test_effectful_nodes_are_not_merged(self):
     def fn(x):
@@ -106,10 +121,10 @@ class CSETest(absltest.TestCase):
     graph, _, changed, _ = _run_pass(CommonSubexpressionElimination(), fn, _x(2))
     self.assertEqual([n.op for n in graph.nodes].count("debug_callback"), 2)
 
-  def test_merges_xla_would_rewrite_otherwise_are_not_made(self):
-    # merged before XLA sees them, duplicates change what XLA's simplifier
-    # does before its own CSE (judges' finds, 1 ulp to a NaN's sign): a dot
-    # left one transposing reader (computed as the swapped dot, summed in
+  def test_duplicates_xla_rewrites_by_their_readers_give_jax_jit_bits(self):
+    # merged before XLA saw them (this pass did, until it only marked),
+    # duplicates changed what XLA's simplifier does before its own CSE
+    # (judges' finds, 1 ulp to a NaN's sign): a dot left one transposing reader (computed as the swapped dot, summed in
     # that order; a gradient's norm a callback read), a product by one
     # factor added (factored), a reshape its elementwise reader sinks, a
     # product of one value twice (taken as non-negative: abs, >= 0 folded)
@@ -129,11 +144,9 @@ class CSETest(absltest.TestCase):
                  jnp.broadcast_to(a, (2, 16, 32)) * 0.5 + jnp.broadcast_to(a, (2, 16, 32)) * 0.5)}
     for name, fn in cases.items():
       with self.subTest(name):
-        graph, _, _, _ = _run_pass(CommonSubexpressionElimination(), fn, _x(16, 32), _x(16, 8))
-        ops = [n.op for n in graph.nodes]
-        if name.startswith(("d.T", "(a.T @ b)")):  # the dots
-          self.assertEqual(ops.count("transpose"), 3)  # (a.T merged: an input's)
-          self.assertEqual(ops.count("dot_general"), 2 if "twice" in name else 1)
+        graph, before, _, _ = _run_pass(CommonSubexpressionElimination(), fn, _x(16, 32),
+                                        _x(16, 8))
+        self.assertEqual([n.op for n in graph.nodes], before)
         for _ in range(6):
           _matches_jit(self, fn, _x(16, 32), _x(16, 8))
         big = (_x(16, 32) * 1e38, _x(16, 8))  # (finite where only a sum overflows)

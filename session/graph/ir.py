@@ -66,7 +66,8 @@ def dtype_specials(dtype):
 
 class Value:
   """A value of the graph: a graph input or a node output."""
-  __slots__ = ("id", "aval", "producer", "users", "kind", "name", "index", "sharding")
+  __slots__ = ("id", "aval", "producer", "users", "kind", "name", "index", "sharding",
+               "same_as")
 
   def __init__(self, vid, aval, producer=None, kind="node", name=None, index=0):
     self.id = vid
@@ -78,9 +79,22 @@ class Value:
     self.index = index        # position among the producer's outputs
     self.sharding = None      # under a mesh: its jax.sharding.NamedSharding, where
                               # the session fixes it (inputs, state, all-reduce plan)
+    self.same_as = None       # Optimize's cse: the first value that computes the same
+                              # (one Value per class of duplicates; see same_value)
 
   def __repr__(self):
     return f"%{self.id}"
+
+
+def same_value(a, b):
+  """Whether `a` and `b` (Values or Literals) are one value: the same
+  object, equal literals, or duplicates cse found (the same op, params and
+  inputs, left unmerged for XLA: optimizer_passes/cse.py)."""
+  if a is b:
+    return True
+  if isinstance(a, Literal) or isinstance(b, Literal):
+    return isinstance(a, Literal) and isinstance(b, Literal) and a.key() == b.key()
+  return a.same_as is not None and a.same_as is b.same_as
 
 
 class Literal:

@@ -205,8 +205,8 @@ def _reshape(x, new_sizes, dimensions=None, **_):
 CALLS = ("jit", "pjit")
 
 # the ops that divide by their second operand: XLA rewrites a division by
-# what makes its divisor and how many read it (optimizer_passes/cse.py and
-# runtime/horizontal.py leave such divisors as jax.jit has them)
+# what makes its divisor and how many read it (optimizer_passes/cse.py does
+# not mark them, runtime/horizontal.py leaves them as jax.jit has them)
 DIVIDES = ("div", "rem")
 
 
@@ -216,9 +216,9 @@ def rewritten_through_one_reader(maker, reader):
   the transpose of a dot, computed as the dot of the swapped operands (a
   reduction of it then sums in that layout's order); products by one
   factor added, factored; a reshape or transpose sunk below its
-  elementwise reader (a reduction then sums in another order). The passes that change
-  how many read a value keep it so for these pairs (optimizer_passes/cse.py,
-  move_into_readers.py); a division by what makes its divisor is
+  elementwise reader (a reduction then sums in another order).
+  move_into_readers.py, which changes how many read a value, keeps it so
+  for these pairs; a division by what makes its divisor is
   graph/divisors.py's."""
   if maker == "dot_general":
     return reader == "transpose"
@@ -227,14 +227,6 @@ def rewritten_through_one_reader(maker, reader):
   if maker in ("reshape", "transpose"):  # sunk below its elementwise reader (ReshapeMover)
     return facts(reader).elementwise
   return False
-
-
-# readers XLA rewrites where one operand is read twice - x * x is taken as
-# non-negative (an abs or a comparison of it folded), y * c + y * c is
-# factored as (y + y) * c (an overflow) - which jax.jit's program, each
-# written apart, shows XLA only after its own CSE, past those rewrites
-# (optimizer_passes/cse.py)
-READS_ONE_VALUE_TWICE = ("mul", "add")
 
 
 def _facts(*names, **facts):
