@@ -132,7 +132,7 @@ class ExecutableCache:
   def _claim(self, key, owner, mine):
     """(value, True) for a cached key; else the compile in flight to wait
     for, or a new one this call registers (appended to `mine`)."""
-    interrupts.rewrap()
+    lending = interrupts.lend()
     try:
       with self._lock:
         if key in self._entries:
@@ -146,11 +146,11 @@ class ExecutableCache:
           mine.append(pending)
         return pending
     finally:
-      interrupts.deliver()
+      interrupts.leave(lending)
 
   @interrupts.critical
   def _store(self, key, pending, value, owner):
-    interrupts.rewrap()
+    lending = interrupts.lend()
     try:
       store = not isinstance(value, DoNotStore)
       with self._lock:
@@ -166,11 +166,11 @@ class ExecutableCache:
         self._finish(pending)
       return (value if store else value.value), False
     finally:
-      interrupts.deliver()
+      interrupts.leave(lending)
 
   @interrupts.critical
   def _abandon(self, key, pending):
-    interrupts.rewrap()
+    lending = interrupts.lend()
     try:
       with self._lock:
         if not pending.done:
@@ -179,7 +179,7 @@ class ExecutableCache:
             del self._pending[key]
           self._finish(pending)
     finally:
-      interrupts.deliver()
+      interrupts.leave(lending)
 
   def _finish(self, pending):
     """Under the lock: the compile `pending` stands for is over."""

@@ -358,52 +358,54 @@ def call_path(program, layout, lock, where="run", user_code=False):
           return recover(exc, (), args)[1]
     return call
 
-  getsignal, sigint, seen, install = (interrupts.getsignal, interrupts.SIGINT,
-                                      interrupts.seen, interrupts.install)
+  lend, give_back = interrupts.lend, interrupts.give_back
 
   @interrupts.critical  # a Ctrl-C waits for the commit and the unlock
   def call(args):
-    if getsignal(sigint) is not seen[0]:  # interrupts.rewrap(), inline: a SIGINT
-      install()  # handler the user installed since is wrapped before the lock
-    if not acquire(False):  # a lock's acquire/release: ~0.2 µs less a run than `with`
-      refuse_reentry(lock, where)  # (a callback of this thread's run: never acquired)
-      acquire()
-    marked = None
+    lending = lend()  # ours in place of the SIGINT handler, before the lock
     try:
-      if user_code:  # its callbacks may call back into the session: on this
-        marked = running_user_code(lock)  # thread, or on XLA's (the recorders')
-        running = (lock, threading.get_ident())
-        for recorder in recorders:
-          recorder.running.append(running)
-      special = maybe_special[0] and special_on()
-      if donates and special:  # on after compile: the executables still
-        state = _private(gather())  # donate, and jax raises after they
-        # consumed the state
-      else:
-        state = None if one else gather()
-      if state is None:  # one slot's storage, one donated argument
-        try:
-          new, out = run((one.storage,), *args)
-        except recoverable as exc:
-          new, out = recover(exc, ((one.storage,),), args)
-      else:
-        try:
-          new, out = run(*state, *args)
-        except recoverable as exc:
-          new, out = recover(exc, state, args)
-      if special and passed:
-        _check_passed(layout, where)
-      if one:
-        one.storage = new[0]
-      else:
-        commit(new)
+      if not acquire(False):  # a lock's acquire/release: ~0.2 µs less a run than `with`
+        refuse_reentry(lock, where)  # (a callback of this thread's run: never acquired)
+        acquire()
+      marked = None
+      try:
+        if user_code:  # its callbacks may call back into the session: on this
+          marked = running_user_code(lock)  # thread, or on XLA's (the recorders')
+          running = (lock, threading.get_ident())
+          for recorder in recorders:
+            recorder.running.append(running)
+        special = maybe_special[0] and special_on()
+        if donates and special:  # on after compile: the executables still
+          state = _private(gather())  # donate, and jax raises after they
+          # consumed the state
+        else:
+          state = None if one else gather()
+        if state is None:  # one slot's storage, one donated argument
+          try:
+            new, out = run((one.storage,), *args)
+          except recoverable as exc:
+            new, out = recover(exc, ((one.storage,),), args)
+        else:
+          try:
+            new, out = run(*state, *args)
+          except recoverable as exc:
+            new, out = recover(exc, state, args)
+        if special and passed:
+          _check_passed(layout, where)
+        if one:
+          one.storage = new[0]
+        else:
+          commit(new)
+      finally:
+        if marked is not None:
+          done_running(marked)
+          for recorder in recorders:
+            recorder.running.remove(running)
+        release()
     finally:
-      if marked is not None:
-        done_running(marked)
-        for recorder in recorders:
-          recorder.running.remove(running)
-      release()
-      if _pending:  # a Ctrl-C that came during the run (runtime/interrupts.py)
+      if lending:  # the user's handler back, then a Ctrl-C that came during
+        give_back()  # the run raised by it (runtime/interrupts.py)
+      if _pending:
         interrupts.deliver()
     return out
   return call

@@ -9,16 +9,22 @@ consumed buffers ("Array has been deleted") or a lock held forever.
 
 So the functions that hold slot locks are marked `critical` (Runner.call,
 Session.get_state, set_state, release): marking only records the function's
-code object, it wraps nothing and costs nothing per call. The SIGINT
-handler, wrapped once per handler by `install()`, runs in the main thread
-(Python runs signal handlers there only) and looks at the frames that
-thread is executing: inside a critical function it only records the
-signal; the critical function delivers it as its last step
-(`if pending: deliver()`), after the commit and the unlock, by calling the
-handler that was installed before ours (Python's default raises
-KeyboardInterrupt there). A run in another thread never receives
-KeyboardInterrupt, so it defers nothing: a Ctrl-C reaches an idle main
-thread at once, whatever other threads run.
+code object, it wraps nothing. Each begins with `lend()` and ends with
+`leave()`: in the main thread (Python runs signal handlers there only),
+ours takes the place of the SIGINT handler for the call and the user's is
+put back at its end, so outside a run `signal.getsignal` gives the user's
+own object (code that puts its previous handler back only where the
+current one is still its own - asyncio.Runner's, a graceful-stop context
+manager's - found ours when it stayed installed from the first compile on,
+left it, and the next Ctrl-C set a stale flag alone: a break-it find). A
+lend and its give-back are two `signal.signal` calls, ~0.4 µs a run (a
+nested critical call finds ours and lends nothing). Our handler looks at
+the frames the main thread is executing: inside a critical function it only
+records the signal; `leave` delivers it, after the commit and the unlock
+and once the user's handler is back, by calling the handler it deferred
+(Python's default raises KeyboardInterrupt there). A run in another thread
+lends nothing and never receives KeyboardInterrupt: a Ctrl-C reaches an
+idle main thread at once, whatever other threads run.
 
 The session's waits for another thread (the checkpoint writer, another
 thread's compile of the same program) go through `wait_for`, critical too: a
@@ -31,19 +37,13 @@ one is recorded, a watcher thread sends SIGINT again now and then
 it where no critical function runs.
 
 What it covers: SIGINT, with a Python-level handler (Python's default one,
-or the user's), wrapped when a Session is created or a graph compiled, and
-again by the next critical function where one was installed since
-(`rewrap`: one look at the handler, ~20 ns; a handler installed after the
-Session was compiled let one Ctrl-C consume the donated state, and every
-later run failed with "Array has been deleted": a break-it find). One
-installed by a run's host callback is wrapped as the callback returns.
-Wrapping replaces the handler object: code that puts its previous handler
-back only where the current one is still its own (`if getsignal(SIGINT) is
-mine`, asyncio.Runner's) finds ours and leaves it (a break-it find: a
-graceful-stop handler of the last step stayed, and the next Ctrl-C set its
-flag alone). asyncio's handler of loop.add_signal_handler, which does
-nothing, is not wrapped; a wakeup fd of the user's gets a byte for each of
-the watcher's reminders too.
+or the user's, whenever it was installed: one installed after the Session
+was compiled let one Ctrl-C consume the donated state when the handler was
+wrapped once at compile, a break-it find). One a run's host callback
+installs is wrapped as the callback returns (`rewrap`), and is the one put
+back. asyncio's handler of loop.add_signal_handler, which does nothing, is
+not wrapped; a wakeup fd of the user's gets a byte for each of the
+watcher's reminders too.
 A SIGINT whose KeyboardInterrupt CPython ignores (raised inside a gc
 callback, a __del__ or a weakref callback) is sent again (`_Unraisable`).
 Other signals, and SIGINT handlers set to SIG_IGN/SIG_DFL or installed in C,
@@ -171,21 +171,41 @@ def _watch():
 _MAIN = threading.main_thread().ident
 SIGINT = _signal.SIGINT  # an int (signal.SIGINT's enum costs a lookup)
 getsignal = _signal.getsignal  # the raw handler: signal.getsignal's enum costs ~2 µs
-seen = [None]  # the SIGINT handler install() left: ours, or one it leaves alone
+lent = [None, None]  # while a critical call of the main thread runs: ours, and the handler it wraps
+_last = [None, None]  # the last handler wrapped, and its wrapper (one per handler, reused)
 
 
 def install():
-  """Wraps the current SIGINT handler in a deferring one, once per handler:
-  only from the main thread, and only a Python callable that is not ours."""
-  if _thread.get_ident() != _MAIN:
-    return
+  """Wraps sys.unraisablehook once (`_Unraisable`): when a Session is
+  created and at each compile."""
   if not isinstance(sys.unraisablehook, _Unraisable):
     sys.unraisablehook = _Unraisable(sys.unraisablehook)
-  current = getsignal(signal.SIGINT)
-  if callable(current) and not isinstance(current, _Deferring) and not _does_nothing(current):
-    current = _Deferring(current)
-    signal.signal(signal.SIGINT, current)
-  seen[0] = current
+
+
+def lend():
+  """The first step of every critical function (Runner.call's included),
+  before it takes a lock: in the main thread, where the SIGINT handler is
+  a Python callable that is not ours, ours - deferring to it - takes its
+  place until `leave` (or give_back) puts it back. Whether it lent: a
+  critical function inside another finds ours and lends nothing. A Ctrl-C
+  before it is raised by the user's handler where nothing was done yet."""
+  if _thread.get_ident() != _MAIN:
+    return False
+  current = getsignal(SIGINT)
+  if type(current) is _Deferring or not callable(current) or _does_nothing(current):
+    return False
+  _lend(current)
+  return True
+
+
+def _lend(current):
+  if _last[0] is current:
+    wrapper = _last[1]
+  else:
+    wrapper = _Deferring(current)
+    _last[0], _last[1] = current, wrapper
+  _signal.signal(SIGINT, wrapper)
+  lent[0], lent[1] = wrapper, current
 
 
 def _does_nothing(handler):
@@ -197,13 +217,36 @@ def _does_nothing(handler):
   return unix_events is not None and handler is getattr(unix_events, "_sighandler_noop", None)
 
 
+def give_back():
+  """Puts back the handler `lend` wrapped, unless one was installed since
+  (SIG_IGN, say: the user's choice stays)."""
+  wrapper, current = lent
+  lent[0] = lent[1] = None
+  if getsignal(SIGINT) is wrapper:
+    _signal.signal(SIGINT, current)
+
+
 def rewrap():
-  """install() where the SIGINT handler is not the one it left: the first
-  step of every critical function (Runner.call inlines it), before it takes
-  a lock. A Ctrl-C before it is raised by the user's handler where nothing
-  was done yet."""
-  if getsignal(SIGINT) is not seen[0]:
-    install()
+  """After each host op of a run (codegen's plan): a Python handler the
+  callback installed in the main thread while a critical call lent ours is
+  wrapped in its turn, and is the one put back at the end (one installed
+  there let a Ctrl-C consume the donated state: a break-it find)."""
+  if lent[0] is None or _thread.get_ident() != _MAIN:
+    return
+  current = getsignal(SIGINT)
+  if (current is not lent[0] and type(current) is not _Deferring and callable(current)
+      and not _does_nothing(current)):
+    _lend(current)
+
+
+def leave(lending):
+  """The last step of a critical function that called `lend()` (its result
+  `lending`): gives back what it lent, then delivers a Ctrl-C recorded
+  meanwhile (`deliver`)."""
+  if lending:
+    give_back()
+  if pending:
+    deliver(sys._getframe(1))  # pylint: disable=protected-access
 
 
 def _due(frame):
@@ -223,10 +266,11 @@ def waiting():
   return _due(sys._getframe(1))  # pylint: disable=protected-access
 
 
-def deliver():
-  """Delivers the signal recorded inside a critical function (`_due`);
-  a no-op otherwise."""
-  if not _due(sys._getframe(1)):  # pylint: disable=protected-access
+def deliver(frame=None):
+  """Delivers the signal recorded inside a critical function (`_due`) -
+  the caller's, or the one running in `frame` - a no-op otherwise."""
+  frame = frame or sys._getframe(1)  # pylint: disable=protected-access
+  if not _due(frame):
     return
   try:
     signum, deferring = pending.pop()  # one pop: the handler may take it too
@@ -239,7 +283,7 @@ def deliver():
   # critical function (_due), where the Ctrl-C lands (None broke handlers
   # that log it, 50 of 50 presses; a critical function's own frame made a
   # handler calling ours defer it again: break-it finds)
-  deferring.previous(signum, sys._getframe(1).f_back)  # pylint: disable=protected-access
+  deferring.previous(signum, frame.f_back)
 
 
 POLL_S = 0.05  # how soon a wait_for sees a Ctrl-C
@@ -258,17 +302,20 @@ def wait_for(cond, ready):
   break-it find: the checkpoint writer, 3 runs in 4 under rapid Ctrl-Cs).
   Inside another critical function the wait goes on until ready(); that
   one delivers."""
-  rewrap()
-  while True:
-    done = False
-    try:
-      with cond:
-        while not (done := ready()) and not waiting():
-          cond.wait(POLL_S)
-    finally:
-      deliver()  # a Ctrl-C seen: its handler runs here
-    if done:
-      return
-    # the handler returned (the user's own, setting a flag): the wait goes on
-    # (it returned unfinished, and a restore read before its save was written:
-    # a break-it find)
+  lending = lend()
+  try:
+    while True:
+      done = False
+      try:
+        with cond:
+          while not (done := ready()) and not waiting():
+            cond.wait(POLL_S)
+      finally:
+        deliver()  # a Ctrl-C seen: its handler runs here
+      if done:
+        return
+      # the handler returned (the user's own, setting a flag): the wait goes
+      # on (it returned unfinished, and a restore read before its save was
+      # written: a break-it find)
+  finally:
+    leave(lending)

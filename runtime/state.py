@@ -354,14 +354,13 @@ def holding(lock, fn, where="this call"):
   lock is released (runtime/interrupts.py), so no lock stays held; refused
   from a callback of a run holding it (refuse_reentry, naming `where`).
   Runner.call writes the same out inline (the hot path)."""
-  interrupts.rewrap()
-  refuse_reentry(lock, where)
+  lending = interrupts.lend()
   try:
+    refuse_reentry(lock, where)
     with lock:
       return fn()
   finally:
-    if interrupts.pending:
-      interrupts.deliver()
+    interrupts.leave(lending)
 
 
 def _children(tree):

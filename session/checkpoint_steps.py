@@ -146,16 +146,15 @@ def in_line(path, writer):
   in here is raised where the line is as it should be (one landing between
   the join and the `try`, or before the removal, left the writer in line
   for good and every later save into `path` waiting: a break-it find)."""
-  interrupts.rewrap()
-  try:
+  lending = interrupts.lend()  # (given back as it leaves the line: the save's body
+  try:                          # runs inside, its own critical calls lend nothing)
     _join_line(path, writer)
     if interrupts.pending:  # raised here, inside: not held over the wait outside
       interrupts.deliver()
     yield
   finally:
     _leave_line(path, writer)
-    if interrupts.pending:
-      interrupts.deliver()
+    interrupts.leave(lending)
 
 
 def _join_line(path, writer):

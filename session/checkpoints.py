@@ -48,7 +48,7 @@ def _ocp():
   interrupted cannot be retried in the process (tensorstore's extension:
   "initialization failed", then an abort - a break-it find), so a SIGINT
   during it is held until the import is done."""
-  interrupts.rewrap()
+  lending = interrupts.lend()
   try:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   except ModuleNotFoundError as exc:
@@ -59,8 +59,7 @@ def _ocp():
                       "import interrupted earlier in this process cannot be retried: restart "
                       "it") from exc
   finally:
-    if interrupts.pending:
-      interrupts.deliver()
+    interrupts.leave(lending)
   return ocp
 
 
@@ -189,7 +188,7 @@ class Checkpointer:
     step claimed: break-it finds), then is raised with nothing claimed or
     queued unless the write already was. False where another Session of
     this process is saving into `path`: nothing claimed (save waits)."""
-    interrupts.rewrap()
+    lending = interrupts.lend()
     claimed, taken, queued, before = False, False, False, -1
     try:
       with self._lock:  # steps increase per directory, as orbax keeps them
@@ -225,7 +224,7 @@ class Checkpointer:
         with self._lock:
           if self._queued.get(path) == step:
             self._queued[path] = before
-      interrupts.deliver()
+      interrupts.leave(lending)
     return True
 
   def _prepared(self, entry, where, path, manager, step):

@@ -45,18 +45,23 @@ class _Paused:
 
   @interrupts.critical
   def __enter__(self):
-    interrupts.rewrap()
-    _enter()
-    if interrupts.waiting():  # a Ctrl-C while entering: the body never runs
-      _leave()
-      interrupts.deliver()
-      _enter()  # (a handler of the user's that returns: the body runs, paused)
+    lending = interrupts.lend()
+    try:
+      _enter()
+      if interrupts.waiting():  # a Ctrl-C while entering: the body never runs
+        _leave()
+        interrupts.deliver()
+        _enter()  # (a handler of the user's that returns: the body runs, paused)
+    finally:
+      interrupts.leave(lending)
 
   @interrupts.critical
   def __exit__(self, *exc):
-    interrupts.rewrap()
-    _leave()
-    interrupts.deliver()
+    lending = interrupts.lend()
+    try:
+      _leave()
+    finally:
+      interrupts.leave(lending)
     return False
 
 

@@ -72,7 +72,7 @@ class Session:
     save = self.options.save_graphs
     if save is not None and os.path.exists(save) and not os.path.isdir(save):
       raise InputError(f"SessionOptions.save_graphs={save!r} is a file, not a folder")
-    interrupts.install()  # a Ctrl-C during run waits for its commit
+    interrupts.install()  # a Ctrl-C swallowed in a gc callback is sent again
     self._graphs = {}
     self._ids = itertools.count()
     self._lock = threading.RLock()  # the graph table and the sunk-runner caches
@@ -310,7 +310,7 @@ class Session:
     embedded as jax.jit embeds a closure's; the Program, its Runner, and a
     factory of the Runners of `run(..., steps=N)`. `hooks`: the profiler's,
     which each op's function is wrapped in, once, here."""
-    interrupts.install()  # again per compile: wraps a handler the user set since
+    interrupts.install()  # (the unraisable hook: again per compile, where it was replaced)
     parts = graph.partitions
     one = len(parts) <= 1 and all(p.place == "device" for p in parts)
     layout = state_layout(graph, graph.memory, leaf_slots, one)

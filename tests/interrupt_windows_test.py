@@ -127,14 +127,14 @@ class InterruptWindowsTest(absltest.TestCase):
     # one arriving as the closing deliver() returned (after its look) was
     # recorded and delivered by no one: the call returned, a sleep after it
     # ran its course, and the Ctrl-C came out of some later session call, or
-    # never (a break-it find). Here: as save's deliver() returns, and as a
+    # never (a break-it find). Here: as save's leave() returns, and as a
     # run returns.
     out = self._run("""
         from jaxsession.runtime import interrupts
-        DELIVER = interrupts.deliver.__code__
+        LEAVE = interrupts.leave.__code__
         where = []
-        picks = {  # save's deliver() returning; a run returning (its deliver() looked)
-            "_hand_off": lambda f, e: f.f_code is DELIVER and e == "return"
+        picks = {  # save's leave() returning; a run returning (its deliver() looked)
+            "_hand_off": lambda f, e: f.f_code is LEAVE and e == "return"
                                       and f.f_back.f_code.co_name == "_hand_off",
             "call": lambda f, e: f.f_code in interrupts._CRITICAL and e == "return"
                                  and f.f_code.co_name == "call"}
@@ -257,12 +257,13 @@ class InterruptWindowsTest(absltest.TestCase):
         from jaxsession.runtime import interrupts
 
         @interrupts.critical
-        def outer():  # as Runner.call: ends by delivering
+        def outer():  # as Runner.call: lends ours, ends by delivering
+          lending = interrupts.lend()
           interrupts.pending.append((signal.SIGINT, signal.getsignal(signal.SIGINT)))  # recorded
           with gc_pause.paused():
             inside = gc.isenabled()
           seen.extend([inside, bool(interrupts.pending)])
-          interrupts.deliver()
+          interrupts.leave(lending)
 
         seen = []
         seen.append(called(outer))
@@ -324,31 +325,57 @@ class RecordedCtrlCTest(absltest.TestCase):
     for _ in range(2):
       self.assertEqual(run_json(script, devices=1, timeout=90), [True, True])
 
-  def test_a_handler_set_since_is_wrapped_and_asyncios_is_left_alone(self):
-    # a handler set after the compile is wrapped by the next run; asyncio's
-    # handler of add_signal_handler, which does nothing, is not (wrapped,
-    # the watcher's reminders fired its callback 2-4 times a press: a
-    # break-it find)
+  def test_the_users_handler_is_lent_for_a_call_and_put_back(self):
+    # ours stood in for the user's handler from the first compile on (and
+    # wrapped one installed since): code that puts its previous handler back
+    # only where the current one is still its own found ours, left it, and
+    # the next Ctrl-C set a stale flag alone (a break-it find); asyncio.run
+    # saw no default handler and installed none. Now ours stands in for a
+    # call only: inside a run (a callback looks) it defers to the user's;
+    # after it, getsignal gives the user's own object. asyncio's handler of
+    # add_signal_handler, which does nothing, is not wrapped (wrapped, the
+    # watcher's reminders fired its callback 2-4 times a press)
     out = run_json("""
-        import asyncio, json, signal
-        import jax.numpy as jnp
+        import asyncio, json, os, signal, time
+        import jax, jax.numpy as jnp
         import jaxsession as js
+        seen = []
+        def look(_):
+          seen.append(signal.getsignal(signal.SIGINT))
+        def step(a, x):
+          jax.debug.callback(look, x)
+          return a + x, a
         sess = js.Session()
-        gid = sess.compile(lambda a, x: (a + x, a), jnp.ones(3), jnp.ones(3), state_argnums=0)
-        mine = lambda signum, frame: None
-        signal.signal(signal.SIGINT, mine)
+        gid = sess.compile(step, jnp.ones(3), jnp.ones(3), state_argnums=0)
+        flags = []
+        mine = lambda signum, frame: flags.append(signum)
+        previous = signal.signal(signal.SIGINT, mine)  # a graceful stop's context
         sess.run(gid, jnp.ones(3))
-        wrapped = signal.getsignal(signal.SIGINT)
+        inside = seen[-1]
+        lent = [inside is not mine and getattr(inside, "previous", None) is mine,
+                signal.getsignal(signal.SIGINT) is mine]
+        if signal.getsignal(signal.SIGINT) is mine:  # its exit: put back if still its own
+          signal.signal(signal.SIGINT, previous)
+        try:
+          os.kill(os.getpid(), signal.SIGINT)
+          time.sleep(0.5)
+          after = "no KeyboardInterrupt"
+        except KeyboardInterrupt:
+          after = "KeyboardInterrupt"
         loop = asyncio.new_event_loop()
         loop.add_signal_handler(signal.SIGINT, lambda: None)
         noop = signal.getsignal(signal.SIGINT)
         sess.run(gid, jnp.ones(3))
-        print(json.dumps([wrapped is not mine and getattr(wrapped, "previous", None) is mine,
-                          signal.getsignal(signal.SIGINT) is noop]))
+        left = [seen[-1] is noop, signal.getsignal(signal.SIGINT) is noop]
         loop.remove_signal_handler(signal.SIGINT)
         loop.close()
+        async def main():  # asyncio.Runner installs its handler where the default is in place
+          return signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        runner = asyncio.run(main())
+        print(json.dumps([lent, flags, after, left, runner,
+                          signal.getsignal(signal.SIGINT) is signal.default_int_handler]))
         """, devices=1, timeout=120)
-    self.assertEqual(out, [True, True])
+    self.assertEqual(out, [[True, True], [], "KeyboardInterrupt", [True, True], True, True])
 
   def test_reminders_leave_no_mark_and_reach_no_handler_of_the_users(self):
     # (a review's finds) one handler call takes every reminder that came
@@ -364,11 +391,12 @@ class RecordedCtrlCTest(absltest.TestCase):
 
         @interrupts.critical
         def long_in_c():
+          lending = interrupts.lend()
           try:
             os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, recorded
             hashlib.pbkdf2_hmac("sha256", b"p", b"s", 1_500_000)  # ~1 s, no GIL
           finally:
-            interrupts.deliver()
+            interrupts.leave(lending)
         first = "returned"
         try:
           long_in_c()
@@ -385,7 +413,8 @@ class RecordedCtrlCTest(absltest.TestCase):
             later.append("KeyboardInterrupt")
 
         @interrupts.critical
-        def recorded_late():  # as one recorded after the call's deliver() looked
+        def recorded_late():  # as one recorded after the call's deliver() looked, where
+          interrupts.lend()   # ours stays installed (put back by the user's code), no leave()
           os.kill(os.getpid(), signal.SIGINT)
           for _ in range(3):
             pass
