@@ -153,6 +153,44 @@ class CSETest(absltest.TestCase):
         assert_same_bits(_run_once(fn, big), jax.jit(fn)(*big), f"{name}, big values")
 
 
+  def test_programs_a_fuzzer_found_off_while_cse_merged(self):
+    # duplicates written out (a fuzzer's programs, 79 of 5,853 off jax.jit
+    # while this pass merged, from 1 ulp to a NaN's bits to 4.7M ulp): a
+    # square root or reciprocal one squared of a merged A (XLA: A itself),
+    # min/max absorbing a merged operand (each fails on the merging pass)
+    specials = np.asarray([np.nan, -np.nan, 0.0, -0.0, np.inf, -np.inf, 1e-40, 1.4e-45,
+                           3e38, -2e38, 3.4028235e38, 1.0, 0.5], np.float32)
+    def inputs(kind):
+      def one(*shape):
+        n = RNG.standard_normal(shape).astype(np.float32)
+        if kind == "positive":
+          return jnp.asarray(np.abs(n) + np.float32(0.01))
+        if kind == "specials":
+          pick = specials[RNG.integers(0, len(specials), size=shape)]
+          n = np.where(RNG.random(shape) < 0.5, pick, n).astype(np.float32)
+        return jnp.asarray(n)
+      return one(4, 8), one(4, 8), one(4, 8), one(8)
+    cases = {
+        "rsqrt(|x x|) squared": lambda x, y, a, w: (
+            (jax.lax.rsqrt(jnp.abs(x * x)) * jax.lax.rsqrt(jnp.abs(x * x))).reshape(-1),
+            jnp.sum((jax.lax.rsqrt(jnp.abs(x * x)) * jax.lax.rsqrt(jnp.abs(x * x))).reshape(-1))),
+        "rsqrt(max(x, 3)) squared": lambda x, y, a, w: (
+            jax.lax.rsqrt(jnp.maximum(x, 3.0)) * jax.lax.rsqrt(jnp.maximum(x, 3.0)),
+            (a + 1e-5) + (x + x), jnp.sqrt(y + y)),
+        "sqrt(|x + y|) squared times min(e, e)": lambda x, y, a, w: (
+            ((jnp.sqrt(jnp.abs(x + y)) * jnp.sqrt(jnp.abs(x + y)))
+             * jnp.minimum(jnp.exp(x), jnp.exp(x))).T,),
+        "min(p, min(q, p)) times sqrt squared": lambda x, y, a, w: (
+            jnp.minimum(a * y, jnp.minimum(x - w, a * y))
+            * (jnp.sqrt(jnp.abs(x + y)) * jnp.sqrt(jnp.abs(x + y))),)}
+    for name, fn in cases.items():
+      for kind in ("normal", "positive", "specials"):
+        with self.subTest(name=name, kind=kind):
+          for _ in range(4):
+            args = inputs(kind)
+            assert_same_bits(_run_once(fn, args), jax.jit(fn)(*args), f"{name}, {kind}")
+
+
 class SessionPassesTest(absltest.TestCase):
 
   def test_report_lists_every_stage_in_order(self):
