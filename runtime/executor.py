@@ -358,11 +358,14 @@ def call_path(program, layout, lock, where="run", user_code=False):
           return recover(exc, (), args)[1]
     return call
 
+  getsignal, sigint, ours = interrupts.getsignal, interrupts.SIGINT, interrupts.ours
   lend, give_back = interrupts.lend, interrupts.give_back
 
   @interrupts.critical  # a Ctrl-C waits for the commit and the unlock
   def call(args):
-    lending = lend()  # ours in place of the SIGINT handler, before the lock
+    # ours in place of the SIGINT handler, before the lock: one look where
+    # ours over Python's default is installed (interrupts.lend otherwise)
+    lending = getsignal(sigint) is not ours[0] and lend()
     try:
       if not acquire(False):  # a lock's acquire/release: ~0.2 µs less a run than `with`
         refuse_reentry(lock, where)  # (a callback of this thread's run: never acquired)

@@ -11,14 +11,19 @@ So the functions that hold slot locks are marked `critical` (Runner.call,
 Session.get_state, set_state, release): marking only records the function's
 code object, it wraps nothing. Each begins with `lend()` and ends with
 `leave()`: in the main thread (Python runs signal handlers there only),
-ours takes the place of the SIGINT handler for the call and the user's is
-put back at its end, so outside a run `signal.getsignal` gives the user's
-own object (code that puts its previous handler back only where the
-current one is still its own - asyncio.Runner's, a graceful-stop context
+ours takes the place of a SIGINT handler of the user's for the call, and
+the user's is put back at its end, so between runs `signal.getsignal`
+gives the user's own object (code that puts its previous handler back only
+where the current one is still its own - a graceful-stop context
 manager's - found ours when it stayed installed from the first compile on,
 left it, and the next Ctrl-C set a stale flag alone: a break-it find). A
-lend and its give-back are two `signal.signal` calls, ~0.4 µs a run (a
-nested critical call finds ours and lends nothing). Our handler looks at
+lend and its give-back cost ~0.7 µs a run, so Python's default handler,
+no object of the user's, is replaced for good when a Session is created or
+a graph compiled (`install`): a run then pays one look at the handler
+(asyncio.run, which installs its own handler only over Python's default,
+installs none then: a Ctrl-C raises KeyboardInterrupt where its loop is,
+as before Python 3.11). A nested critical call finds ours and lends
+nothing. Our handler looks at
 the frames the main thread is executing: inside a critical function it only
 records the signal; `leave` delivers it, after the commit and the unlock
 and once the user's handler is back, by calling the handler it deferred
@@ -172,27 +177,43 @@ _MAIN = threading.main_thread().ident
 SIGINT = _signal.SIGINT  # an int (signal.SIGINT's enum costs a lookup)
 getsignal = _signal.getsignal  # the raw handler: signal.getsignal's enum costs ~2 µs
 lent = [None, None]  # while a critical call of the main thread runs: ours, and the handler it wraps
-_last = [None, None]  # the last handler wrapped, and its wrapper (one per handler, reused)
+_last = [None, None]  # the last handler of the user's wrapped, and its wrapper (reused)
+DEFAULT = signal.default_int_handler
+ours = [None]  # ours over Python's default handler, which stays installed (`install`)
 
 
 def install():
-  """Wraps sys.unraisablehook once (`_Unraisable`): when a Session is
-  created and at each compile."""
+  """When a Session is created and at each compile: ours in place of
+  Python's default SIGINT handler, for good (in the main thread, where
+  that one is installed: no object of the user's to give back, and a run
+  then pays one look at the handler, ~20 ns, where a lend and its give-back
+  cost ~1 µs: benchmarks/dispatch.py); and sys.unraisablehook wrapped once
+  (`_Unraisable`)."""
   if not isinstance(sys.unraisablehook, _Unraisable):
     sys.unraisablehook = _Unraisable(sys.unraisablehook)
+  if _thread.get_ident() == _MAIN and getsignal(SIGINT) is DEFAULT:
+    if ours[0] is None:
+      ours[0] = _Deferring(DEFAULT)
+    _signal.signal(SIGINT, ours[0])
 
 
 def lend():
-  """The first step of every critical function (Runner.call's included),
-  before it takes a lock: in the main thread, where the SIGINT handler is
-  a Python callable that is not ours, ours - deferring to it - takes its
-  place until `leave` (or give_back) puts it back. Whether it lent: a
-  critical function inside another finds ours and lends nothing. A Ctrl-C
-  before it is raised by the user's handler where nothing was done yet."""
+  """The first step of every critical function, before it takes a lock
+  (Runner.call looks first whether ours over the default is the one
+  installed, and calls this only where it is not): in the main thread,
+  where the SIGINT handler is a Python callable of the user's, ours -
+  deferring to it - takes its place until `leave` (or give_back) puts it
+  back; Python's default one is replaced for good (`install`). Whether it
+  lent: a critical function inside another finds ours and lends nothing.
+  A Ctrl-C before it is raised by the user's handler where nothing was
+  done yet."""
   if _thread.get_ident() != _MAIN:
     return False
   current = getsignal(SIGINT)
   if type(current) is _Deferring or not callable(current) or _does_nothing(current):
+    return False
+  if current is DEFAULT:
+    install()
     return False
   _lend(current)
   return True
