@@ -38,7 +38,7 @@ EQNS_PER_STEP = (1 + 1 + 2 + 2 + 3 + 4 + 2 + 3) / 8  # the mean over the 8 kinds
 
 def generated_program(n_eqns, seed=0):
   """About n_eqns equations of elementwise, broadcast, reduction and dot ops,
-  with duplicates (CSE), identities (simplify), dead values (DCE) and fusable
+  with duplicates (CSE marks them), identities (simplify), dead values (DCE) and fusable
   shapes (matmul+bias, add chains)."""
   rng = np.random.default_rng(seed)
   steps = int(round(n_eqns / EQNS_PER_STEP))
