@@ -15,6 +15,7 @@ from jax.extend import core as jcore
 from jaxsession.errors import HostOpError
 from jaxsession.graph.ir import Node
 from jaxsession.graph.op_properties import primitive_props
+from jaxsession.runtime import interrupts
 from jaxsession.runtime.state import done_running, running_user_code
 
 
@@ -65,7 +66,13 @@ class _Recorded:
       if all(thread != me for _, thread in running):  # a thread of XLA's
         held = running_user_code(*[lock for lock, _ in running])
     try:
-      return self.fn(*args, **kwargs)
+      try:
+        return self.fn(*args, **kwargs)
+      finally:
+        # a SIGINT handler it installed defers at once, not only when the
+        # executable returns: run in jax's callback code, it raised a Ctrl-C
+        # there, which came out as an Exception (a break-it find)
+        interrupts.rewrap()
     except BaseException as exc:
       self.recorder.record(exc)
       raise
@@ -127,11 +134,11 @@ def callback_failure(nodes, index, exc, recorder):
   user = recorder.take()
   if user is not None and not isinstance(user, Exception):
     return user  # KeyboardInterrupt, SystemExit: themselves, as a host-placed callback's
-  if user is not None:
-    what = f"{type(user).__name__}: {user}"
-  else:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    what = lines[-1] if lines else type(exc).__name__
+  lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+  if user is None and lines and lines[-1].startswith("KeyboardInterrupt"):
+    return KeyboardInterrupt()  # a handler's, raised in jax's callback code around the user's
+  what = (f"{type(user).__name__}: {user}" if user is not None else
+          lines[-1] if lines else type(exc).__name__)
   error = HostOpError(f"a callback in device partition #{index} ({culprits}) raised {what}")
   error.__cause__ = user if user is not None else exc
   return error

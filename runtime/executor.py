@@ -14,6 +14,7 @@ The state goes in and comes back in its layout's form
 program succeeded, so a failed call leaves the state as it was; a Ctrl-C in
 between waits for the commit (runtime/interrupts.py).
 """
+import sys
 import threading
 
 import jax
@@ -359,7 +360,7 @@ def call_path(program, layout, lock, where="run", user_code=False):
     return call
 
   getsignal, sigint, ours = interrupts.getsignal, interrupts.SIGINT, interrupts.ours
-  lend, give_back = interrupts.lend, interrupts.give_back
+  lend, give_back, lent_by = interrupts.lend, interrupts.give_back, interrupts.lent_by
 
   @interrupts.critical  # a Ctrl-C waits for the commit and the unlock
   def call(args):
@@ -406,8 +407,10 @@ def call_path(program, layout, lock, where="run", user_code=False):
             recorder.running.remove(running)
         release()
     finally:
-      if lending:  # the user's handler back, then a Ctrl-C that came during
-        give_back()  # the run raised by it (runtime/interrupts.py)
+      # the user's handler back (also one a callback installed: lent_by),
+      # then a Ctrl-C that came during the run raised by it (interrupts.py)
+      if lending or lent_by[0] is not None and lent_by[0] is sys._getframe():
+        give_back()
       if _pending:
         interrupts.deliver()
     return out

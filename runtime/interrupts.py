@@ -239,35 +239,54 @@ def _does_nothing(handler):
 
 
 def give_back():
-  """Puts back the handler `lend` wrapped, unless one was installed since
-  (SIG_IGN, say: the user's choice stays)."""
+  """Puts back the handler `lend` (or `rewrap`) wrapped, unless one was
+  installed since (SIG_IGN, say: the user's choice stays)."""
   wrapper, current = lent
-  lent[0] = lent[1] = None
+  lent[0] = lent[1] = lent_by[0] = None
   if getsignal(SIGINT) is wrapper:
     _signal.signal(SIGINT, current)
 
 
+lent_by = [None]  # the frame of the critical call that gives back a lend `rewrap` made
+
+
 def rewrap():
-  """After each host op of a run (codegen's plan): a Python handler the
-  callback installed in the main thread while a critical call lent ours is
-  wrapped in its turn, and is the one put back at the end (one installed
-  there let a Ctrl-C consume the donated state: a break-it find)."""
-  if lent[0] is None or _thread.get_ident() != _MAIN:
+  """After a host callback returns (codegen's plan after each host op; a
+  callback inside an executable, as it returns): a Python handler it
+  installed in the main thread, inside a critical call, is wrapped in its
+  turn - ours again over Python's default, else lent until the outermost
+  critical call ends, which puts it back (one installed there let a Ctrl-C
+  consume the donated state: break-it finds, also where ours stood over the
+  default and nothing was lent)."""
+  if _thread.get_ident() != _MAIN:
     return
   current = getsignal(SIGINT)
-  if (current is not lent[0] and type(current) is not _Deferring and callable(current)
-      and not _does_nothing(current)):
-    _lend(current)
+  if type(current) is _Deferring or not callable(current) or _does_nothing(current):
+    return
+  owner, frame = None, sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None:  # the outermost critical call: it gives back
+    if frame.f_code in _CRITICAL:
+      owner = frame
+    frame = frame.f_back
+  if owner is None:
+    return  # no critical call runs: nothing to defer
+  if current is DEFAULT:
+    install()
+    return
+  if lent[0] is None:
+    lent_by[0] = owner
+  _lend(current)
 
 
 def leave(lending):
   """The last step of a critical function that called `lend()` (its result
   `lending`): gives back what it lent, then delivers a Ctrl-C recorded
   meanwhile (`deliver`)."""
-  if lending:
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  if lending or lent_by[0] is frame:
     give_back()
   if pending:
-    deliver(sys._getframe(1))  # pylint: disable=protected-access
+    deliver(frame)
 
 
 def _due(frame):
