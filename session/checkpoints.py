@@ -171,7 +171,12 @@ class Checkpointer:
     # another Session's saves of this process into `path` are written first (a
     # Session dropped with a save in flight left the next one refused, and its
     # restore reading an older step or none: a break-it find), in turn
-    if not self._hand_off(entry, where, path, manager, step):
+    # (None: a Ctrl-C stopped it with nothing claimed, and the user's handler
+    # returned - a flag for a graceful stop: the save goes on; it returned
+    # as saved, with nothing written: a break-it find, 31 of 100 presses)
+    while (queued := self._hand_off(entry, where, path, manager, step)) is None:
+      pass
+    if not queued:
       with step_dirs.in_line(path, self._writer):
         while not self._hand_off(entry, where, path, manager, step):
           step_dirs.wait_turn(path, self._writer)
@@ -187,7 +192,8 @@ class Checkpointer:
     every later save hung; between the claim and the queueing it left the
     step claimed: break-it finds), then is raised with nothing claimed or
     queued unless the write already was. False where another Session of
-    this process is saving into `path`: nothing claimed (save waits)."""
+    this process is saving into `path`: nothing claimed (save waits); None
+    where a Ctrl-C stopped it and the handler returned."""
     lending = interrupts.lend()
     claimed, taken, queued, before = False, False, False, -1
     try:
@@ -225,7 +231,7 @@ class Checkpointer:
           if self._queued.get(path) == step:
             self._queued[path] = before
       interrupts.leave(lending)
-    return True
+    return True if queued else None
 
   def _prepared(self, entry, where, path, manager, step):
     """Snapshots the state (between runs); the write of it, to queue (the
