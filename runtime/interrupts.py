@@ -125,12 +125,16 @@ class _Deferring:
     resent = bool(_resent)
     del _resent[:]
     if _inside_critical(frame):
-      if not pending and not resent:  # (a reminder is never a new press)
-        pending.append((signum, self))  # (delivered to the handler it deferred)
-        try:
-          _thread.start_new_thread(_watch, ())
-        except RuntimeError:  # no new threads (the interpreter is finalizing)
-          pass
+      if not resent:  # (a reminder is never a new press)
+        if not pending:
+          try:
+            _thread.start_new_thread(_watch, ())
+          except RuntimeError:  # no new threads (the interpreter is finalizing)
+            pass
+        # one a press, each delivered to the handler it deferred (one for all
+        # the presses of a long callback: a handler counting them to force
+        # a quit saw one of three, a break-it find)
+        pending.append((signum, self))
       return
     if pending:  # recorded inside a critical function the main thread has left
       del pending[:]
@@ -312,18 +316,17 @@ def deliver(frame=None):
   frame = frame or sys._getframe(1)  # pylint: disable=protected-access
   if not _due(frame):
     return
-  try:
-    signum, deferring = pending.pop()  # one pop: the handler may take it too
-  except IndexError:
-    return
-  del pending[:]
-  # the handler that deferred it, not the one installed now (a handler a
-  # run's callback installed that calls ours ran for the press already, and
-  # ran twice: 183 of 500 presses), with the frame that called the outermost
-  # critical function (_due), where the Ctrl-C lands (None broke handlers
-  # that log it, 50 of 50 presses; a critical function's own frame made a
-  # handler calling ours defer it again: break-it finds)
-  deferring.previous(signum, frame.f_back)
+  records = pending[:]  # taken before any handler runs: it may record more
+  del pending[:len(records)]
+  # each press to the handler that deferred it, not the one installed now (a
+  # handler a run's callback installed that calls ours ran for the press
+  # already, and ran twice: 183 of 500 presses), with the frame that called
+  # the outermost critical function (_due), where the Ctrl-C lands (None
+  # broke handlers that log it, 50 of 50 presses; a critical function's own
+  # frame made a handler calling ours defer it again: break-it finds); where
+  # one raises, the presses after it go with it
+  for signum, deferring in records:
+    deferring.previous(signum, frame.f_back)
 
 
 POLL_S = 0.05  # how soon a wait_for sees a Ctrl-C

@@ -398,6 +398,30 @@ class RecordedCtrlCTest(absltest.TestCase):
         """, devices=1, timeout=120)
     self.assertEqual(out, [[True, True], [], "KeyboardInterrupt", [True, True], True])
 
+  def test_each_press_during_a_run_reaches_the_handler(self):
+    # three presses inside one run's host callback, to a handler of the
+    # user's that counts them (press three times to force a quit): each was
+    # recorded as one, and the handler ran once (a break-it find)
+    out = run_json("""
+        import json, os, signal, time
+        import jax, jax.numpy as jnp, numpy as np
+        import jaxsession as js
+        def slow(a):
+          for _ in range(3):
+            os.kill(os.getpid(), signal.SIGINT)  # handled as the sleep begins
+            time.sleep(0.02)
+          return np.asarray(a) * 2
+        def step(s, x):
+          return s + jax.pure_callback(slow, jax.ShapeDtypeStruct(x.shape, x.dtype), x), s
+        sess = js.Session()
+        gid = sess.compile(step, jnp.ones(3), jnp.ones(3), state_argnums=0)
+        calls = []
+        signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+        sess.run(gid, jnp.ones(3))
+        print(json.dumps([len(calls), np.asarray(sess.get_state(gid)[0]).tolist()]))
+        """, devices=1, timeout=120)
+    self.assertEqual(out, [3, [3.0, 3.0, 3.0]])
+
   def test_reminders_leave_no_mark_and_reach_no_handler_of_the_users(self):
     # (a review's finds) one handler call takes every reminder that came
     # before it: one mark per reminder left marks that dropped later
