@@ -17,7 +17,7 @@ gives the user's own object (code that puts its previous handler back only
 where the current one is still its own - a graceful-stop context
 manager's - found ours when it stayed installed from the first compile on,
 left it, and the next Ctrl-C set a stale flag alone: a break-it find). A
-lend and its give-back cost ~0.7 µs a run, so Python's default handler,
+lend and its give-back cost ~1 µs a run, so Python's default handler,
 no object of the user's, is replaced for good when a Session is created or
 a graph compiled (`install`): a run then pays one look at the handler
 (asyncio.run, which installs its own handler only over Python's default,
@@ -191,7 +191,7 @@ def install():
   Python's default SIGINT handler, for good (in the main thread, where
   that one is installed: no object of the user's to give back, and a run
   then pays one look at the handler, ~20 ns, where a lend and its give-back
-  cost ~1 µs: benchmarks/dispatch.py); and sys.unraisablehook wrapped once
+  cost ~1 µs: benchmarks/dispatch.py, A/B); and sys.unraisablehook wrapped once
   (`_Unraisable`)."""
   if not isinstance(sys.unraisablehook, _Unraisable):
     sys.unraisablehook = _Unraisable(sys.unraisablehook)
