@@ -7,14 +7,16 @@ same run:
     same parameters and initial cache; tokens/s (target >= 1.0x);
   * checkpoints: MLP+Adam train steps while an asynchronous `save` is in
     flight against steps without one (target <= 1.1x), and the seconds of a
-    save (until written) and a restore of a 100 MiB state;
+    save (until written) and a restore of a 100 MiB state; and of a small
+    state into a directory of --wf_steps steps, against orbax's
+    CheckpointManager used directly;
   * memory: peak RSS of compile + bind + first step of a state of
     --big_mib MiB, each in a fresh process: the session compiled from
     `jax.ShapeDtypeStruct`s and bound with `set_state(donate=True)`, beside
     `jax.jit` with `donate_argnums`; peak minus the RSS before the state was
     made, over the state size (target <= 1.15x).
 
-    python benchmarks/workflows.py [--wf_repeats 5] [--big_mib 1536]
+    python benchmarks/workflows.py [--wf_repeats 5] [--big_mib 1536] [--wf_steps 200]
 """
 import json
 import os
@@ -38,6 +40,7 @@ from jaxsession.examples import mlp_adam  # noqa: E402
 
 flags.DEFINE_integer("wf_repeats", 5, "interleaved repeats (medians reported)")
 flags.DEFINE_integer("big_mib", 1536, "the state of the memory case, MiB")
+flags.DEFINE_integer("wf_steps", 200, "steps already in the directory of the many-steps case")
 FLAGS = flags.FLAGS
 
 
@@ -93,6 +96,71 @@ def checkpoint_case(rows):
                "-", "-"))
 
 
+def many_steps_case(rows):
+  """save (until written) + restore of a small state in a directory that
+  already holds --wf_steps steps: the session, the session reading orbax's
+  list of steps again on every call (as it did before
+  checkpoint_steps.refresh), and orbax's CheckpointManager used directly."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from jaxsession import checkpoint_steps  # pylint: disable=import-outside-toplevel
+  state = np.arange(4096, dtype=np.float32)
+  sess = js.Session()
+  gid = sess.compile(lambda w: (w + 1.0, jnp.sum(w[:8])), state, state_argnums=0)
+  refresh = checkpoint_steps.refresh
+
+  def reload_always(manager, path):
+    del path
+    manager.reload()
+
+  def session_way(tmp, always):
+    checkpoint_steps.refresh = reload_always if always else refresh
+    try:
+      for step in range(FLAGS.wf_steps):
+        sess.save(gid, tmp, step)
+      sess.wait_until_saved()
+      saves, restores = [], []
+      for step in range(FLAGS.wf_steps, FLAGS.wf_steps + FLAGS.wf_repeats):
+        start = time.perf_counter()
+        sess.save(gid, tmp, step)
+        sess.wait_until_saved()
+        saves.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        sess.restore(gid, tmp)
+        restores.append(time.perf_counter() - start)
+      return statistics.median(saves), statistics.median(restores)
+    finally:
+      checkpoint_steps.refresh = refresh
+
+  def orbax_way(tmp):
+    manager = ocp.CheckpointManager(tmp, options=ocp.CheckpointManagerOptions(max_to_keep=None))
+    for step in range(FLAGS.wf_steps):
+      manager.save(step, args=ocp.args.StandardSave({"w": state}))
+    manager.wait_until_finished()
+    saves, restores = [], []
+    for step in range(FLAGS.wf_steps, FLAGS.wf_steps + FLAGS.wf_repeats):
+      start = time.perf_counter()
+      manager.save(step, args=ocp.args.StandardSave({"w": state}))
+      manager.wait_until_finished()
+      saves.append(time.perf_counter() - start)
+      start = time.perf_counter()
+      manager.restore(step, args=ocp.args.StandardRestore({"w": state}))
+      restores.append(time.perf_counter() - start)
+    manager.close()
+    return statistics.median(saves), statistics.median(restores)
+
+  got = {}
+  for name, way in (("orbax", orbax_way), ("session", lambda t: session_way(t, False)),
+                    ("reloading", lambda t: session_way(t, True))):
+    with tempfile.TemporaryDirectory() as tmp:
+      got[name] = way(tmp)
+  for i, what in enumerate(("save (until written)", "restore")):
+    rows.append((f"{what}, 16 KiB state, directory of {FLAGS.wf_steps} steps, ms "
+                 "(orbax directly / session; session reading orbax's list every call: "
+                 f"{got['reloading'][i] * 1e3:.0f} ms)",
+                 f"{got['orbax'][i] * 1e3:.0f}", f"{got['session'][i] * 1e3:.0f}",
+                 f"{got['session'][i] / got['orbax'][i]:.2f}x", "-", "-"))
+
+
 MEMORY_CHILD = r"""
 import json, resource, sys
 import numpy as np, jax, jax.numpy as jnp
@@ -139,6 +207,7 @@ def main(argv):
   rows = []
   decode_case(rows)
   checkpoint_case(rows)
+  many_steps_case(rows)
   memory_case(rows)
   print(f"machine: {common.machine()}")
   common.print_table(f"workflows, medians of {FLAGS.wf_repeats} repeats", rows,

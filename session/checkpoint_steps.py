@@ -78,6 +78,17 @@ def drop_old(manager, path, keep, writer):
   manager.reload()
 
 
+def refresh(manager, path):
+  """orbax's list of steps made the disk's (manager.reload()) - unless it is
+  that already: reload reads every step's metadata, 1.4 ms a step here
+  (280 ms at 200 steps, most of a save's time), while the disk's complete
+  steps are one listing. In a job of processes it always reloads, as every
+  process does the same."""
+  if jax.process_count() == 1 and sorted(manager.all_steps()) == sorted(complete_steps(path)):
+    return
+  manager.reload()
+
+
 def complete(step_dir):
   return os.path.isfile(os.path.join(step_dir, MARKER))
 

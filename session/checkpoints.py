@@ -267,8 +267,9 @@ class Checkpointer:
 
     def write_step():
       ocp = _ocp()
-      manager.reload()  # its list of steps is the disk's: orbax skips a step below one it
-      # knows (a step another writer saved, a failed one, one removed by hand: review finds)
+      # its list of steps is the disk's: orbax skips a step below one it knows
+      # (a step another writer saved, a failed one, one removed by hand: review finds)
+      step_dirs.refresh(manager, path)
       for row, saved in zip(leaves, meta["slots"]):  # read back, each must match
         saved["crc32"] = [_digest(x) for x in row]
       manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
@@ -398,7 +399,7 @@ def _listed(where, path, manager, step):
   """`step`, or the newest complete step on the disk (orbax's list of steps
   read again: another writer's, one removed by hand)."""
   try:
-    manager.reload()
+    step_dirs.refresh(manager, path)
   except FileNotFoundError:  # a step folder removed while listed: the steps now
     pass
   except Exception as exc:  # pylint: disable=broad-except

@@ -338,8 +338,11 @@ class CheckpointTest(absltest.TestCase):
 
     for name, message in [("reload", "release unlocked lock"),
                           ("restore", "Encountered error while reading array index")]:
+      # orbax's list of steps is read again only where it is not the disk's
+      listed = (lambda manager, *a, **k: []) if name == "reload" else (lambda *a, **k: [1])
       with self.subTest(name), mock.patch.object(ocp.CheckpointManager, name,
-                                                 wrapped(message)):
+                                                 wrapped(message)), \
+          mock.patch.object(ocp.CheckpointManager, "all_steps", listed):
         with self.assertRaises(KeyboardInterrupt):
           sess.restore(gid, self.dir)
         assert_equal_signed(sess.get_state(gid)[0], s0 * 3)
