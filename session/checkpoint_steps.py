@@ -24,6 +24,7 @@ import threading
 import jax
 
 from jaxsession import processes
+from jaxsession.errors import InputError
 from jaxsession.runtime import interrupts
 
 FORMAT = "jaxsession-checkpoint-1"
@@ -223,13 +224,24 @@ def reserve(path, step, writer):
         ahead = _ahead(path, writer)
       theirs = [ahead] if ahead else _live_claims(path, writer)
       if not theirs:
-        claim(path, step, writer)
-        theirs = _live_claims(path, writer)
-        if theirs:
-          unclaim(path, step, writer)
+        try:
+          claim(path, step, writer)
+        except OSError as exc:  # every process raises it
+          theirs = [f"{_UNWRITABLE}{type(exc).__name__}: {exc}"]
+        else:
+          theirs = _live_claims(path, writer)
+          if theirs:
+            unclaim(path, step, writer)
   # every process takes process 0's answer (the others went into orbax's
   # collectives alone and hung: a review's find)
-  return processes.primarys(theirs[0] if theirs else None)
+  answer = processes.primarys(theirs[0] if theirs else None)
+  if answer is not None and answer.startswith(_UNWRITABLE):
+    raise InputError(f"checkpoint directory {path} cannot be written "
+                     f"({answer[len(_UNWRITABLE):]}): nothing was saved")
+  return answer
+
+
+_UNWRITABLE = "unwritable: "  # (no claim's file name starts so)
 
 
 def _live_claims(path, writer):
@@ -240,13 +252,23 @@ def _live_claims(path, writer):
 
 def claim(path, step, writer):
   if jax.process_index() == 0:
-    name = _claim_name(step, writer)
+    name = os.path.join(path, _claim_name(step, writer))
     with _IN_FLIGHT_LOCK:
-      _IN_FLIGHT.add(os.path.join(path, name))
-    with open(os.path.join(path, name), "w") as f:
-      f.write(_started(os.getpid()) or "")  # (a pid used again is another process)
-      f.flush()
-      os.fsync(f.fileno())
+      _IN_FLIGHT.add(name)
+    try:
+      with open(name, "w") as f:
+        f.write(_started(os.getpid()) or "")  # (a pid used again is another process)
+        f.flush()
+        os.fsync(f.fileno())
+    except BaseException:  # not written (a read-only disk): no claim stays in flight,
+      with _IN_FLIGHT_LOCK:  # where every later restore of `path` waited for it for
+        _IN_FLIGHT.discard(name)  # good (a break-it find)
+        _IN_FLIGHT_LOCK.notify_all()
+      try:
+        os.remove(name)
+      except OSError:
+        pass
+      raise
 
 
 def unclaim(path, step, writer):

@@ -200,7 +200,10 @@ class Checkpointer:
       with self._lock:  # steps increase per directory, as orbax keeps them
         before = self._queued.get(path, -1)
         processes.agreed(where, lambda: _check_after(where, path, step, before))
-        theirs = step_dirs.reserve(path, step, self._writer)
+        try:
+          theirs = step_dirs.reserve(path, step, self._writer)
+        except InputError as exc:  # (the directory cannot be written)
+          raise InputError(f"{where}: {exc}") from None
         if theirs is not None and jax.process_count() == 1 and step_dirs.this_process(theirs):
           return False  # (in a job of processes every save is written before it returns)
         if theirs is not None:
@@ -272,9 +275,14 @@ class Checkpointer:
       step_dirs.refresh(manager, path)
       for row, saved in zip(leaves, meta["slots"]):  # read back, each must match
         saved["crc32"] = [_digest(x) for x in row]
-      manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
+      if not manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
           state=ocp.args.StandardSave({"slots": [  # its shape and type are in the meta
-              [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta)))
+              [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta))):
+        # orbax skipped it (another program's step at or after it appeared
+        # meanwhile): the marker went into that folder, and a save that had
+        # written nothing passed for written (a break-it find)
+        raise RuntimeError(f"orbax did not write step {step}: {path} holds a step at or "
+                           "after it that another program wrote meanwhile")
       manager.wait_until_finished()
       step_dirs.mark_complete(os.path.join(path, str(step)))
       try:

@@ -85,6 +85,35 @@ class FailedSavesTest(absltest.TestCase):
       np.testing.assert_array_equal(np.asarray(sess.get_state(gid)[0]), w)
 
 
+  def test_a_claim_that_cannot_be_written_leaves_nothing_in_flight(self):
+    # the claim's file not written (a disk remounted read-only): save raised
+    # a raw OSError and left the claim in flight, and every later restore
+    # of the directory waited for it for good (a break-it find)
+    from jaxsession import checkpoint_steps  # pylint: disable=import-outside-toplevel
+    sess = js.Session()
+    w = np.float32([2.5, -0.0, np.nan])
+    gid = sess.compile(lambda w: (w * 3.0, jnp.sum(w)), w, state_argnums=0)
+    with tempfile.TemporaryDirectory() as d:
+      sess.save(gid, d, 1)
+      sess.wait_until_saved()
+      sess.run(gid)
+      read_only = OSError(30, "Read-only file system")
+      with mock.patch.object(checkpoint_steps, "_started", side_effect=read_only):
+        with self.assertRaisesRegex(js.InputError, r"save\(graph 0 .*\): checkpoint directory "
+                                    r".* cannot be written \(OSError: .*Read-only file "
+                                    r"system\): nothing was saved"):
+          sess.save(gid, d, 2)
+      box = []
+      waiter = threading.Thread(target=lambda: box.append(sess.restore(gid, d)), daemon=True)
+      waiter.start()
+      waiter.join(60)
+      self.assertEqual(box, [1])  # (not hung)
+      np.testing.assert_array_equal(np.asarray(sess.get_state(gid)[0]), w)
+      sess.save(gid, d, 2)  # and the directory takes saves again
+      sess.wait_until_saved()
+      self.assertEqual(sorted(checkpoint_steps.complete_steps(d)), [1, 2])
+
+
 @pytest.mark.slow  # a fresh process: orbax not imported yet
 class StepNumbersTest(absltest.TestCase):
 
