@@ -278,9 +278,8 @@ class Checkpointer:
       if not manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
           state=ocp.args.StandardSave({"slots": [  # its shape and type are in the meta
               [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta))):
-        # orbax skipped it (another program's step at or after it appeared
-        # meanwhile): the marker went into that folder, and a save that had
-        # written nothing passed for written (a break-it find)
+        # skipped (another program's step at or after it came meanwhile): the marker
+        # went into that folder, a save with nothing written passed (a break-it find)
         raise RuntimeError(f"orbax did not write step {step}: {path} holds a step at or "
                            "after it that another program wrote meanwhile")
       manager.wait_until_finished()
