@@ -14,7 +14,6 @@ The state goes in and comes back in its layout's form
 program succeeded, so a failed call leaves the state as it was; a Ctrl-C in
 between waits for the commit (runtime/interrupts.py).
 """
-import sys
 import threading
 
 import jax
@@ -359,13 +358,13 @@ def call_path(program, layout, lock, where="run", user_code=False):
           return recover(exc, (), args)[1]
     return call
 
-  getsignal, sigint, ours = interrupts.getsignal, interrupts.SIGINT, interrupts.ours
-  lend, give_back, lent_by = interrupts.lend, interrupts.give_back, interrupts.lent_by
+  getsignal, sigint, ours, lend, give_back, lent_by = (
+      interrupts.getsignal, interrupts.SIGINT, interrupts.ours, interrupts.lend,
+      interrupts.give_back, interrupts.lent_by)
 
   @interrupts.critical  # a Ctrl-C waits for the commit and the unlock
   def call(args):
-    # ours in place of the SIGINT handler, before the lock: one look where
-    # ours over Python's default is installed (interrupts.lend otherwise)
+    # ours for the user's SIGINT handler, before the lock (interrupts.lend)
     lending = getsignal(sigint) is not ours[0] and lend()
     try:
       if not acquire(False):  # a lock's acquire/release: ~0.2 µs less a run than `with`
@@ -379,9 +378,8 @@ def call_path(program, layout, lock, where="run", user_code=False):
           for recorder in recorders:
             recorder.running.append(running)
         special = maybe_special[0] and special_on()
-        if donates and special:  # on after compile: the executables still
-          state = _private(gather())  # donate, and jax raises after they
-          # consumed the state
+        if donates and special:  # on after compile: the executables still donate,
+          state = _private(gather())  # and jax raises after they consumed the state
         else:
           state = None if one else gather()
         if state is None:  # one slot's storage, one donated argument
@@ -407,10 +405,8 @@ def call_path(program, layout, lock, where="run", user_code=False):
             recorder.running.remove(running)
         release()
     finally:
-      # the user's handler back (also one a callback installed: lent_by),
-      # then a Ctrl-C that came during the run raised by it (interrupts.py)
-      if lending or lent_by[0] is not None and lent_by[0] is sys._getframe():
-        give_back()
+      if lending or lent_by[0] is not None and interrupts.owed_by_caller():
+        give_back()  # the user's handler back, then a Ctrl-C of the run raised by it
       if _pending:
         interrupts.deliver()
     return out

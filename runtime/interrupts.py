@@ -282,6 +282,11 @@ def rewrap():
   _lend(current)
 
 
+def owed_by_caller():
+  """Whether the calling critical function gives back a lend `rewrap` made."""
+  return lent_by[0] is sys._getframe(1)  # pylint: disable=protected-access
+
+
 def leave(lending):
   """The last step of a critical function that called `lend()` (its result
   `lending`): gives back what it lent, then delivers a Ctrl-C recorded

@@ -209,7 +209,7 @@ def _claim_name(step, writer):
   return f"{CLAIM}{step}.{_HOST}.{os.getpid()}.{writer}"
 
 
-def reserve(path, step, writer):
+def reserve(path, step, writer, where="save"):
   """Claims `step` for `writer` unless another writer that runs has a claim
   in `path` (one writer per directory: orbax skips a step below one it has
   seen, so two writers' steps interleaved lost one, a review's find); then
@@ -236,7 +236,7 @@ def reserve(path, step, writer):
   # collectives alone and hung: a review's find)
   answer = processes.primarys(theirs[0] if theirs else None)
   if answer is not None and answer.startswith(_UNWRITABLE):
-    raise InputError(f"checkpoint directory {path} cannot be written "
+    raise InputError(f"{where}: checkpoint directory {path} cannot be written "
                      f"({answer[len(_UNWRITABLE):]}): nothing was saved")
   return answer
 

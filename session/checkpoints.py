@@ -136,10 +136,8 @@ class Checkpointer:
           raise InputError(f"{where}: checkpoint directory {path!r} does not exist")
       if manager is None:
         ocp = _ocp()
-        # keep-N is applied here after the new step is marked complete:
-        # orbax's max_to_keep deleted the old step inside save(), before the
-        # marker, and a kill between the two left no complete step (a
-        # break-it find with checkpoint_keep=1)
+        # keep-N applied after the new step is marked complete: orbax's max_to_keep
+        # deleted the old step before the marker (a kill between: no complete step)
         options = ocp.CheckpointManagerOptions(max_to_keep=None, create=create,
                                                enable_async_checkpointing=False)
         try:
@@ -168,12 +166,9 @@ class Checkpointer:
     if errors:
       raise RuntimeError(f"{where}: not saved, since an earlier save failed: "
                          f"{errors[0]}{_others(errors)}") from errors[0]
-    # another Session's saves of this process into `path` are written first (a
-    # Session dropped with a save in flight left the next one refused, and its
-    # restore reading an older step or none: a break-it find), in turn
-    # (None: a Ctrl-C stopped it with nothing claimed, and the user's handler
-    # returned - a flag for a graceful stop: the save goes on; it returned
-    # as saved, with nothing written: a break-it find, 31 of 100 presses)
+    # another Session's saves into `path` are written first, in turn (a dropped
+    # Session's save in flight refused the next one); None: a Ctrl-C stopped it
+    # and the handler returned, so the save goes on (break-it finds)
     while (queued := self._hand_off(entry, where, path, manager, step)) is None:
       pass
     if not queued:
@@ -200,10 +195,7 @@ class Checkpointer:
       with self._lock:  # steps increase per directory, as orbax keeps them
         before = self._queued.get(path, -1)
         processes.agreed(where, lambda: _check_after(where, path, step, before))
-        try:
-          theirs = step_dirs.reserve(path, step, self._writer)
-        except InputError as exc:  # (the directory cannot be written)
-          raise InputError(f"{where}: {exc}") from None
+        theirs = step_dirs.reserve(path, step, self._writer, where)
         if theirs is not None and jax.process_count() == 1 and step_dirs.this_process(theirs):
           return False  # (in a job of processes every save is written before it returns)
         if theirs is not None:

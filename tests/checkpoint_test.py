@@ -328,8 +328,7 @@ class CheckpointTest(absltest.TestCase):
     sess.set_state(gid, s0 * 3)
 
     def wrapped(message):
-      def raise_wrapped(*args, **kwargs):
-        del args, kwargs
+      def raise_wrapped(*_args, **_kwargs):
         try:
           raise KeyboardInterrupt
         except KeyboardInterrupt as exc:
@@ -338,11 +337,9 @@ class CheckpointTest(absltest.TestCase):
 
     for name, message in [("reload", "release unlocked lock"),
                           ("restore", "Encountered error while reading array index")]:
-      # orbax's list of steps is read again only where it is not the disk's
-      listed = (lambda manager, *a, **k: []) if name == "reload" else (lambda *a, **k: [1])
-      with self.subTest(name), mock.patch.object(ocp.CheckpointManager, name,
-                                                 wrapped(message)), \
-          mock.patch.object(ocp.CheckpointManager, "all_steps", listed):
+      listed = (lambda *a, **k: []) if name == "reload" else (lambda *a, **k: [1])  # (reloads)
+      with self.subTest(name), mock.patch.object(ocp.CheckpointManager, name, wrapped(
+          message)), mock.patch.object(ocp.CheckpointManager, "all_steps", listed):
         with self.assertRaises(KeyboardInterrupt):
           sess.restore(gid, self.dir)
         assert_equal_signed(sess.get_state(gid)[0], s0 * 3)
