@@ -146,6 +146,7 @@ class ExecutableCache:
           mine.append(pending)
         return pending
     finally:
+      left_critical = True
       interrupts.leave(lending)
 
   @interrupts.critical
@@ -166,6 +167,7 @@ class ExecutableCache:
         self._finish(pending)
       return (value if store else value.value), False
     finally:
+      left_critical = True
       interrupts.leave(lending)
 
   @interrupts.critical
@@ -179,6 +181,7 @@ class ExecutableCache:
             del self._pending[key]
           self._finish(pending)
     finally:
+      left_critical = True
       interrupts.leave(lending)
 
   def _finish(self, pending):

@@ -405,6 +405,7 @@ def call_path(program, layout, lock, where="run", user_code=False):
             recorder.running.remove(running)
         release()
     finally:
+      left_critical = True  # the commit and the unlock done (interrupts.critical)
       if lending or lent_by[0] is not None and interrupts.owed_by_caller():
         give_back()  # the user's handler back, then a Ctrl-C of the run raised by it
       if _pending:

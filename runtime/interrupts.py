@@ -25,9 +25,12 @@ installs none then: a Ctrl-C raises KeyboardInterrupt where its loop is,
 as before Python 3.11). A nested critical call finds ours and lends
 nothing. Our handler looks at
 the frames the main thread is executing: inside a critical function it only
-records the signal; `leave` delivers it, after the commit and the unlock
-and once the user's handler is back, by calling the handler it deferred
-(Python's default raises KeyboardInterrupt there). A run in another thread
+records the signal; the function's last look (`leave`) delivers it, after
+the commit and the unlock and once the user's handler is back, by calling
+the handler it deferred (Python's default raises KeyboardInterrupt there).
+Past its commit a critical function sets a local (`critical`): a signal
+handled after that is raised at once, none waits for a look that already
+happened. A run in another thread
 lends nothing and never receives KeyboardInterrupt: a Ctrl-C reaches an
 idle main thread at once, whatever other threads run.
 
@@ -35,11 +38,6 @@ The session's waits for another thread (the checkpoint writer, another
 thread's compile of the same program) go through `wait_for`, critical too: a
 Ctrl-C ends the wait at its next look and is raised there, never inside the
 Condition's own Python, where it left a lock or a queue's count wrong.
-A signal recorded after the outermost critical function's own deliver()
-looked (or on its return) is raised once the main thread has left it: while
-one is recorded, a watcher thread sends SIGINT again now and then
-(`_watch`), and the handler, which sees the main thread's own frames, raises
-it where no critical function runs.
 
 What it covers: SIGINT, with a Python-level handler (Python's default one,
 or the user's, whenever it was installed: one installed after the Session
@@ -47,8 +45,8 @@ was compiled let one Ctrl-C consume the donated state when the handler was
 wrapped once at compile, a break-it find). One a run's host callback
 installs is wrapped as the callback returns (`rewrap`), and is the one put
 back. asyncio's handler of loop.add_signal_handler, which does nothing, is
-not wrapped; a wakeup fd of the user's gets a byte for each of the
-watcher's reminders too.
+not wrapped. Presses that reach CPython before its handler could run merge
+into one call of it, as under jax.jit.
 A SIGINT whose KeyboardInterrupt CPython ignores (raised inside a gc
 callback, a __del__ or a weakref callback) is sent again (`_Unraisable`).
 Other signals, and SIGINT handlers set to SIG_IGN/SIG_DFL or installed in C,
@@ -65,21 +63,25 @@ import time
 
 _CRITICAL = set()  # code objects of the functions that hold slot locks
 pending = []       # signals recorded inside a critical function, not yet delivered
+LEFT = "left_critical"  # the local a critical function sets past its commit
+_INSIDE, _PAST = "inside", "past"
 
 
 def critical(fn):
-  """Marks `fn` (which must end with `if pending: deliver()`) as a function
-  a SIGINT waits for; returns `fn` itself."""
+  """Marks `fn` as a function a SIGINT waits for; returns `fn` itself. Its
+  last steps, in its `finally`: `left_critical = True` (LEFT) once its work
+  is done - its commit, its unlock - then the give-back of what it lent and
+  a look at `pending` (`leave`, or Runner.call's own). A Ctrl-C handled
+  before the local is set is recorded and that look delivers it; one handled
+  after is raised at once (`_where`): none is recorded where no look
+  follows. Refused without the local (a signal recorded past the look
+  stayed recorded until some later call ended, or for good: a break-it
+  find, then covered by a watcher thread's re-sent signals, which merged
+  with the user's presses and dropped them)."""
+  if LEFT not in fn.__code__.co_varnames:
+    raise TypeError(f"interrupts.critical: {fn.__qualname__} never sets {LEFT}")
   _CRITICAL.add(fn.__code__)
   return fn
-
-
-def _inside_critical(frame):
-  while frame is not None:
-    if frame.f_code in _CRITICAL:
-      return True
-    frame = frame.f_back
-  return False
 
 
 def _resend(signum):
@@ -119,62 +121,36 @@ class _Deferring:
     self.previous = previous
 
   def __call__(self, signum, frame):
-    # the watcher's reminders: signals that came before this call merge
-    # into it, so it takes every mark (taking one per call left marks
-    # behind, and each dropped a later press of the user's: a review's find)
-    resent = bool(_resent)
-    del _resent[:]
-    if _inside_critical(frame):
-      if not resent:  # (a reminder is never a new press)
-        if not pending:
-          try:
-            _thread.start_new_thread(_watch, ())
-          except RuntimeError:  # no new threads (the interpreter is finalizing)
-            pass
-        # one a press, each delivered to the handler it deferred (one for all
-        # the presses of a long callback: a handler counting them to force
-        # a quit saw one of three, a break-it find)
-        pending.append((signum, self))
+    where = _where(frame)
+    if where is _INSIDE:
+      # one a press, each delivered to the handler it deferred (one for all
+      # the presses of a long callback: a handler counting them to force
+      # a quit saw one of three, a break-it find)
+      pending.append((signum, self))
       return
-    if pending:  # recorded inside a critical function the main thread has left
-      del pending[:]
-    elif resent:  # delivered meanwhile: no second KeyboardInterrupt for one Ctrl-C
-      return
+    if where is _PAST:  # inside a critical call past its commit, before its
+      give_back()       # give-back: the user's handler back first
+    # presses recorded before that call's last look (LEFT set), then this one
+    records = pending[:]
+    del pending[:len(records)]
+    for recorded, deferring in records:
+      deferring.previous(recorded, frame)
     self.previous(signum, frame)
 
 
-_resent = []  # reminders the watcher sent, not yet handled
-_WATCH_S = (0.005, 0.5)  # the watcher's first and longest interval
-
-
-def _watch():
-  """While a signal is recorded: SIGINT again, after 5 ms and then at
-  doubling intervals up to 0.5 s, marked as a reminder (`_resent`). The
-  handler runs it in the main thread: inside a critical function it keeps
-  waiting for that one's deliver(); outside - the signal came after the
-  outermost one's own deliver() looked, or on its `return` - it raises the
-  recorded signal there (it stayed recorded until some later critical call
-  ended, or for good: a break-it find); after deliver() took it, a reminder
-  is dropped. A handler the user installed since gets no reminders (a
-  review's find: a handler counting presses quit on its own, Python's
-  default one raised every 0.5 s); the signal then waits for the next
-  critical function's deliver(). A raw thread, as _resend's, that reads
-  nothing of other threads: a first cut looked at the main thread's frames
-  with sys._current_frames(), which on CPython 3.11 holds the interpreter's
-  thread-list lock while it allocates, so a garbage collection there ran
-  jax's gc callback (Python) under that lock, the callback gave up the GIL,
-  and a thread ending took the GIL and waited for the lock: the whole
-  process hung (CI ran out its 90 minutes; gdb showed the two threads). A
-  Ctrl-C the user presses as a reminder is handled may merge with it (one
-  signal) and be dropped with it: press again."""
-  wait, longest = _WATCH_S
-  while True:
-    time.sleep(wait)
-    if not pending or not isinstance(signal.getsignal(signal.SIGINT), _Deferring):
-      return  # delivered; or a handler installed since is not to be reminded
-    _resent.append(True)
-    os.kill(os.getpid(), signal.SIGINT)
-    wait = min(2 * wait, longest)
+def _where(frame):
+  """_INSIDE where a critical function runs in `frame` or further out and
+  has not set its LEFT local; else _PAST where one that has set it is on
+  the stack; else None. (The local, not a global mark: a critical call's
+  locals die with it, and a later call's never has it before its end.)"""
+  state = None
+  while frame is not None:
+    if frame.f_code in _CRITICAL:
+      if LEFT not in frame.f_locals:
+        return _INSIDE
+      state = _PAST
+    frame = frame.f_back
+  return state
 
 
 _MAIN = threading.main_thread().ident
@@ -236,19 +212,22 @@ def _lend(current):
 def _does_nothing(handler):
   """asyncio's SIGINT handler of `loop.add_signal_handler`, which does
   nothing (its work is the wakeup fd's, written in C): raising nothing, it
-  needs no deferring, and wrapped, the watcher's reminders each wrote the
-  wakeup fd again (its callback ran 2-4 times a press: a break-it find)."""
+  needs no deferring (wrapped, the signals a watcher thread, since removed,
+  sent again each wrote the wakeup fd: its callback ran 2-4 times a press,
+  a break-it find)."""
   unix_events = sys.modules.get("asyncio.unix_events")
   return unix_events is not None and handler is getattr(unix_events, "_sighandler_noop", None)
 
 
 def give_back():
   """Puts back the handler `lend` (or `rewrap`) wrapped, unless one was
-  installed since (SIG_IGN, say: the user's choice stays)."""
+  installed since (SIG_IGN, say: the user's choice stays). Put back before
+  the record of the lend is cleared: a Ctrl-C handled in between gives
+  back again (`_Deferring`), and finds it done."""
   wrapper, current = lent
-  lent[0] = lent[1] = lent_by[0] = None
-  if getsignal(SIGINT) is wrapper:
+  if wrapper is not None and getsignal(SIGINT) is wrapper:
     _signal.signal(SIGINT, current)
+  lent[0] = lent[1] = lent_by[0] = None
 
 
 lent_by = [None]  # the frame of the critical call that gives back a lend `rewrap` made
@@ -306,7 +285,7 @@ def _due(frame):
   end: a compile from a run's callback must not raise inside the run's
   commit)."""
   return (bool(pending) and _thread.get_ident() == _MAIN
-          and not _inside_critical(frame.f_back))
+          and _where(frame.f_back) is not _INSIDE)
 
 
 def waiting():
@@ -366,4 +345,5 @@ def wait_for(cond, ready):
       # on (it returned unfinished, and a restore read before its save was
       # written: a break-it find)
   finally:
+    left_critical = True
     leave(lending)

@@ -360,6 +360,7 @@ def holding(lock, fn, where="this call"):
     with lock:
       return fn()
   finally:
+    left_critical = True
     interrupts.leave(lending)
 
 

@@ -166,6 +166,7 @@ def in_line(path, writer):
     yield
   finally:
     _leave_line(path, writer)
+    left_critical = True
     interrupts.leave(lending)
 
 

@@ -59,6 +59,7 @@ def _ocp():
                       "import interrupted earlier in this process cannot be retried: restart "
                       "it") from exc
   finally:
+    left_critical = True
     interrupts.leave(lending)
   return ocp
 
@@ -225,6 +226,7 @@ class Checkpointer:
         with self._lock:
           if self._queued.get(path) == step:
             self._queued[path] = before
+      left_critical = True
       interrupts.leave(lending)
     return True if queued else None
 

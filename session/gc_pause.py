@@ -53,6 +53,7 @@ class _Paused:
         interrupts.deliver()
         _enter()  # (a handler of the user's that returns: the body runs, paused)
     finally:
+      left_critical = True
       interrupts.leave(lending)
 
   @interrupts.critical
@@ -61,6 +62,7 @@ class _Paused:
     try:
       _leave()
     finally:
+      left_critical = True
       interrupts.leave(lending)
     return False
 
