@@ -25,7 +25,8 @@ from jaxsession.graph import settings
 from jaxsession.graph.ir import Literal
 from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes, read_literal
 from jaxsession.jax_api import ARRAY, placed
-from jaxsession.runtime import callbacks, codegen, debug_flags, horizontal, interrupts, sharding
+from jaxsession.runtime import (bitwise, callbacks, codegen, debug_flags, horizontal, interrupts,
+                                sharding)
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, fast_call, h2d_refused_before_run,
                                       host_op, memory_analysis, recovery, waited)
@@ -139,8 +140,7 @@ def single_program(graph, spec, rest_tree, layout, cache=None, key=None, hooks=N
   def whole_step(*xs):
     new, out = step(layout.leaves_of(xs[:n]), xs[n:])
     return out if bare else (layout.returned(new, xs[:n]), out)
-  # packed buffers written back, fused horizontally - not under a mesh, where
-  # each leaf is laid out as its buffer before the concatenation
+  # packed write-backs fused horizontally (not under a mesh: laid out per leaf)
   packed = [] if bare or any(s is not None for s in layout.state_shardings) else \
       layout.packed_returns()
   exe, recorder, notes = compile_recorded(
@@ -358,9 +358,8 @@ def call_path(program, layout, lock, where="run", user_code=False):
           return recover(exc, (), args)[1]
     return call
 
-  getsignal, sigint, ours, lend, give_back, lent_by = (
-      interrupts.getsignal, interrupts.SIGINT, interrupts.ours, interrupts.lend,
-      interrupts.give_back, interrupts.lent_by)
+  getsignal, sigint, ours, lend, give_back, lent_by = (interrupts.getsignal, interrupts.SIGINT,
+      interrupts.ours, interrupts.lend, interrupts.give_back, interrupts.lent_by)
 
   @interrupts.critical  # a Ctrl-C waits for the commit and the unlock
   def call(args):
@@ -493,7 +492,7 @@ def eager_program(graph, spec, rest_tree, layout, steps=None, leading=None):
       for i in layout.updated_idx:
         leaves[i] = outs[i]
       per_step.append(outs[k:])
-    stacked = [jax.numpy.stack(column) for column in zip(*per_step)]
+    stacked = [bitwise.stack(column) for column in zip(*per_step)]
     return layout.returned([leaves[i] for i in layout.updated_idx], xs[:n]), \
         tree_util.tree_unflatten(rest_tree, stacked)
   return Program([], [], 0, 0, [], frozenset(), frozenset(), [], {}, {}, run)

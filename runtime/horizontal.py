@@ -45,6 +45,7 @@ from jax import lax, tree_util
 from jax.extend import core as jcore
 
 from jaxsession.graph import op_properties
+from jaxsession.runtime import bitwise
 
 try:  # eval_jaxpr's frames and name stacks for the HLO's metadata; no public API
   from jax._src import source_info_util as _source_info
@@ -175,10 +176,11 @@ class _Plan:
       return done
     self.structures[atom] = None  # (a cycle is impossible; a depth guard for the recursion)
     eqn = self.producer.get(atom)
+    read = self._read(atom)
     if eqn is None:
       out = None if atom in self.constant else ("input", atom)
-    elif eqn.primitive.name == "slice" and len(eqn.invars[0].aval.shape) == 1:
-      out = ("read", eqn.invars[0])
+    elif read is not None and len(read[0].invars[0].aval.shape) == 1:
+      out = ("read", read[0].invars[0])
     elif _mergeable(eqn) is None:
       out = None
     else:
@@ -236,24 +238,40 @@ class _Plan:
       inner = self._broadcast_scalar(inner)
     return None if inner is None else self._scalar(inner, None)
 
+  def _read(self, atom):
+    """(slice equation, dtype) where `atom` is a slice - or the bitcast of
+    one from its carrier (a packed buffer's read: runtime/bitwise.py), the
+    dtype then what it is read as, else None; else None."""
+    eqn = None if _literal(atom) else self.producer.get(atom)
+    cast = None
+    if eqn is not None and eqn.primitive.name == "bitcast_convert_type" and not _literal(
+        eqn.invars[0]) and bitwise.carrier(atom.aval.dtype) == eqn.invars[0].aval.dtype:
+      cast, eqn = atom.aval.dtype, self.producer.get(eqn.invars[0])
+    if eqn is None or eqn.primitive.name != "slice":
+      return None
+    return eqn, cast
+
   def _reads(self, atoms):
-    """("var"/"slice", buffer, start, stop) where `atoms` are consecutive
-    slices (each maybe reshaped) of one flat buffer, in order; else None."""
-    source, start, at = None, None, None
+    """("var"/"slice", buffer, start, stop, dtype) where `atoms` are
+    consecutive slices (each maybe reshaped, each maybe bitcast to `dtype`
+    from the buffer's carrier, else None) of one flat buffer, in order;
+    else None."""
+    source, start, at, cast = None, None, None, None
     for atom in atoms:
-      eqn = None if _literal(atom) else self.producer.get(atom)
-      if (eqn is None or eqn.primitive.name != "slice" or _literal(eqn.invars[0])
-          or len(eqn.invars[0].aval.shape) != 1 or eqn.params.get("strides") not in (None, (1,))):
+      read = self._read(atom)
+      eqn = None if read is None else read[0]
+      if (eqn is None or _literal(eqn.invars[0]) or len(eqn.invars[0].aval.shape) != 1
+          or eqn.params.get("strides") not in (None, (1,))):
         return None
       (lo,), (hi,) = eqn.params["start_indices"], eqn.params["limit_indices"]
       if source is None:
-        source, start, at = eqn.invars[0], lo, lo
-      if eqn.invars[0] is not source or lo != at:
+        source, start, at, cast = eqn.invars[0], lo, lo, read[1]
+      if eqn.invars[0] is not source or lo != at or read[1] != cast:
         return None
       at = hi
     if start == 0 and at == source.aval.shape[0]:
-      return ("var", source)
-    return ("slice", source, start, at)
+      return ("var", source, cast)
+    return ("slice", source, start, at, cast)
 
   def _run(self, run):
     """A recipe for `run` (one structure): its op merged, or ("copy", run)."""
@@ -345,6 +363,8 @@ def _census(recipe, seen=None):
     return 0, 0, 0
   seen.add(id(recipe))
   kind = recipe[0]
+  if kind == "carried":
+    return _census(recipe[1], seen)
   if kind == "copy":
     return 0, 0, 1
   if kind == "join":
@@ -364,22 +384,22 @@ def _emit(recipe, read, values):
   kind = recipe[0]
   if kind == "var":
     out = read(recipe[1])
+    if recipe[2] is not None:
+      out = bitwise.uncarried(out, recipe[2])
   elif kind == "slice":
     out = lax.slice(read(recipe[1]), (recipe[2],), (recipe[3],))
+    if recipe[4] is not None:
+      out = bitwise.uncarried(out, recipe[4])
   elif kind == "tile":
     x = jax.numpy.asarray(read(recipe[1]), recipe[1].aval.dtype)
     out = lax.broadcast_in_dim(x, (recipe[2], *x.shape), tuple(range(1, x.ndim + 1)))
     out = lax.reshape(out, (recipe[2] * math.prod(x.shape),))
-  elif kind == "spread":
-    parts = [lax.broadcast_in_dim(jax.numpy.asarray(read(a), a.aval.dtype), (n,), ())
-             for a, n in zip(recipe[1], recipe[2])]
+  elif kind in ("spread", "copy", "join"):
+    parts = _pieces(recipe, read, values)
     out = parts[0] if len(parts) == 1 else lax.concatenate(parts, 0)
-  elif kind == "copy":
-    parts = [lax.reshape(jax.numpy.asarray(read(a), a.aval.dtype), (_size(a),))
-             for a in recipe[1]]
+  elif kind == "carried":  # a buffer held as its carrier (runtime/bitwise.py): joined in it
+    parts = [bitwise.carried(p) for p in _pieces(recipe[1], read, values)]
     out = parts[0] if len(parts) == 1 else lax.concatenate(parts, 0)
-  elif kind == "join":
-    out = lax.concatenate([_emit(part, read, values) for part in recipe[1]], 0)
   else:  # "op"
     eqn, operands = recipe[1], recipe[2]
     args = [_scalar_operand(o, read) if o[0] in ("scalar", "constant") else
@@ -388,6 +408,21 @@ def _emit(recipe, read, values):
       out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
   values[id(recipe)] = out
   return out
+
+
+def _pieces(recipe, read, values):
+  """The values a recipe's elements are joined from, in order: a spread's
+  scalars spread, a copy's values, each part of a join's; else its value."""
+  kind = recipe[0]
+  if kind == "spread":
+    return [lax.broadcast_in_dim(jax.numpy.asarray(read(a), a.aval.dtype), (n,), ())
+            for a, n in zip(recipe[1], recipe[2])]
+  if kind == "copy":
+    return [lax.reshape(jax.numpy.asarray(read(a), a.aval.dtype), (_size(a),))
+            for a in recipe[1]]
+  if kind == "join":
+    return [piece for part in recipe[1] for piece in _pieces(part, read, values)]
+  return [_emit(recipe, read, values)]
 
 
 def _scalar_operand(operand, read):
@@ -441,10 +476,12 @@ class Rewrite:
     for position, name in self.roots.items():
       var = jaxpr.outvars[position]
       eqn = None if _literal(var) else plan.producer.get(var)
-      if eqn is None or eqn.primitive.name != "concatenate" or len(var.aval.shape) != 1:
+      written = None if eqn is None else bitwise.written_parts(eqn, plan.producer)
+      if written is None or len(var.aval.shape) != 1:
         continue
+      parts, carrier = written
       try:
-        recipe = plan.pack(list(eqn.invars))
+        recipe = plan.pack(parts)
       except RecursionError:  # a chain of ops deeper than Python recurses: as it was
         notes.append(f"{name}: written back leaf by leaf (its leaves' chains of ops are too "
                      "deep to plan)")
@@ -457,7 +494,7 @@ class Rewrite:
                      "the same scalars alone; a gradient, say, comes from ops that are not "
                      "merged)")
         continue
-      recipes[id(eqn)] = recipe
+      recipes[id(eqn)] = recipe if carrier is None else ("carried", recipe, carrier)
       notes.append(f"{name}: {ops} elementwise ops over the whole buffer in place of "
                    f"{per_leaf} per-leaf ones"
                    + (f", {copies} packs of leaf values copied in" if copies else ""))

@@ -16,7 +16,7 @@ import jax
 from jax import lax, tree_util
 
 from jaxsession.errors import InputError
-from jaxsession.runtime import callbacks, sharding
+from jaxsession.runtime import bitwise, callbacks, sharding
 from jaxsession.runtime.debug_flags import unchecked
 from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn, out_structs
 from jaxsession.runtime.executor import (arg_structs, executable_program, graph_body,
@@ -67,8 +67,8 @@ MAX_COMPILED_STEPS = 256  # split/stack executables up to this many steps
 
 class _Columns:
   """Joins per-step (or per-chunk) outputs leaf by leaf with `combine`
-  (jnp.stack: the steps' outputs; jnp.concatenate: the chunks' stacked
-  ones): one executable, compiled before the first join (`prepare`, from
+  (bitwise.stack: the steps' outputs; bitwise.concatenate: the chunks'
+  stacked ones): one executable, compiled before the first join (`prepare`, from
   the rows' types: a chunked run's, before any chunk consumes the state) or
   on first use (~2 µs a step on CPU, measured here), or `combine` per output
   where one executable cannot take them (`eager`: beyond MAX_COMPILED_STEPS;
@@ -117,8 +117,8 @@ class _Columns:
       joined = [self.combine(column) for column in columns]
     else:
       joined = self.exe(*[x for column in columns for x in column])
-    # as a scan stacks them: weakly typed where the rows are (jnp.stack and
-    # jnp.concatenate make a weak bool strong)
+    # as a scan stacks them: weakly typed where the rows are (a join makes a
+    # weak bool strong)
     return [with_weak_type(x, _weak(column[0])) for x, column in zip(joined, columns)]
 
 
@@ -145,7 +145,7 @@ def stepped_program(program, layout, spec, rest_tree, steps, leading=None, graph
   splitters = [unchecked(compile_fn(lambda a: [a[t] for t in range(steps)], [st])
                          if compiled else list) if s else (lambda a: [a] * steps)
                for st, s in zip(structs, leaf_steps(spec, leading))]
-  stack = _Columns(jax.numpy.stack, eager=not compiled)
+  stack = _Columns(bitwise.stack, eager=not compiled)
   if graph is not None and graph.mesh is None:  # compiled with the run's other
     # executables (a profiled graph records it as the run's compile, not as
     # the first run's overhead: a break-it find); under a mesh, from the
@@ -224,7 +224,7 @@ def chunked_program(parts, layout, spec, rest_tree, steps, leading, graph=None):
   def split_all(*xs):
     return [[lax.slice_in_dim(x, start, start + size) for x in xs] for start, size in bounds]
   split = unchecked(compile_fn(split_all, structs)) if structs else (lambda: [[] for _ in parts])
-  join = _Columns(jax.numpy.concatenate)
+  join = _Columns(bitwise.concatenate)
   # compiled now, not after the first chunk consumed the state: a join that
   # failed to compile lost it (found by the break-it review)
   if all(len(part.executables) == 1 and part.ops and part.ops[0].fn is part.run

@@ -8,6 +8,9 @@ their optimizer moments - ravelled one after another in a few flat buffers,
 one per (dtype, layout): its `storage`. The executable takes the buffers,
 reads each leaf as a slice (fused into its readers) and writes the new
 values back as one concatenation, which XLA aliases to the donated buffer.
+A buffer of a floating dtype of at most 16 bits is stored as the unsigned
+integers of its width (runtime/bitwise.py: XLA:CPU joins those floats
+through f32, which changed a NaN's bits).
 A leaf read by a contraction stays its own buffer: a matmul's operand is
 copied out of a slice before it runs.
 
@@ -27,7 +30,7 @@ from jaxsession.graph import op_properties
 from jaxsession.graph.divisors import divisor_cone
 from jaxsession.graph.ir import aval_bytes
 from jaxsession.jax_api import real_jit
-from jaxsession.runtime import debug_flags
+from jaxsession.runtime import bitwise, debug_flags
 
 
 @dataclasses.dataclass
@@ -200,7 +203,9 @@ class Packing:
   def describe_leaf(self, leaf):
     unit, offset, size = self.where[leaf]
     g = unit - len(self.plain)
-    return (f"packed into {np.dtype(self.dtypes[g]).name} buffer #{g} (storage unit {unit}, "
+    held = bitwise.carrier(self.dtypes[g])
+    held = "" if held == self.dtypes[g] else f" held as {held.name}"
+    return (f"packed into {np.dtype(self.dtypes[g]).name} buffer #{g}{held} (storage unit {unit}, "
             f"{len(self.groups[g])} leaves), elements [{offset}, {offset + size})")
 
   def unit_leaves(self, unit):
@@ -210,7 +215,8 @@ class Packing:
   def buffer_struct(self, unit):
     """The ShapeDtypeStruct an executable takes packed unit `unit` as."""
     g = unit - len(self.plain)
-    return jax.ShapeDtypeStruct((self.sizes[g],), self.dtypes[g], sharding=self.shardings[g])
+    return jax.ShapeDtypeStruct((self.sizes[g],), bitwise.carrier(self.dtypes[g]),
+                                sharding=self.shardings[g])
 
   def unit_sharding(self, unit, leaf_sharding):
     return leaf_sharding if unit < len(self.plain) else self.shardings[unit - len(self.plain)]
@@ -223,10 +229,10 @@ class Packing:
       out[j] = storage[k]
     for g, members in enumerate(self.groups):
       buffer = storage[len(self.plain) + g]
-      for j in members:
+      for j in members:  # sliced from its carrier (runtime/bitwise.py), then bitcast
         _, offset, size = self.where[j]
-        out[j] = None if buffer is None else lax.slice(buffer, (offset,), (offset + size,)
-                                                       ).reshape(self.shapes[j])
+        out[j] = None if buffer is None else bitwise.uncarried(
+            lax.slice(buffer, (offset,), (offset + size,)), self.dtypes[g]).reshape(self.shapes[j])
     return out
 
   def buffer(self, g, leaves):
@@ -237,7 +243,7 @@ class Packing:
     sharding = self.shardings[g]
     if sharding is not None:  # under a mesh the members are laid out as the buffer
       members = [_laid_out(x, sharding) for x in members]
-    return lax.concatenate([lax.reshape(x, (int(np.prod(x.shape, dtype=np.int64)),))
+    return lax.concatenate([bitwise.carried(lax.reshape(x, (int(np.prod(x.shape, dtype=np.int64)),)))
                             for x in members], 0)
 
   def storage(self, leaves):
@@ -249,14 +255,14 @@ class Packing:
   def _unpack_groups(self, buffers):
     """Per buffer (None: unset), its members' leaves (None each)."""
     return [None if buffer is None else [
-        lax.slice(buffer, (self.where[j][1],), (self.where[j][1] + self.where[j][2],)
-                  ).reshape(self.shapes[j]) for j in self.groups[g]]
-            for g, buffer in enumerate(buffers)]
+        bitwise.uncarried(lax.slice(buffer, (self.where[j][1],), (self.where[j][1] + self.where[
+            j][2],)), self.dtypes[g]).reshape(self.shapes[j])
+        for j in self.groups[g]] for g, buffer in enumerate(buffers)]
 
   def _pack_groups(self, members):
     """Per group, its members' leaves (None: unset) -> its buffer (None)."""
-    return [None if group is None else lax.concatenate([x.reshape(-1) for x in group], 0)
-            for group in members]
+    return [None if group is None else lax.concatenate(
+        [bitwise.carried(x.reshape(-1)) for x in group], 0) for group in members]
 
   def view(self, storage):
     """The leaves of `storage`, in leaf order: the plain ones as they are,

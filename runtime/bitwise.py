@@ -1,0 +1,74 @@
+"""Joins of arrays that keep every bit: the one way the session's own data
+moves concatenate or stack (packed state's buffers and their whole-buffer
+write-backs, a chunked or stepped sunk run's outputs).
+
+XLA:CPU concatenates bfloat16 and float8 arrays through f32 (its float
+normalization), which makes a NaN canonical - its payload gone, a signaling
+NaN quiet, and a float8_e5m2 NaN's sign positive - where a slice, a reshape
+or jax.jit's pass-through keeps the bits (a break-it find: a packed state
+leaf read back after compile, a run or a restore had lost them). So floating
+arrays of at most 16 bits are moved as the unsigned integers of their width
+(their `carrier`), bitcast where arithmetic reads them: the same elements.
+"""
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_UNSIGNED = {4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16}
+
+
+def carrier(dtype):
+  """The dtype `dtype`'s elements are moved as: the unsigned integer of its
+  width for a floating dtype of at most 16 bits, else `dtype` itself."""
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    return np.dtype(_UNSIGNED.get(jnp.finfo(dtype).bits, dtype))
+  return dtype
+
+
+def carried(x):
+  """`x`'s bits as its carrier dtype (itself where that is its dtype)."""
+  to = carrier(x.dtype)
+  return x if to == x.dtype else lax.bitcast_convert_type(x, to)
+
+
+def uncarried(x, dtype):
+  """The `dtype` array whose bits `x` carries (`x` itself where it is one)."""
+  return x if x.dtype == np.dtype(dtype) else lax.bitcast_convert_type(x, dtype)
+
+
+def concatenate(parts, axis=0):
+  """lax.concatenate(parts, axis) with every element's bits kept (parts of
+  one dtype; Python scalars taken as jnp.asarray takes them). Joined in the
+  carrier and bitcast back: what XLA:CPU keeps where the parts are the
+  executable's parameters (a sunk run's joins); a packed buffer is stored
+  in its carrier instead (runtime/packing.py), as XLA turned such a join of
+  slices of one parameter back into a float concatenation."""
+  parts = [jnp.asarray(p) for p in parts]
+  dtype = parts[0].dtype
+  if carrier(dtype) == dtype:
+    return lax.concatenate(parts, axis)
+  return uncarried(lax.concatenate([carried(p) for p in parts], axis), dtype)
+
+
+def stack(parts, axis=0):
+  """jnp.stack(parts, axis) with every element's bits kept (parts of one dtype)."""
+  parts = [jnp.asarray(p) for p in parts]
+  return concatenate([jnp.expand_dims(p, axis) for p in parts], axis)
+
+
+def written_parts(eqn, producer):
+  """Where jaxpr equation `eqn` is a concatenation, its parts as they were
+  written - each looked through its bitcast into the carrier where the
+  join is in one (a packed buffer's write-back) - and that carrier (None:
+  the parts are joined as they are); else None. `producer`: var -> the
+  equation that computes it."""
+  if eqn.primitive.name != "concatenate":
+    return None
+  to = eqn.outvars[0].aval.dtype
+  parts = list(eqn.invars)
+  casts = [producer.get(atom) for atom in parts]
+  if all(cast is not None and cast.primitive.name == "bitcast_convert_type"
+         and carrier(cast.invars[0].aval.dtype) == to for cast in casts):
+    return [cast.invars[0] for cast in casts], to
+  return parts, None
