@@ -100,10 +100,7 @@ class SessionOptions:
       value = getattr(self, name)
       if value is not None and not isinstance(value, str):
         raise InputError(f"SessionOptions.{name} must be a str or None, got {value!r}")
-    if isinstance(self.disabled_passes, str) or not all(
-        isinstance(p, str) for p in self.disabled_passes):
-      raise InputError("SessionOptions.disabled_passes must be a list of pass names, got "
-                       f"{self.disabled_passes!r}")
+    check_disabled_passes(self.disabled_passes)
     for name in ("fold_limit_bytes", "pack_state_below_bytes", "reorder_slack_bytes",
                  "recompile_warn_limit",
                  "run_op_cache_size", "compile_cache_size"):
@@ -144,3 +141,15 @@ class SessionOptions:
         or not all(isinstance(k, str) for k in self.compiler_options)):
       raise InputError("SessionOptions.compiler_options must be a dict of XLA option "
                        f"names (str) to values, got {self.compiler_options!r}")
+
+
+def check_disabled_passes(names):
+  """InputError unless `names` is a list of passes that can be disabled
+  (checked as SessionOptions is made, and again by Session: a field set since)."""
+  if isinstance(names, str) or not all(isinstance(p, str) for p in names):
+    raise InputError(f"SessionOptions.disabled_passes must be a list of pass names, got {names!r}")
+  from jaxsession import pipeline  # pylint: disable=import-outside-toplevel (imports options)
+  unknown = set(names) - set(pipeline.optional_pass_names())
+  if unknown:
+    raise InputError(f"SessionOptions.disabled_passes: unknown pass(es) {sorted(unknown)}; "
+                     f"passes that can be disabled: {pipeline.optional_pass_names()}")

@@ -18,7 +18,7 @@ from jaxsession.errors import InputError, SessionError, UnknownGraphError
 from jaxsession.inputs import ArgSpec
 from jaxsession.dump import GraphDumper
 from jaxsession.optimizer_passes.base import PassContext
-from jaxsession.options import SessionOptions
+from jaxsession.options import SessionOptions, check_disabled_passes
 from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_transfers
 from jaxsession.run_op import OpRunner
 from jaxsession.runtime import (build, compile_cache, executor, fingerprint, interrupts,
@@ -52,11 +52,7 @@ class Session:
       raise InputError(f"Session: options must be a SessionOptions, got "
                        f"{type(options).__name__}")
     self.options = options or SessionOptions()
-    unknown = set(self.options.disabled_passes) - set(pipeline.optional_pass_names())
-    if unknown:
-      raise InputError(f"SessionOptions.disabled_passes: unknown pass(es) "
-                       f"{sorted(unknown)}; passes that can be disabled: "
-                       f"{pipeline.optional_pass_names()}")
+    check_disabled_passes(self.options.disabled_passes)
     device = self.options.device
     self.platform = self.options.platform or (device.platform if device is not None
                                               else jax.default_backend())

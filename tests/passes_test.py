@@ -210,7 +210,11 @@ class SessionPassesTest(absltest.TestCase):
     self.assertEqual([n.op for n in sess.graph(gid).nodes].count("sin"), 2)
     self.assertNotIn("cse", [r.name for r in sess.report(gid).passes])
     with self.assertRaisesRegex(js.InputError, r"unknown pass\(es\) \['nope'\].*'dce', 'cse'"):
-      js.Session(js.SessionOptions(disabled_passes=["nope"]))
+      js.SessionOptions(disabled_passes=["nope"])  # as the options are made, as the others
+    options = js.SessionOptions()
+    options.disabled_passes = ["nope"]  # a field set since: Session checks again
+    with self.assertRaisesRegex(js.InputError, r"unknown pass\(es\) \['nope'\]"):
+      js.Session(options)
 
 
 if __name__ == "__main__":
