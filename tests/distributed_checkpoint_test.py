@@ -73,6 +73,26 @@ elif mode == "leftover":  # a killed job's save of step 2 left its folder and cl
   out["equal"] = held() == saved
   jax.experimental.multihost_utils.sync_global_devices("listed")
   out["files"] = sorted(n for n in os.listdir(directory) if not n.isdigit())
+elif mode == "unwritable":  # process 0's claim file cannot be written (remounted read-only)
+  import contextlib
+  from unittest import mock
+  sess.save(gid, directory, 1)
+  sess.wait_until_saved()
+  saved = held()
+  sess.run(gid)
+  read_only = OSError(30, "Read-only file system")
+  with (mock.patch.object(js.checkpoint_steps, "_started", side_effect=read_only) if pid == 0
+        else contextlib.nullcontext()):
+    try:
+      sess.save(gid, directory, 2)
+      out["refused"] = None
+    except js.InputError as exc:
+      out["refused"] = str(exc)
+  out["restored"] = sess.restore(gid, directory)  # (nothing left in flight: not hung)
+  out["equal"] = held() == saved
+  sess.save(gid, directory, 2)  # and the directory takes saves again
+  sess.wait_until_saved()
+  out["steps"] = sorted(js.checkpoint_steps.complete_steps(directory))
 else:  # another writer saves into the directory now
   try:
     sess.save(gid, directory, 1)
@@ -119,6 +139,18 @@ class TwoProcessCheckpointTest(absltest.TestCase):
         self.assertIn("another session or process is saving into", out["refused"] or "")
         self.assertIn("another-writer", out["refused"])
         self.assertEqual(out["steps"], [])
+
+  def test_a_claim_that_cannot_be_written_is_refused_on_every_process(self):
+    # process 0 writes the claims: its OSError is every process's InputError,
+    # nothing stays in flight, and a later save and restore work
+    with tempfile.TemporaryDirectory() as d:
+      for out in self._run(d, "unwritable"):
+        self.assertRegex(out["refused"] or "", r"save\(graph 0.*\): checkpoint directory .* "
+                         r"cannot be written \(OSError: .*Read-only file system\): nothing was "
+                         "saved")
+        self.assertEqual(out["restored"], 1)
+        self.assertTrue(out["equal"])
+        self.assertEqual(out["steps"], [1, 2])
 
   def test_a_killed_jobs_leftover_is_removed_before_its_step_is_saved_again(self):
     # (only a single-process save removed a killed writer's leftover: in a
