@@ -64,7 +64,7 @@ import time
 _CRITICAL = set()  # code objects of the functions that hold slot locks
 pending = []       # signals recorded inside a critical function, not yet delivered
 LEFT = "left_critical"  # the local a critical function sets past its commit
-_INSIDE, _PAST = "inside", "past"
+_INSIDE = "inside"
 
 
 def critical(fn):
@@ -128,8 +128,10 @@ class _Deferring:
       # a quit saw one of three, a break-it find)
       pending.append((signum, self))
       return
-    if where is _PAST:  # inside a critical call past its commit, before its
-      give_back()       # give-back: the user's handler back first
+    if lent_by[0] is not None and any(past is lent_by[0] for past in where):
+      give_back()  # past the commit of the call that lent, before its give-back: now
+    # (and not a lend a critical generator made that is not running now - a
+    # save's place in line, whose end must still defer: a break-it find)
     # presses recorded before that call's last look (LEFT set), then this one
     records = pending[:]
     del pending[:len(records)]
@@ -140,17 +142,18 @@ class _Deferring:
 
 def _where(frame):
   """_INSIDE where a critical function runs in `frame` or further out and
-  has not set its LEFT local; else _PAST where one that has set it is on
-  the stack; else None. (The local, not a global mark: a critical call's
-  locals die with it, and a later call's never has it before its end.)"""
-  state = None
+  has not set its LEFT local; else the frames of those on the stack that
+  have set it (past their commit). (The local, not a global mark: a
+  critical call's locals die with it, and a later call's never has it
+  before its end.)"""
+  past = []
   while frame is not None:
     if frame.f_code in _CRITICAL:
       if LEFT not in frame.f_locals:
         return _INSIDE
-      state = _PAST
+      past.append(frame)
     frame = frame.f_back
-  return state
+  return past
 
 
 _MAIN = threading.main_thread().ident
@@ -195,6 +198,7 @@ def lend():
   if current is DEFAULT:
     install()
     return False
+  lent_by[0] = sys._getframe(1)  # pylint: disable=protected-access
   _lend(current)
   return True
 
@@ -230,7 +234,7 @@ def give_back():
   lent[0] = lent[1] = lent_by[0] = None
 
 
-lent_by = [None]  # the frame of the critical call that gives back a lend `rewrap` made
+lent_by = [None]  # the frame of the critical call that gives the lend back (lend's, rewrap's)
 
 
 def rewrap():

@@ -212,6 +212,57 @@ class InterruptWindowsTest(absltest.TestCase):
         """)
     self.assertEqual(out, [True, "returned", 1, [1, 2]])
 
+  def test_two_presses_as_a_save_waiting_in_line_ends_leave_the_line_clear(self):
+    # a save waiting its turn behind another session's, a raising handler of
+    # the user's: a press past the save's commit gave the user's handler back
+    # early (the lend was its place in line's, a generator off the stack), and
+    # a second as it left the line was raised before the removal: every later
+    # save into the directory waited for good (a break-it find)
+    out = self._run("""
+        from jaxsession.runtime import interrupts
+        other = js.Session()
+        big = other.compile(lambda x: (x + 1, x[0]), jnp.zeros(1 << 22, jnp.float32),
+                            state_argnums=0)
+        presses = []
+        def raising(signum, frame):
+          raise KeyboardInterrupt(len(presses))
+        signal.signal(signal.SIGINT, raising)
+        leave, leave_line = interrupts.leave, checkpoint_steps._leave_line
+        join_line, joined = checkpoint_steps._join_line, []
+        def joining(path, writer):
+          joined.append(writer)
+          return join_line(path, writer)
+        def pressed_leave(lending):  # press 1: past _hand_off's commit, in line
+          if sys._getframe(1).f_code.co_name == "_hand_off" and joined and not presses:
+            presses.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+          return leave(lending)
+        def pressed_leave_line(path, writer):  # press 2: as it leaves the line
+          if len(presses) == 1:
+            presses.append(2)
+            os.kill(os.getpid(), signal.SIGINT)
+          return leave_line(path, writer)
+        interrupts.leave, checkpoint_steps._leave_line = pressed_leave, pressed_leave_line
+        checkpoint_steps._join_line = joining
+        other.save(big, folder, 5)  # its write in flight: sess's save waits in line
+        first = called(lambda: sess.save(gid, folder, 6))
+        interrupts.leave, checkpoint_steps._leave_line = leave, leave_line
+        checkpoint_steps._join_line = join_line
+        kept = signal.getsignal(signal.SIGINT) is raising
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        other.wait_until_saved()
+        sess.wait_until_saved()
+        after = within(60, lambda: (other.save(big, folder, 7), other.wait_until_saved(),
+                                    sorted(checkpoint_steps.complete_steps(folder)))[-1])
+        print(json.dumps([presses, first, kept, after]))
+        """)
+    presses, first, kept, after = out
+    self.assertEqual(presses, [1, 2])
+    self.assertEqual(first, "KeyboardInterrupt")
+    self.assertTrue(kept)
+    self.assertNotEqual(after, "hung")  # every later save into the directory waited
+    self.assertIn(7, after)
+
   def test_a_ctrl_c_as_the_collector_is_paused(self):
     # right after gc.disable() (compile's pause, run_op's), and as the pause's
     # entry returns: the collector stayed off for the process
