@@ -45,9 +45,8 @@ MAX_PENDING = 2  # saves being written or queued at once, per Session
 @interrupts.critical  # a Ctrl-C during the import waits for it, then is raised
 def _ocp():
   """orbax.checkpoint, imported on first use (~1 s). An import a Ctrl-C
-  interrupted cannot be retried in the process (tensorstore's extension:
-  "initialization failed", then an abort - a break-it find), so a SIGINT
-  during it is held until the import is done."""
+  interrupted cannot be retried in the process (tensorstore: "initialization
+  failed", then an abort - a break-it find): a SIGINT waits for it."""
   lending = interrupts.lend()
   try:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
@@ -176,9 +175,8 @@ class Checkpointer:
       with step_dirs.in_line(path, self._writer):
         while not self._hand_off(entry, where, path, manager, step):
           step_dirs.wait_turn(path, self._writer)
-    if jax.process_count() > 1:  # written before it returns: orbax syncs the
-      self.wait()  # processes by collectives, which interleaved with the next run's
-      # in another order on each process and deadlocked (a review's find)
+    if jax.process_count() > 1:  # written before it returns: orbax's collectives
+      self.wait()  # interleaved with the next run's, each process's order its own: a deadlock
 
   @interrupts.critical
   def _hand_off(self, entry, where, path, manager, step):
