@@ -239,9 +239,9 @@ class _Plan:
     return None if inner is None else self._scalar(inner, None)
 
   def _read(self, atom):
-    """(slice equation, dtype) where `atom` is a slice - or the bitcast of
-    one from its carrier (a packed buffer's read: runtime/bitwise.py), the
-    dtype then what it is read as, else None; else None."""
+    """(its slice equation, None) where `atom` is a slice; (the slice's
+    equation, atom's dtype) where it is a slice bitcast from its carrier (a
+    packed buffer's read: runtime/bitwise.py); else None."""
     eqn = None if _literal(atom) else self.producer.get(atom)
     cast = None
     if eqn is not None and eqn.primitive.name == "bitcast_convert_type" and not _literal(

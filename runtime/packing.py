@@ -20,6 +20,7 @@ place leaves and storage are converted, traced inside an executable or by
 one jitted call outside (get_state, set_state, checkpoints).
 """
 import dataclasses
+import math
 from typing import Optional
 
 import jax
@@ -243,7 +244,7 @@ class Packing:
     sharding = self.shardings[g]
     if sharding is not None:  # under a mesh the members are laid out as the buffer
       members = [_laid_out(x, sharding) for x in members]
-    return lax.concatenate([bitwise.carried(lax.reshape(x, (int(np.prod(x.shape, dtype=np.int64)),)))
+    return lax.concatenate([bitwise.carried(lax.reshape(x, (math.prod(x.shape),)))
                             for x in members], 0)
 
   def storage(self, leaves):

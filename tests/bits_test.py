@@ -92,9 +92,10 @@ class SunkOutputBitsTest(absltest.TestCase):
   def test_stacked_and_chunked_outputs_keep_the_bits(self):
     # a sunk run's outputs joined per chunk (33 steps after a run of 4) equal
     # lax.scan's; stacked per step (a host callback splits the steps; beyond
-    # 256 steps joined eagerly), they equal the steps run one by one under jax.jit. (Quiet NaNs: XLA's loop
-    # itself quiets a signaling one and flushes a subnormal, as jax.jit's
-    # scan does, where one step passes them through: docs/numerics.md.)
+    # 256 steps joined eagerly), they equal the steps run one by one under
+    # jax.jit. (Quiet NaNs: XLA's loop itself quiets a signaling one and
+    # flushes a subnormal, as jax.jit's scan does, where one step passes
+    # them through: docs/numerics.md.)
     raw = np.array([0x7fc1, 0xffc1, 0xffc3, 0x8000, 0x3f81, 0x7fc5], np.uint16)
     given = jnp.asarray(raw.view(jnp.bfloat16))
     def step(s, x):
