@@ -144,10 +144,25 @@ def zero(mesh, aval):
   return P(*([None] * dim), names[0] if len(names) == 1 else names)
 
 
-def leaf_specs(what, mesh, specs, args, arg_names, avals, default):
+def zero_kept_whole(mesh, aval):
+  """Why `zero` keeps a leaf replicated (dump() says it), or None where it splits it."""
+  if zero(mesh, aval) != P():
+    return None
+  shape, n = tuple(getattr(aval, "shape", ())), mesh.devices.size
+  if n == 1:
+    return "zero: replicated (a mesh of one device)"
+  if 0 in shape:
+    return "zero: replicated (an empty leaf)"
+  if not shape:
+    return "zero: replicated (a scalar)"
+  return f"zero: replicated (no axis of {shape} divides by the {n} devices)"
+
+
+def leaf_specs(what, mesh, specs, args, arg_names, avals, default, why=None):
   """One PartitionSpec per leaf of every argument: `specs` is None (each
   leaf gets `default(mesh, aval)`), "zero" (state only), one PartitionSpec,
-  or a sequence with one spec / pytree prefix per argument."""
+  or a sequence with one spec / pytree prefix per argument. `why`, a list:
+  per argument, per leaf, why "zero" left it replicated (else None)."""
   if specs is None:
     per_arg = [None] * len(args)
   elif isinstance(specs, P) or (isinstance(specs, str) and specs == ZERO):
@@ -166,7 +181,12 @@ def leaf_specs(what, mesh, specs, args, arg_names, avals, default):
       if isinstance(spec, str) and what != "state_specs":
         raise InputError(f"compile: {what}[{k}] = 'zero' is for state_specs only")
       leaves = [rule(mesh, aval) for aval in leaf_avals]
+      if why is not None:
+        why.append([zero_kept_whole(mesh, aval) if rule is zero else None
+                    for aval in leaf_avals])
     else:
+      if why is not None:
+        why.append([None] * len(leaf_avals))
       prefix, prefix_def = tree_util.tree_flatten(spec, is_leaf=_is_spec)
       if not all(_is_spec(s) for s in prefix):
         raise InputError(f"compile: {what} for {name} must hold PartitionSpecs, got {spec!r}")

@@ -35,6 +35,7 @@ class MeshLayout:
   state: List[List[Any]]           # NamedSharding per leaf, per state argument
   local_pieces: bool               # many processes: run takes process-local batches
   compiler_options: Optional[dict]
+  state_notes: Optional[List[List[Any]]] = None  # per state leaf: why "zero" kept it whole
 
   def describe(self):
     """The mesh, for the report."""
@@ -203,7 +204,8 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
               f"{aval_str(aval)}: a dtype narrower than a byte is not supported under a "
               "mesh (jax's ahead-of-time executables refuse such arrays laid out over "
               "devices, where jax.jit takes them); widen it (int8) for the session")
-  state = _state_layout(where, mesh, state_flats, state_nums, state_specs, source_slots)
+  state, state_notes = _state_layout(where, mesh, state_flats, state_nums, state_specs,
+                                     source_slots)
   local = jax.process_count() > 1 and any(not t.is_fully_addressable for row in targets
                                           for t in row)
   if local:  # each process's example is its piece of the global batch
@@ -216,24 +218,27 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
   leaf_names = [[f"{where}: {name_} path {p or '(root)'}" for p in f.paths]
                 for name_, f in zip(arg_names, dyn_flats)]
   args = sharding.named(mesh, arg_specs, arg_avals, leaf_names)
-  return MeshLayout(mesh, args, state, local, compiler_options(options, platform)), dyn_args
+  return MeshLayout(mesh, args, state, local, compiler_options(options, platform),
+                    state_notes), dyn_args
 
 
 def _state_layout(where, mesh, state_flats, state_nums, state_specs, source_slots):
-  """Each state leaf's sharding: the source's (state_from), or its spec's."""
+  """Each state leaf's sharding - the source's (state_from), or its spec's -
+  and why "zero" kept a leaf replicated (None for the others)."""
   if source_slots is not None:
     if state_specs is not None:
       raise InputError(f"{where}: state_specs is given with state_from; shared state keeps "
                        "the layout of the graph it comes from")
-    return [list(slot.shardings) for slot in source_slots]
+    return [list(slot.shardings) for slot in source_slots], None
   state_args = [tree_util.tree_unflatten(f.treedef, f.leaves) for f in state_flats]
   state_avals = [list(f.avals) for f in state_flats]
   state_names = [f"state argument at position {i}" for i in state_nums]
+  why = []
   specs = sharding.leaf_specs("state_specs", mesh, state_specs, state_args, state_names,
-                              state_avals, lambda mesh, aval: jax.sharding.PartitionSpec())
+                              state_avals, lambda mesh, aval: jax.sharding.PartitionSpec(), why)
   state_leaf_names = [[f"{where}: {n} path {p or '(root)'}" for p in f.paths]
                       for n, f in zip(state_names, state_flats)]
-  return sharding.named(mesh, specs, state_avals, state_leaf_names)
+  return sharding.named(mesh, specs, state_avals, state_leaf_names), why
 
 
 def mark_graph(graph, mesh_layout, options, platform):
@@ -249,6 +254,9 @@ def mark_graph(graph, mesh_layout, options, platform):
   assert len(inputs) == len(leaves), (len(inputs), len(leaves))
   for value, s in zip(inputs, leaves):
     value.sharding = s
+  notes = [n for row in mesh_layout.state_notes or () for n in row]
+  for value, note in zip(inputs, notes):  # (the state's leaves come first)
+    value.note = note
 
 
 def key_text(mesh_layout):

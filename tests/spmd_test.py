@@ -143,6 +143,10 @@ class DataParallelTrainingTest(SnippetTest):
     self.assertLess(zero["report_per_device"], rep["report_per_device"] / 4)
     self.assertEqual(zero["report_replicated"], rep["report_replicated"])
     self.assertIn("of replicated", zero["report_text"])
+    # a leaf "zero" keeps whole says why in dump() (a review: no reason was given)
+    self.assertIn("zero: replicated (a scalar)", zero["dump"])  # AdamW's count
+    self.assertIn("zero: replicated (no axis of (4,) divides by the 8 devices)", zero["dump"])
+    self.assertNotIn("zero: replicated", rep["dump"])
 
   def test_dump_shows_the_shardings(self):
     dump = self.out["zero"]["dump"]

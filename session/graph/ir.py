@@ -67,7 +67,7 @@ def dtype_specials(dtype):
 class Value:
   """A value of the graph: a graph input or a node output."""
   __slots__ = ("id", "aval", "producer", "users", "kind", "name", "index", "sharding",
-               "same_as")
+               "same_as", "note")
 
   def __init__(self, vid, aval, producer=None, kind="node", name=None, index=0):
     self.id = vid
@@ -81,6 +81,7 @@ class Value:
                               # the session fixes it (inputs, state, all-reduce plan)
     self.same_as = None       # Optimize's cse: the first value that computes the same
                               # (one Value per class of duplicates; see same_value)
+    self.note = None          # an input's: why its layout is what it is (dump())
 
   def __repr__(self):
     return f"%{self.id}"
@@ -392,8 +393,9 @@ class KernelGraph:
                    "values marked @P(...) carry that sharding, XLA's SPMD partitioner "
                    "propagates the rest")
     for value in self.inputs:
+      comment = "; ".join(t for t in (value.name, value.note) if t)
       lines.append(f"  {value.kind:5s} {value}: {aval_str(value.aval)}{sharded(value)}"
-                   + (f"  # {value.name}" if value.name else ""))
+                   + (f"  # {comment}" if comment else ""))
     for node in self.nodes:
       outs = ", ".join(f"{o}: {aval_str(o.aval)}{sharded(o)}" for o in node.outputs)
       params = (call_str(node) if node.op in CALLS else
