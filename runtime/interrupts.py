@@ -132,11 +132,7 @@ class _Deferring:
       give_back()  # past the commit of the call that lent, before its give-back: now
     # (and not a lend a critical generator made that is not running now - a
     # save's place in line, whose end must still defer: a break-it find)
-    # presses recorded before that call's last look (LEFT set), then this one
-    records = pending[:]
-    del pending[:len(records)]
-    for recorded, deferring in records:
-      deferring.previous(recorded, frame)
+    _run_recorded(frame)  # presses recorded before that call's last look, then this one
     self.previous(signum, frame)
 
 
@@ -266,7 +262,8 @@ def rewrap():
 
 
 def owed_by_caller():
-  """Whether the calling critical function gives back a lend `rewrap` made."""
+  """Whether the calling critical function gives back the lend (its own
+  `lend`'s or one `rewrap` made for it)."""
   return lent_by[0] is sys._getframe(1)  # pylint: disable=protected-access
 
 
@@ -304,17 +301,23 @@ def deliver(frame=None):
   frame = frame or sys._getframe(1)  # pylint: disable=protected-access
   if not _due(frame):
     return
-  records = pending[:]  # taken before any handler runs: it may record more
+  # with the frame that called the outermost critical function (_due), where
+  # the Ctrl-C lands (None broke handlers that log it, 50 of 50 presses; a
+  # critical function's own frame made a handler calling ours defer it
+  # again: break-it finds)
+  _run_recorded(frame.f_back)
+
+
+def _run_recorded(frame):
+  """Each recorded press to the handler that deferred it, not the one
+  installed now (a handler a run's callback installed that calls ours ran
+  for the press already, and ran twice: 183 of 500 presses, a break-it
+  find), with `frame`; where one raises, the presses after it go with it.
+  Taken before any handler runs: it may record more."""
+  records = pending[:]
   del pending[:len(records)]
-  # each press to the handler that deferred it, not the one installed now (a
-  # handler a run's callback installed that calls ours ran for the press
-  # already, and ran twice: 183 of 500 presses), with the frame that called
-  # the outermost critical function (_due), where the Ctrl-C lands (None
-  # broke handlers that log it, 50 of 50 presses; a critical function's own
-  # frame made a handler calling ours defer it again: break-it finds); where
-  # one raises, the presses after it go with it
   for signum, deferring in records:
-    deferring.previous(signum, frame.f_back)
+    deferring.previous(signum, frame)
 
 
 POLL_S = 0.05  # how soon a wait_for sees a Ctrl-C
