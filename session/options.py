@@ -146,7 +146,8 @@ class SessionOptions:
 def check_disabled_passes(names):
   """InputError unless `names` is a list of passes that can be disabled
   (checked as SessionOptions is made, and again by Session: a field set since)."""
-  if isinstance(names, str) or not all(isinstance(p, str) for p in names):
+  if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
+      isinstance(p, str) for p in names):  # (an int was a raw TypeError)
     raise InputError(f"SessionOptions.disabled_passes must be a list of pass names, got {names!r}")
   from jaxsession import pipeline  # pylint: disable=import-outside-toplevel (imports options)
   unknown = set(names) - set(pipeline.optional_pass_names())

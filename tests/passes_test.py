@@ -211,6 +211,8 @@ class SessionPassesTest(absltest.TestCase):
     self.assertNotIn("cse", [r.name for r in sess.report(gid).passes])
     with self.assertRaisesRegex(js.InputError, r"unknown pass\(es\) \['nope'\].*'dce', 'cse'"):
       js.SessionOptions(disabled_passes=["nope"])  # as the options are made, as the others
+    with self.assertRaisesRegex(js.InputError, "a list of pass names, got 5"):
+      js.SessionOptions(disabled_passes=5)
     options = js.SessionOptions()
     options.disabled_passes = ["nope"]  # a field set since: Session checks again
     with self.assertRaisesRegex(js.InputError, r"unknown pass\(es\) \['nope'\]"):
