@@ -6,17 +6,18 @@ same run:
     (`steps=32`), against a `lax.scan` decode loop under `jax.jit` given the
     same parameters and initial cache; tokens/s (target >= 1.0x);
   * checkpoints: MLP+Adam train steps while an asynchronous `save` is in
-    flight against steps without one (target <= 1.1x), and the seconds of a
-    save (until written) and a restore of a 100 MiB state; and of a small
-    state into a directory of --wf_steps steps, against orbax's
-    CheckpointManager used directly;
+    flight against steps without one (target <= 1.1x); a save (until
+    written) and a restore of a --save_mib MiB state, and of a small state
+    into a directory of --wf_steps steps, against orbax's CheckpointManager
+    used directly;
   * memory: peak RSS of compile + bind + first step of a state of
     --big_mib MiB, each in a fresh process: the session compiled from
     `jax.ShapeDtypeStruct`s and bound with `set_state(donate=True)`, beside
     `jax.jit` with `donate_argnums`; peak minus the RSS before the state was
     made, over the state size (target <= 1.15x).
 
-    python benchmarks/workflows.py [--wf_repeats 5] [--big_mib 1536] [--wf_steps 200]
+    python benchmarks/workflows.py [--wf_repeats 5] [--big_mib 1536] [--save_mib 1024]
+                                  [--wf_steps 200]
 """
 import json
 import os
@@ -40,6 +41,7 @@ from jaxsession.examples import mlp_adam  # noqa: E402
 
 flags.DEFINE_integer("wf_repeats", 5, "interleaved repeats (medians reported)")
 flags.DEFINE_integer("big_mib", 1536, "the state of the memory case, MiB")
+flags.DEFINE_integer("save_mib", 1024, "the state of the big save/restore case, MiB")
 flags.DEFINE_integer("wf_steps", 200, "steps already in the directory of the many-steps case")
 FLAGS = flags.FLAGS
 
@@ -78,22 +80,54 @@ def checkpoint_case(rows):
                  "flight / without", f"{statistics.median(free) * 1e6:.0f} us",
                  f"{statistics.median(busy) * 1e6:.0f} us", f"{ratio:.2f}x", "<= 1.1x",
                  "yes" if ratio <= 1.1 else "no"))
-  big = np.arange(100 * 2**18, dtype=np.float32)  # 100 MiB
-  s2 = js.Session()
-  g2 = s2.compile(lambda w: (w + 1.0, jnp.sum(w[:8])), big, state_argnums=0)
-  saves, restores = [], []
-  for r in range(FLAGS.wf_repeats):
-    with tempfile.TemporaryDirectory() as tmp:
-      start = time.perf_counter()
-      s2.save(g2, tmp, 0)
-      s2.wait_until_saved()
-      saves.append(time.perf_counter() - start)
-      start = time.perf_counter()
-      s2.restore(g2, tmp)
-      restores.append(time.perf_counter() - start)
-  rows.append(("save (until written) / restore, 100 MiB state, seconds",
-               f"{statistics.median(saves):.2f}", f"{statistics.median(restores):.2f}", "-",
-               "-", "-"))
+
+
+def big_save_case(rows):
+  """save (until written) and restore of a --save_mib MiB state of 8
+  random f32 leaves, against orbax's CheckpointManager used directly on the
+  same arrays, interleaved; the page cache written back (os.sync) before
+  each, so one write's flush does not slow the next."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  per = FLAGS.save_mib * 2**20 // 4 // 8
+  state = {f"w{i}": rng.standard_normal(per, dtype=np.float32) for i in range(8)}
+  sess = js.Session(js.SessionOptions(checkpoint_keep=1))  # as orbax's max_to_keep=1
+  gid = sess.compile(lambda s: (jax.tree.map(lambda w: w * 0.5 + 1.0, s), s["w0"][0]), state,
+                     state_argnums=0)
+  sess.run(gid)
+  del state
+  times = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    manager = ocp.CheckpointManager(os.path.join(tmp, "orbax"), options=(
+        ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=False)))
+    for r in range(FLAGS.wf_repeats):
+      for way in ("orbax", "session") if r % 2 else ("session", "orbax"):
+        held = sess.get_state(gid)[0] if way == "orbax" else None  # (copies, untimed)
+        os.sync()
+        start = time.perf_counter()
+        if way == "orbax":
+          manager.save(r, args=ocp.args.StandardSave(held))
+          manager.wait_until_finished()
+        else:
+          sess.save(gid, os.path.join(tmp, "session"), r)
+          sess.wait_until_saved()
+        times.setdefault((way, "save"), []).append(time.perf_counter() - start)
+        start = time.perf_counter()
+        if way == "orbax":
+          got = manager.restore(r, args=ocp.args.StandardRestore(jax.tree.map(
+              lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), held)))
+          jax.block_until_ready(got)
+          del got
+        else:
+          sess.restore(gid, os.path.join(tmp, "session"))
+        times.setdefault((way, "restore"), []).append(time.perf_counter() - start)
+        del held
+    manager.close()
+  for what in ("save (until written)", "restore"):
+    key = what.split()[0]
+    ours, theirs = (statistics.median(times[(w, key)]) for w in ("session", "orbax"))
+    rows.append((f"{what}, {FLAGS.save_mib} MiB state, s (orbax directly / session)",
+                 f"{theirs:.2f}", f"{ours:.2f}", f"{ours / theirs:.2f}x", "-", "-"))
 
 
 def many_steps_case(rows):
@@ -207,6 +241,7 @@ def main(argv):
   rows = []
   decode_case(rows)
   checkpoint_case(rows)
+  big_save_case(rows)
   many_steps_case(rows)
   memory_case(rows)
   print(f"machine: {common.machine()}")

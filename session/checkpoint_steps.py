@@ -16,6 +16,7 @@ deleted them; two writers deleted each other's steps in flight).
 """
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import socket
@@ -32,16 +33,19 @@ DELETING = ".jaxsession_deleting."  # a step folder being removed (orbax lists n
 
 # A step is complete once this file is in it, written after orbax finished
 # the step: a process killed during a save can leave orbax's step folder
-# renamed into place without all of its items (seen in the kill test).
+# renamed into place without all of its items (seen in the kill test). It
+# holds the leaves' digests (checkpoint_digests.py); one written before
+# 2026-12-07 holds FORMAT alone.
 MARKER = "jaxsession_complete"
 
 
-def mark_complete(step_dir):
+def mark_complete(step_dir, digests=None):
+  """Marks the step complete; `digests`: per slot, its leaves' CRC-32s."""
   # each process marks its own step when its save has finished (under
   # jax.distributed orbax returns on every process once the step is whole)
   tmp = os.path.join(step_dir, f"{MARKER}.{os.getpid()}.tmp")
   with open(tmp, "w") as f:
-    f.write(FORMAT)
+    f.write(json.dumps({"format": FORMAT, "crc32": digests}))
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, os.path.join(step_dir, MARKER))
@@ -88,6 +92,25 @@ def refresh(manager, path):
   if jax.process_count() == 1 and sorted(manager.all_steps()) == sorted(complete_steps(path)):
     return
   manager.reload()
+
+
+def marked_digests(step_dir):
+  """The digests a complete step's marker holds (None: a marker written
+  before they were kept there); ValueError where it cannot be read."""
+  with open(os.path.join(step_dir, MARKER)) as f:
+    text = f.read()
+  if text == FORMAT:
+    return None
+  try:
+    marked = json.loads(text)
+  except ValueError:
+    marked = None
+  digests = marked.get("crc32", ()) if isinstance(marked, dict) else ()
+  if not (digests is None or isinstance(digests, list) and all(
+      isinstance(row, list) and all(d is None or isinstance(d, int) for d in row)
+      for row in digests)):
+    raise ValueError(f"its marker {MARKER} holds {text[:80]!r}")
+  return digests
 
 
 def complete(step_dir):

@@ -21,27 +21,59 @@ def background_priority():
     pass
 
 
-# While a checkpoint is written, Python switches threads every 0.1 ms instead
-# of every 5 ms (its default): orbax's Python holds the GIL in the writer
-# thread, and a training step that has finished waits for the GIL until the
-# next switch - up to 5 ms a step, half of an 11 ms MLP step. Measured by
-# benchmarks/workflows.py, steps in flight / without: 1.35x with neither this
-# nor nice 19, 1.26x without this, 1.04-1.13x with both (RESULTS.md). The
-# interval is process-wide; the one found is put back after the write, unless
-# someone changed it meanwhile.
+# While a checkpoint is written and no thread waits for it, Python switches
+# threads every 0.1 ms instead of every 5 ms (its default): orbax's Python
+# holds the GIL in the writer thread, and a training step that has finished
+# waits for the GIL until the next switch - up to 5 ms a step, half of an
+# 11 ms MLP step. Measured by benchmarks/workflows.py, steps in flight /
+# without: 1.35x with neither this nor nice 19, 1.26x without this, 1.04-1.13x
+# with both (RESULTS.md). While a thread waits for the writes (wait_until_saved,
+# a restore, a save waiting for room or its turn, the exit) they are what it
+# waits for, and the quick switches slowed orbax's own threads: a 1.2 GiB
+# save took 3.8-8.4 s with them, 2.2-2.5 s without (orbax by hand 2.1-2.2 s;
+# the save row of workflows.py). The interval is process-wide; the one found
+# is put back, unless someone changed it meanwhile.
 SAVE_SWITCH_INTERVAL_S = 0.0001
+_MANNERS = threading.Lock()
+_COUNTS = {"writes": 0, "waiters": 0}
+_SET = []  # (found, ours) while the quick interval is in force
+
+
+def _switch_interval():
+  """The interval the counts call for (under _MANNERS)."""
+  quick = _COUNTS["writes"] and not _COUNTS["waiters"]
+  if quick and not _SET:
+    found = sys.getswitchinterval()
+    ours = min(found, SAVE_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(ours)  # (read back: 1e-4 is 9.999999999999999e-05 then, and
+    _SET.append((found, sys.getswitchinterval()))  # compared with 1e-4, never put back)
+  elif not quick and _SET:
+    found, ours = _SET.pop()
+    if sys.getswitchinterval() == ours:
+      sys.setswitchinterval(found)
 
 
 @contextlib.contextmanager
-def quick_thread_switches():
-  found = sys.getswitchinterval()
-  ours = min(found, SAVE_SWITCH_INTERVAL_S)
-  sys.setswitchinterval(ours)
+def _counted(kind):
+  with _MANNERS:
+    _COUNTS[kind] += 1
+    _switch_interval()
   try:
     yield
   finally:
-    if sys.getswitchinterval() == ours:
-      sys.setswitchinterval(found)
+    with _MANNERS:
+      _COUNTS[kind] -= 1
+      _switch_interval()
+
+
+def quick_thread_switches():
+  """The writer thread writes inside."""
+  return _counted("writes")
+
+
+def waited_for():
+  """A thread waits for the writes inside."""
+  return _counted("waiters")
 
 
 def at_exit(fn, *args):

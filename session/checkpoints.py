@@ -15,9 +15,10 @@ arrays it read without another copy, laid out as the slots are (under a mesh
 orbax reads each process's shards and reshards).
 
 What is written per step: `state` (one list of leaves per state arg; typed
-PRNG keys as their key data) and `meta` (JSON: the slots' names, leaf paths
+PRNG keys as their key data), `meta` (JSON: the slots' names, leaf paths
 and types, each leaf's weak type - orbax reads arrays back strong - and the
-PRNG implementation of each key leaf).
+PRNG implementation of each key leaf) and, once both are written, the
+marker holding each leaf's CRC-32 (checkpoint_digests.py).
 """
 import numbers
 import os
@@ -31,7 +32,8 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from jaxsession import checkpoint_steps as step_dirs, checkpoint_thread as writer_thread
+from jaxsession import checkpoint_digests as digests, checkpoint_steps as step_dirs
+from jaxsession import checkpoint_thread as writer_thread
 from jaxsession import processes, state_typing
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
@@ -174,7 +176,8 @@ class Checkpointer:
     if not queued:
       with step_dirs.in_line(path, self._writer):
         while not self._hand_off(entry, where, path, manager, step):
-          step_dirs.wait_turn(path, self._writer)
+          with writer_thread.waited_for():
+            step_dirs.wait_turn(path, self._writer)
     if jax.process_count() > 1:  # written before it returns: orbax's collectives
       self.wait()  # interleaved with the next run's, each process's order its own: a deadlock
 
@@ -205,10 +208,11 @@ class Checkpointer:
               "claim stays: remove that file)")
         self._queued[path] = step
         claimed = True
-      while not interrupts.waiting():  # (the wait for a slot, a Ctrl-C ends it)
-        taken = self._room.acquire(timeout=0.05)
-        if taken:
-          break
+      with writer_thread.waited_for():
+        while not interrupts.waiting():  # (the wait for a slot, a Ctrl-C ends it)
+          taken = self._room.acquire(timeout=0.05)
+          if taken:
+            break
       if taken and not interrupts.waiting():
         write = self._prepared(entry, where, path, manager, step)
         if not interrupts.waiting():
@@ -265,17 +269,19 @@ class Checkpointer:
       # its list of steps is the disk's: orbax skips a step below one it knows
       # (a step another writer saved, a failed one, one removed by hand: review finds)
       step_dirs.refresh(manager, path)
-      for row, saved in zip(leaves, meta["slots"]):  # read back, each must match
-        saved["crc32"] = [_digest(x) for x in row]
-      if not manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
-          state=ocp.args.StandardSave({"slots": [  # its shape and type are in the meta
-              [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta))):
-        # skipped (another program's step at or after it came meanwhile): the marker
-        # went into that folder, a save with nothing written passed (a break-it find)
-        raise RuntimeError(f"orbax did not write step {step}: {path} holds a step at or "
-                           "after it that another program wrote meanwhile")
-      manager.wait_until_finished()
-      step_dirs.mark_complete(os.path.join(path, str(step)))
+      digesting = digests.Beside(leaves)  # read back, each must match
+      try:
+        if not manager.save(step, args=ocp.args.Composite(  # orbax refuses an empty array:
+            state=ocp.args.StandardSave({"slots": [  # its shape and type are in the meta
+                [x for x in row if x.size] for row in leaves]}), meta=ocp.args.JsonSave(meta))):
+          # skipped (another program's step at or after it came meanwhile): the marker
+          # went into that folder, a save with nothing written passed (a break-it find)
+          raise RuntimeError(f"orbax did not write step {step}: {path} holds a step at or "
+                             "after it that another program wrote meanwhile")
+        manager.wait_until_finished()
+      finally:  # (its thread holds the snapshot: gone before the room is given back)
+        digesting.join()
+      step_dirs.mark_complete(os.path.join(path, str(step)), digesting.result())
       try:
         if self.keep is not None:  # under the step's claim: no other writer meanwhile
           step_dirs.drop_old(manager, path, self.keep, self._writer)
@@ -312,8 +318,9 @@ class Checkpointer:
     if worker is None:
       return
     target = self._asked
-    interrupts.wait_for(self._progress, lambda: self._done >= (
-        self._asked if everything else target) or not _alive(worker))
+    with writer_thread.waited_for():
+      interrupts.wait_for(self._progress, lambda: self._done >= (
+          self._asked if everything else target) or not _alive(worker))
 
   def restore(self, entry, where, directory, step):
     """The new leaves per slot, read and checked; `step` and the leaves."""
@@ -326,7 +333,8 @@ class Checkpointer:
     # the pending saves written (their errors stay for wait/save), and every
     # other Session's of this process there
     self.until_written(everything=False)
-    step_dirs.wait_for_writers(path)
+    with writer_thread.waited_for():
+      step_dirs.wait_for_writers(path)
     manager = self._manager(where, path, create=False)
     for _ in range(3):  # the newest one, removed by another writer's keep-N meanwhile
       # the primary's choice on every process (their listings raced another
@@ -342,7 +350,8 @@ class Checkpointer:
       raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: another writer "
                        "removed it while it was read")
     meta, read = got
-    _check_digests(where, f"{path}/{step}", meta, entry, read)
+    digests.check(where, f"{path}/{step}", [_paths(slot) for slot in entry.slots],
+                  [saved.get("crc32") for saved in meta["slots"]], read)
     values = []
     for k, (slot, row) in enumerate(zip(entry.slots, read)):
       keys = meta["slots"][k]["keys"]
@@ -425,6 +434,15 @@ def _read(where, path, manager, step, entry):
   except Exception as exc:  # pylint: disable=broad-except
     return _unread(where, path, step, exc)
   _check_meta(where, f"{path}/{step}", meta, entry)
+  try:  # the leaves' digests: in the marker (in the meta before 2026-12-07)
+    marked = step_dirs.marked_digests(os.path.join(path, str(step)))
+  except FileNotFoundError:  # (the folder went meanwhile: another writer's keep-N)
+    return None
+  except (OSError, ValueError) as exc:
+    raise InputError(f"{where}: checkpoint {path}/{step} is corrupted: {exc}; the state is "
+                     "unchanged (restore another step)") from None
+  for saved, row in zip(meta["slots"], marked or ()):
+    saved["crc32"] = row
   targets = [[_target(slot, j) for j in range(len(slot.avals))] for slot in entry.slots]
   empty = [set(saved.get("empty", ())) for saved in meta["slots"]]
   try:
@@ -521,27 +539,6 @@ def _with_empty(targets, read, empty):
   read = iter(read)
   return [jax.device_put(np.zeros(t.shape, t.dtype), t.sharding) if j in empty else next(read)
           for j, t in enumerate(targets)]
-
-
-def _digest(x):
-  """CRC-32 of a leaf's bytes, or None where this process does not hold the
-  whole array (across processes each holds its shards). orbax stores
-  compressed chunks without a checksum: a flipped byte read back as other
-  values, silently (found by the break-it review)."""
-  if not getattr(x, "is_fully_addressable", True):
-    return None
-  host = np.ascontiguousarray(np.asarray(x))
-  return zlib.crc32(host.reshape(-1).view(np.uint8)) if host.size else 0
-
-
-def _check_digests(where, name, meta, entry, read):
-  for k, (slot, row) in enumerate(zip(entry.slots, read)):
-    saved = meta["slots"][k].get("crc32") or [None] * len(row)
-    for path, want, x in zip(_paths(slot), saved, row):
-      if want is not None and _digest(x) not in (None, want):
-        raise InputError(f"{where}: checkpoint {name} is corrupted: state arg {k} at path "
-                         f"{path or '(root)'} does not match the checksum written with it; "
-                         "the state is unchanged (restore another step)")
 
 
 def _warn_static_differences(where, k, name, saved, mine):

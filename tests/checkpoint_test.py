@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 import jaxsession as js
-from jaxsession import checkpoint_steps, checkpoints
+from jaxsession import checkpoint_digests, checkpoint_steps, checkpoints
 from subproc import run_json
 from exact import assert_equal_signed
 
@@ -169,16 +169,16 @@ class CheckpointTest(absltest.TestCase):
     sess = js.Session()
     w = np.float32([0.5, -0.0, 7.0])
     gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
-    real = checkpoints._digest  # pylint: disable=protected-access
+    real = checkpoint_digests.digest
     def broken(x):
       raise OSError("disk full")
-    checkpoints._digest = broken  # pylint: disable=protected-access
+    checkpoint_digests.digest = broken
     try:
       sess.save(gid, self.dir, 1)
       with self.assertRaisesRegex(RuntimeError, "writing step 1 .* failed: OSError: disk full"):
         sess.wait_until_saved()
     finally:
-      checkpoints._digest = real  # pylint: disable=protected-access
+      checkpoint_digests.digest = real
     sess.save(gid, self.dir, 1)  # not refused as "not after step 1"
     sess.wait_until_saved()
     sess.run(gid)
@@ -204,7 +204,7 @@ class CheckpointTest(absltest.TestCase):
     sess.save(gid, other, 1)
     sess.wait_until_saved()
     real = checkpoint_steps.mark_complete
-    def broken(step_dir):
+    def broken(*args):
       raise OSError("disk full")
     checkpoint_steps.mark_complete = broken
     try:
@@ -232,12 +232,12 @@ class CheckpointTest(absltest.TestCase):
       import json, resource, sys, tempfile, threading, time
       import numpy as np, jax.numpy as jnp
       import jaxsession as js
-      from jaxsession import checkpoints
-      real = checkpoints._digest
+      from jaxsession import checkpoint_digests
+      real = checkpoint_digests.digest
       def slow(x):  # a slow disk
         time.sleep(0.4)
         return real(x)
-      checkpoints._digest = slow
+      checkpoint_digests.digest = slow
       sess = js.Session(js.SessionOptions(checkpoint_keep=1))
       w = np.random.default_rng(3).standard_normal(12 * 2**20).astype(np.float32)
       gid = sess.compile(lambda w: (w * 1.5, w[0]), w, state_argnums=0)
