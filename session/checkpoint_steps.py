@@ -95,8 +95,9 @@ def refresh(manager, path):
 
 
 def marked_digests(step_dir):
-  """The digests a complete step's marker holds (None: a marker written
-  before they were kept there); ValueError where it cannot be read."""
+  """The digests a complete step's marker holds, per slot (None: a marker
+  written before they were kept there); ValueError where it cannot be read
+  or holds none."""
   with open(os.path.join(step_dir, MARKER)) as f:
     text = f.read()
   if text == FORMAT:
@@ -105,8 +106,8 @@ def marked_digests(step_dir):
     marked = json.loads(text)
   except ValueError:
     marked = None
-  digests = marked.get("crc32", ()) if isinstance(marked, dict) else ()
-  if not (digests is None or isinstance(digests, list) and all(
+  digests = marked.get("crc32") if isinstance(marked, dict) else None
+  if not (isinstance(digests, list) and all(
       isinstance(row, list) and all(d is None or isinstance(d, int) for d in row)
       for row in digests)):
     raise ValueError(f"its marker {MARKER} holds {text[:80]!r}")

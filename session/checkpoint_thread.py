@@ -40,17 +40,29 @@ _SET = []  # (found, ours) while the quick interval is in force
 
 
 def _switch_interval():
-  """The interval the counts call for (under _MANNERS)."""
+  """The interval the counts call for (under _MANNERS). Each change is
+  recorded before it is made and made before its record goes, so a Ctrl-C
+  between the two (a wait it ended, leaving) leaves the interval found or
+  a record that the next change drops: never the quick one for good."""
   quick = _COUNTS["writes"] and not _COUNTS["waiters"]
   if quick and not _SET:
     found = sys.getswitchinterval()
     ours = min(found, SAVE_SWITCH_INTERVAL_S)
-    sys.setswitchinterval(ours)  # (read back: 1e-4 is 9.999999999999999e-05 then, and
-    _SET.append((found, sys.getswitchinterval()))  # compared with 1e-4, never put back)
+    _SET.append((found, ours))
+    sys.setswitchinterval(ours)
   elif not quick and _SET:
-    found, ours = _SET.pop()
-    if sys.getswitchinterval() == ours:
-      sys.setswitchinterval(found)
+    found, ours = _SET[-1]
+    if _same(sys.getswitchinterval(), ours):  # (else someone changed it meanwhile: theirs)
+      # in whole microseconds, as Python keeps it: 0.1 read back is
+      # 0.09999999999999999, which set again lost a microsecond (a break-it find)
+      sys.setswitchinterval(round(found * 1e6) / 1e6)
+    _SET.pop()
+
+
+def _same(a, b):
+  """Two intervals alike as Python keeps them (whole microseconds: 1e-4 set
+  reads back as 9.999999999999999e-05)."""
+  return round(a * 1e6) == round(b * 1e6)
 
 
 @contextlib.contextmanager

@@ -30,17 +30,15 @@ import zlib
 from absl import logging
 import jax
 import numpy as np
-from jax import tree_util
 
 from jaxsession import checkpoint_digests as digests, checkpoint_steps as step_dirs
 from jaxsession import checkpoint_thread as writer_thread
-from jaxsession import processes, state_typing
+from jaxsession import checkpoint_meta as metas, processes
 from jaxsession.errors import InputError
 from jaxsession.graph.ir import aval_str
 from jaxsession.runtime import debug_flags, interrupts
-from jaxsession.runtime.state import holding, private_copy, structure_statics, with_weak_type
+from jaxsession.runtime.state import holding, private_copy
 
-FORMAT = step_dirs.FORMAT
 MAX_PENDING = 2  # saves being written or queued at once, per Session
 
 
@@ -63,26 +61,6 @@ def _ocp():
     left_critical = True
     interrupts.leave(lending)
   return ocp
-
-
-def _is_key(aval):
-  return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key)
-
-
-def _paths(slot):
-  return [tree_util.keystr(p) for p, _ in tree_util.tree_flatten_with_path(
-      tree_util.tree_unflatten(slot.treedef, list(range(len(slot.avals)))))[0]]
-
-
-def _meta(entry, keys):
-  """The checkpoint's description of the state; `keys`: per slot, the PRNG
-  implementation of each key leaf, read from the snapshot (under the lock)."""
-  slots = []
-  for slot, impls in zip(entry.slots, keys):
-    slots.append({"name": slot.name, "paths": _paths(slot),
-                  "types": [aval_str(a) for a in slot.avals], "keys": impls,
-                  "statics": structure_statics(slot.treedef)})
-  return {"format": FORMAT, "graph": entry.name, "slots": slots}
 
 
 def _alive(worker):
@@ -239,13 +217,13 @@ class Checkpointer:
       rows, keys = [], []
       for slot in entry.slots:  # (a packed slot's view: read under its lock alone)
         pairs = list(zip(slot.leaves, slot.avals))
-        rows.append([private_copy(jax.random.key_data(x) if _is_key(a) else x)
+        rows.append([private_copy(jax.random.key_data(x) if metas.is_key(a) else x)
                      for x, a in pairs])
         keys.append({str(j): str(jax.random.key_impl(x)) for j, (x, a) in enumerate(pairs)
-                     if _is_key(a)})
+                     if metas.is_key(a)})
       return rows, keys
     leaves, keys = holding(entry.lock, snapshot, where)
-    meta = _meta(entry, keys)
+    meta = metas.made(entry, keys)
     for row, saved in zip(leaves, meta["slots"]):  # orbax reads arrays back strong
       saved["weak"] = [bool(getattr(x, "weak_type", False)) for x in row]
       saved["empty"] = [j for j, x in enumerate(row) if not x.size]  # not written: made again
@@ -350,20 +328,11 @@ class Checkpointer:
       raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: another writer "
                        "removed it while it was read")
     meta, read = got
-    digests.check(where, f"{path}/{step}", [_paths(slot) for slot in entry.slots],
+    name = f"{path}/{step}"
+    digests.check(where, name, [metas.paths(slot) for slot in entry.slots],
                   [saved.get("crc32") for saved in meta["slots"]], read)
-    values = []
-    for k, (slot, row) in enumerate(zip(entry.slots, read)):
-      keys = meta["slots"][k]["keys"]
-      weak = meta["slots"][k].get("weak") or slot.weak_types
-      leaves = [jax.random.wrap_key_data(x, impl=keys[str(j)]) if str(j) in keys else
-                with_weak_type(x, weak[j]) for j, x in enumerate(row)]
-      values.append(tree_util.tree_unflatten(slot.treedef, leaves))
-    for k, slot in enumerate(entry.slots):  # said once every check passed
-      statics = meta["slots"][k].get("statics")  # (none before 2026-12-06)
-      if statics is not None:
-        _warn_static_differences(where, k, f"{path}/{step}", statics,
-                                 structure_statics(slot.treedef))
+    values = metas.values(where, name, meta, entry, read)
+    metas.warn_static_differences(where, name, meta, entry)  # once every check passed
     return step, values
 
 
@@ -433,7 +402,7 @@ def _read(where, path, manager, step, entry):
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   except Exception as exc:  # pylint: disable=broad-except
     return _unread(where, path, step, exc)
-  _check_meta(where, f"{path}/{step}", meta, entry)
+  metas.check(where, f"{path}/{step}", meta, entry)
   try:  # the leaves' digests: in the marker (in the meta before 2026-12-07)
     marked = step_dirs.marked_digests(os.path.join(path, str(step)))
   except FileNotFoundError:  # (the folder went meanwhile: another writer's keep-N)
@@ -441,10 +410,16 @@ def _read(where, path, manager, step, entry):
   except (OSError, ValueError) as exc:
     raise InputError(f"{where}: checkpoint {path}/{step} is corrupted: {exc}; the state is "
                      "unchanged (restore another step)") from None
-  for saved, row in zip(meta["slots"], marked or ()):
-    saved["crc32"] = row
+  if marked is not None:
+    if len(marked) != len(entry.slots) or any(
+        len(row) != len(slot.avals) for row, slot in zip(marked, entry.slots)):
+      raise InputError(f"{where}: checkpoint {path}/{step} is corrupted: its marker holds "
+                       "no digest for some leaves; the state is unchanged (restore another "
+                       "step)")
+    for saved, row in zip(meta["slots"], marked):
+      saved["crc32"] = row
   targets = [[_target(slot, j) for j in range(len(slot.avals))] for slot in entry.slots]
-  empty = [set(saved.get("empty", ())) for saved in meta["slots"]]
+  empty = [set(saved.get("empty") or ()) for saved in meta["slots"]]
   try:
     with debug_flags.checks_off():  # a nan in the checkpoint is not the read's to report
       read = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore({
@@ -494,8 +469,8 @@ def _check_writable(where, entry):
   import tensorstore  # pylint: disable=import-outside-toplevel  (orbax's own, loaded)
   writable = set()
   for k, slot in enumerate(entry.slots):
-    for aval, path in zip(slot.avals, _paths(slot)):
-      if _is_key(aval) or aval.dtype in writable:
+    for aval, path in zip(slot.avals, metas.paths(slot)):
+      if metas.is_key(aval) or aval.dtype in writable:
         continue  # (a key: written as its key data)
       try:
         tensorstore.dtype(np.dtype(aval.dtype).name)
@@ -523,7 +498,7 @@ def _target(slot, j):
   """What orbax reads leaf j of `slot` as: its type (a key as its data), laid
   out as the slot's leaf."""
   aval = slot.avals[j]
-  if _is_key(aval):
+  if metas.is_key(aval):
     data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
     shape, dtype = data.shape, data.dtype
   else:
@@ -541,57 +516,3 @@ def _with_empty(targets, read, empty):
           for j, t in enumerate(targets)]
 
 
-def _warn_static_differences(where, k, name, saved, mine):
-  """The checkpoint's static metadata (a dataclass's static fields, a mode
-  flag kept static) is the saving graph's program, not state: restore keeps
-  the graph's own - an eval graph compiled in inference mode restores a
-  training checkpoint, as it did before the checkpoint recorded them - and
-  says where they differ (a model compiled with another activation than
-  the one its weights were trained with: a break-it find, restored unsaid)."""
-  mine_at = {path: (kind, now) for path, kind, now in mine}
-  differ = [f"{path}: {kind} {value} in the checkpoint, {mine_at[path][1]} in the graph"
-            for path, kind, value in saved
-            if path in mine_at and mine_at[path] != (kind, value)]
-  differ += [f"{path}: only in the checkpoint" for path, _, _ in saved if path not in mine_at]
-  seen = {path for path, _, _ in saved}
-  differ += [f"{path}: only in the graph" for path, _, _ in mine if path not in seen]
-  if differ:
-    logging.warning("%s: state arg %d of %s was saved by a program with other static "
-                    "metadata; the graph keeps its own (%s%s)", where, k, name,
-                    "; ".join(differ[:4]), f"; {len(differ) - 4} more" if len(differ) > 4 else "")
-
-
-def _check_meta(where, name, meta, entry):
-  """InputError unless the checkpoint's slots are the graph's: count, leaf
-  paths and types."""
-  if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-    raise InputError(f"{where}: {name} is not a jaxsession checkpoint")
-  saved = meta["slots"]
-  if len(saved) != len(entry.slots):
-    raise InputError(f"{where}: {name} holds {len(saved)} state arg(s), graph "
-                     f"'{entry.name}' has {len(entry.slots)}")
-  flips, places = [], []  # leaves saved in the other weak type
-  for k, (slot, got) in enumerate(zip(entry.slots, saved)):
-    paths = _paths(slot)
-    if got["paths"] != paths:
-      missing = [p for p in paths if p not in got["paths"]]
-      extra = [p for p in got["paths"] if p not in paths]
-      raise InputError(f"{where}: state arg {k} of {name} has another structure than "
-                       f"slot {slot.name}: missing {missing or 'nothing'}, extra "
-                       f"{extra or 'nothing'}")
-    for j, (path, saved_type, aval) in enumerate(zip(paths, got["types"], slot.avals)):
-      want = aval_str(aval)
-      if saved_type.rstrip("~") != want.rstrip("~"):
-        raise InputError(f"{where}: state arg {k} of {name} at path {path or '(root)'}: "
-                         f"the checkpoint holds {saved_type}, the slot {want}")
-      if saved_type != want and j in slot.numeric:  # bound in the slot's weak type,
-        # as set_state binds it, unless that changes a program (state_typing.py)
-        flips.append((slot, j, saved_type.endswith("~")))
-        places.append((k, path, saved_type, want))
-  refusal = state_typing.refused(flips) if flips else None
-  if refusal is not None:
-    alone, step = refusal
-    k, path, saved_type, want = places[alone or 0]
-    raise InputError(f"{where}: state arg {k} of {name} at path {path or '(root)'}: "
-                     f"the checkpoint holds {saved_type}, the slot {want}: "
-                     f"{state_typing.why(step)}")

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 import jaxsession as js
-from jaxsession import checkpoint_digests, checkpoint_steps, checkpoints
+from jaxsession import checkpoint_digests, checkpoint_meta, checkpoint_steps, checkpoints
 from subproc import run_json
 from exact import assert_equal_signed
 
@@ -273,15 +273,15 @@ class CheckpointTest(absltest.TestCase):
     sess.save(gid, self.dir, 1)
     sess.wait_until_saved()
     sess.run(gid)
-    real = checkpoints._meta  # pylint: disable=protected-access
+    real = checkpoint_meta.made
     def interrupted(entry, keys):
       raise KeyboardInterrupt
-    with mock.patch.object(checkpoints, "_meta", interrupted):
+    with mock.patch.object(checkpoint_meta, "made", interrupted):
       with self.assertRaises(KeyboardInterrupt):
         sess.save(gid, self.dir, 2)
     sess.wait_until_saved()
     self.assertEqual(sorted(os.listdir(self.dir)), ["1"])
-    self.assertIs(checkpoints._meta, real)  # pylint: disable=protected-access
+    self.assertIs(checkpoint_meta.made, real)
     sess.save(gid, self.dir, 2)
     sess.wait_until_saved()
     sess.run(gid)

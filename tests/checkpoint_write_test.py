@@ -4,9 +4,11 @@ beside orbax's write and kept in the step's marker (checkpoint_digests.py),
 read back by restore - and those of checkpoints written before, in the meta."""
 import json
 import os
+import shutil
 import tempfile
 
 from absl.testing import absltest
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -85,6 +87,89 @@ class SwitchIntervalTest(absltest.TestCase):
     self.assertAlmostEqual(out[0], 0.02)
 
 
+  def test_an_interval_python_reads_back_otherwise_is_put_back_as_set(self):
+    # 0.1 reads back as 0.09999999999999999, which set again lost a microsecond
+    out = run_json("""
+      import json, sys, tempfile, threading, time
+      import numpy as np, jax.numpy as jnp
+      import jaxsession as js
+      from jaxsession import checkpoint_digests
+      release = threading.Event()
+      real = checkpoint_digests.digest
+      def digest(x):  # the write goes on until released
+        release.wait(60)
+        return real(x)
+      checkpoint_digests.digest = digest
+      sys.setswitchinterval(0.1)
+      before = sys.getswitchinterval()
+      sess = js.Session()
+      w = np.random.default_rng(3).standard_normal(64).astype(np.float32)
+      gid = sess.compile(lambda w: (w * 0.5, jnp.sum(w)), w, state_argnums=0)
+      sess.save(gid, tempfile.mkdtemp(), 0)
+      deadline = time.monotonic() + 30
+      while sys.getswitchinterval() > 0.001 and time.monotonic() < deadline:
+        sess.run(gid)  # training while it writes: the quick interval in force
+      quick = sys.getswitchinterval()
+      release.set()
+      sess.wait_until_saved()
+      print(json.dumps([before, quick, sys.getswitchinterval()]))
+    """, devices=1, timeout=300)
+    before, quick, after = out
+    self.assertLess(quick, 0.001)
+    self.assertEqual(after, before)
+
+  def test_a_ctrl_c_as_the_wait_it_ended_leaves_keeps_the_users_interval(self):
+    # a second press as wait_until_saved's exit puts the quick interval back
+    # (injected: a SIGINT sent as the interval is set) left it quick for good
+    out = run_json("""
+      import json, os, signal, sys, tempfile, threading, time
+      import numpy as np, jax.numpy as jnp
+      import jaxsession as js
+      from jaxsession import checkpoint_digests
+      release = threading.Event()
+      real_digest = checkpoint_digests.digest
+      def digest(x):  # the write goes on until released
+        release.wait(60)
+        return real_digest(x)
+      checkpoint_digests.digest = digest
+      sess = js.Session()
+      w = np.random.default_rng(4).standard_normal(64).astype(np.float32)
+      gid = sess.compile(lambda w: (w * 0.5, jnp.sum(w)), w, state_argnums=0)
+      sys.setswitchinterval(0.005)
+      real = sys.setswitchinterval
+      injected = []
+      def set_and_press(value):
+        real(value)
+        if value < 0.001 and threading.current_thread() is threading.main_thread() \
+            and not injected:
+          injected.append(value)
+          os.kill(os.getpid(), signal.SIGINT)
+      d = tempfile.mkdtemp()
+      sess.save(gid, d, 0)
+      threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+      presses = 0
+      sys.setswitchinterval = set_and_press
+      try:
+        for _ in range(5):
+          try:
+            sess.wait_until_saved()
+            break
+          except KeyboardInterrupt:
+            presses += 1
+            if injected:
+              break
+      finally:
+        sys.setswitchinterval = real
+      release.set()
+      sess.wait_until_saved()
+      print(json.dumps([len(injected), presses, sys.getswitchinterval()]))
+    """, devices=1, timeout=300)
+    injected, presses, after = out
+    self.assertEqual(injected, 1)
+    self.assertGreaterEqual(presses, 1)
+    self.assertAlmostEqual(after, 0.005)
+
+
 def _flip_middle_byte(step_dir):
   chunk = max((os.path.join(root, n) for root, _, names in os.walk(step_dir)
                for n in names if os.sep + "d" + os.sep in os.path.join(root, n) + os.sep),
@@ -140,11 +225,13 @@ class DigestsTest(absltest.TestCase):
     step_dir = self._saved()
     other, gid = self._other()
     for garbage in ('{"format": "jaxsession-checkpoint-1", "crc32": [["x"]]}', "{not json",
-                    '{"format": "jaxsession-checkpoint-1"}'):
+                    '{"format": "jaxsession-checkpoint-1"}',
+                    '{"format": "jaxsession-checkpoint-1", "crc32": null}',
+                    '{"format": "jaxsession-checkpoint-1", "crc32": []}',  # (checked nothing)
+                    '{"format": "jaxsession-checkpoint-1", "crc32": [[]]}'):
       with open(os.path.join(step_dir, checkpoint_steps.MARKER), "w") as f:
         f.write(garbage)
-      with self.assertRaisesRegex(js.InputError, r"checkpoint .*/1 is corrupted: its marker "
-                                  r"jaxsession_complete holds"):
+      with self.assertRaisesRegex(js.InputError, r"checkpoint .*/1 is corrupted: its marker "):
         other.restore(gid, self.dir)
       assert_equal_signed(other.get_state(gid)[0], self.w * 2)
 
@@ -170,6 +257,62 @@ class DigestsTest(absltest.TestCase):
     with self.assertRaisesRegex(js.InputError, r"checkpoint .*/1 is corrupted: state arg 0"):
       other.restore(gid, self.dir)
     assert_equal_signed(other.get_state(gid)[0], self.w)
+
+
+class EditedMetaTest(absltest.TestCase):
+  """A meta edited into another shape (valid JSON) is a corrupted checkpoint
+  that changes nothing: KeyError, TypeError, ValueError and a C++
+  bad_cast came out raw (a break-it find)."""
+
+  def test_each_edit_is_an_input_error_that_changes_nothing(self):
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal(8).astype(np.float32)
+    step = lambda s, x: ({"w": s["w"] + x, "k": s["k"]}, jnp.sum(x))
+    sess = js.Session()
+    gid = sess.compile(step, {"w": w, "k": jax.random.key(0)}, np.float32(1.0),
+                       state_argnums=0)
+    src = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, src, True)
+    sess.save(gid, src, 0)
+    sess.wait_until_saved()
+    edits = {
+        "keys missing": lambda m: m.pop("keys"),
+        "an unknown PRNG implementation": lambda m: m.update(keys={"1": "nope"}),
+        "a key entry on the float leaf": lambda m: m.update(keys={"0": "fry", "1": "fry"}),
+        "another PRNG implementation": lambda m: m.update(keys={"1": "rbg"}),
+        "no key entry": lambda m: m.update(keys={}),
+        "weak a string": lambda m: m.update(weak="xyz"),
+        "weak too short": lambda m: m.update(weak=[True]),
+        "statics a number": lambda m: m.update(statics=5),
+        "paths a string": lambda m: m.update(paths="w"),
+        "types too short": lambda m: m.update(types=m["types"][:1]),
+        "empty out of range": lambda m: m.update(empty=[7]),
+        "a slot a list": lambda m: m.clear(),
+    }
+    other = js.Session()
+    w2 = rng.standard_normal(8).astype(np.float32)
+    gid2 = other.compile(step, {"w": w2, "k": jax.random.key(1)}, np.float32(1.0),
+                         state_argnums=0)
+    before = other.get_state(gid2)[0]
+    for name, edit in edits.items():
+      with self.subTest(name):
+        d = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, d, True)
+        shutil.copytree(src, d, dirs_exist_ok=True)
+        meta_file = os.path.join(d, "0", "meta", "metadata")
+        with open(meta_file) as f:
+          meta = json.load(f)
+        edit(meta["slots"][0])
+        with open(meta_file, "w") as f:
+          json.dump(meta, f)
+        with self.assertRaisesRegex(js.InputError, r"checkpoint .*/0 is corrupted: "):
+          other.restore(gid2, d)
+        now = other.get_state(gid2)[0]
+        assert_equal_signed(now["w"], before["w"])
+        np.testing.assert_array_equal(jax.random.key_data(now["k"]),
+                                      jax.random.key_data(before["k"]))
+    self.assertEqual(other.restore(gid2, src), 0)  # the unedited one restores
+    assert_equal_signed(other.get_state(gid2)[0]["w"], w)
 
 
 if __name__ == "__main__":
