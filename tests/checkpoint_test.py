@@ -288,30 +288,6 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(sess.restore(gid, self.dir), 2)
     assert_equal_signed(sess.get_state(gid)[0], w * 2)
 
-  def test_a_flipped_byte_is_an_input_error_that_changes_nothing(self):
-    # orbax's compressed chunks carry no checksum: a flipped byte restored
-    # other values silently (found by the break-it review)
-    step = lambda s, x: (s + x, jnp.sum(x))
-    s0 = np.arange(1000, dtype=np.float32)
-    sess = js.Session()
-    gid = sess.compile(step, s0, np.ones(1000, np.float32), state_argnums=0)
-    sess.save(gid, self.dir, 1)
-    sess.wait_until_saved()
-    chunk = max((os.path.join(root, n) for root, _, names in os.walk(os.path.join(self.dir, "1"))
-                 for n in names if os.sep + "d" + os.sep in os.path.join(root, n) + os.sep),
-                key=os.path.getsize)
-    with open(chunk, "r+b") as f:
-      data = bytearray(f.read())
-      data[len(data) // 2] ^= 0xFF
-      f.seek(0)
-      f.write(data)
-    other = js.Session()
-    gid2 = other.compile(step, s0 * 2, np.ones(1000, np.float32), state_argnums=0)
-    with self.assertRaisesRegex(js.InputError, r"checkpoint .*/1 is corrupted: state arg 0 at "
-                                r"path \(root\) does not match the checksum"):
-      other.restore(gid2, self.dir)
-    assert_equal_signed(other.get_state(gid2)[0], s0 * 2)
-
   def test_a_ctrl_c_orbax_wraps_is_a_keyboard_interrupt_that_changes_nothing(self):
     # a SIGINT landing inside orbax's read comes back as a TensorStore error
     # or a RuntimeError of a lock, caused by the KeyboardInterrupt; restore

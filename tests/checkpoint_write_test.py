@@ -18,6 +18,23 @@ from subproc import run_json
 from exact import assert_equal_signed
 
 
+# A subprocess's start: its checkpoint writes go on until `release` is set
+# (each leaf's digest, computed while orbax writes, waits for it); indented
+# as the tests' own code, which run_json dedents with it.
+HELD_WRITE = """
+      import json, sys, tempfile, threading, time
+      import numpy as np, jax.numpy as jnp
+      import jaxsession as js
+      from jaxsession import checkpoint_digests
+      release = threading.Event()
+      real_digest = checkpoint_digests.digest
+      def digest(x):
+        release.wait(60)
+        return real_digest(x)
+      checkpoint_digests.digest = digest
+"""
+
+
 class SwitchIntervalTest(absltest.TestCase):
 
   def test_the_interval_is_quick_while_no_one_waits_and_put_back_after(self):
@@ -86,20 +103,9 @@ class SwitchIntervalTest(absltest.TestCase):
     """, devices=1, timeout=300)
     self.assertAlmostEqual(out[0], 0.02)
 
-
   def test_an_interval_python_reads_back_otherwise_is_put_back_as_set(self):
     # 0.1 reads back as 0.09999999999999999, which set again lost a microsecond
-    out = run_json("""
-      import json, sys, tempfile, threading, time
-      import numpy as np, jax.numpy as jnp
-      import jaxsession as js
-      from jaxsession import checkpoint_digests
-      release = threading.Event()
-      real = checkpoint_digests.digest
-      def digest(x):  # the write goes on until released
-        release.wait(60)
-        return real(x)
-      checkpoint_digests.digest = digest
+    out = run_json(HELD_WRITE + """
       sys.setswitchinterval(0.1)
       before = sys.getswitchinterval()
       sess = js.Session()
@@ -121,17 +127,8 @@ class SwitchIntervalTest(absltest.TestCase):
   def test_a_ctrl_c_as_the_wait_it_ended_leaves_keeps_the_users_interval(self):
     # a second press as wait_until_saved's exit puts the quick interval back
     # (injected: a SIGINT sent as the interval is set) left it quick for good
-    out = run_json("""
-      import json, os, signal, sys, tempfile, threading, time
-      import numpy as np, jax.numpy as jnp
-      import jaxsession as js
-      from jaxsession import checkpoint_digests
-      release = threading.Event()
-      real_digest = checkpoint_digests.digest
-      def digest(x):  # the write goes on until released
-        release.wait(60)
-        return real_digest(x)
-      checkpoint_digests.digest = digest
+    out = run_json(HELD_WRITE + """
+      import os, signal
       sess = js.Session()
       w = np.random.default_rng(4).standard_normal(64).astype(np.float32)
       gid = sess.compile(lambda w: (w * 0.5, jnp.sum(w)), w, state_argnums=0)
