@@ -187,69 +187,68 @@ def checked(call, conform, failure=None):
 
 
 # On XLA:CPU the executables over several devices run one at a time in the
-# process: a dispatch first waits, under a lock, for the one dispatched
-# before it (any thread's), so one runs while Python prepares the next. Two
-# threads each running a mesh graph of its own, dispatching steps without
-# reading a result, aborted the process in XLA's collective rendezvous after
-# 40 s ("Termination timeout for all reduce"), as the same two loops under
+# process: each is dispatched and waited for under a lock. Two threads each
+# running a mesh graph of its own, dispatching steps without reading a
+# result, aborted the process in XLA's collective rendezvous after 40 s
+# ("Termination timeout for all reduce"), as the same two loops under
 # jax.jit do - with a lock around each dispatch alone too: XLA:CPU's threads
 # took one program's part on one device and the other's on another, each
 # waiting for its partner; one thread dispatching 8-device steps back to
-# back hung so (tests/cpu_mesh_dispatch_test.py). No executable under the
-# lock calls back into Python (a callback inside an SPMD executable is
-# refused at compile). Other platforms run collectives on their devices'
-# streams, in dispatch order: nothing is taken there.
+# back hung so (tests/cpu_mesh_dispatch_test.py). Waiting for the one before
+# at the next dispatch instead, holding one of its outputs, was let down by
+# a user deleting that output, and kept it alive after its Session was gone
+# (a break-it find); waiting at once costs ~5% of a small 8-device step
+# whose result is not read. An executable with a host callback inside is
+# not ordered: the callback may run a mesh graph of its own, which would
+# wait for the lock its dispatcher holds. Other platforms run collectives
+# on their devices' streams, in dispatch order: nothing is taken there.
 _CPU_MESH = threading.Lock()
-_IN_FLIGHT = [None]  # an output of the one dispatched last, maybe running still
 
 
 def fast_call(exe):
   """The executable's C++ call (what `Compiled.__call__` forwards to, minus
   one Python frame: ~0.6 µs a call, measured here); the executable itself
-  where this jax has none. Over several CPU devices, dispatched under
-  _CPU_MESH once the one dispatched before it has finished."""
+  where this jax has none. Where `ordered(exe)`, run under _CPU_MESH and
+  waited for."""
   try:
     call = exe._executable.create_cpp_call(exe._params)  # pylint: disable=protected-access
   except Exception:  # an internal API: fall back to the public call
     call = None
   call = call or exe
-  if not _on_cpu_devices(exe):
+  if not ordered(exe):
     return call
 
   def one_at_a_time(*args):
     with _CPU_MESH:
-      if _IN_FLIGHT[0] is not None:  # (kept until the next one is dispatched: a
-        _finished(_IN_FLIGHT[0])     # Ctrl-C in the wait leaves it to wait for)
       outs = call(*args)
-      _IN_FLIGHT[0] = _first(outs)
+      jax.block_until_ready(_first_array(outs))  # (all are ready at once)
     return outs
   return one_at_a_time
 
 
-def _first(outs):
-  """One output array of an executable: all are ready at once."""
-  while isinstance(outs, (tuple, list)) and outs:
-    outs = outs[0]
+def _first_array(outs):
+  """The first array among an executable's (nested) outputs, or None."""
+  if isinstance(outs, (tuple, list)):
+    for x in outs:
+      found = _first_array(x)
+      if found is not None:
+        return found
+    return None
   return outs
 
 
-def _finished(x):
-  """Until `x` is computed; an array deleted meanwhile (the user's own
-  donation) is not waited for."""
+def ordered(exe):
+  """Whether `exe` runs one at a time (_CPU_MESH): on several CPU devices
+  of this process, with no host callback inside. Where jax hides its devices,
+  its input layouts say; where it hides its callbacks, it has none."""
+  # pylint: disable=protected-access
   try:
-    x.block_until_ready()
-  except Exception:  # pylint: disable=broad-except
-    pass
-
-
-def _on_cpu_devices(exe):
-  """Whether `exe` runs on several CPU devices of this process (where jax
-  hides its devices: its input layouts say)."""
-  try:
-    devices = exe._executable.xla_executable.local_devices()  # pylint: disable=protected-access
+    devices = exe._executable.xla_executable.local_devices()
   except Exception:  # pylint: disable=broad-except  (an internal API)
     devices = {d for s in jax.tree.leaves(exe.input_shardings) for d in s.device_set}
-  return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+  if len(devices) < 2 or any(d.platform != "cpu" for d in devices):
+    return False
+  return not getattr(getattr(exe._executable, "unsafe_call", None), "has_host_callbacks", False)
 
 
 @dataclasses.dataclass

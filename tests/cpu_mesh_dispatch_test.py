@@ -3,7 +3,8 @@ one at a time in the process (runtime/build.py's fast_call). Under jax.jit
 two threads each running a mesh program of its own abort the process in
 XLA's collective rendezvous after 40 s, and one thread dispatching 8-device
 steps back to back hangs there (both reproduced with no session involved);
-a lock around each dispatch alone did not help. Each case runs in a fresh
+a lock around each dispatch alone did not help, nor waiting for one output
+of the one before at the next dispatch (the caller may delete it). Each case runs in a fresh
 process with its own number of CPU devices."""
 from absl.testing import absltest
 
@@ -59,6 +60,16 @@ EIGHT_DEVICES = """
   ws = s.get_state(g)[0]
   for _ in range(3000):
     t = s.run(loss, ws, x)
+  xn = np.asarray(x)  # (laid out by the session: a js.jit call of arrays laid out
+  both = s.compile(step, w, xn)  # on the mesh already is jax.jit's)
+  rw, rl = s.run(both, w, xn)
+  reference = [float(rl), np.asarray(rw).tolist(), float(rl)]  # read at once
+  for _ in range(3000):  # no state: the caller drops an output it does not need
+    nw, nl = s.run(both, w, xn)  # (ordering by the next dispatch's wait on it
+    nw.delete()                  # failed so: a break-it find)
+  f = js.jit(step, session=s)  # its calls after the first: jax's C++ front ran the
+  for _ in range(3000):        # executable, unordered (a break-it find)
+    fw, fl = f(w, xn)
   jw = jax.device_put(w, NamedSharding(mesh, P()))
   f = jax.jit(step)
   for _ in range(3000):  # the same steps, each read (jax.jit hangs otherwise)
@@ -66,7 +77,8 @@ EIGHT_DEVICES = """
     jl.block_until_ready()
   jt = jax.jit(lambda w, x: jnp.sum(x @ w))(jw, x)
   print(json.dumps([np.asarray(s.get_state(g)[0]).tolist(), np.asarray(jw).tolist(),
-                    float(l), float(jl), float(t), float(jt)]))
+                    float(l), float(jl), float(t), float(jt),
+                    [float(nl), np.asarray(fw).tolist(), float(fl)], reference]))
 """
 
 
@@ -79,11 +91,14 @@ class CpuMeshDispatchTest(absltest.TestCase):
     self.assertNotEqual(threaded0, threaded1)
 
   def test_eight_devices_dispatched_back_to_back(self):
-    ours, jits, loss, jit_loss, total, jit_total = run_json(EIGHT_DEVICES, devices=8,
-                                                           timeout=300)
+    ours, jits, loss, jit_loss, total, jit_total, one, read_at_once = run_json(
+        EIGHT_DEVICES, devices=8, timeout=300)
     self.assertEqual(ours, jits)  # bit for bit against jax.jit with each step read
     self.assertEqual(loss, jit_loss)
     self.assertEqual(total, jit_total)
+    # one step from w (every argument's leading axis split: another program than
+    # the jax.jit loop's), stateless and through js.jit, as read at once
+    self.assertEqual(one, read_at_once)
 
 
 if __name__ == "__main__":
