@@ -58,7 +58,7 @@ def _malformed(saved, n):
     return "its paths or types are not lists of strings of one length"
   keys = saved.get("keys")
   if not isinstance(keys, dict) or not all(
-      isinstance(j, str) and j.isdigit() and int(j) < n and isinstance(impl, str)
+      isinstance(j, str) and j.isdecimal() and int(j) < n and isinstance(impl, str)
       for j, impl in keys.items()):
     return f"its PRNG key entries are {keys!r:.80}"
   for field, kind in (("weak", bool), ("crc32", (int, type(None)))):

@@ -106,7 +106,8 @@ def marked_digests(step_dir):
     marked = json.loads(text)
   except ValueError:
     marked = None
-  digests = marked.get("crc32") if isinstance(marked, dict) else None
+  digests = marked.get("crc32") if isinstance(marked, dict) and \
+      marked.get("format") == FORMAT else None
   if not (isinstance(digests, list) and all(
       isinstance(row, list) and all(d is None or isinstance(d, int) for d in row)
       for row in digests)):

@@ -46,23 +46,26 @@ def _switch_interval():
   a record that the next change drops: never the quick one for good."""
   quick = _COUNTS["writes"] and not _COUNTS["waiters"]
   if quick and not _SET:
-    found = sys.getswitchinterval()
-    ours = min(found, SAVE_SWITCH_INTERVAL_S)
+    found = _micros(sys.getswitchinterval())
+    ours = min(found, _micros(SAVE_SWITCH_INTERVAL_S))
     _SET.append((found, ours))
-    sys.setswitchinterval(ours)
+    _set_micros(ours)
   elif not quick and _SET:
     found, ours = _SET[-1]
-    if _same(sys.getswitchinterval(), ours):  # (else someone changed it meanwhile: theirs)
-      # in whole microseconds, as Python keeps it: 0.1 read back is
-      # 0.09999999999999999, which set again lost a microsecond (a break-it find)
-      sys.setswitchinterval(round(found * 1e6) / 1e6)
+    if _micros(sys.getswitchinterval()) == ours:  # (else someone changed it meanwhile:
+      _set_micros(found)                          # theirs is kept)
     _SET.pop()
 
 
-def _same(a, b):
-  """Two intervals alike as Python keeps them (whole microseconds: 1e-4 set
-  reads back as 9.999999999999999e-05)."""
-  return round(a * 1e6) == round(b * 1e6)
+# Python keeps the interval in whole microseconds, truncating what it is set
+# to: 1e-4 reads back as 9.999999999999999e-05, 0.000983 set becomes 982 us,
+# so a value read back and set again lost a microsecond (break-it finds).
+def _micros(interval):
+  return round(interval * 1e6)
+
+
+def _set_micros(micros):
+  sys.setswitchinterval((micros + 0.5) / 1e6)  # (truncated to `micros`)
 
 
 @contextlib.contextmanager
