@@ -39,7 +39,7 @@ DELETING = ".jaxsession_deleting."  # a step folder being removed (orbax lists n
 MARKER = "jaxsession_complete"
 
 
-def mark_complete(step_dir, digests=None):
+def mark_complete(step_dir, digests):
   """Marks the step complete; `digests`: per slot, its leaves' CRC-32s."""
   # each process marks its own step when its save has finished (under
   # jax.distributed orbax returns on every process once the step is whole)

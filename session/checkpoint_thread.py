@@ -36,7 +36,7 @@ def background_priority():
 SAVE_SWITCH_INTERVAL_S = 0.0001
 _MANNERS = threading.Lock()
 _COUNTS = {"writes": 0, "waiters": 0}
-_SET = []  # (found, ours) while the quick interval is in force
+_SET = []  # (found, ours), in microseconds, while the quick interval is in force
 
 
 def _switch_interval():
