@@ -11,7 +11,7 @@ import zlib
 
 import numpy as np
 
-from jaxsession.errors import InputError
+from jaxsession.checkpoint_meta import corrupted
 
 
 def digest(x):
@@ -54,10 +54,8 @@ def check(where, name, paths, saved, read):
   """InputError naming the first leaf of `read` (per slot) whose digest is
   not the one `saved` (per slot, None where none was written) holds;
   `paths`: per slot, its leaves' paths."""
-  for k, (slot_paths, row) in enumerate(zip(paths, read)):
-    wanted = (saved[k] if saved is not None and k < len(saved) else None) or [None] * len(row)
-    for path, want, x in zip(slot_paths, wanted, row):
+  for k, (slot_paths, want_row, row) in enumerate(zip(paths, saved, read)):
+    for path, want, x in zip(slot_paths, want_row or [None] * len(row), row):
       if want is not None and digest(x) not in (None, want):
-        raise InputError(f"{where}: checkpoint {name} is corrupted: state arg {k} at path "
-                         f"{path or '(root)'} does not match the checksum written with it; "
-                         "the state is unchanged (restore another step)")
+        raise corrupted(where, name, f"state arg {k} at path {path or '(root)'} does not "
+                        "match the checksum written with it")

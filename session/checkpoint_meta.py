@@ -38,7 +38,8 @@ def made(entry, keys):
   return {"format": step_dirs.FORMAT, "graph": entry.name, "slots": slots}
 
 
-def _corrupted(where, name, what):
+def corrupted(where, name, what):
+  """The InputError of a checkpoint that cannot be read as written."""
   return InputError(f"{where}: checkpoint {name} is corrupted: {what}; the state is "
                     "unchanged (restore another step)")
 
@@ -81,14 +82,14 @@ def check(where, name, meta, entry):
     raise InputError(f"{where}: {name} is not a jaxsession checkpoint")
   saved = meta.get("slots")
   if not isinstance(saved, list):
-    raise _corrupted(where, name, "its meta lists no state args")
+    raise corrupted(where, name, "its meta lists no state args")
   if len(saved) != len(entry.slots):
     raise InputError(f"{where}: {name} holds {len(saved)} state arg(s), graph "
                      f"'{entry.name}' has {len(entry.slots)}")
   for k, (slot, got) in enumerate(zip(entry.slots, saved)):
     what = _malformed(got, len(slot.avals))
     if what is not None:
-      raise _corrupted(where, name, f"state arg {k} of its meta: {what}")
+      raise corrupted(where, name, f"state arg {k} of its meta: {what}")
   flips, places = [], []  # leaves saved in the other weak type
   for k, (slot, got) in enumerate(zip(entry.slots, saved)):
     mine = paths(slot)
@@ -104,7 +105,7 @@ def check(where, name, meta, entry):
         raise InputError(f"{where}: state arg {k} of {name} at path {path or '(root)'}: "
                          f"the checkpoint holds {saved_type}, the slot {want}")
       if is_key(aval) != (str(j) in got["keys"]):
-        raise _corrupted(where, name, f"state arg {k} at path {path or '(root)'} is "
+        raise corrupted(where, name, f"state arg {k} at path {path or '(root)'} is "
                          f"{want}, and its meta {'lacks' if is_key(aval) else 'gives'} a "
                          "PRNG implementation for it")
       if saved_type != want and j in slot.numeric:  # bound in the slot's weak type,
@@ -134,10 +135,10 @@ def values(where, name, meta, entry, read):
         try:
           x = jax.random.wrap_key_data(x, impl=keys[str(j)])
         except (TypeError, ValueError, KeyError) as exc:
-          raise _corrupted(where, name, f"state arg {k} at path {path or '(root)'}: its "
+          raise corrupted(where, name, f"state arg {k} at path {path or '(root)'}: its "
                            f"key data is not a {keys[str(j)]!r} key ({exc})") from None
         if x.dtype != aval.dtype:
-          raise _corrupted(where, name, f"state arg {k} at path {path or '(root)'} was "
+          raise corrupted(where, name, f"state arg {k} at path {path or '(root)'} was "
                            f"saved as a {x.dtype} key, the slot holds {aval.dtype}")
       else:
         x = with_weak_type(x, weak[j])

@@ -408,14 +408,12 @@ def _read(where, path, manager, step, entry):
   except FileNotFoundError:  # (the folder went meanwhile: another writer's keep-N)
     return None
   except (OSError, ValueError) as exc:
-    raise InputError(f"{where}: checkpoint {path}/{step} is corrupted: {exc}; the state is "
-                     "unchanged (restore another step)") from None
+    raise metas.corrupted(where, f"{path}/{step}", exc) from None
   if marked is not None:
     if len(marked) != len(entry.slots) or any(
         len(row) != len(slot.avals) for row, slot in zip(marked, entry.slots)):
-      raise InputError(f"{where}: checkpoint {path}/{step} is corrupted: its marker holds "
-                       "no digest for some leaves; the state is unchanged (restore another "
-                       "step)")
+      raise metas.corrupted(where, f"{path}/{step}", "its marker holds no digest for some "
+                            "leaves")
     for saved, row in zip(meta["slots"], marked):
       saved["crc32"] = row
   targets = [[_target(slot, j) for j in range(len(slot.avals))] for slot in entry.slots]
