@@ -380,8 +380,9 @@ class Jitted:
       # without the host op (a review's find)
       entry = self.session._graphs.get(gid)  # pylint: disable=protected-access
       exe = None if entry is None or entry.direct is None else entry.runner.exe
-      if exe is not None and not ordered(exe):  # (one at a time on CPU devices: its
-        fast.append(fastpath(exe, out, len(leaves)))  # call, not the front's; a judge's find)
+      if exe is not None and not ordered(exe) and _laid_out_for(exe, leaves):  # (one at a
+        fast.append(fastpath(exe, out, len(leaves)))  # time on CPU devices: its call, not
+        # the front's; a judge's find)
     return out
 
   def _signature(self, key, statics, args, dyn_args, dyn_kw):
@@ -389,7 +390,7 @@ class Jitted:
     signature. Arguments committed to the session's device and uncommitted
     ones trace one program (jax.jit traces it once: a break-it find): the
     graph of the signature with every argument uncommitted serves both."""
-    if _placed_elsewhere(key[2], self.session.device) or _jax_only(self._fn, key[2]):
+    if _placed_elsewhere(key[2], self.session) or _jax_only(self._fn, key[2]):
       return _JAX, None
     sigs = self._sigs
     home = key[:2] + (tuple(k[:2] + (None,) for k in key[2]),) + key[3:]
@@ -510,17 +511,37 @@ _JAX = "jax.jit"  # a signature jax.jit itself runs (see _placed_elsewhere)
 _MISSING = object()  # _call's marker: no graph for the signature yet; a call for jax.jit
 
 
-def _placed_elsewhere(leaf_keys, home):
-  """Whether a committed argument lives elsewhere than the session's one
-  device (another device, or sharded over several), or is laid out there by
-  more than a device: on a mesh (of that one device: jax.jit's outputs keep
-  the mesh and its axes in their type, a break-it find) or in another memory
-  (pinned_host: jax.jit's outputs stay there). jax.jit then computes, and
-  lays its outputs out, as it does; so does this wrapper, by calling it."""
-  devices, memory = {home}, home.default_memory().kind
+def _placed_elsewhere(leaf_keys, session):
+  """Whether a committed argument lives elsewhere than the session's
+  devices or is laid out there by more than the session knows: for a
+  session without a mesh, on another device, sharded over several, on a
+  mesh (of its one device too: jax.jit's outputs keep the mesh and its axes
+  in their type, a break-it find); for a session under a mesh, on other
+  devices than all of the mesh's (on all of them it is the session's, its
+  own outputs for one: re-laid as its run re-lays it; before, those went to
+  jax.jit, a mesh session's second call left the session); for both, in
+  another memory (pinned_host: jax.jit's outputs stay there). jax.jit then
+  computes, and lays its outputs out, as it does; so does this wrapper, by
+  calling it."""
+  mesh = session.options.mesh
+  devices = {session.device} if mesh is None else set(mesh.devices.flat)
+  memory = next(iter(devices)).default_memory().kind
   return any(s is not None and (
-      s.device_set != devices or not isinstance(s, jax.sharding.SingleDeviceSharding)
-      or s.memory_kind not in (None, memory)) for _, _, s in leaf_keys)
+      s.device_set != devices or s.memory_kind not in (None, memory)
+      or (mesh is None and not isinstance(s, jax.sharding.SingleDeviceSharding)))
+             for _, _, s in leaf_keys)
+
+
+def _laid_out_for(exe, leaves):
+  """Whether every committed argument is laid out as `exe` takes it, so
+  the C++ front may hand it to the executable as it is (one re-laid by the
+  session's run - an argument on the session's mesh in another layout -
+  is not: the run re-lays it at each call)."""
+  wanted = jax.tree.leaves(exe.input_shardings)
+  committed = [(x, i) for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.committed]
+  if committed and len(wanted) != len(leaves):
+    return False
+  return all(x.sharding.is_equivalent_to(wanted[i], x.ndim) for x, i in committed)
 
 
 def _off_the_programs_devices(executables, leaf_keys):

@@ -60,8 +60,8 @@ EIGHT_DEVICES = """
   ws = s.get_state(g)[0]
   for _ in range(3000):
     t = s.run(loss, ws, x)
-  xn = np.asarray(x)  # (laid out by the session: a js.jit call of arrays laid out
-  both = s.compile(step, w, xn)  # on the mesh already is jax.jit's)
+  xn = np.asarray(x)  # (laid out by the session)
+  both = s.compile(step, w, xn)
   rw, rl = s.run(both, w, xn)
   reference = [float(rl), np.asarray(rw).tolist(), float(rl)]  # read at once
   for _ in range(3000):  # no state: the caller drops an output it does not need

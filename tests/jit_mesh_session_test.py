@@ -1,0 +1,113 @@
+"""js.jit given a session under a mesh: arguments laid out over that mesh's
+devices - the wrapper's own outputs, for one - run in the session's graphs
+(re-laid to its in_specs as `run` re-lays them); before, every such call
+went to jax.jit, so a loop feeding a wrapper its own outputs left the
+session after its first call. Arguments on some of the mesh's devices or
+on other devices are still jax.jit's. Runs in a process with 8 CPU devices."""
+import textwrap
+
+from absl.testing import absltest
+
+from subproc import HELPERS, run_json
+
+SNIPPET = """
+  import json
+  import jax.numpy as jnp, numpy as np
+  import jaxsession as js
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  devices = np.array(jax.devices())
+  mesh = jax.sharding.Mesh(devices[:4], ("data",))
+  def f(x, b):  # elementwise and a row sum: the same bits however rows are split
+    h = jnp.tanh(x * 1.5 + b) * 0.5 - x
+    return h, jnp.sum(h, axis=1)
+  rng = np.random.default_rng(11)
+  x = rng.standard_normal((8, 16)).astype(np.float32)
+  x[0, :3] = [-0.0, np.nan, np.inf]
+  b = rng.standard_normal((8, 16)).astype(np.float32)
+  s = js.Session(js.SessionOptions(mesh=mesh))
+  g = js.jit(f, session=s)
+  ref = jax.jit(f)
+  out = {}
+  def record(name, got, want, graphs):
+    out[name] = {"bits": [np.asarray(u).tobytes() == np.asarray(v).tobytes()
+                          for u, v in zip(got, want)],
+                 "graphs": graphs, "spec": str(got[0].sharding.spec)
+                 if isinstance(got[0].sharding, NamedSharding) else "one device",
+                 "devices": len(got[0].sharding.device_set)}
+  h, r = g(x, b)
+  record("numpy", (h, r), ref(x, b), len(g.graph_ids))
+  h2, r2 = g(h, b)  # its own output, laid out on the mesh
+  record("own_output", (h2, r2), ref(*ref(x, b)[:1], b), len(g.graph_ids))
+  for _ in range(3):  # the loop stays in the session
+    h2, r2 = g(h2, b)
+  want = ref(*ref(x, b)[:1], b)[0]
+  for _ in range(3):
+    want = ref(want, b)[0]
+  record("loop", (h2,), (want,), len(g.graph_ids))
+  for name, sharding in [
+      ("replicated", NamedSharding(mesh, P())),
+      ("other_axis", NamedSharding(mesh, P(None, "data"))),
+      ("reversed_order", NamedSharding(jax.sharding.Mesh(devices[:4][::-1], ("data",)),
+                                       P("data")))]:
+    xa = jax.device_put(x, sharding)
+    record(name, g(xa, b), ref(x, b), len(g.graph_ids))
+  # on one device of the mesh, or on other devices: jax.jit's, laid out as it lays them
+  for name, sharding in [
+      ("one_device", jax.sharding.SingleDeviceSharding(devices[1])),
+      ("other_devices", NamedSharding(jax.sharding.Mesh(devices[4:], ("data",)), P("data")))]:
+    xa = jax.device_put(x, sharding)
+    got = g(xa, b)
+    record(name, got, ref(xa, b), len(g.graph_ids))
+    out[name]["same_layout"] = got[0].sharding == ref(xa, b)[0].sharding
+  gone = jax.device_put(x, NamedSharding(mesh, P("data")))
+  gone.delete()
+  out["deleted"] = err(lambda: g(gone, b))
+  print(json.dumps(out))
+"""
+
+
+class JitMeshSessionTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.out = run_json(HELPERS + textwrap.dedent(SNIPPET), devices=8, timeout=300)
+
+  def test_numpy_arguments_compile_in_the_session(self):
+    got = self.out["numpy"]
+    self.assertEqual(got["bits"], [True, True])
+    self.assertEqual(got["graphs"], 1)
+    self.assertEqual((got["spec"], got["devices"]), ("P('data',)", 4))
+
+  def test_its_own_outputs_stay_in_the_session(self):
+    got = self.out["own_output"]
+    self.assertEqual(got["bits"], [True, True])
+    # a second graph: the output's type carries the mesh (jax.jit compiles
+    # it apart from the numpy call too); then no more
+    self.assertEqual(got["graphs"], 2)
+    self.assertEqual(got["spec"], "P('data',)")
+    loop = self.out["loop"]
+    self.assertEqual(loop["bits"], [True])
+    self.assertEqual(loop["graphs"], 2)
+
+  def test_other_layouts_over_the_mesh_are_re_laid(self):
+    for name in ("replicated", "other_axis", "reversed_order"):
+      got = self.out[name]
+      self.assertEqual(got["bits"], [True, True], name)
+      self.assertEqual(got["graphs"], 2, name)  # the own-output graph serves them
+      self.assertEqual((got["spec"], got["devices"]), ("P('data',)", 4), name)
+
+  def test_some_or_other_devices_are_jax_jits(self):
+    for name in ("one_device", "other_devices"):
+      got = self.out[name]
+      self.assertEqual(got["bits"], [True, True], name)
+      self.assertEqual(got["graphs"], 2, name)  # nothing compiled in the session
+      self.assertTrue(got["same_layout"], name)
+
+  def test_a_deleted_argument_is_jax_jits_error(self):
+    kind, message = self.out["deleted"]
+    self.assertIn("deleted", message.lower())
+
+
+if __name__ == "__main__":
+  absltest.main()
