@@ -32,6 +32,8 @@ import math
 import re
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
          "collective-permute", "collective-broadcast", "ragged-all-to-all")
 
@@ -51,19 +53,25 @@ class Collective:
   """One collective of an executable (an async start/done pair counts once)."""
   kind: str              # a member of KINDS
   bytes: int             # bytes of the result (all tuple elements)
-  replica_groups: str    # as printed in the HLO; "" if none
+  replica_groups: str    # as printed in the HLO (mesh axes renamed: collectives());
+                         # "" if none
   operands: int          # how many arrays it carries
   serves: tuple          # output names its result flows into; () if unknown
   op_names: tuple        # distinct metadata op_names: operands', then its own
   name: str = ""         # the HLO instruction name (the -start for async)
   computation: str = ""  # the non-entry computation it lives in; "" = ENTRY
 
+  @property
+  def groups(self):
+    """The groups of partition ids it runs over (device_groups)."""
+    return device_groups(self.replica_groups)
+
   def describe(self) -> str:
     parts = [f"{self.kind} [{self.name}]" if self.name else self.kind,
              f"{self.operands} operand{'s' if self.operands != 1 else ''}",
              f"{self.bytes} bytes"]
     if self.replica_groups:
-      parts.append(f"groups {self.replica_groups}")
+      parts.append(f"groups {_shown(self.groups, self.replica_groups)}")
     if self.computation:
       parts.append(f"inside {self.computation}")
     elif self.serves:  # every output downstream: after a global norm, all of them
@@ -311,6 +319,83 @@ def _result_shape(instr, kind, done):
   return elements[1]
 
 
+# ------------------------------------------------------------ replica groups
+
+_IOTA = re.compile(r"^\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?$")
+_MESH = re.compile(r"^mesh\[([^\]]*)\]\s*\{([^}]*)\}$")
+_MESH_AXIS = re.compile(r"^'([^']+)'=(\d+)$")
+GROUPS_SHOWN = 4  # groups describe() spells out
+
+
+def device_groups(replica_groups):
+  """The groups of partition ids a collective's `replica_groups` text names,
+  in the HLO's three notations: explicit (`{{0,1},{2,3}}`), iota
+  (`[2,4]<=[4,2]T(1,0)`: ids 0..7 laid out as [4,2], transposed, read as 2
+  groups of 4) and mesh axes (`mesh['a'=2,'b'=4] {'b'}`: ids laid out
+  row-major over the axes, one group per value of the axes not named).
+  None where there is none, `{}` (all of them) or another form."""
+  text = replica_groups.strip()
+  if text.startswith("{{"):
+    try:
+      return tuple(tuple(int(i) for i in g.split(",") if i.strip())
+                   for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1]))
+    except ValueError:
+      return None
+  ints = lambda t: [int(i) for i in t.split(",")]
+  iota = _IOTA.match(text)
+  if iota:
+    shape, laid, perm = ints(iota.group(1)), ints(iota.group(2)), iota.group(3)
+    n = math.prod(laid)
+    if len(shape) != 2 or math.prod(shape) != n or (perm and sorted(ints(perm)) != list(
+        range(len(laid)))):
+      return None
+    ids = np.arange(n).reshape(laid)
+    ids = ids.transpose(ints(perm)) if perm else ids
+    return tuple(tuple(map(int, g)) for g in ids.reshape(shape))
+  mesh = _MESH.match(text)
+  if mesh:
+    axes = [_MESH_AXIS.match(a.strip()) for a in mesh.group(1).split(",")]
+    named = [a.strip().strip("'") for a in mesh.group(2).split(",") if a.strip()]
+    if not all(axes) or not named:
+      return None
+    names = [a.group(1) for a in axes]
+    if any(n not in names for n in named):
+      return None
+    ids = np.arange(math.prod(int(a.group(2)) for a in axes)).reshape(
+        [int(a.group(2)) for a in axes])
+    inside = [names.index(n) for n in named]
+    ids = np.moveaxis(ids, inside, range(-len(inside), 0))
+    size = math.prod(ids.shape[-len(inside):])
+    return tuple(tuple(map(int, g)) for g in ids.reshape(-1, size))
+  return None
+
+
+def _shown(groups, text):
+  """The groups spelled out (the first GROUPS_SHOWN), with `text` where it
+  names mesh axes; `text` alone where they are not read."""
+  if not groups:
+    return text
+  spelled = "{" + ",".join("{" + ",".join(map(str, g)) + "}"
+                           for g in groups[:GROUPS_SHOWN])
+  spelled += f",... +{len(groups) - GROUPS_SHOWN} more}}" if len(groups) > GROUPS_SHOWN else "}"
+  return f"{spelled} ({text})" if text.startswith("mesh") else spelled
+
+
+def _renamed_axes(text, axes):
+  """`text` (mesh notation) with XLA's axis names ('axis_0', ...) given
+  the mesh's own (`axes`: [(name, size)], in order), where the sizes are
+  the mesh's; else `text`."""
+  mesh = _MESH.match(text.strip())
+  if not mesh or not axes:
+    return text
+  found = [_MESH_AXIS.match(a.strip()) for a in mesh.group(1).split(",")]
+  if not all(found) or [(m.group(1), int(m.group(2))) for m in found] != [
+      (f"axis_{k}", size) for k, (_, size) in enumerate(axes)]:
+    return text
+  names = {f"axis_{k}": name for k, (name, _) in enumerate(axes)}
+  return re.sub(r"'(axis_\d+)'", lambda m: repr(names.get(m.group(1), m.group(1))), text)
+
+
 # ---------------------------------------------------------------------- API
 
 def _names(indices, output_names):
@@ -363,11 +448,15 @@ def parse_hlo(text: str, output_names: Optional[Sequence[str]] = None
   return out
 
 
-def collectives(compiled, output_names: Optional[Sequence[str]] = None
-                ) -> List[Collective]:
-  """The collectives of a `jax.stages.Compiled` (or anything with as_text)."""
+def collectives(compiled, output_names: Optional[Sequence[str]] = None,
+                mesh_axes=None) -> List[Collective]:
+  """The collectives of a `jax.stages.Compiled` (or anything with as_text);
+  `mesh_axes` ([(name, size)] of the mesh it was compiled for): replica
+  groups in mesh notation name its axes, not XLA's 'axis_0', 'axis_1'."""
   text = compiled.as_text() if hasattr(compiled, "as_text") else compiled
-  return parse_hlo(text or "", output_names)
+  found = parse_hlo(text or "", output_names)
+  return [dataclasses.replace(c, replica_groups=_renamed_axes(c.replica_groups, mesh_axes))
+          for c in found] if mesh_axes else found
 
 
 def count(colls: Sequence[Collective], kind: Optional[str] = "all-reduce"

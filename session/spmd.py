@@ -322,12 +322,13 @@ def collectives_of(graph, runner):
   HLO): the one executable's, or every device partition's, in order."""
   if graph.mesh is None:
     return []
+  axes = list(graph.mesh.shape.items())
   exe = getattr(runner, "exe", None)
   if exe is not None:
     names = runner.layout.input_names([s.name for s in graph.inputs_of_kind("state")])
     names += [v.name or f"input {k}" for k, v in enumerate(graph.inputs_of_kind("input"))]
     return [_named_sources(c, exe, names)
-            for c in collectives.collectives(exe, output_names(graph, runner.layout))]
+            for c in collectives.collectives(exe, output_names(graph, runner.layout), axes)]
   program = getattr(runner, "program", None)
   found = []
   for part in graph.partitions:
@@ -336,7 +337,8 @@ def collectives_of(graph, runner):
       names = [f"partition #{part.index} -> {_value_name(graph, v)}"
                for v in part.outputs + part.witnesses]  # (witnesses: returned too)
       sources = [v.name or repr(v) for v in build.device_inputs(part)]
-      found += [_named_sources(c, exe, sources) for c in collectives.collectives(exe, names)]
+      found += [_named_sources(c, exe, sources)
+                for c in collectives.collectives(exe, names, axes)]
   return found
 
 

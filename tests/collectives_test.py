@@ -6,6 +6,7 @@ without %, while bodies). Real-compile tests need 8 CPU devices, which must be
 configured before JAX initializes, so each runs in a fresh subprocess and
 hands its findings back as JSON.
 """
+import dataclasses
 import textwrap
 
 from absl.testing import absltest
@@ -193,6 +194,28 @@ class TextTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "3 flat outputs"):
       C.parse_hlo(COMBINED, ["only", "two"])
 
+  def test_replica_groups_read_in_every_notation(self):
+    self.assertEqual(C.device_groups("{{0,1},{2,3}}"), ((0, 1), (2, 3)))
+    self.assertEqual(C.device_groups("[2,4]<=[8]"), ((0, 1, 2, 3), (4, 5, 6, 7)))
+    # ids 0..7 laid out [4,2], transposed to [2,4]: the even ids, then the odd
+    self.assertEqual(C.device_groups("[2,4]<=[4,2]T(1,0)"), ((0, 2, 4, 6), (1, 3, 5, 7)))
+    self.assertEqual(C.device_groups("mesh['x'=8] {'x'}"), (tuple(range(8)),))
+    two = "mesh['a'=2,'b'=4] {'a'}"  # one group per value of 'b'
+    self.assertEqual(C.device_groups(two), ((0, 4), (1, 5), (2, 6), (3, 7)))
+    self.assertEqual(C.device_groups("mesh['a'=2,'b'=4] {'b'}"),
+                     ((0, 1, 2, 3), (4, 5, 6, 7)))
+    self.assertEqual(C.device_groups("mesh['a'=2,'b'=2,'c'=2] {'a','c'}"),
+                     ((0, 1, 4, 5), (2, 3, 6, 7)))
+    for unread in ("", "{}", "mesh['a'=2] {'z'}", "[2,4]<=[6]", "[2,4]<=[4,2]T(0,0)"):
+      self.assertIsNone(C.device_groups(unread), unread)
+
+  def test_describe_spells_the_groups_out(self):
+    c = C.Collective("all-reduce", 32, "mesh['a'=2,'b'=4] {'a'}", 1, (), ())
+    self.assertIn("groups {{0,4},{1,5},{2,6},{3,7}} (mesh['a'=2,'b'=4] {'a'})", c.describe())
+    many = dataclasses.replace(c, replica_groups="[8,1]<=[8]")
+    self.assertIn("groups {{0},{1},{2},{3},... +4 more}", many.describe())
+    self.assertIn("groups {}", dataclasses.replace(c, replica_groups="{}").describe())
+
   def test_no_collectives(self):
     text = "ENTRY e {\n  ROOT p = f32[2] parameter(0)\n}\n"
     self.assertEqual(C.parse_hlo(text), [])
@@ -299,8 +322,36 @@ result = dump(C.collectives(jax.jit(f).lower(w, xs).compile(), ["w", "total"]))
 """
 
 
+_TWO_AXES = """
+import numpy as np
+import jaxsession as js
+grid = Mesh(np.array(jax.devices()).reshape(2, 4), ("rows", "cols"))
+x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(grid, P("rows", "cols")))
+axes = list(grid.shape.items())
+jitted = {axis: C.collectives(jax.jit(lambda x, a=axis: jnp.sum(x, axis=a)).lower(x).compile(),
+                              None, axes) for axis in (0, 1)}
+s = js.Session(js.SessionOptions(mesh=grid))
+gid = s.compile(lambda x: jnp.sum(x, axis=0), np.ones((8, 8), np.float32),
+                in_specs=(P("rows", "cols"),))
+result = {"jit": {axis: dump(cs) for axis, cs in jitted.items()},
+          "session": dump(s.report(gid).collectives)}
+"""
+
+
 @pytest.mark.slow
 class ShardingPatternsTest(absltest.TestCase):
+
+  def test_mesh_groups_name_the_meshs_axes(self):
+    r = run_jax(_TWO_AXES)
+    over_rows, over_cols = r["jit"]["0"], r["jit"]["1"]
+    self.assertEqual([c["replica_groups"] for c in over_rows],
+                     ["mesh['rows'=2,'cols'=4] {'rows'}"])  # XLA says 'axis_0', 'axis_1'
+    self.assertIn("groups {{0,4},{1,5},{2,6},{3,7}}", over_rows[0]["describe"])
+    self.assertEqual([c["replica_groups"] for c in over_cols],
+                     ["mesh['rows'=2,'cols'=4] {'cols'}"])
+    self.assertIn("groups {{0,1,2,3},{4,5,6,7}}", over_cols[0]["describe"])
+    self.assertEqual([c["replica_groups"] for c in r["session"]],
+                     ["mesh['rows'=2,'cols'=4] {'rows'}"])
 
   def test_sharded_param_used_replicated_is_all_gathered(self):
     cs = {c["kind"]: c for c in run_jax(_GATHER)}
