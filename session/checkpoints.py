@@ -365,11 +365,14 @@ def _agreed_path(where, directory, step, checks):
 def _check_after(where, path, step, before):
   """InputError unless `step` is after every step in `path` and `before`
   (this session's newest queued there)."""
-  newest = max([*step_dirs.complete_steps(path), *step_dirs.other_steps(path), before])
+  others = step_dirs.other_steps(path)
+  newest = max([*step_dirs.complete_steps(path), *others, before])
   if step <= newest:
-    raise InputError(f"{where}: step {step} is not after step {newest}, the newest "
-                     f"checkpoint in {path}: steps must increase (save it as step "
-                     f"{newest + 1} or later, or into another directory)")
+    what = (f"{path}/{newest} is another program's entry named like a step, kept as it "
+            "is" if newest in others else f"step {newest} is the newest checkpoint in {path}")
+    raise InputError(f"{where}: step {step} is not after step {newest} ({what}): steps "
+                     f"must increase (save it as step {newest + 1} or later, or into "
+                     "another directory)")
 
 
 def _listed(where, path, manager, step):
