@@ -270,19 +270,19 @@ def check_steps(steps):
 
 def check_in_axes(in_axes, steps, nargs):
   """(steps checked, run's `in_axes` as ArgSpec.conform's `leading`): `steps`
-  where every argument is stacked (None, the default, or all 0), else one
-  steps-or-None per argument; InputError for anything but 0 or None per
-  argument, or for in_axes without steps."""
+  where every argument is stacked (None, the default, a bare 0 as vmap's,
+  or all 0), else one steps-or-None per argument; InputError for anything
+  but 0 or None per argument, or for in_axes without steps."""
   if in_axes is not None and steps is None:
     raise InputError("run: in_axes is given without steps (it says which arguments "
                      "carry the steps of a sunk run)")
   steps = check_steps(steps)
-  if in_axes is None:
+  if in_axes is None or (type(in_axes) is int and in_axes == 0):
     return steps, steps
   if isinstance(in_axes, (list, tuple)) and len(in_axes) == nargs and all(
       a is None or (type(a) is int and a == 0) for a in in_axes):
     return steps, (steps if all(a == 0 for a in in_axes) else tuple(
         steps if a == 0 else None for a in in_axes))
-  raise InputError(f"run: in_axes must be a tuple of one 0 (stacked: a leading axis of "
-                   f"steps) or None (the same value every step) per run argument "
-                   f"({nargs} here), got {in_axes!r}")
+  raise InputError(f"run: in_axes must be 0 (every argument stacked: the default) or a "
+                   f"tuple of one 0 (stacked: a leading axis of steps) or None (the same "
+                   f"value every step) per run argument ({nargs} here), got {in_axes!r}")

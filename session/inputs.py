@@ -73,6 +73,9 @@ def check_aval(place, got, want, leading=None, note=""):
     expect = aval_str(want) if leading is None else (
         f"{want.str_short(short_dtypes=True).split('[')[0]}{list(shape)} "
         f"(steps={leading} on a leading axis of {aval_str(want)})")
+    if leading is not None and tuple(got.shape) == tuple(want.shape) and not note:
+      note = (" (the same value every step: in_axes with None at its position, "
+              "e.g. in_axes=(0, None))")
     raise InputError(f"{place}: expected {expect}, got {aval_str(got)}{note}")
 
 

@@ -392,8 +392,8 @@ class Session:
     """Runs one step (or `steps` steps, loop-sunk) and returns fn's non-state
     outputs. State advances only if the whole call succeeds. With `steps`,
     every argument carries the steps on a new leading axis, or per
-    `in_axes` (one 0 or None per argument): None passes that argument as
-    it is, the same value every step (as vmap's in_axes). Arguments go by
+    `in_axes` (one 0 or None per argument; a bare 0 stacks all): None
+    passes that argument as it is, the same value every step. Arguments go by
     position: another keyword is Python's TypeError (an InputError would
     cost every run a keywords dict: 0.2-0.5 µs, benchmarks/dispatch.py)."""
     try:
