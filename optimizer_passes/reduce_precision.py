@@ -62,6 +62,7 @@ def narrowed_view(node):
   view = Node(node.id, node.op, node.prim, node.params, [narrow(v) for v in node.inputs],
               ctx=node.ctx)
   view.outputs = [narrow(o) for o in node.outputs]
+  view.origin = node.origin
   return view
 
 

@@ -120,6 +120,7 @@ def instrumented(nodes, recorder):
     copy = Node(node.id, node.op, node.prim, _wrap_params(node.params, recorder),
                 node.inputs, node.effects, node.source, node.ctx)
     copy.outputs, copy.kernel, copy.place = node.outputs, node.kernel, node.place
+    copy.origin = node.origin
     out.append(copy)
   return out
 

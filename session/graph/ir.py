@@ -121,7 +121,8 @@ class Literal:
 class Node:
   """One operation: a JAX primitive, or a fused op made by a pass."""
   __slots__ = ("id", "op", "prim", "params", "inputs", "outputs", "effects",
-               "source", "ctx", "kernel", "place", "stream", "notes", "_props", "_checked")
+               "source", "origin", "ctx", "kernel", "place", "stream", "notes", "_props",
+               "_checked")
 
   def __init__(self, nid, op, prim, params, inputs, effects=(), source=None, ctx=None):
     self.id = nid
@@ -132,6 +133,9 @@ class Node:
     self.outputs = []
     self.effects = effects
     self.source = source      # "file:line (function)" of the user code
+    self.origin = None        # its equation's jax source_info (the importer's; lowering
+                              # binds under it: HLO metadata and jax's errors name the
+                              # user's code, not the session's kernels)
     self.ctx = ctx            # jax settings it binds under, where not the caller's (settings.py)
     self.kernel = None        # SelectKernel: a KernelBuildInfo
     self.place = None         # HardwareOptimize: "device" or "host"
