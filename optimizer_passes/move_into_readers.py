@@ -396,7 +396,7 @@ def copy_into_readers(graph):
       if not readers or not closes(node, q):
         continue
       copy = graph.make_node(node.op, node.prim, node.params, node.inputs,
-                             [value.aval], node.effects, node.source, node.ctx)
+                             [value.aval], node.effects, node.source, node.ctx, node.origin)
       copy.kernel, copy.place, copy.stream = node.kernel, node.place, node.stream
       copy.notes.append(f"a copy of node {node.id} '{node.op}' (read before the host work "
                         "too) in its readers' device partition: XLA rewrites or fuses them "

@@ -256,7 +256,8 @@ class Rewriter:
   def emit(self, op, prim, params, inputs, out_avals, note=None):
     """A new node (its outputs are returned: one Value, or a list)."""
     node = self.graph.make_node(op, prim, params, inputs, out_avals,
-                                source=self.root.source, ctx=self.root.ctx)
+                                source=self.root.source, ctx=self.root.ctx,
+                                origin=self.root.origin)
     if note:
       node.notes.append(note)
     self.emitted.append(node)

@@ -69,7 +69,8 @@ def narrowed_view(node):
 def _cast_node(graph, value, dtype, out_aval, node, note):
   cast = graph.make_node("convert_element_type", lax.convert_element_type_p,
                          {"new_dtype": np.dtype(dtype), "weak_type": False, "sharding": None},
-                         [value], [out_aval], source=node.source, ctx=node.ctx)
+                         [value], [out_aval], source=node.source, ctx=node.ctx,
+                         origin=node.origin)
   cast.notes.append(f"reduce precision for node {node.id}: {note}")
   return cast
 

@@ -366,7 +366,7 @@ def _partial_node(graph, node, split, devices, axis_name, sharding):
   params = {"reduces": node.op, "params": tuple(sorted(node.params.items())),
             "split": tuple(split), "devices": devices, "mesh_axis": axis_name}
   partial = graph.make_node(PARTIAL_OP, None, params, node.inputs, [aval], source=node.source,
-                            ctx=node.ctx)
+                            ctx=node.ctx, origin=node.origin)
   partial.outputs[0].sharding = sharding
   return partial
 
@@ -414,7 +414,7 @@ def _scatter_node(graph, partial, original, dim, devices, axis_name):
   params = {"devices": devices, "mesh_axis": axis_name, "dim": dim}
   out = original.outputs[0].aval
   node = graph.make_node(SCATTER_OP, None, params, [partial.outputs[0]], [out],
-                         source=original.source, ctx=original.ctx)
+                         source=original.source, ctx=original.ctx, origin=original.origin)
   spec = [None] * len(out.shape)
   spec[dim] = axis_name
   node.outputs[0].sharding = NamedSharding(graph.mesh, P(*spec))

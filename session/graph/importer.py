@@ -194,8 +194,8 @@ def _import_eqns(graph, env, eqns, how, outer_source=None):
       continue
     node = graph.add_node(eqn.primitive.name, eqn.primitive, eqn.params, inputs,
                           [v.aval for v in eqn.outvars], eqn.effects, source,
-                          settings.of_equation(eqn, how.caller))
-    node.origin = getattr(eqn, "source_info", None)
+                          settings.of_equation(eqn, how.caller),
+                          getattr(eqn, "source_info", None))
     for var, value in zip(eqn.outvars, node.outputs):
       env[var] = value  # DropVars are harmless keys: nobody reads them
 

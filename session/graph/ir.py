@@ -216,15 +216,18 @@ class KernelGraph:
       self.const_values[value.id] = const_value
     return value
 
-  def make_node(self, op, prim, params, inputs, out_avals, effects=(), source=None, ctx=None):
+  def make_node(self, op, prim, params, inputs, out_avals, effects=(), source=None, ctx=None,
+                origin=None):
     """Creates a node with fresh output values; the caller places it."""
     node = Node(next(self._ids), op, prim, params, inputs, effects, source, ctx)
+    node.origin = origin
     node.outputs = [self.new_value(a, node, index=i) for i, a in enumerate(out_avals)]
     return node
 
-  def add_node(self, op, prim, params, inputs, out_avals, effects=(), source=None, ctx=None):
+  def add_node(self, op, prim, params, inputs, out_avals, effects=(), source=None, ctx=None,
+               origin=None):
     """Appends a node at the end of the execution order."""
-    node = self.make_node(op, prim, params, inputs, out_avals, effects, source, ctx)
+    node = self.make_node(op, prim, params, inputs, out_avals, effects, source, ctx, origin)
     self.insert_node(len(self.nodes), node)
     return node
 
