@@ -28,8 +28,9 @@ from jaxsession.jax_api import ARRAY, placed
 from jaxsession.runtime import (bitwise, callbacks, codegen, debug_flags, horizontal, interrupts,
                                 sharding)
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
-                                      compile_recorded, fast_call, h2d_refused_before_run,
-                                      host_op, memory_analysis, recovery, waited)
+                                      compile_recorded, h2d_refused_before_run, host_op,
+                                      memory_analysis, recovery, waited)
+from jaxsession.runtime.dispatch import fast_call
 from jaxsession.runtime.state import (done_running, private_copy, refuse_reentry,
                                       running_user_code, slots_lock, with_weak_type)
 from jaxsession.runtime.state_layout import kept_layouts

@@ -51,9 +51,10 @@ from jax import tree_util
 from jax.core import ShapedArray
 
 from jaxsession import jit_cache, jit_commits, tracing
+from jaxsession import jit_placement as placement
 from jaxsession.graph import settings
 from jaxsession.errors import InputError, UnknownGraphError
-from jaxsession.runtime.build import ordered
+from jaxsession.runtime.dispatch import ordered
 # _top_level: True outside every trace (vmap with an axis name, grad, jit, ...);
 # where jax lacks the internal API, tracer arguments alone tell a trace
 from jaxsession.jax_api import ARRAY, api_boundary, check_valid_dtype, cpp_front, \
@@ -380,9 +381,9 @@ class Jitted:
       # without the host op (a review's find)
       entry = self.session._graphs.get(gid)  # pylint: disable=protected-access
       exe = None if entry is None or entry.direct is None else entry.runner.exe
-      if exe is not None and not ordered(exe) and _laid_out_for(exe, leaves):  # (one at a
-        fast.append(fastpath(exe, out, len(leaves)))  # time on CPU devices: its call, not
-        # the front's; a judge's find)
+      # (one at a time on CPU devices: its call, not the front's; a judge's find)
+      if exe is not None and not ordered(exe) and placement.laid_out_for(exe, leaves):
+        fast.append(fastpath(exe, out, len(leaves)))
     return out
 
   def _signature(self, key, statics, args, dyn_args, dyn_kw):
@@ -390,7 +391,7 @@ class Jitted:
     signature. Arguments committed to the session's device and uncommitted
     ones trace one program (jax.jit traces it once: a break-it find): the
     graph of the signature with every argument uncommitted serves both."""
-    if _placed_elsewhere(key[2], self.session, key[4]) or _jax_only(self._fn, key[2]):
+    if placement.placed_elsewhere(key[2], self.session, key[4]) or _jax_only(self._fn, key[2]):
       return _JAX, None
     sigs = self._sigs
     home = key[:2] + (tuple(k[:2] + (None,) for k in key[2]),) + key[3:]
@@ -408,7 +409,7 @@ class Jitted:
       # own layouts alone commit; False here lost them where a committed call came
       # first, a review's find)
       sigs.graphs[home] = (gid, jit_commits.to_fix(graph, [False] * len(leaves)))
-    if _off_the_programs_devices(self.session.executables(gid), key[2]):
+    if placement.off_the_programs_devices(self.session.executables(gid), key[2]):
       return _JAX, None  # (the graph serves the uncommitted signature: compiled once)
     return gid, jit_commits.to_fix(graph, [isinstance(x, jax.Array) and x.committed
                                            for x in leaves])
@@ -507,68 +508,8 @@ except ImportError:  # an internal API: the public form (~0.4 µs)
   _concrete_mesh = jax.sharding.get_mesh
 
 
-_JAX = "jax.jit"  # a signature jax.jit itself runs (see _placed_elsewhere)
+_JAX = "jax.jit"  # a signature jax.jit itself runs (see jit_placement)
 _MISSING = object()  # _call's marker: no graph for the signature yet; a call for jax.jit
-
-
-def _placed_elsewhere(leaf_keys, session, context):
-  """Whether a committed argument lives elsewhere than the session's
-  devices or is laid out there by more than the session knows: for a
-  session without a mesh, on another device, sharded over several, on a
-  mesh (of its one device too: jax.jit's outputs keep the mesh and its axes
-  in their type, a break-it find); for a session under a mesh, on other
-  devices than all of the mesh's (on all of them it is the session's, its
-  own outputs for one: re-laid as its run re-lays it; before, those went to
-  jax.jit, a mesh session's second call left the session) - unless typed
-  by a mesh of other than Auto axes (jax.jit keeps the type its outputs
-  carry, and mixes them with the user's other arrays of that mesh), or on
-  meshes of two device orders, or inside `jax.set_mesh` of another mesh
-  (`context`: jax.jit refuses those two: judges' finds); for both, in
-  another memory (pinned_host: jax.jit's outputs stay there). jax.jit then
-  computes, and lays its outputs out, as it does; so does this wrapper, by
-  calling it."""
-  mesh = session.options.mesh
-  devices = {session.device} if mesh is None else set(mesh.devices.flat)
-  memory = next(iter(devices)).default_memory().kind
-  committed = [s for _, _, s in leaf_keys if s is not None]
-  if any(s.device_set != devices or s.memory_kind not in (None, memory) for s in committed):
-    return True
-  if mesh is None:
-    return any(not isinstance(s, jax.sharding.SingleDeviceSharding) for s in committed)
-  meshes = {s.mesh for s in committed if isinstance(s, jax.sharding.NamedSharding)}
-  return bool(committed) and (
-      any(set(m.axis_types) != {jax.sharding.AxisType.Auto} for m in meshes)
-      or len({tuple(m.devices.flat) for m in meshes}) > 1
-      or not (context is None or context.empty or context == mesh))
-
-
-def _laid_out_for(exe, leaves):
-  """Whether every committed argument is laid out as `exe` takes it, so
-  the C++ front may hand it to the executable as it is (one re-laid by the
-  session's run - an argument on the session's mesh in another layout -
-  is not: the run re-lays it at each call)."""
-  wanted = jax.tree.leaves(exe.input_shardings)
-  committed = [(x, i) for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.committed]
-  if committed and len(wanted) != len(leaves):
-    return False
-  return all(x.sharding.is_equivalent_to(wanted[i], x.ndim) for x, i in committed)
-
-
-def _off_the_programs_devices(executables, leaf_keys):
-  """Whether a committed argument (on the session's device) is read by a
-  program laid out over other devices too (a sharding constraint over a
-  mesh): jax.jit refuses the call before it runs anything, naming the
-  argument and the constraint; so does this wrapper, by calling it (the
-  session's executable refused it after a host callback before it had run,
-  with another message: a JAX test suite's find)."""
-  committed = [s for _, _, s in leaf_keys if s is not None]
-  if not committed:
-    return False
-  devices = set()
-  for exe in executables:
-    for sharding in jax.tree.leaves((exe.input_shardings, exe.output_shardings)):
-      devices |= sharding.device_set
-  return any(devices and s.device_set != devices for s in committed)
 
 
 def _jax_only(fn, leaf_keys):

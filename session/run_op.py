@@ -40,7 +40,8 @@ from jaxsession.optimizer_passes.base import PassContext, PassManager
 from jaxsession.optimizer_passes.select_kernels import SelectKernels
 from jaxsession.runtime import callbacks
 from jaxsession.runtime.build import (ARG_MISMATCH, SPECIAL_VALUE, checked, compile_fn,
-                                      fast_call, shape_struct)
+                                      shape_struct)
+from jaxsession.runtime.dispatch import fast_call
 from jaxsession.runtime.compile_cache import CacheInfo, DoNotStore, ExecutableCache
 from jaxsession.runtime.state import session_device
 

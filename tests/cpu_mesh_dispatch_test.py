@@ -1,5 +1,5 @@
 """Mesh executables on XLA:CPU, dispatched back to back without a result read:
-one at a time in the process (runtime/build.py's fast_call). Under jax.jit
+one at a time in the process (runtime/dispatch.py's fast_call). Under jax.jit
 two threads each running a mesh program of its own abort the process in
 XLA's collective rendezvous after 40 s, and one thread dispatching 8-device
 steps back to back hangs there (both reproduced with no session involved);

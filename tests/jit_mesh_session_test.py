@@ -4,7 +4,7 @@ devices - the wrapper's own outputs, for one - run in the session's graphs
 went to jax.jit, so a loop feeding a wrapper its own outputs left the
 session after its first call. Arguments on some of the mesh's devices or
 on other devices are still jax.jit's. PRNG keys laid out otherwise are
-re-laid at every call (runtime/build.py _keys_laid_out). Runs in a process
+re-laid at every call (runtime/dispatch.py _keys_laid_out). Runs in a process
 with 8 CPU devices."""
 import textwrap
 
