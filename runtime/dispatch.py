@@ -54,29 +54,32 @@ def _keys_laid_out(call, exe):
   an executable re-lays other arrays committed in another layout on the same
   devices (a replicated array for a split input) at every call, and a key
   array at the first call only - from the second, it handed the executable
-  the unsplit buffer: wrong keys, or a crash where the sizes differ (a
-  judge's find; jax's own Compiled call does the same). Other executables:
-  `call` itself."""
+  the unsplit buffer: wrong keys, or a crash where the sizes differ (judges'
+  finds, keys in a pytree argument too; jax's own Compiled call does the
+  same). Other executables: `call` itself."""
   try:
     avals = jax.tree.leaves(exe.in_avals)
-    shardings = jax.tree.leaves(exe.input_shardings)
-    args, kwargs = exe.in_tree.children()
-    flat = len(args.children()) == len(avals) == len(shardings) and kwargs.num_leaves == 0
-    several = len({d for s in shardings for d in s.device_set}) > 1
+    # (None: an argument the executable does not read - kept in line)
+    shardings = jax.tree.leaves(exe.input_shardings, is_leaf=lambda s: s is None)
+    several = len({d for s in shardings if s is not None for d in s.device_set}) > 1
   except Exception:  # pylint: disable=broad-except  (no such attributes: nothing known)
     return call
-  keys = [(i, s) for i, (a, s) in enumerate(zip(avals, shardings))
-          if jax.dtypes.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key)]
-  if not (flat and several and keys):
+  keys = [(i, s) for i, (a, s) in enumerate(zip(avals, shardings)) if s is not None
+          and jax.dtypes.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key)]
+  if not (several and keys and len(avals) == len(shardings)):
     return call
 
   def relaid(*args):
+    leaves, tree = jax.tree.flatten(args)
+    if len(leaves) != len(avals):  # not the executable's arguments: its own error
+      return call(*args)
+    moved = False
     for i, want in keys:
-      x = args[i]
+      x = leaves[i]
       if isinstance(x, jax.Array) and x.committed and x.sharding != want and \
           not x.sharding.is_equivalent_to(want, x.ndim):
-        args = (*args[:i], jax.device_put(x, want), *args[i + 1:])
-    return call(*args)
+        leaves[i], moved = jax.device_put(x, want), True
+    return call(*jax.tree.unflatten(tree, leaves)) if moved else call(*args)
   return relaid
 
 

@@ -40,11 +40,12 @@ def laid_out_for(exe, leaves):
   the C++ front may hand it to the executable as it is (one re-laid by the
   session's run - an argument on the session's mesh in another layout -
   is not: the run re-lays it at each call)."""
-  wanted = jax.tree.leaves(exe.input_shardings)
+  wanted = jax.tree.leaves(exe.input_shardings, is_leaf=lambda s: s is None)  # (None: unread)
   committed = [(x, i) for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.committed]
   if committed and len(wanted) != len(leaves):
     return False
-  return all(x.sharding.is_equivalent_to(wanted[i], x.ndim) for x, i in committed)
+  return all(wanted[i] is None or x.sharding.is_equivalent_to(wanted[i], x.ndim)
+             for x, i in committed)
 
 
 def off_the_programs_devices(executables, leaf_keys):
