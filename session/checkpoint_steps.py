@@ -119,10 +119,17 @@ def complete(step_dir):
   return os.path.isfile(os.path.join(step_dir, MARKER))
 
 
-def complete_steps(path):
+def numbered(path):
+  """{name: step} of the entries of `path` named like a step: ASCII digits
+  (str.isdigit also takes '²' and '٣', which int() refuses or reads as
+  another number: a judge's find)."""
   if not os.path.isdir(path):
-    return []
-  return [int(n) for n in os.listdir(path) if n.isdigit() and complete(os.path.join(path, n))]
+    return {}
+  return {n: int(n) for n in os.listdir(path) if n.isascii() and n.isdigit()}
+
+
+def complete_steps(path):
+  return [step for n, step in numbered(path).items() if complete(os.path.join(path, n))]
 
 
 # A step this session began to write: a file beside the step folders, made
@@ -389,12 +396,12 @@ def other_steps(path):
   a killed one's leftover): another program's folders, or files (a user's
   notes named "2": orbax's save of step 2 replaced one, a judge's find),
   kept as they are and counted in the order of steps, as orbax counts
-  them."""
+  them: {step: the entry's name} ("007" is step 7)."""
   if not os.path.isdir(path):
-    return []
+    return {}
   claimed = {step for _, step, _ in _claims(path)}
-  return [int(n) for n in os.listdir(path) if n.isdigit() and
-          not complete(os.path.join(path, n)) and n not in claimed]
+  return {step: n for n, step in numbered(path).items()
+          if not complete(os.path.join(path, n)) and n not in claimed}
 
 
 def remove_incomplete(path):

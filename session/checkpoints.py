@@ -368,8 +368,9 @@ def _check_after(where, path, step, before):
   others = step_dirs.other_steps(path)
   newest = max([*step_dirs.complete_steps(path), *others, before])
   if step <= newest:
-    what = (f"{path}/{newest} is another program's entry named like a step, kept as it "
-            "is" if newest in others else f"step {newest} is the newest checkpoint in {path}")
+    what = (f"{path}/{others[newest]} is another program's entry named like a step, kept "
+            "as it is" if newest in others else f"step {newest} is the newest checkpoint in "
+            f"{path}")
     raise InputError(f"{where}: step {step} is not after step {newest} ({what}): steps "
                      f"must increase (save it as step {newest + 1} or later, or into "
                      "another directory)")

@@ -500,6 +500,25 @@ class CheckpointTest(absltest.TestCase):
     self.assertEqual(sess.restore(gid, self.dir), 3001)
     assert_equal_signed(sess.get_state(gid)[0], w * 2)
 
+  def test_entries_named_with_other_digits(self):
+    # '²' and '٣' are str.isdigit() but no step (int() refused '²': a raw
+    # ValueError); "0042" is step 42, and the refusal names it as it is
+    for name in ("0042", "\u00b2", "\u0663"):
+      with open(os.path.join(self.dir, name), "w") as f:
+        f.write(name)
+    sess = js.Session()
+    w = np.float32([1.5, -0.0, 2.0])
+    gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
+    with self.assertRaisesRegex(js.InputError, r"step 5 is not after step 42 \(.*/0042 is "
+                                "another program's entry"):
+      sess.save(gid, self.dir, 5)
+    sess.save(gid, self.dir, 43)
+    sess.wait_until_saved()
+    self.assertEqual(sess.restore(gid, self.dir), 43)
+    for name in ("0042", "\u00b2", "\u0663"):
+      with open(os.path.join(self.dir, name)) as f:
+        self.assertEqual(f.read(), name)
+
   def test_a_folder_removed_between_saves_is_made_again(self):
     p, o, k, xs = examples()
     sess = js.Session()
