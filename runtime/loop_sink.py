@@ -277,12 +277,13 @@ def check_in_axes(in_axes, steps, nargs):
     raise InputError("run: in_axes is given without steps (it says which arguments "
                      "carry the steps of a sunk run)")
   steps = check_steps(steps)
-  if in_axes is None or (type(in_axes) is int and in_axes == 0):
+  zero = lambda a: isinstance(a, numbers.Integral) and not isinstance(a, bool) and a == 0
+  if in_axes is None or zero(in_axes):
     return steps, steps
   if isinstance(in_axes, (list, tuple)) and len(in_axes) == nargs and all(
-      a is None or (type(a) is int and a == 0) for a in in_axes):
-    return steps, (steps if all(a == 0 for a in in_axes) else tuple(
-        steps if a == 0 else None for a in in_axes))
+      a is None or zero(a) for a in in_axes):
+    return steps, (steps if all(a is not None for a in in_axes) else tuple(
+        None if a is None else steps for a in in_axes))
   raise InputError(f"run: in_axes must be 0 (every argument stacked: the default) or a "
                    f"tuple of one 0 (stacked: a leading axis of steps) or None (the same "
                    f"value every step) per run argument ({nargs} here), got {in_axes!r}")

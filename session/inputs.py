@@ -73,9 +73,6 @@ def check_aval(place, got, want, leading=None, note=""):
     expect = aval_str(want) if leading is None else (
         f"{want.str_short(short_dtypes=True).split('[')[0]}{list(shape)} "
         f"(steps={leading} on a leading axis of {aval_str(want)})")
-    if leading is not None and tuple(got.shape) == tuple(want.shape) and not note:
-      note = (" (the same value every step: in_axes with None at its position, "
-              "e.g. in_axes=(0, None))")
     raise InputError(f"{place}: expected {expect}, got {aval_str(got)}{note}")
 
 
@@ -323,6 +320,18 @@ class ArgSpec:
       fixed.append(tree_util.tree_unflatten(treedef, new_leaves))
     return tuple(fixed)
 
+  def _unstacked(self, i, x, want, leading):
+    """What an error says of leaf `x` of argument `i` passed without the
+    steps (a sunk run): how to pass the argument as it is every step."""
+    if leading is None or tuple(np.shape(x)) != tuple(want.shape):
+      return ""
+    axes = ", ".join("None" if k == i else "0" for k in range(len(self.treedefs)))
+    axes = f"({axes},)" if len(self.treedefs) == 1 else f"({axes})"
+    if len(self.avals[i]) > 1:
+      return (f" (the steps go on every leaf of argument {i}; for the same value every "
+              f"step, pass the whole argument as it is with in_axes={axes})")
+    return f" (the same value every step: in_axes={axes})"
+
   def conform_leaf(self, i, j, x, leading=None):
     """Leaf `j` of argument `i`, conformed as `conform` does: a Python
     scalar converted where exact, an array moved to the compiled layout or
@@ -356,7 +365,8 @@ class ArgSpec:
                          "(jax.jit would compile another program for it; pass an array "
                          "of that dtype)")
       return converted
-    check_leaf(place, x, want, leading=leading, note=piece)
+    check_leaf(place, x, want, leading=leading, note=piece or self._unstacked(i, x, want,
+                                                                               leading))
     x = relaid(x, self.device if target is None else None)  # (a committed int4: refused)
     if target is not None:  # under a mesh: laid out as compiled
       if isinstance(x, jax.Array) and x.sharding != target:

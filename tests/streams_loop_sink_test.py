@@ -250,6 +250,9 @@ class InAxesTest(absltest.TestCase):
     assert_same_bits(sess.run(gid, self.xs, lrs, tables, steps=6), stacked, "stacked")
     sess.set_state(gid, self.w)  # a bare 0, as vmap's: every argument stacked
     assert_same_bits(sess.run(gid, self.xs, lrs, tables, steps=6, in_axes=0), stacked, "0")
+    sess.set_state(gid, self.w)  # numpy's integers as Python's
+    assert_same_bits(sess.run(gid, self.xs, lrs, tables, steps=6, in_axes=np.int64(0)),
+                     stacked, "np.int64(0)")
     self.assertEqual(len(sess._entry(gid).sunk), 2)  # (0, None, None) and stacked
 
   def test_every_argument_unstacked_runs_each_steps_value(self):
@@ -308,8 +311,11 @@ class InAxesTest(absltest.TestCase):
         sess.run(gid, self.xs, self.lr, self.table, **kwargs)
     # an argument given as it is, without in_axes: the error says how (a judge's find)
     with self.assertRaisesRegex(js.InputError, r"argument 1 .* expected f32\[6\] .* got "
-                                r"f32\[\] \(the same value every step: in_axes with None"):
+                                r"f32\[\] \(the same value every step: in_axes=\(0, None, 0\)\)"):
       sess.run(gid, self.xs, self.lr, self.table, steps=6)
+    with self.assertRaisesRegex(js.InputError, r"argument 2 .*the steps go on every leaf of "
+                                r"argument 2; .* in_axes=\(0, 0, None\)"):
+      sess.run(gid, self.xs, np.full(6, self.lr), self.table, steps=6)
     with self.assertRaisesRegex(js.InputError, r"argument 1 .* expected f32\[\], got f32\[6\]"):
       sess.run(gid, self.xs, np.full(6, self.lr), self.table, steps=6, in_axes=(0, None, None))
     self.assertEqual(np.asarray(sess.get_state(gid)[0]).tobytes(), before)
