@@ -78,6 +78,14 @@ def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
   return exe
 
 
+def named(fn, name):
+  """`fn` named `name` (the user's function's, the graph's): jax names the
+  executable, its HLO's op names (jit(train_step)/...) and its errors after
+  the traced function, as under jax.jit (they named the session's own)."""
+  fn.__name__ = fn.__qualname__ = name or "step"
+  return fn
+
+
 def out_structs(exe):
   """A compiled executable's outputs as ShapeDtypeStructs, weak types and
   layouts kept, in the pytree it returns them in. (Compiled.out_info drops
@@ -320,7 +328,7 @@ def waited(call):
 
 
 def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=None,
-                      fixed=None, compiler_options=None, wait=False):
+                      fixed=None, compiler_options=None, wait=False, name=None):
   """Compiles one device partition with the values donated to it; returns
   (the call, the compiled executable). A failing callback inside it raises
   HostOpError with the user's exception as the cause (with `wait`, before
@@ -336,7 +344,7 @@ def build_device_step(part, donated_ids, consts, cache=None, key=None, layouts=N
   # outputs whose layout is fixed (new state under a mesh) keep it, so the
   # slot keeps its layout and is donated in place
   out_shardings = [fixed.get(v.id) for v in part.outputs + part.witnesses] if fixed else None
-  exe, recorder, _ = compile_recorded(lambda *xs: body(*xs), recorder,
+  exe, recorder, _ = compile_recorded(named(lambda *xs: body(*xs), name), recorder,
                                    [_arg_struct(v, layouts) for v in inputs], donate, cache,
                                    None if key is None else (key, "partition", part.index),
                                    compiler_options, out_shardings)
@@ -396,7 +404,8 @@ def build_program(graph, partitions, plan, spec, platform, cache=None, key=None,
     if part.place == "device":
       fn, exe, recorder = build_device_step(
           part, plan.donated_to(part.index), graph.const_values, cache, key, layouts, fixed,
-          graph.compiler_options, wait=bool(graph.inputs_of_kind("state")))
+          graph.compiler_options, wait=bool(graph.inputs_of_kind("state")),
+          name=f"{graph.name}_partition{part.index}")
       recorders.append(recorder)
       if layouts is not None:  # later partitions take these values as laid out here
         layouts.update((v.id, s) for v, s in zip(

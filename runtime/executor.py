@@ -29,7 +29,7 @@ from jaxsession.runtime import (bitwise, callbacks, codegen, debug_flags, horizo
                                 sharding)
 from jaxsession.runtime.build import (RECOVERABLE, SPECIAL_VALUE, Op, Program, checked,
                                       compile_recorded, h2d_refused_before_run, host_op,
-                                      memory_analysis, recovery, waited)
+                                      memory_analysis, named, recovery, waited)
 from jaxsession.runtime.dispatch import fast_call
 from jaxsession.runtime.state import (done_running, private_copy, refuse_reentry,
                                       running_user_code, slots_lock, with_weak_type)
@@ -141,14 +141,11 @@ def single_program(graph, spec, rest_tree, layout, cache=None, key=None, hooks=N
   def whole_step(*xs):
     new, out = step(layout.leaves_of(xs[:n]), xs[n:])
     return out if bare else (layout.returned(new, xs[:n]), out)
-  # named as the user's function: jax names the executable, its HLO's op names
-  # (jit(train_step)/...) and its errors so, as under jax.jit
-  whole_step.__name__ = whole_step.__qualname__ = graph.name or "whole_step"
   # packed write-backs fused horizontally (not under a mesh: laid out per leaf)
   packed = [] if bare or any(s is not None for s in layout.state_shardings) else \
       layout.packed_returns()
   exe, recorder, notes = compile_recorded(
-      whole_step, recorder, (*layout.structs(), *arg_structs(spec)), layout.donate_argnums(),
+      named(whole_step, graph.name), recorder, (*layout.structs(), *arg_structs(spec)), layout.donate_argnums(),
       cache, key, graph.compiler_options, None if bare else kept_layouts(layout),
       horizontal.Rewrite(packed) if packed else None)
   graph.memory.horizontal = list(notes)

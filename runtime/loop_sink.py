@@ -18,7 +18,7 @@ from jax import lax, tree_util
 from jaxsession.errors import InputError
 from jaxsession.runtime import bitwise, callbacks, sharding
 from jaxsession.runtime.debug_flags import unchecked
-from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn, out_structs
+from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn, named, out_structs
 from jaxsession.runtime.executor import (arg_structs, executable_program, graph_body,
                                          special_value,
                                          leaf_steps, per_arg)
@@ -54,7 +54,7 @@ def sunk_program(graph, spec, rest_tree, layout, steps, hooks=None, leading=None
     return layout.returned([final[i] for i in layout.updated_idx], xs[:n]), ys
 
   # under a mesh: the carry's layout is XLA's choice; the slots keep theirs
-  exe = compile_fn(sunk, (*layout.structs(), *arg_structs(spec, leading)),
+  exe = compile_fn(named(sunk, graph.name), (*layout.structs(), *arg_structs(spec, leading)),
                    donate_argnums=layout.donate_argnums(),
                    compiler_options=graph.compiler_options,
                    out_shardings=kept_layouts(layout))

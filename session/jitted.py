@@ -529,7 +529,7 @@ def _jax_only(fn, leaf_keys):
 
 
 def _name(fn):
-  return getattr(fn, "__name__", None) or type(fn).__name__
+  return tracing.fn_name(fn)
 
 
 _NO_FN = object()  # jit(static_argnums=...): a decorator; jit(None) is jax.jit's TypeError

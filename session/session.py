@@ -137,7 +137,7 @@ class Session:
     or an error on each (session/processes.py: a process that refused while
     another went on left that one waiting in its first run), then bound."""
     start = time.perf_counter()
-    where = f"compile({name or getattr(fn, '__name__', 'graph')})"
+    where = f"compile({name or tracing.fn_name(fn)})"
     made = processes.agreed(where, lambda: self._traced(
         fn, example_args, state_argnums, static_argnums, state_from, updates_state, name,
         in_specs, state_specs, state_map), lambda made: made[-1],
@@ -177,7 +177,7 @@ class Session:
                        "are in both state_argnums and static_argnums")
     source = None if state_from is None else self._entry(state_from)
     shared = _shared_slots(state_map, source, len(state_nums))
-    name = name or getattr(fn, "__name__", "graph")
+    name = name or tracing.fn_name(fn)
     updates = updates_state and bool(state_nums)
     dyn_nums = [i for i in range(nargs) if i not in state_nums and i not in static_nums]
     # a state's non-array leaves (an equinox module's functions) stay static,

@@ -149,6 +149,14 @@ def _check_returned(fn, out, first):
                       f"{type(leaf)}{at}, which is not a valid JAX type") from None
 
 
+def fn_name(fn):
+  """What names `fn`'s graph and executables: its __name__, a partial's
+  function's, a callable object's type's; "graph" for a ClosedJaxpr."""
+  inner = _innermost(fn)
+  return getattr(inner, "__name__", None) or (type(inner).__name__ if callable(inner)
+                                              else "graph")
+
+
 def _innermost(fn):
   """fn without its functools.partial layers, as jax's source info reads it."""
   while isinstance(fn, functools.partial):

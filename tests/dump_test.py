@@ -1,5 +1,6 @@
 """save_graphs (session/dump.py): one folder per graph, named by its graph id
 and its shortened name; a dump that cannot be written never fails a compile."""
+import functools
 import os
 import re
 import tempfile
@@ -182,6 +183,21 @@ class DumpTextTest(absltest.TestCase):
     np.testing.assert_array_equal(sess.run(gid, x), jax.jit(f)(x))
 
 
+def _op_files(text):
+  """The files of the innermost frames the ops' metadata names
+  (stack_frame_id -> FileLocations -> FileNames)."""
+  def table(name):
+    part = text.split(f"\n{name}\n", 1)[1].split("\n\n", 1)[0]
+    return {int(line.split()[0]): line.split(None, 1)[1] for line in part.splitlines()}
+  files, locations, frames = table("FileNames"), table("FileLocations"), table("StackFrames")
+  out = set()
+  for frame in set(re.findall(r"stack_frame_id=(\d+)", text)):
+    location = int(re.search(r"file_location_id=(\d+)", frames[int(frame)]).group(1))
+    name = int(re.search(r"file_name_id=(\d+)", locations[location]).group(1))
+    out.add(files[name].strip('"'))
+  return out
+
+
 class HloMetadataTest(absltest.TestCase):
   """The executables' HLO names the user's function, lines and transforms as
   jax.jit's does (profiles and XLA dumps show it); it named the session's
@@ -207,6 +223,27 @@ class HloMetadataTest(absltest.TestCase):
     self.assertNotIn("kernels/xla.py", text)
     self.assertNotIn("whole_step", text)
     np.testing.assert_array_equal(s.run(gid, x), jax.jit(train_step)(w, x)[1])
+
+  def test_inlined_bodies_partitions_and_partials_are_named_as_the_users(self):
+    # jax keeps a nested jit's body as first traced: jax.nn.relu's ops named
+    # the session's compile; partitions were jit(<lambda>), a partial 'graph'
+    def base(w, x, scale):
+      h = jax.nn.relu(x @ w) * scale
+      y = jax.pure_callback(lambda a: np.tanh(a), jax.ShapeDtypeStruct(h.shape, h.dtype), h)
+      return w * 0.5, jnp.sum(y)
+    rng = np.random.default_rng(5)
+    w, x = rng.standard_normal((4, 4), np.float32), rng.standard_normal((3, 4), np.float32)
+    s = js.Session()
+    gid = s.compile(functools.partial(base, scale=2.0), w, x, state_argnums=0)
+    texts = [e.as_text() for e in s.executables(gid)]
+    self.assertGreater(len(texts), 1)  # split at the callback
+    self.assertEqual([t.split()[1].rstrip(",") for t in texts],
+                     [f"jit_base_partition{k}" for k, p in enumerate(s.report(gid).partitions)
+                      if p.place == "device"])
+    for text in texts:  # every op's innermost frame is this file's (base, relu's caller)
+      self.assertEqual(_op_files(text), {__file__.replace(".pyc", ".py")})
+    np.testing.assert_array_equal(s.run(gid, x), jax.jit(functools.partial(base, scale=2.0))(
+        w, x)[1])
 
 
 class MemoryReportTest(absltest.TestCase):

@@ -9,6 +9,9 @@ A nested `jit` stays a call, as jax.jit lowers it (see KEPT_CALLS below). Contro
 `while`, `cond`) stays as single nodes that carry their sub-jaxprs. Consts of
 the jaxpr (at any depth) become `const` inputs; literals stay literals.
 """
+import os
+import sys
+
 from jax._src.lax.lax import optimization_barrier_p  # no public handle on the primitive
 from jax.extend import core as jcore
 
@@ -38,19 +41,50 @@ INLINE_RULES = {
 }
 
 
-def source_of(eqn):
-  """`file:line (function)` of the user frame that emitted `eqn`, or None."""
-  info = getattr(eqn, "source_info", None)
+def source_of(eqn, info=None):
+  """`file:line (function)` of the user frame that emitted `eqn` (or of
+  `info`, a source_info), or None."""
+  frame = _user_frame(getattr(eqn, "source_info", None) if info is None else info)
+  if frame is None:
+    return None
+  return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line} ({frame.function_name})"
+
+
+def _user_frame(info):
   if info is None:
     return None
   try:
     from jax._src import source_info_util  # no public API for frames
-    frame = source_info_util.user_frame(info.traceback)
+    return source_info_util.user_frame(info.traceback)
   except Exception:  # source info is decoration; never fail an import on it
     return None
-  if frame is None:
-    return None
-  return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line} ({frame.function_name})"
+
+
+def _ours():
+  """The folders of this package's modules (a frame there is no user's),
+  read from those loaded (this layer imports nothing above it)."""
+  names = ("jaxsession", "jaxsession.kernels", "jaxsession.optimizer_passes",
+           "jaxsession.runtime")
+  return tuple(os.path.dirname(m.__file__) + os.sep for m in map(sys.modules.get, names)
+               if getattr(m, "__file__", None))
+
+
+def _origin(eqn, outer):
+  """The source_info `eqn` binds under: its own at the top level; inside a
+  body the session inlines (a nested jit, custom_jvp/vjp, remat), under its
+  caller's name stack, and with its caller's frames where its own name no
+  user's code (jax keeps a nested jit's body as first traced: jax.nn.relu's
+  named the session's compile, a judge's find)."""
+  info = getattr(eqn, "source_info", None)
+  if outer is None or info is None:
+    return info
+  try:
+    frame = _user_frame(info)
+    if frame is None or frame.file_name.startswith(_ours()):
+      info = info.replace(traceback=outer.traceback)
+    return info.replace(name_stack=outer.name_stack + info.name_stack)
+  except Exception:  # pylint: disable=broad-except  (decoration: never fail an import)
+    return info
 
 
 def import_jaxpr(closed_jaxpr, name="graph", input_kinds=None, input_names=None,
@@ -180,22 +214,22 @@ class _Import:
     return self.host_callbacks and _host_work(eqn.params["jaxpr"].jaxpr, self.seen)
 
 
-def _import_eqns(graph, env, eqns, how, outer_source=None):
+def _import_eqns(graph, env, eqns, how, outer=None):
   for eqn in eqns:
     inputs = [_read(env, v) for v in eqn.invars]
     inner = INLINE_RULES.get(eqn.primitive.name)
-    source = source_of(eqn) or outer_source
+    origin = _origin(eqn, outer)
+    source = source_of(eqn, origin)
     if inner is not None and how.inlines(eqn):
       if eqn.primitive.name in REMATS:
-        inputs = _remat_barrier(graph, eqn, inputs, source)
-      outs = _inline(graph, inner(eqn.params), inputs, how, source)
+        inputs = _remat_barrier(graph, eqn, inputs, source, origin)
+      outs = _inline(graph, inner(eqn.params), inputs, how, origin)
       for var, value in zip(eqn.outvars, outs):
         env[var] = value
       continue
     node = graph.add_node(eqn.primitive.name, eqn.primitive, eqn.params, inputs,
                           [v.aval for v in eqn.outvars], eqn.effects, source,
-                          settings.of_equation(eqn, how.caller),
-                          getattr(eqn, "source_info", None))
+                          settings.of_equation(eqn, how.caller), origin)
     for var, value in zip(eqn.outvars, node.outputs):
       env[var] = value  # DropVars are harmless keys: nobody reads them
 
@@ -203,7 +237,7 @@ def _import_eqns(graph, env, eqns, how, outer_source=None):
 REMATS = ("remat2", "checkpoint")
 
 
-def _remat_barrier(graph, eqn, inputs, source):
+def _remat_barrier(graph, eqn, inputs, source, origin):
   """A differentiated remat's inputs as jax.jit lowers them: those its
   prevent_cse names go through one optimization_barrier node, so XLA
   neither merges the recomputation with the forward pass nor fuses across
@@ -217,14 +251,14 @@ def _remat_barrier(graph, eqn, inputs, source):
   barred = [k for k, on in enumerate(prevent) if on]
   node = graph.add_node("optimization_barrier", optimization_barrier_p, {},
                         [inputs[k] for k in barred], [eqn.invars[k].aval for k in barred],
-                        (), source)
+                        (), source, origin=origin)
   inputs = list(inputs)
   for k, value in zip(barred, node.outputs):
     inputs[k] = value
   return inputs
 
 
-def _inline(graph, body, inputs, how, source):
+def _inline(graph, body, inputs, how, origin):
   """Imports `body` (Jaxpr or ClosedJaxpr) with its invars bound to `inputs`."""
   if isinstance(body, jcore.ClosedJaxpr):
     jaxpr, consts = body.jaxpr, body.consts
@@ -236,5 +270,5 @@ def _inline(graph, body, inputs, how, source):
   # custom_jvp/vjp with num_consts, where the consts lead the operands.
   for var, value in zip(jaxpr.invars, inputs[len(inputs) - len(jaxpr.invars):]):
     env[var] = value
-  _import_eqns(graph, env, jaxpr.eqns, how, source)
+  _import_eqns(graph, env, jaxpr.eqns, how, origin)
   return [_read(env, v) for v in jaxpr.outvars]
