@@ -145,8 +145,9 @@ def single_program(graph, spec, rest_tree, layout, cache=None, key=None, hooks=N
   packed = [] if bare or any(s is not None for s in layout.state_shardings) else \
       layout.packed_returns()
   exe, recorder, notes = compile_recorded(
-      named(whole_step, graph.name), recorder, (*layout.structs(), *arg_structs(spec)), layout.donate_argnums(),
-      cache, key, graph.compiler_options, None if bare else kept_layouts(layout),
+      named(whole_step, graph.name), recorder, (*layout.structs(), *arg_structs(spec)),
+      layout.donate_argnums(), cache, key, graph.compiler_options,
+      None if bare else kept_layouts(layout),
       horizontal.Rewrite(packed) if packed else None)
   graph.memory.horizontal = list(notes)
   program = executable_program(exe, recorder, graph, layout, spec, hooks)

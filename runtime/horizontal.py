@@ -49,7 +49,6 @@ from jaxsession.graph import lowering, op_properties
 from jaxsession.runtime import bitwise
 
 
-
 # A run is merged where its leaves average at most this many elements. One
 # kernel over the run saves a kernel launch per leaf, but runs on one thread,
 # where XLA:CPU runs the leaves' kernels side by side: 50 f32 leaves of 512

@@ -316,23 +316,26 @@ class ArgSpec:
         raise InputError(f"{self.where}: argument {i} (position {self.positions[i]} of the "
                          f"function) has pytree structure {treedef}, expected "
                          f"{self.treedefs[i]}")
-      new_leaves = [self.conform_leaf(i, j, x, lead[i]) for j, x in enumerate(leaves)]
+      new_leaves = [self.conform_leaf(i, j, x, lead[i], lead) for j, x in enumerate(leaves)]
       fixed.append(tree_util.tree_unflatten(treedef, new_leaves))
     return tuple(fixed)
 
-  def _unstacked(self, i, x, want, leading):
+  def _unstacked(self, i, x, want, leading, lead):
     """What an error says of leaf `x` of argument `i` passed without the
-    steps (a sunk run): how to pass the argument as it is every step."""
+    steps (a sunk run): how to pass the argument as it is every step
+    (`lead`: every argument's steps-or-None, as run's in_axes gave them)."""
     if leading is None or tuple(np.shape(x)) != tuple(want.shape):
       return ""
-    axes = ", ".join("None" if k == i else "0" for k in range(len(self.treedefs)))
+    lead = lead or (leading,) * len(self.treedefs)
+    axes = ", ".join("None" if k == i or lead[k] is None else "0"
+                     for k in range(len(self.treedefs)))
     axes = f"({axes},)" if len(self.treedefs) == 1 else f"({axes})"
     if len(self.avals[i]) > 1:
       return (f" (the steps go on every leaf of argument {i}; for the same value every "
               f"step, pass the whole argument as it is with in_axes={axes})")
     return f" (the same value every step: in_axes={axes})"
 
-  def conform_leaf(self, i, j, x, leading=None):
+  def conform_leaf(self, i, j, x, leading=None, lead=None):
     """Leaf `j` of argument `i`, conformed as `conform` does: a Python
     scalar converted where exact, an array moved to the compiled layout or
     the graph's device; InputError if it does not fit."""
@@ -365,8 +368,8 @@ class ArgSpec:
                          "(jax.jit would compile another program for it; pass an array "
                          "of that dtype)")
       return converted
-    check_leaf(place, x, want, leading=leading, note=piece or self._unstacked(i, x, want,
-                                                                               leading))
+    check_leaf(place, x, want, leading=leading,
+               note=piece or self._unstacked(i, x, want, leading, lead))
     x = relaid(x, self.device if target is None else None)  # (a committed int4: refused)
     if target is not None:  # under a mesh: laid out as compiled
       if isinstance(x, jax.Array) and x.sharding != target:

@@ -316,6 +316,8 @@ class InAxesTest(absltest.TestCase):
     with self.assertRaisesRegex(js.InputError, r"argument 2 .*the steps go on every leaf of "
                                 r"argument 2; .* in_axes=\(0, 0, None\)"):
       sess.run(gid, self.xs, np.full(6, self.lr), self.table, steps=6)
+    with self.assertRaisesRegex(js.InputError, r"in_axes=\(0, None, None\)\)"):  # as given
+      sess.run(gid, self.xs, self.lr, self.table, steps=6, in_axes=(0, None, 0))
     with self.assertRaisesRegex(js.InputError, r"argument 1 .* expected f32\[\], got f32\[6\]"):
       sess.run(gid, self.xs, np.full(6, self.lr), self.table, steps=6, in_axes=(0, None, None))
     self.assertEqual(np.asarray(sess.get_state(gid)[0]).tobytes(), before)

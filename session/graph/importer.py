@@ -9,6 +9,7 @@ A nested `jit` stays a call, as jax.jit lowers it (see KEPT_CALLS below). Contro
 `while`, `cond`) stays as single nodes that carry their sub-jaxprs. Consts of
 the jaxpr (at any depth) become `const` inputs; literals stay literals.
 """
+import functools
 import os
 import sys
 
@@ -60,6 +61,7 @@ def _user_frame(info):
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _ours():
   """The folders of this package's modules (a frame there is no user's),
   read from those loaded (this layer imports nothing above it)."""
@@ -77,7 +79,7 @@ def _origin(eqn, outer):
   named the session's compile, a judge's find)."""
   info = getattr(eqn, "source_info", None)
   if outer is None or info is None:
-    return info
+    return info or outer
   try:
     frame = _user_frame(info)
     if frame is None or frame.file_name.startswith(_ours()):
