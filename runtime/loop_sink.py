@@ -20,8 +20,8 @@ from jaxsession.runtime import bitwise, callbacks, sharding
 from jaxsession.runtime.debug_flags import unchecked
 from jaxsession.runtime.build import SPECIAL_VALUE, Program, compile_fn, named, out_structs
 from jaxsession.runtime.executor import (arg_structs, executable_program, graph_body,
-                                         special_value,
                                          leaf_steps, per_arg)
+from jaxsession.runtime.specials import special_value
 from jaxsession.runtime.state_layout import kept_layouts
 from jaxsession.runtime.state import owned_copy, session_device, with_weak_type
 
