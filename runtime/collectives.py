@@ -342,25 +342,20 @@ def device_groups(replica_groups):
                    for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1]))
     except ValueError:
       return None
-  ints = lambda t: [int(i) for i in t.split(",")]
   iota = _IOTA.match(text)
   if iota:
-    shape, laid, perm = ints(iota.group(1)), ints(iota.group(2)), iota.group(3)
-    n = math.prod(laid)
-    if len(shape) != 2 or math.prod(shape) != n or (perm and sorted(ints(perm)) != list(
-        range(len(laid)))):
+    shape = _ints(iota.group(1))
+    ids = _iota(iota.group(2), iota.group(3))
+    if ids is None or len(shape) != 2 or math.prod(shape) != len(ids):
       return None
-    ids = np.arange(n).reshape(laid)
-    ids = ids.transpose(ints(perm)) if perm else ids
     return tuple(tuple(map(int, g)) for g in ids.reshape(shape))
   mesh = _MESH.match(text)
   if mesh:
-    axes = [_MESH_AXIS.match(a.strip()) for a in mesh.group(1).split(",")]
+    axes = _mesh_axes(mesh.group(1))
     named = [a.strip().strip("'") for a in mesh.group(3).split(",") if a.strip()]
-    if not all(axes) or not named:
+    if axes is None or not named:
       return None
-    names = [a.group(1) for a in axes]
-    sizes = [int(a.group(2)) for a in axes]
+    names, sizes = [name for name, _ in axes], [size for _, size in axes]
     ids = _device_ids(mesh.group(2), math.prod(sizes))
     if ids is None or any(n not in names for n in named):
       return None
@@ -380,17 +375,36 @@ def _device_ids(text, n):
   text = text.strip()
   iota = _DEVICE_IOTA.match(text)
   if iota:
-    dims = [int(d) for d in iota.group(1).split(",")]
-    perm = [int(p) for p in iota.group(2).split(",")] if iota.group(2) else None
-    if math.prod(dims) != n or (perm and sorted(perm) != list(range(len(dims)))):
-      return None
-    ids = np.arange(n).reshape(dims)
-    return (ids.transpose(perm) if perm else ids).reshape(-1)
+    ids = _iota(iota.group(1), iota.group(2))
+    return ids if ids is not None and len(ids) == n else None
   try:
     ids = np.array([int(i) for i in text.split(",")])
   except ValueError:
     return None
   return ids if len(ids) == n and sorted(ids.tolist()) == list(range(n)) else None
+
+
+def _ints(text):
+  return [int(i) for i in text.split(",")]
+
+
+def _iota(dims, perm):
+  """The ids 0..n-1 laid out as `dims` ("4,2"), transposed by `perm`
+  ("1,0" or None), read in order; None for a permutation of other axes."""
+  dims = _ints(dims)
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  if perm:
+    perm = _ints(perm)
+    if sorted(perm) != list(range(len(dims))):
+      return None
+    ids = ids.transpose(perm)
+  return ids.reshape(-1)
+
+
+def _mesh_axes(text):
+  """[(name, size)] of a mesh notation's axes ("'a'=2,'b'=4"), or None."""
+  found = [_MESH_AXIS.match(a.strip()) for a in text.split(",")]
+  return [(m.group(1), int(m.group(2))) for m in found] if all(found) else None
 
 
 def _shown(groups, text):
@@ -422,14 +436,13 @@ def _renamed_axes(text, axes):
   mesh = _MESH.match(text.strip())
   if not mesh or not axes or mesh.group(2) is not None:
     return text
-  found = [_MESH_AXIS.match(a.strip()) for a in mesh.group(1).split(",")]
-  if not all(found):
+  found = _mesh_axes(mesh.group(1))
+  if found is None:
     return text
-  real = [m.group(1) for m in found if int(m.group(2)) > 1]
-  if [int(m.group(2)) for m in found if int(m.group(2)) > 1] != [
-      size for _, size in axes if size > 1]:
+  real = [(name, size) for name, size in found if size > 1]
+  if [size for _, size in real] != [size for _, size in axes if size > 1]:
     return text
-  names = dict(zip(real, [name for name, size in axes if size > 1]))
+  names = dict(zip([name for name, _ in real], [name for name, size in axes if size > 1]))
   if any(not n.startswith("axis_") for n in names):
     return text
   return re.sub(r"'(axis_\d+)'", lambda m: repr(names.get(m.group(1), m.group(1))), text)
