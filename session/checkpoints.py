@@ -300,13 +300,17 @@ class Checkpointer:
       interrupts.wait_for(self._progress, lambda: self._done >= (
           self._asked if everything else target) or not _alive(worker))
 
-  def restore(self, entry, where, directory, step):
-    """The new leaves per slot, read and checked; `step` and the leaves."""
+  def restore(self, entry, where, directory, step, state_map=None):
+    """The new leaves per slot, read and checked; `step` and the leaves.
+    `state_map` (checkpoint_meta.sources): which part of the checkpoint
+    each slot binds; only those leaves are read."""
     asked = None if step is None else _step_number(step)
 
     def checks():
       if step is not None and asked is None:
         raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
+      mapped[0] = metas.sources(where, state_map, len(entry.slots))
+    mapped = [None]
     path = _agreed_path(where, directory, asked, checks)
     # the pending saves written (their errors stay for wait/save), and every
     # other Session's of this process there
@@ -319,7 +323,8 @@ class Checkpointer:
       # writer's keep-N: two processes restored two steps, a review's find)
       step = int(processes.primarys(str(processes.agreed(
           where, lambda: _listed(where, path, manager, asked)))))
-      got = processes.agreed(where, lambda: _read(where, path, manager, step, entry),
+      got = processes.agreed(where, lambda: _read(where, path, manager, step, entry,
+                                                  mapped[0]),
                              lambda got: got is None, "reads (another writer removed the "
                              "step while it was read on some processes)")
       if got is not None or asked is not None:
@@ -327,12 +332,12 @@ class Checkpointer:
     if got is None:
       raise InputError(f"{where}: checkpoint {path}/{step} cannot be read: another writer "
                        "removed it while it was read")
-    meta, read = got
+    views, read = got
     name = f"{path}/{step}"
-    digests.check(where, name, [metas.paths(slot) for slot in entry.slots],
-                  [saved.get("crc32") for saved in meta["slots"]], read)
-    values = metas.values(where, name, meta, entry, read)
-    metas.warn_static_differences(where, name, meta, entry)  # once every check passed
+    digests.check(where, name, [view["paths"] for view in views],
+                  [view["crc32"] for view in views], read)
+    values = metas.values(where, name, views, entry, read)
+    metas.warn_static_differences(where, name, views, entry)  # once every check passed
     return step, values
 
 
@@ -398,38 +403,60 @@ def _listed(where, path, manager, step):
   return step
 
 
-def _read(where, path, manager, step, entry):
-  """(meta, the leaves read per slot) of `step`, its meta checked; None
-  where its folder went while it was read (another writer's keep-N)."""
+def _read(where, path, manager, step, entry, mapped):
+  """(the part of the checkpoint each slot binds: checkpoint_meta.views, the
+  leaves read per slot) of `step`, its meta checked first; None where its
+  folder went while it was read (another writer's keep-N). Only the leaves
+  the slots bind are read (the others orbax's placeholders)."""
   ocp = _ocp()
+  name = f"{path}/{step}"
   try:
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   except Exception as exc:  # pylint: disable=broad-except
     return _unread(where, path, step, exc)
-  metas.check(where, f"{path}/{step}", meta, entry)
+  saved = metas.check_format(where, name, meta)
   try:  # the leaves' digests: in the marker (in the meta before 2026-12-07)
     marked = step_dirs.marked_digests(os.path.join(path, str(step)))
   except FileNotFoundError:  # (the folder went meanwhile: another writer's keep-N)
     return None
   except (OSError, ValueError) as exc:
-    raise metas.corrupted(where, f"{path}/{step}", exc) from None
+    raise metas.corrupted(where, name, exc) from None
   if marked is not None:
-    if len(marked) != len(entry.slots) or any(
-        len(row) != len(slot.avals) for row, slot in zip(marked, entry.slots)):
-      raise metas.corrupted(where, f"{path}/{step}", "its marker holds no digest for some "
-                            "leaves")
-    for saved, row in zip(meta["slots"], marked):
-      saved["crc32"] = row
-  targets = [[_target(slot, j) for j in range(len(slot.avals))] for slot in entry.slots]
-  empty = [set(saved.get("empty") or ()) for saved in meta["slots"]]
+    if len(marked) != len(saved) or any(
+        len(row) != len(got["paths"]) for row, got in zip(marked, saved)):
+      raise metas.corrupted(where, name, "its marker holds no digest for some leaves")
+    for got, row in zip(saved, marked):
+      got["crc32"] = row
+  views = metas.views(where, name, saved, entry, mapped)
+  # the checkpoint's tree: per state arg its non-empty leaves (orbax writes
+  # no empty array), each read as the slot leaf it binds, or not at all
+  written = [[j for j in range(len(got["paths"])) if j not in set(got.get("empty") or ())]
+             for got in saved]
+  at = [{j: i for i, j in enumerate(row)} for row in written]
+  tree = [[ocp.PLACEHOLDER] * len(row) for row in written]
+  for slot, view in zip(entry.slots, views):
+    m, index = view["source"]
+    for i, j in enumerate(index):
+      if j in at[m]:
+        tree[m][at[m][j]] = _target(slot, i)
+  # a pytree handler's own reader: its placeholders leave a leaf unread (the
+  # manager's standard handler refuses them); one per read (8 ms) for threads
+  reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
   try:
     with debug_flags.checks_off():  # a nan in the checkpoint is not the read's to report
-      read = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore({
-          "slots": [[t for j, t in enumerate(row) if j not in none]
-                    for row, none in zip(targets, empty)]})))["state"]["slots"]
+      read = reader.restore(os.path.join(path, str(step), "state"), args=(
+          ocp.args.PyTreeRestore(item={"slots": tree}, restore_args=(
+              ocp.checkpoint_utils.construct_restore_args({"slots": tree})))))["slots"]
   except Exception as exc:  # pylint: disable=broad-except
     return _unread(where, path, step, exc)
-  return meta, [_with_empty(row, got, none) for row, got, none in zip(targets, read, empty)]
+  finally:
+    reader.close()
+  rows = []
+  for slot, view in zip(entry.slots, views):
+    m, index = view["source"]
+    rows.append([read[m][at[m][j]] if j in at[m] else
+                 _empty(_target(slot, i)) for i, j in enumerate(index)])
+  return views, rows
 
 
 def _unread(where, path, step, exc):
@@ -510,11 +537,8 @@ def _target(slot, j):
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def _with_empty(targets, read, empty):
-  """A slot's row of leaves: those read, and its zero-size leaves (`empty`:
-  their indices; orbax writes no empty array) made again as their targets."""
-  read = iter(read)
-  return [jax.device_put(np.zeros(t.shape, t.dtype), t.sharding) if j in empty else next(read)
-          for j, t in enumerate(targets)]
+def _empty(target):
+  """A zero-size leaf (orbax writes no empty array) made again as `target`."""
+  return jax.device_put(np.zeros(target.shape, target.dtype), target.sharding)
 
 

@@ -517,18 +517,22 @@ class Session:
     save met, naming every other failed save after it."""
     self._checkpoints.wait()
 
-  def restore(self, graph_id, directory, step=None):
+  def restore(self, graph_id, directory, step=None, state_map=None):
     """Reads checkpoint `step` (None: the newest complete one) of `directory`
     into the graph's state and returns its step. Its structure, shapes and
     dtypes are checked against the state first: what does not fit, or a
-    checkpoint that cannot be read, is an InputError and changes nothing."""
+    checkpoint that cannot be read, is an InputError and changes nothing.
+    `state_map[k]`: the part of the checkpoint the k-th state arg binds - a
+    state arg of the saving graph, or (that arg, a path in it as keystr
+    writes it: an eval graph's params out of a training checkpoint); only
+    those leaves are read."""
     entry = self._entry(graph_id)
     where = f"restore(graph {graph_id} '{entry.name}')"
     state_values.refuse_under_trace(where)  # before the checkpoint is read
     # read and laid out on the slots' devices, under the compile's settings (an
     # x64 graph's checkpoint read with x64 off failed its checksums: a break-it find)
     with spmd.own_context(self.options), settings.restored(entry.settings):
-      step, values = self._checkpoints.restore(entry, where, directory, step)
+      step, values = self._checkpoints.restore(entry, where, directory, step, state_map)
       state_values.rebind(where, lambda: (entry.lock, [
           (f"{where}: state arg {k}", slot, value)
           for k, (slot, value) in enumerate(zip(entry.slots, values))]), (), True)
