@@ -40,7 +40,7 @@ from jaxsession.runtime.batch_rules import (  # the facts and the row rules
     not_along, _param, _partial_slices, _partial_sizes, _windowed, broadcast_in_dim,
     reshape, squeeze, squeeze_uniform, reduction, dot_general, dot_uniform, matmul_bias_add,
     normalization, gather, gather_uniform, scatter, conv_general_dilated, refuse,
-    PaddedBatch, ALL)
+    PaddedBatch, ALL, stack, stack_uniform)
 
 
 # -- control flow: the same table through the sub-jaxprs ------------------------------
@@ -230,6 +230,7 @@ RULES = {
                                 if tuple(map(int, c)) != (0, 0, 0)], "pads"),
     "rev": not_along(_param("dimensions"), "reverses"),
     "concatenate": not_along(_param("dimension"), "concatenates"),
+    "stack": BatchRule(stack, stack_uniform),
     "split": not_along(_param("axis"), "splits"),
     "tile": not_along(lambda e: [d for d, r in enumerate(e.params["reps"]) if r != 1], "tiles"),
     "dot_general": BatchRule(dot_general, dot_uniform),

@@ -234,6 +234,22 @@ def broadcast_in_dim(eqn):
   return [Fact(axis=out, position=ALL if eqn.facts[0].position == ALL else None)]
 
 
+def stack(eqn):
+  """Operands of one shape stacked on a new axis: rows stay rows (moved one
+  axis on where the new axis comes before them), never meeting."""
+  axis = _one_axis(eqn.axes)
+  for i in range(len(eqn.facts)):
+    _rows_at(eqn, i, axis)
+  return [axis + (eqn.params["axis"] <= axis)]
+
+
+def stack_uniform(eqn):
+  """Constant along an axis of every operand: so along it in the stack."""
+  k = eqn.params["axis"]
+  return [Fact(uniform=frozenset(d + (k <= d) for d in range(eqn.rank(0)) if all(
+      constant_along(f, eqn.in_avals[i], d) for i, f in enumerate(eqn.facts))))]
+
+
 def positions(eqn, axis):
   """The output's Fact.position where operands are joined along the last
   axis (concatenate): each operand's position columns, shifted."""

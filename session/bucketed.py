@@ -26,7 +26,7 @@ from absl import logging
 from jax import tree_util
 
 from jaxsession import inputs, tracing
-from jaxsession.errors import InputError, UnknownGraphError
+from jaxsession.errors import InputError, SessionError, UnknownGraphError
 from jaxsession.graph import importer, settings
 from jaxsession.graph.ir import Literal, aval_str
 from jaxsession.optimizer_passes.dce import DeadCodeElimination
@@ -122,7 +122,31 @@ class BucketedGraph:
     `size` rows: (the KernelGraph, the run arguments' examples); under the
     compile's jax settings (a bucket's check at a later run too)."""
     with settings.restored(self.settings):
-      return self._trace(size)
+      try:
+        return self._trace(size)
+      except SessionError:
+        raise
+      except Exception as exc:  # pylint: disable=broad-except  (fn's own, at `size` rows)
+        raise InputError(
+            f"compile({self.name}): fn traced with the bucketed arguments at {size} rows "
+            f"(a row count of the padding analysis: its probes, the buckets) fails: "
+            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0].rstrip('.')}; an "
+            f"array with the batch's rows that is not bucketed ({self._row_partners()}) "
+            "cannot follow the padding: bucket a run argument too, or compile without "
+            "buckets=") from exc
+
+  def _row_partners(self):
+    """The leaves of the run arguments that are not bucketed whose leading
+    axis is the bucketed examples' row count, named (or what else it is)."""
+    rows = {np.shape(x)[0] for p in self.positions
+            for x in tree_util.tree_leaves(self.example_args[p]) if np.shape(x)}
+    named = [f"{'state ' if p in self.state_nums else ''}argument {p}"
+             f"{tree_util.keystr(path)}" for p in range(len(self.example_args))
+             if p not in self.positions
+             for path, x in tree_util.tree_flatten_with_path(self.example_args[p])[0]
+             if np.ndim(x) and np.shape(x)[0] in rows]
+    return ("here: " + ", ".join(named[:4])) if named else \
+        "an array fn closes over, a reshape to fixed sizes?"
 
   def _trace(self, size):
     examples = self.examples(size)
@@ -481,6 +505,10 @@ def program_signature(graph, rows, as_="B"):
                     for v in node.inputs)
     outs = name(", ".join(aval_str(o.aval) for o in node.outputs))
     lines.append(f"{node.op}[{params}]({ins}) -> {outs}")
+  # an output that is a literal: the row count returned or made the new state
+  # (`return loss, x.shape[0]`) is in no node (a break-it find: the bucket's)
+  lines.append("outputs " + ", ".join(repr(v) if isinstance(v, Literal) else
+                                      name(aval_str(v.aval)) for v in graph.outputs))
   for v in graph.inputs_of_kind("const"):  # an array built from the row count differs too
     c = graph.const_values[v.id]
     if jax.dtypes.issubdtype(getattr(c, "dtype", np.float32), jax.dtypes.extended):
