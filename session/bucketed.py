@@ -307,18 +307,20 @@ class BucketedGraph:
     if limit and len(self.sizes) >= limit:
       logging.warning(
           "graph '%s': %d distinct batch sizes compiled for the bucketed argument(s) at "
-          "position(s) %s (recompile_warn_limit=%d), the latest %d; sizes %s. Give "
-          "buckets covering them, or 'auto'.", self.name, len(self.sizes),
-          sorted(self.positions), limit, size, sorted(self.sizes))
+          "position(s) %s (recompile_warn_limit=%d), the latest %d; sizes %s. %s",
+          self.name, len(self.sizes), sorted(self.positions), limit, size,
+          sorted(self.sizes), "Raise max_buckets or give bucket_sizes_hint (the traffic "
+          "outgrew the learned buckets)." if self.policy.auto else
+          "Give buckets covering them, or 'auto'.")
 
   # -- run ------------------------------------------------------------------
   def batch_size(self, args, axis):
     """The rows of the bucketed arguments, checked against the example's
     dtypes and trailing shapes before any size is chosen or compiled."""
-    sizes = set()
+    sizes = {}  # size -> the first leaf of that many rows, named
     for i in self.run_index:  # precheck saw the arity and the structures
-      leaves = tree_util.tree_leaves(args[i])
-      for leaf, want in zip(leaves, self.example_avals[i]):
+      pairs = tree_util.tree_flatten_with_path(args[i])[0]
+      for (path, leaf), want in zip(pairs, self.example_avals[i]):
         shape = tuple(jax.numpy.shape(leaf))
         dtype = getattr(leaf, "dtype", None)
         # (a numpy int64 or float64 array is taken as jax.jit takes it: as the
@@ -332,11 +334,13 @@ class BucketedGraph:
               f"{self.positions[self.run_index.index(i)]} of the function) has a leaf "
               f"{got}; expected {want.dtype}[{', '.join(['n', *map(str, want.shape[1:])])}] "
               f"with the batch on axis {axis}")
-        sizes.add(shape[axis])
+        sizes.setdefault(shape[axis], f"argument {i} at path "
+                                      f"{tree_util.keystr(path) or '(root)'}")
     if len(sizes) > 1:
-      raise InputError(f"{self.where}: the bucketed arguments disagree on "
-                       f"the batch size: {sorted(sizes)}")
-    return sizes.pop()
+      raise InputError(f"{self.where}: the bucketed arguments disagree on the batch size "
+                       f"(axis {axis}): " + ", ".join(f"{n} rows in {leaf}"
+                                                      for n, leaf in sorted(sizes.items())))
+    return next(iter(sizes))
 
   def precheck(self, args, steps):
     """What the bucket's run would refuse, refused first - the arity, each

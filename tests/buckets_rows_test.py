@@ -43,6 +43,16 @@ class RowCountTest(absltest.TestCase):
         self.assertEqual(got.dtype, want.dtype)
     self.assertEqual(sorted(sess.report(gid).buckets.sizes), [4, 8])
 
+  def test_a_disagreeing_batch_names_each_leaf(self):
+    sess, fn = js.Session(), lambda p: p["a"] + p["b"]
+    gid = sess.compile(fn, {"a": _rows(8), "b": _rows(8)}, buckets={0: [4, 8]})
+    with self.assertRaisesRegex(InputError, r"disagree on the batch size \(axis 0\): 3 rows "
+                                r"in argument 0 at path \['a'\], 5 rows in argument 0 at "
+                                r"path \['b'\]"):
+      sess.run(gid, {"a": _rows(3), "b": _rows(5)})
+    got = sess.run(gid, {"a": _rows(5), "b": _rows(5, seed=2)})
+    np.testing.assert_array_equal(got, jax.jit(fn)({"a": _rows(5), "b": _rows(5, seed=2)}))
+
 
 class ProbeFailureTest(absltest.TestCase):
 
