@@ -184,7 +184,7 @@ def views(where, name, saved, entry, mapped):
                        f"which holds {len(saved)}")
     got, at = saved[m], f"state arg {m}" + (f" at {prefix}" if prefix else "")
     under, mine = _under(got["paths"], prefix), paths(slot)
-    if not under:
+    if not under and mine:  # (a slot of no leaves - {}, optax's EmptyState - binds none)
       raise InputError(f"{where}: {name} has no path {prefix} in state arg {m} (its "
                        f"leaves: {', '.join(got['paths'][:4]) or 'none'}"
                        f"{', ...' if len(got['paths']) > 4 else ''})")
