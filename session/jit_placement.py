@@ -63,3 +63,14 @@ def off_the_programs_devices(executables, leaf_keys):
     for sharding in jax.tree.leaves((exe.input_shardings, exe.output_shardings)):
       devices |= sharding.device_set
   return any(devices and s.device_set != devices for s in committed)
+
+
+def donates(donated, args, kwargs):
+  """Whether a call donates an array: a leaf at a donated position or name
+  (`donated`: the resolved (positions, names), None: none donated)."""
+  if donated is None:
+    return False
+  nums, names = donated
+  n = len(args)
+  return any(jax.tree_util.tree_leaves(args[i]) for i in nums if -n <= i < n) or any(
+      jax.tree_util.tree_leaves(v) for k, v in kwargs.items() if k in names)

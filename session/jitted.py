@@ -33,8 +33,10 @@ jax.jit does - arguments committed to other devices or sharded, a jax.Ref
 (or another leaf that is no array, as flax's hijax Variables) taken or
 closed over, a 64-bit array after x64 was turned off, an unhashable
 function - is jax.jit's call. `jax.clear_caches()` releases every graph, as it drops
-jax.jit's executables. Given any other jax.jit option (donate_argnums,
-shardings, inline, ...) `jit` returns jax.jit itself.
+jax.jit's executables. Given `donate_argnums`/`donate_argnames`, a call
+that donates an array is jax.jit's (which donates it), one that donates
+none (an empty pytree there) the session's. Given any other jax.jit option
+(shardings, inline, ...) `jit` returns jax.jit itself.
 """
 import functools
 import inspect
@@ -89,14 +91,14 @@ def _as_tuple(nums, what, kind):
   return nums
 
 
-def _resolve_statics(fn, argnums, argnames):
+def _resolve_statics(fn, argnums, argnames, what="static"):
   """(static positions, static names), one completed from the other through
   fn's signature where it is None, as jax.jit does (a static name of a
   positional parameter makes that position static, and the other way round;
   given both, jax.jit takes them as they are: so does this, a review's find)."""
   complete_nums, complete_names = argnums is None, argnames is None
-  argnums = _as_tuple(argnums, "static_argnums", numbers.Integral)
-  argnames = _as_tuple(argnames, "static_argnames", str)
+  argnums = _as_tuple(argnums, f"{what}_argnums", numbers.Integral)
+  argnames = _as_tuple(argnames, f"{what}_argnames", str)
   try:
     params = list(inspect.signature(fn).parameters.values())
   except (TypeError, ValueError):  # no signature (a builtin): take them as given
@@ -189,7 +191,8 @@ class _CallSlot:
 class Jitted:
   """What `jit` returns: call it as `fn`."""
 
-  def __init__(self, fn, static_argnums, static_argnames, session):
+  def __init__(self, fn, static_argnums, static_argnames, session, donate_argnums=None,
+               donate_argnames=None):
     if not callable(fn):  # jax.jit's own TypeError ("Expected a callable value, got 3")
       real_jit(fn)
       raise TypeError(f"Expected a callable value, got {fn!r}")
@@ -212,13 +215,21 @@ class Jitted:
     # the statics as given, None where not: jax.jit (whose default it is) then
     # completes the one from the other, as _resolve_statics does (given (),
     # a static passed the other way was traced: a user's find)
+    self._donate = {k: v for k, v in (("donate_argnums", donate_argnums),
+                                      ("donate_argnames", donate_argnames)) if v is not None}
     self._traced = real_jit(fn, static_argnums=static_argnums,
-                            static_argnames=static_argnames)
+                            static_argnames=static_argnames, **self._donate)
     self._static_nums, self._static_names = _resolve_statics(fn, static_argnums,
                                                              static_argnames)
+    # a call that donates no array runs in the session (equinox's filter_jit
+    # donates its first argument, an empty dict unless asked to: routed, it
+    # was jax.jit's); one that does is jax.jit's, which donates
+    self._donated = _resolve_statics(fn, donate_argnums, donate_argnames, "donate") \
+        if self._donate else None
     self._argnums, self._argnames = static_argnums, static_argnames
     self._session = session  # held here; the shared graphs hold it weakly
-    self._sigs = jit_cache.acquire(fn, (self._static_nums, self._static_names), session)
+    self._sigs = jit_cache.acquire(fn, (self._static_nums, self._static_names,
+                                        self._donated), session)
     weakref.finalize(self, jit_cache.dropped, self._sigs)
     # a call of a signature whose graph the front runs itself costs what jax.jit's
     # does (benchmarks/dispatch.py's js.jit rows); the front passes it the
@@ -279,7 +290,8 @@ class Jitted:
   def __reduce__(self):  # pickled as jax.jit's is: the function and its statics,
     # compiled again where it is loaded (in the default Session there: a Session,
     # its executables and locks are no picklable value)
-    return (jit, (self._fn, self._argnums, self._argnames))
+    return (functools.partial(jit, **self._donate), (self._fn, self._argnums,
+                                                     self._argnames))
 
   def _split(self, args, kwargs):
     """(static key, dynamic positional args, dynamic keyword args)."""
@@ -391,7 +403,8 @@ class Jitted:
     signature. Arguments committed to the session's device and uncommitted
     ones trace one program (jax.jit traces it once: a break-it find): the
     graph of the signature with every argument uncommitted serves both."""
-    if placement.placed_elsewhere(key[2], self.session, key[4]) or _jax_only(self._fn, key[2]):
+    if placement.placed_elsewhere(key[2], self.session, key[4]) or _jax_only(
+        self._fn, key[2]) or placement.donates(self._donated, args, dyn_kw):
       return _JAX, None
     sigs = self._sigs
     home = key[:2] + (tuple(k[:2] + (None,) for k in key[2]),) + key[3:]
@@ -539,14 +552,18 @@ def jit(fn=_NO_FN, static_argnums=None, static_argnames=None, session=None, **ja
   """A drop-in for `jax.jit(fn, static_argnums, static_argnames)` that
   compiles per argument signature in `session` (default: one Session per
   process) and runs there; see the module docstring. `jit(static_argnums=..)`
-  without fn returns a decorator. With any other option of jax.jit's
-  (`donate_argnums`, shardings, `inline`, ...: what libraries pass when
+  without fn returns a decorator. `donate_argnums`/`donate_argnames`: a call
+  donating an array is jax.jit's (see the module docstring). With any other
+  option of jax.jit's (shardings, `inline`, ...: what libraries pass when
   `jax.jit = jaxsession.jit` routes a whole program) it is jax.jit itself,
   given those options; jax.jit refuses the ones it does not know. The
   statics default to None, as jax.jit's: jax.jit completes one from the
   other only where that one is None (given (), `static_argnums=1` with the
   argument passed by name traced it: a review's find)."""
+  donated = {k: jax_options.pop(k) for k in ("donate_argnums", "donate_argnames")
+             if k in jax_options}
   if jax_options:
+    jax_options.update(donated)
     if session is not None:
       raise InputError(f"jaxsession.jit: session= with jax.jit's options "
                        f"{sorted(jax_options)}, which only jax.jit takes (it runs outside "
@@ -558,5 +575,5 @@ def jit(fn=_NO_FN, static_argnums=None, static_argnames=None, session=None, **ja
                         jit, static_argnums=static_argnums, static_argnames=static_argnames,
                         **jax_options)
   if fn is _NO_FN:
-    return lambda f: Jitted(f, static_argnums, static_argnames, session)
-  return Jitted(fn, static_argnums, static_argnames, session)
+    return lambda f: Jitted(f, static_argnums, static_argnames, session, **donated)
+  return Jitted(fn, static_argnums, static_argnames, session, **donated)

@@ -555,7 +555,8 @@ class JitTest(absltest.TestCase):
     with self.assertRaises(TypeError):  # an option jax.jit does not know: its own error
       js.jit(step, donate_argnum=0)
     with self.assertRaisesRegex(js.InputError, "session= with jax.jit's options"):
-      js.jit(step, session=js.Session(), donate_argnums=0)
+      js.jit(step, session=js.Session(), inline=True)  # (donation is the wrapper's:
+      # jit_wrappers_test.py DonationTest)
 
   @pytest.mark.slow  # a subprocess
   def test_libraries_imported_with_jax_jit_rebound(self):

@@ -228,5 +228,65 @@ class StaticsCompletedTest(absltest.TestCase):
         js.jit(g, **both)(x, n=3)
 
 
+
+class DonationTest(absltest.TestCase):
+  """Given donate_argnums/donate_argnames, a call that donates no array runs
+  in the session, one that donates is jax.jit's, which donates it:
+  equinox's filter_jit (jax.jit(..., donate_argnums=0) of an empty dict
+  unless asked to donate) ran as jax.jit under `jax.jit = jaxsession.jit`."""
+
+  def test_a_call_donating_nothing_runs_in_the_session(self):
+    fn = lambda d, x: (x * 2.0 + 1.0, jax.tree.map(jnp.sin, d))  # noqa: E731
+    for donated in ({"donate_argnums": 0}, {"donate_argnames": "d"}):
+      with self.subTest(**donated):
+        f, x = js.jit(fn, session=js.Session(), **donated), _x(6)
+        assert_same_bits(f({}, x), jax.jit(fn)({}, x))
+        self.assertLen(f.graph_ids, 1)
+        d = {"a": _x(3)}
+        want = jax.jit(fn)(d, x)
+        got = f(d, x)  # donates d["a"]: jax.jit's call, which deletes it
+        assert_same_bits(got, want)
+        self.assertTrue(d["a"].is_deleted())
+        self.assertLen(f.graph_ids, 1)
+        with self.assertRaisesRegex((RuntimeError, ValueError), "deleted"):
+          f(d, x)  # as jax.jit's own
+
+  def test_equinox_filter_jit_routed_through_jaxsession_jit(self):
+    import equinox as eqx  # pylint: disable=import-outside-toplevel
+    from unittest import mock  # pylint: disable=import-outside-toplevel
+    model = eqx.nn.MLP(4, 2, 16, 2, key=jax.random.key(0))
+    x = _x(8, 4).at[1, 1].set(jnp.nan)
+
+    def made(name):  # equinox caches its jax.jit by the function's names
+      def step(m, x):
+        value, grads = eqx.filter_value_and_grad(
+            lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))(m, x)
+        return value, eqx.apply_updates(m, jax.tree.map(lambda g: -0.1 * g, grads))
+      step.__qualname__ = step.__name__ = name
+      return step
+    want = eqx.filter_jit(made("plain_step"))(model, x)
+    sess = js.Session()
+    with mock.patch.object(jax, "jit", functools.partial(js.jit, session=sess)):
+      routed = eqx.filter_jit(made("routed_step"))
+      got = [routed(model, x) for _ in range(2)]
+      donating = eqx.filter_jit(made("donating_step"), donate="all")
+      copy_ = jax.tree.map(lambda a: a + 0 if eqx.is_array(a) else a, model)
+      donated = donating(copy_, x)
+    for out in (*got, donated):
+      assert_same_bits(out, want)
+    self.assertTrue(all(a.is_deleted() for a in jax.tree.leaves(copy_)
+                        if isinstance(a, jax.Array)))
+    self.assertLen(sess._graphs, 1)  # pylint: disable=protected-access  (the routed step's)
+
+  def test_a_wrapper_pickles_with_its_donation(self):
+    import operator  # pylint: disable=import-outside-toplevel
+    import pickle  # pylint: disable=import-outside-toplevel
+    f = pickle.loads(pickle.dumps(js.jit(operator.neg, donate_argnums=0)))
+    x = _x(3)
+    want = -x
+    assert_same_bits(f(x), want)
+    self.assertTrue(x.is_deleted())
+
+
 if __name__ == "__main__":
   absltest.main()
