@@ -264,7 +264,9 @@ def check_steps(steps):
   (Python or numpy), not a bool, a float or a string."""
   if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
     raise InputError(f"run: steps must be a positive int, got {steps!r} "
-                     f"({type(steps).__name__})")
+                     f"({type(steps).__name__})" + (
+                         "; zero steps leave the state as it is: skip the call"
+                         if isinstance(steps, numbers.Integral) and steps == 0 else ""))
   return int(steps)
 
 

