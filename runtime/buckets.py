@@ -279,7 +279,14 @@ def pad_rows(x, size, axis):
   it in as it copies any host argument. The padding analysis proves no pad
   row reaches a real one, so any value would do; copies of a real row compute
   what that row computes, so no nan or inf appears that jax.jit on the exact
-  shape would not meet (jax_debug_nans: 0 * log(0) on zero rows raised)."""
+  shape would not meet (jax_debug_nans: 0 * log(0) on zero rows raised).
+  Typed PRNG keys are padded as their key data (a key per row)."""
+  import jax  # kept local: the policy above is plain Python
+  if _is_key(x):
+    if x.shape[axis] == size:
+      return x
+    return jax.random.wrap_key_data(pad_rows(jax.random.key_data(x), size, axis),
+                                    impl=jax.random.key_impl(x))
   x = np.asarray(x)
   n = x.shape[axis]
   if n == size:
@@ -304,5 +311,13 @@ def slice_rows(x, n, axis):
   index = [slice(None)] * np.ndim(x)
   index[axis] = slice(0, n)
   device = next(iter(x.devices())) if isinstance(x, jax.Array) else None
+  if _is_key(x):  # (a key per row: its data sliced)
+    return jax.random.wrap_key_data(slice_rows(jax.random.key_data(x), n, axis),
+                                    impl=jax.random.key_impl(x))
   return jax.device_put(np.array(np.asarray(x)[tuple(index)]), device)  # a private copy
+
+
+def _is_key(x):
+  import jax  # kept local: the policy above is plain Python
+  return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 

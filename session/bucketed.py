@@ -97,8 +97,8 @@ class BucketedGraph:
           if not aval.shape or not _paddable(aval.dtype):
             raise InputError(f"compile({self.name}): bucketed argument at position "
                              f"{position}, leaf {tree_util.keystr(path) or '(root)'}, "
-                             f"is {aval.str_short()}: only numeric or bool arrays with a "
-                             "batch axis can be padded")
+                             f"is {aval.str_short()}: only numeric, bool or PRNG key arrays "
+                             "with a batch axis can be padded")
           dynamic[leaf_ids[first]] = 0
           first += 1
       else:
@@ -326,7 +326,8 @@ class BucketedGraph:
         # (a numpy int64 or float64 array is taken as jax.jit takes it: as the
         # default int or float without x64; a break-it find: refused)
         if len(shape) <= axis or shape[axis + 1:] != tuple(want.shape[1:]) or (
-            dtype is not None and jax.dtypes.canonicalize_dtype(dtype) != np.dtype(want.dtype)):
+            dtype is not None and jax.dtypes.canonicalize_dtype(
+                dtype, allow_extended_dtype=True) != want.dtype):
           got = (f"{dtype}{list(shape)}" if dtype is not None else
                  f"a Python {type(leaf).__name__} ({leaf!r})")
           raise InputError(
@@ -444,10 +445,11 @@ def compile_bucketed(session, fn, example_args, kwargs, name, buckets, max_bucke
 
 def _paddable(dtype):
   """Numeric or bool, ml_dtypes' included (bfloat16 and the float8s are numpy
-  kind 'V'); not extended dtypes (PRNG keys)."""
+  kind 'V'), or typed PRNG keys (a key per row: padded as their data)."""
   try:
     return bool(jax.numpy.issubdtype(dtype, jax.numpy.number)
-                or jax.numpy.issubdtype(dtype, jax.numpy.bool_))
+                or jax.numpy.issubdtype(dtype, jax.numpy.bool_)
+                or jax.numpy.issubdtype(dtype, jax.dtypes.prng_key))
   except TypeError:
     return False
 

@@ -107,5 +107,36 @@ class RowWiseStackTest(absltest.TestCase):
       sess.compile(lambda x: jnp.stack([x, -x], 1).sum(0), _rows(8), buckets={0: [4, 8]})
 
 
+class KeyPerRowTest(absltest.TestCase):
+
+  def test_a_key_per_row_pads_as_its_data(self):
+    # refused before ("only numeric or bool arrays"): a request's own key,
+    # as a server samples each request with
+    from jaxsession.runtime import buckets as policy_lib  # pylint: disable=import-outside-toplevel
+
+    def sample(req, x):
+      noise = jax.vmap(lambda k, x: jax.random.normal(k, x.shape))(req["key"], x)
+      return x + noise * req["scale"], jax.vmap(lambda k: jax.random.split(k)[0])(req["key"])
+    keys = jax.random.split(jax.random.key(5), 8)
+    scale = np.random.default_rng(4).standard_normal(8).astype(np.float32)[:, None]
+    sess = js.Session()
+    gid = sess.compile(sample, {"key": keys, "scale": scale}, _rows(8),
+                       buckets={0: [4, 8], 1: [4, 8]})
+    for n in (2, 3, 5, 8):
+      req, x = {"key": keys[:n], "scale": scale[:n]}, _rows(n)
+      got, new_keys = sess.run(gid, req, x)
+      size = 4 if n <= 4 else 8
+      padded = jax.tree.map(lambda a: policy_lib.pad_rows(a, size, 0), (req, x))
+      want, want_keys = jax.jit(sample)(*padded)
+      # a transcendental's bits are the bucket's (numerics.md): jax.jit there, sliced
+      np.testing.assert_array_equal(got, want[:n])
+      exact_keys = jax.jit(sample)(req, x)[1]
+      self.assertEqual((new_keys.dtype, new_keys.shape), (exact_keys.dtype, exact_keys.shape))
+      np.testing.assert_array_equal(jax.random.key_data(new_keys),
+                                    jax.random.key_data(exact_keys))
+      np.testing.assert_array_equal(jax.random.key_data(new_keys),
+                                    jax.random.key_data(want_keys)[:n])
+
+
 if __name__ == "__main__":
   absltest.main()
