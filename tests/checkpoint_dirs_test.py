@@ -4,7 +4,6 @@ steps, a user's folder or file, "0042", '²', a step renamed "0005", a link
 to another run's step) are kept, counted in the order of steps and named
 as they are; only a step the session wrote, named as str(step), restores."""
 import os
-import tempfile
 
 from absl.testing import absltest
 import jax.numpy as jnp
@@ -12,15 +11,10 @@ import numpy as np
 
 import jaxsession as js
 from exact import assert_equal_signed
+from tempdirs import TempDirTest
 
 
-class CheckpointDirectoryTest(absltest.TestCase):
-
-  def setUp(self):
-    super().setUp()
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.dir = tmp.name
+class CheckpointDirectoryTest(TempDirTest):
 
   def test_other_writers_step_folders_are_kept(self):
     # orbax's own checkpoints and a user's folder named like a step, in the

@@ -4,7 +4,6 @@ graph the params out of a training checkpoint (a flax TrainState's
 those leaves; a bad map is an InputError that changes nothing."""
 import json
 import os
-import tempfile
 from unittest import mock
 
 from absl.testing import absltest
@@ -20,6 +19,7 @@ import jaxsession as js
 from jaxsession import checkpoint_steps
 from jaxsession.errors import InputError
 from subproc import run_json
+from tempdirs import TempDirTest
 
 
 class Net(nn.Module):
@@ -54,13 +54,10 @@ def leaf_bytes(tree):
   return [np.asarray(x).tobytes() + str(x.dtype).encode() for x in jax.tree.leaves(tree)]
 
 
-class StateMapTest(absltest.TestCase):
+class StateMapTest(TempDirTest):
 
   def setUp(self):
     super().setUp()
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.dir = tmp.name
     self.sess = js.Session()
     params = NET.init(jax.random.key(1), batch(0))
     self.state = train_state.TrainState.create(apply_fn=NET.apply, params=params,

@@ -20,6 +20,7 @@ import optax
 import jaxsession as js
 from jaxsession import checkpoint_digests, checkpoint_meta, checkpoint_steps, checkpoints
 from subproc import run_json
+from tempdirs import TempDirTest
 from exact import assert_equal_signed
 
 TX = optax.adamw(1e-2)
@@ -49,13 +50,7 @@ def state_bytes(sess, gid):
           for x in jax.tree.leaves(sess.get_state(gid))]
 
 
-class CheckpointTest(absltest.TestCase):
-
-  def setUp(self):
-    super().setUp()
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.dir = tmp.name
+class CheckpointTest(TempDirTest):
 
   def test_save_restore_train_on_equals_no_break(self):
     p, o, k, xs = examples()

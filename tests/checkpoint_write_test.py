@@ -15,6 +15,7 @@ import numpy as np
 import jaxsession as js
 from jaxsession import checkpoint_steps
 from subproc import run_json
+from tempdirs import TempDirTest
 from exact import assert_equal_signed
 
 
@@ -186,13 +187,10 @@ def _flip_middle_byte(step_dir):
     f.write(data)
 
 
-class DigestsTest(absltest.TestCase):
+class DigestsTest(TempDirTest):
 
   def setUp(self):
     super().setUp()
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.dir = tmp.name
     self.w = np.random.default_rng(2).standard_normal(1000).astype(np.float32)
     self.w[:3] = [-0.0, np.nan, np.inf]
     self.step = lambda s, x: (s + x, jnp.sum(x))
