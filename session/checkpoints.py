@@ -317,7 +317,7 @@ class Checkpointer:
         raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
       mapped[0] = metas.sources(where, state_map, len(entry.slots))
     mapped = [None]
-    path = _agreed_path(where, directory, asked, checks)
+    path = _agreed_path(where, directory, asked, checks, lambda: repr(mapped[0]))
     # the pending saves written (their errors stay for wait/save), and every
     # other Session's of this process there
     self.until_written(everything=False)
@@ -362,15 +362,16 @@ def _step_number(step):
   return number if number >= 0 else None
 
 
-def _agreed_path(where, directory, step, checks):
+def _agreed_path(where, directory, step, checks, also=lambda: ""):
   """The absolute path of `directory` once `checks()` passed: alike on every
-  process, with the same directory and step, or an error on each (orbax's
-  collectives waited forever for a process that refused)."""
+  process, with the same directory and step (and `also()`: a restore's
+  state map), or an error on each (orbax's collectives waited forever for a
+  process that refused)."""
   def checked():
     checks()
     return _local_path(where, directory)
-  return processes.agreed(where, checked, lambda path: zlib.crc32(f"{path}|{step}".encode()),
-                          "directories or steps")
+  return processes.agreed(where, checked, lambda path: zlib.crc32(
+      f"{path}|{step}|{also()}".encode()), "directories, steps or state maps")
 
 
 def _check_after(where, path, step, before):

@@ -93,6 +93,23 @@ elif mode == "unwritable":  # process 0's claim file cannot be written (remounte
   sess.save(gid, directory, 2)  # and the directory takes saves again
   sess.wait_until_saved()
   out["steps"] = sorted(js.checkpoint_steps.complete_steps(directory))
+elif mode == "partial":  # a part of the checkpoint into another graph's slots
+  n = np.int32(3)
+  both = sess.compile(lambda s: ({"w": s["w"] * 1.5 + 1.0, "n": s["n"] + 1}, jnp.sum(s["w"])),
+                      {"w": w, "n": n}, state_argnums=0, state_specs="zero")
+  sess.run(both)
+  sess.save(both, directory, 1)
+  sess.wait_until_saved()
+  saved = np.asarray(jax.experimental.multihost_utils.process_allgather(
+      sess.get_state(both)[0]["w"], tiled=True)).tolist()
+  out["restored"] = sess.restore(gid, directory, state_map=[(0, "['w']")])
+  out["equal"] = held() == saved
+  try:  # maps that differ between the processes: refused on both, never a hang
+    sess.restore(gid, directory, state_map=[(0, "['w']") if pid else (0, "['n']")])
+    out["differ"] = None
+  except js.InputError as exc:
+    out["differ"] = str(exc)
+  out["unchanged"] = held() == saved
 else:  # another writer saves into the directory now
   try:
     sess.save(gid, directory, 1)
@@ -127,10 +144,20 @@ class TwoProcessCheckpointTest(absltest.TestCase):
       p0, p1 = self._run(d, "differ")
       for out in (p0, p1):
         for name in ("save_steps", "restore_steps"):
-          self.assertIn("the 2 processes pass other directories or steps", out[name] or "")
+          self.assertIn("the 2 processes pass other directories, steps or state maps",
+                        out[name] or "")
         self.assertEqual(out["restored"], 7)
       self.assertIn("refused on process(es) [1] of 2", p0["save_bad_on_one"] or "")
       self.assertIn("step must be an int >= 0, got -1", p1["save_bad_on_one"] or "")
+
+  def test_a_part_of_a_checkpoint_restores_on_every_process(self):
+    with tempfile.TemporaryDirectory() as d:
+      for out in self._run(d, "partial"):
+        self.assertEqual(out["restored"], 1)
+        self.assertTrue(out["equal"])
+        self.assertIn("the 2 processes pass other directories, steps or state maps",
+                      out["differ"] or "")
+        self.assertTrue(out["unchanged"])
 
   def test_a_directory_in_use_is_refused_on_every_process(self):
     with tempfile.TemporaryDirectory() as d:
