@@ -79,8 +79,8 @@ class ProbeFailureTest(absltest.TestCase):
   def test_a_bucket_too_large_to_pad_is_an_input_error(self):
     # numpy's raw MemoryError before (a judge's find); smaller batches still run
     sess, fn = js.Session(), lambda x: x * 2
-    gid = sess.compile(fn, _rows(4), buckets={0: [4, 2**40]})
-    with self.assertRaisesRegex(InputError, r"bucket of 1099511627776 rows needs more host "
+    gid = sess.compile(fn, _rows(4), buckets={0: [4, 2**50]})  # (past any address space)
+    with self.assertRaisesRegex(InputError, r"bucket of 1125899906842624 rows needs more host "
                                 "memory"):
       sess.run(gid, _rows(5))
     np.testing.assert_array_equal(sess.run(gid, _rows(3)), jax.jit(fn)(_rows(3)))
