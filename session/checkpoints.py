@@ -60,9 +60,7 @@ def _ocp():
   except RuntimeError as exc:  # first imported in an atexit function (a judge's find)
     if "after shutdown" not in str(exc):
       raise
-    raise ImportError("Session.save/restore: orbax-checkpoint cannot be imported while the "
-                      f"interpreter shuts down ({exc}); import orbax.checkpoint before "
-                      "(at the top of the program)") from exc
+    raise writer_thread.shutting_down("Session.save/restore") from None
   finally:
     left_critical = True
     interrupts.leave(lending)
@@ -140,6 +138,7 @@ class Checkpointer:
     def checks():
       if number is None:
         raise InputError(f"{where}: step must be an int >= 0, got {step!r}")
+      writer_thread.refuse_at_shutdown(where)
       if any(slot.unset for slot in entry.slots):
         raise InputError(f"{where}: the state is unset (compiled from jax.ShapeDtypeStruct "
                          "examples; set_state or restore binds it)")
@@ -315,6 +314,7 @@ class Checkpointer:
     def checks():
       if step is not None and asked is None:
         raise InputError(f"{where}: step must be an int >= 0 or None, got {step!r}")
+      writer_thread.refuse_at_shutdown(where)
       mapped[0] = metas.sources(where, state_map, len(entry.slots))
     mapped = [None]
     path = _agreed_path(where, directory, asked, checks, lambda: repr(mapped[0]))

@@ -439,6 +439,8 @@ class Jitted:
     the later ones as jax.jit's own call does (through Python they cost twice
     jax.jit's dispatch: a judge's find). One the front cannot run (effects,
     host callbacks) is jax.jit's call from then on."""
+    if jax.config.jax_debug_nans or jax.config.jax_debug_infs:  # jax.jit's call and
+      return self._traced(*args, **kwargs)  # its de-optimized one (a judge's find)
     compiled = self._traced.lower(*args, **kwargs).compile()
     out = compiled(*dyn_args, **dyn_kw)  # (without the statics)
     data = fastpath(compiled, out, n)
