@@ -92,13 +92,13 @@ class BucketedGraph:
     for i, (position, arg) in enumerate(zip(self.dyn_nums, dyn_args)):
       pairs = tree_util.tree_flatten_with_path(arg)[0]
       if i in self.run_index:
-        for path, leaf in pairs:
+        for j, (path, leaf) in enumerate(pairs):
           aval = jax.api_util.shaped_abstractify(leaf)
-          if not aval.shape or not _paddable(aval.dtype):
+          if not aval.shape or not _paddable(aval.dtype):  # (named as given: not the probe's)
             raise InputError(f"compile({self.name}): bucketed argument at position "
                              f"{position}, leaf {tree_util.keystr(path) or '(root)'}, "
-                             f"is {aval.str_short()}: only numeric, bool or PRNG key arrays "
-                             "with a batch axis can be padded")
+                             f"is {self.example_avals[i][j].str_short()}: only numeric, bool "
+                             "or PRNG key arrays with a batch axis can be padded")
           dynamic[leaf_ids[first]] = 0
           first += 1
       else:

@@ -147,5 +147,12 @@ class KeyPerRowTest(absltest.TestCase):
                                     jax.random.key_data(want_keys)[:n])
 
 
+  def test_no_numbers_to_pad_are_refused(self):
+    with self.assertRaisesRegex(InputError, r"float0\[4\]: only numeric, bool or PRNG key "
+                                "arrays"):
+      js.Session().compile(lambda s, v: v * 2, np.zeros(4, jax.dtypes.float0), jnp.ones(4),
+                           buckets={0: [4, 8]})
+
+
 if __name__ == "__main__":
   absltest.main()
