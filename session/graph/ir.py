@@ -196,6 +196,7 @@ class KernelGraph:
     # (pass name, text) per node a pass removed: how its results are computed
     # now (dump() lists them: a fold, a merge or a rewrite is a decision too)
     self.removed = []
+    self.rules_described = set()  # pattern rules whose pattern `removed` spelled out once
     self._ids = itertools.count()
 
   # -- construction -------------------------------------------------------
