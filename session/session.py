@@ -581,7 +581,7 @@ class Session:
   def executables(self, graph_id):
     """The graph's compiled executables (jax.stages.Compiled), one per device
     partition in partition order; their HLO is `.as_text()`. A bucketed
-    graph's are its first bucket's."""
+    graph's are those of the bucket its compile examples fall in."""
     return list(self._entry(graph_id).executables)
 
   def _entry(self, graph_id):

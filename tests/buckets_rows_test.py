@@ -147,6 +147,12 @@ class KeyPerRowTest(absltest.TestCase):
                                     jax.random.key_data(want_keys)[:n])
 
 
+  def test_the_executables_listed_are_the_examples_buckets(self):
+    sess = js.Session()
+    gid = sess.compile(lambda x: x * 2, _rows(3), buckets={0: [2, 4, 8]})
+    (exe,) = sess.executables(gid)
+    self.assertEqual(jax.tree.leaves(exe.in_avals)[0].shape, (4, 3))
+
   def test_no_numbers_to_pad_are_refused(self):
     with self.assertRaisesRegex(InputError, r"float0\[4\]: only numeric, bool or PRNG key "
                                 "arrays"):
