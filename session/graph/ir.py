@@ -185,18 +185,17 @@ class KernelGraph:
     self.compiler_options = None  # XLA options every executable is compiled with
     self.allreduce_plan = None    # HardwareOptimize under a mesh: runtime.allreduce plan
     self.schedule = None          # HardwareOptimize: reorder's decision (partition order)
-    # the ids of the inputs jax.jit's own DCE keeps (importer, for js.jit,
-    # which commits outputs by them); None: not asked
-    self.read_before_rewrites = None
+    # the ids of the inputs jax.jit's DCE keeps (importer, for js.jit's commits)
+    self.read_before_rewrites = None  # (None: not asked)
     self.lays_out = False  # the traced program lays out values (jax_api.lays_out)
     # a nan (inf) the debug flags find in a run is explained by replaying the
     # graph op by op (executor.special_value); False for js.jit's graphs,
     # where jax.jit's de-optimized call of fn explains it
     self.replays_specials = True
-    # (pass name, text) per node a pass removed: how its results are computed
-    # now (dump() lists them: a fold, a merge or a rewrite is a decision too)
-    self.removed = []
-    self.rules_described = set()  # pattern rules whose pattern `removed` spelled out once
+    # (pass name, text) per node a pass removed: how its results are computed now
+    # (dump() lists them: a fold, a merge or a rewrite is a decision too), and the
+    # pattern rules whose pattern a line there spelled out (once per graph)
+    self.removed, self.rules_described = [], set()
     self._ids = itertools.count()
 
   # -- construction -------------------------------------------------------
