@@ -438,8 +438,9 @@ def _read(where, path, manager, step, entry, mapped):
   views = metas.views(where, name, saved, entry, mapped)
   # the checkpoint's tree: per state arg its non-empty leaves (orbax writes
   # no empty array), each read as the slot leaf it binds, or not at all
-  written = [[j for j in range(len(got["paths"])) if j not in set(got.get("empty") or ())]
-             for got in saved]
+  empty = [set(got.get("empty") or ()) for got in saved]
+  written = [[j for j in range(len(got["paths"])) if j not in none]
+             for got, none in zip(saved, empty)]
   at = [{j: i for i, j in enumerate(row)} for row in written]
   tree = [[ocp.PLACEHOLDER] * len(row) for row in written]
   for slot, view in zip(entry.slots, views):
