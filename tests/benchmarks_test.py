@@ -32,7 +32,7 @@ TINY = {
     "profiler": ["--repeats", "1", "--calls", "20", "--callback_calls", "10"],
     "release": ["--cycles", "10", "--warmup", "2"],
     "state": ["--state_repeats", "1", "--state_calls", "3"],
-    "workflows": ["--wf_repeats", "1", "--big_mib", "16"],
+    "workflows": ["--wf_repeats", "1", "--big_mib", "16", "--save_mib", "16", "--wf_steps", "20"],
 }
 
 
