@@ -317,7 +317,10 @@ class DonationTest(absltest.TestCase):
       assert_same_bits(out, want)
     self.assertTrue(all(a.is_deleted() for a in jax.tree.leaves(copy_)
                         if isinstance(a, jax.Array)))
-    self.assertLen(sess._graphs, 1)  # pylint: disable=protected-access  (the routed step's)
+    # the routed step's graph, the session's first and only one (ids count from 0)
+    self.assertIn("routed_step", sess.graph(0).name)
+    with self.assertRaises(js.errors.UnknownGraphError):
+      sess.graph(1)
 
   def test_a_wrapper_pickles_with_its_donation(self):
     import operator  # pylint: disable=import-outside-toplevel
