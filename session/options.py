@@ -142,6 +142,17 @@ class SessionOptions:
       raise InputError("SessionOptions.compiler_options must be a dict of XLA option "
                        f"names (str) to values, got {self.compiler_options!r}")
 
+  def checked_copy(self):
+    """A copy with every field checked again (a field set on the object
+    since it was made - `options.donate_state = "yes"` - is an InputError
+    here too) and its lists and dicts copied: what Session keeps, so that
+    changing the caller's object later changes no live session."""
+    copy = dataclasses.replace(self)  # runs __post_init__: every check
+    copy.disabled_passes = type(copy.disabled_passes)(copy.disabled_passes)
+    if copy.compiler_options is not None:
+      copy.compiler_options = dict(copy.compiler_options)
+    return copy
+
 
 def check_disabled_passes(names):
   """InputError unless `names` is a list of passes that can be disabled

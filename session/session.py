@@ -18,7 +18,7 @@ from jaxsession.errors import InputError, SessionError, UnknownGraphError
 from jaxsession.inputs import ArgSpec
 from jaxsession.dump import GraphDumper
 from jaxsession.optimizer_passes.base import PassContext
-from jaxsession.options import SessionOptions, check_disabled_passes
+from jaxsession.options import SessionOptions
 from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_transfers
 from jaxsession.run_op import OpRunner
 from jaxsession.runtime import (build, compile_cache, executor, fingerprint, interrupts,
@@ -51,8 +51,9 @@ class Session:
     if options is not None and not isinstance(options, SessionOptions):
       raise InputError(f"Session: options must be a SessionOptions, got "
                        f"{type(options).__name__}")
-    self.options = options or SessionOptions()
-    check_disabled_passes(self.options.disabled_passes)
+    # checked again and copied: a field set since the options were made is
+    # refused, and one set later changes no live session
+    self.options = options.checked_copy() if options is not None else SessionOptions()
     device = self.options.device
     self.platform = self.options.platform or (device.platform if device is not None
                                               else jax.default_backend())

@@ -358,6 +358,28 @@ class ValidationTest(absltest.TestCase):
         js.SessionOptions(**bad)
     with self.assertRaisesRegex(js.InputError, "options must be a SessionOptions"):
       js.Session({"donate_state": False})
+    # a field set on the object since it was made is checked by Session too
+    # (a docs audit's find: a dataclass field can be set, unchecked)
+    for name, bad in (("donate_state", "yes"), ("fold_limit_bytes", -1),
+                      ("checkpoint_keep", 0), ("compiler_options", ["x"]),
+                      ("allreduce_bucket_bytes", 1024)):
+      options = js.SessionOptions()
+      setattr(options, name, bad)
+      with self.assertRaisesRegex(js.InputError, f"SessionOptions.{name}"):
+        js.Session(options)
+    # and the session keeps its own copy: setting the caller's object later
+    # changes nothing it runs
+    options = js.SessionOptions(disabled_passes=["cse"], compiler_options={})
+    sess = js.Session(options)
+    options.donate_state = False
+    options.disabled_passes.append("dce")
+    options.compiler_options["xla_cpu_enable_fast_math"] = True
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(4), jnp.float32)
+    gid = sess.compile(lambda s, x: (s + x, jnp.sin(x) + jnp.sin(x)), x, x, state_argnums=0)
+    self.assertGreater(sess.report(gid).memory.donated_bytes, 0)
+    self.assertEqual([n.op for n in sess.graph(gid).nodes].count("sin"), 2)  # cse off still
+    self.assertEqual(sess.options.disabled_passes, ["cse"])
+    self.assertEqual(sess.options.compiler_options, {})
 
   def test_release(self):
     sess = js.Session()
