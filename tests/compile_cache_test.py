@@ -164,11 +164,19 @@ class FingerprintTest(absltest.TestCase):
                         fp(jnp.sin, X, options=js.SessionOptions(fold_limit_bytes=16)))
     self.assertNotEqual(fp(jnp.sin, X, options=base),
                         fp(jnp.sin, X, options=js.SessionOptions(host_callbacks=False)))
-    # dumps and checks do not change an executable
+    # dumps, checks, caches and bookkeeping do not change an executable: each
+    # of the fields options.md lists, set away from its default
     with tempfile.TemporaryDirectory() as folder:
+      others = dict(save_graphs=folder, verify_graphs=False, run_op_cache_size=3,
+                    compile_cache_size=5, compilation_cache_dir=folder,
+                    recompile_warn_limit=2, precompile_buckets=True, enable_profiling=True,
+                    checkpoint_keep=2)
+      self.assertEqual(set(others), set(fingerprints.NOT_EXECUTABLE_OPTIONS))
+      for name, value in others.items():
+        self.assertEqual(fp(jnp.sin, X, options=base),
+                         fp(jnp.sin, X, options=js.SessionOptions(**{name: value})), name)
       self.assertEqual(fp(jnp.sin, X, options=base),
-                       fp(jnp.sin, X, options=js.SessionOptions(save_graphs=folder,
-                                                                verify_graphs=False)))
+                       fp(jnp.sin, X, options=js.SessionOptions(**others)))
 
   def test_identity_tokens_are_never_reused(self):
     class Param:  # a param whose repr shows only its address

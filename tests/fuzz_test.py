@@ -1,4 +1,4 @@
-"""Fuzz: 294 random programs through the whole pipeline, each compared with
+"""Fuzz: 278 random programs through the whole pipeline, each compared with
 jax.jit on fresh random inputs, bit for bit (DESIGN.md: "the session's output
 equals jax.jit's bit for bit wherever the arithmetic is the same").
 
@@ -24,7 +24,7 @@ lists every one that failed (a mismatch or a crash).
   get_state copies, set_state values) must stay alive and unchanged;
 - loop sink (24): the same, then `run(..., steps=3)` on stacked args, which
   must equal three jax.jit steps;
-- outside judges' forms (60, generators in fuzz_judges.py): nested jits with
+- outside judges' forms (64, generators in fuzz_judges.py): nested jits with
   constant arguments and closed-over constant subexpressions (divisions by
   reductions, a linspace mean), host integer chains over every host kernel
   with random parameters (all placed on the host, checked), bucketed
