@@ -19,10 +19,11 @@ def python_blocks(path):
 
 
 def run_blocks(path):
-  """Every ```python block of one file, in order, in one namespace (later
-  blocks use earlier imports)."""
+  """Every ```python block of one file, in order, each in a namespace of its
+  own (a reader copies one block: it must stand alone); the last one's."""
   namespace = {}
   for block in python_blocks(path):
+    namespace = {}
     exec(compile(block, os.path.relpath(path, ROOT), "exec"), namespace)
   return namespace
 
@@ -49,7 +50,7 @@ class ReadmeTest(absltest.TestCase):
       with self.subTest(doc=os.path.basename(path)):
         namespace = run_blocks(path)
         ran += len(python_blocks(path))
-        if path.endswith("extending.md"):
+        if path.endswith("extending.md"):  # (the block asserts it too)
           self.assertEqual(namespace["sess"].graph(namespace["gid"]).nodes[0].kernel.name,
                            "xla:my_tanh")
     self.assertGreaterEqual(ran, 5)
