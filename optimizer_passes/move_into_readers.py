@@ -48,6 +48,7 @@ copy of a value that is not replicated (`_replicated_values`).
 Required: exactness is not optional. Needs place_nodes and the final order
 (after reorder_for_partitions), before insert_transfers.
 """
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsession.graph.divisors import divisor_cone
@@ -124,8 +125,8 @@ def _cheap(node):
   fact = facts(node.op)
   if node.prim is None or not fact.elementwise or fact.approximated:
     return False
-  return node.op != "integer_pow" or (node.params.get("y") == 2 and np.issubdtype(
-      node.outputs[0].aval.dtype, np.floating))
+  return node.op != "integer_pow" or (node.params.get("y") == 2 and jnp.issubdtype(
+      node.outputs[0].aval.dtype, jnp.floating))
 
 
 def _duplicated(node):
@@ -268,7 +269,7 @@ def _seen_through(reader, value, returned):
   an elementwise reader, `_duplicated`, or with the one reader it is fused
   into, `_fused_into_its_reader`; `returned`: the ids of the graph's
   outputs)."""
-  if not np.issubdtype(value.aval.dtype, np.inexact):
+  if not jnp.issubdtype(value.aval.dtype, jnp.inexact):  # (a PRNG key's is no numpy dtype)
     return False
   rop, at, _ = _as_xla_reads(reader, value)
   if rop == "div" and 1 in at and value.producer.op in ("sqrt", "rsqrt"):
