@@ -135,6 +135,13 @@ def flatten_example(where, position, arg, state=False):
   avals = tuple(leaf_aval(x, example_place(where, position, path, state),
                           type_only=not state or isinstance(x, jax.ShapeDtypeStruct))
                 for path, x in zip(paths, leaves))
+  if state:
+    for path, aval in zip(paths, avals):
+      if aval.dtype == jax.dtypes.float0:
+        raise InputError(f"{example_place(where, position, path, state)}: a float0 leaf "
+                         "(the gradient jax.grad(..., allow_int=True) gives an integer) "
+                         "holds no values to keep on the device; pass it as a run "
+                         "argument or leave it out of the state")
   return Flat(treedef, leaves, paths, avals)
 
 
