@@ -73,6 +73,9 @@ def _eligible(state, new, threshold, divisors):
   aval = state.aval
   if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
     return "a PRNG key: its dtype has no flat buffer"
+  if bitwise.widened(aval.dtype):
+    return ("a 2-bit integer: XLA:CPU cannot concatenate its arrays into a buffer "
+            "(moved as 8 bits elsewhere)")
   if getattr(aval, "weak_type", False):
     return "weakly typed (a Python scalar): a slice of a buffer would be strong"
   if new is not None and getattr(new.aval, "weak_type", False):
