@@ -2,7 +2,8 @@
 by runtime/horizontal.py) against plain jax.jit, one run.
 
 Prints µs per step and ratios (medians of per-repeat ratios):
-  * a step over 200 tiny leaves, Session / jax.jit with donation  (target <= 0.3x)
+  * a step over 200 tiny leaves, Session / jax.jit with donation  (target <= 0.3x),
+    and / jax.jit of the same leaves stacked by hand into one array (no target)
   * a flax transformer + optax AdamW at batch 1, the same          (target <= 0.6x)
   * a compute-bound MLP + Adam, packing on / packing off           (target <= 1.02x)
   * 50 leaves of each size in --leaf_bytes, packed / not packed: where
@@ -164,6 +165,12 @@ def main(argv):
     rows.append(ratio_row(f"{name}, Session / jax.jit + donation", jit_runner(step, state, args),
                           run, n_calls, r, target))
     leaf_rows.append((name, leaves, packed, buffers, merged))
+    if make is tiny_leaves:  # the same layout by hand: the leaves stacked into one array
+      stacked = (jnp.stack([state[0][f"l{i}"] for i in range(200)]),)
+      by_hand = lambda p, x: (p * 0.99 + 0.01 * x, (p * 0.99 + 0.01 * x)[0, 0])  # noqa: E731
+      rows.append(ratio_row(f"{name}, Session / jax.jit + donation of the leaves stacked by "
+                            "hand into one f32[200, 16]", jit_runner(by_hand, stacked, args),
+                            run, n_calls, r))
   step, state, args = mlp()
   on, packed, buffers, leaves, merged = session_runner(step, state, args,
                                                        pack_state_below_bytes=FLAGS.pack_below)
