@@ -30,6 +30,8 @@ def carrier(dtype):
   """The dtype `dtype`'s elements are moved as: the unsigned integer of its
   width for a floating dtype of at most 16 bits, the 8-bit integer for a
   2-bit one, else `dtype` itself."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return dtype  # a PRNG key: jax joins its key data itself
   dtype = np.dtype(dtype)
   if dtype in _WIDENED:
     return _WIDENED[dtype]
@@ -40,7 +42,7 @@ def carrier(dtype):
 
 def widened(dtype):
   """Whether `dtype` is moved converted to a wider integer (int2, uint2)."""
-  return np.dtype(dtype) in _WIDENED
+  return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and np.dtype(dtype) in _WIDENED
 
 
 def carried(x):

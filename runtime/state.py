@@ -141,6 +141,7 @@ def sub_byte(dtype):
   narrow = _SUB_BYTE.get(dtype)
   if narrow is None:  # (1.4 us to decide: a conformed leaf a run, once a dtype)
     narrow = _SUB_BYTE[dtype] = (not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+                                 and dtype != jax.dtypes.float0  # (no bits: jax raises)
                                  and jax.dtypes.itemsize_bits(dtype) < 8)
   return narrow
 
@@ -159,6 +160,9 @@ def relaid(x, device=None):
   if isinstance(x, jax.Array) and x.committed and len(x.sharding.device_set) == 1:
     with jax.default_device(device or next(iter(x.devices()))):
       return jax.device_put(np.asarray(x))
+  if isinstance(x, np.ndarray):  # put with a device it would be committed: refused
+    with jax.default_device(device or session_device()):
+      return jax.device_put(np.array(x, copy=True))  # (a copy: the caller may refill x)
   return x
 
 

@@ -147,8 +147,11 @@ class SessionOptions:
     since it was made - `options.donate_state = "yes"` - is an InputError
     here too) and its lists and dicts copied: what Session keeps, so that
     changing the caller's object later changes no live session."""
-    copy = dataclasses.replace(self)  # runs __post_init__: every check
-    copy.disabled_passes = type(copy.disabled_passes)(copy.disabled_passes)
+    # a SessionOptions, whatever the class of self: its own checks run (a
+    # subclass's __post_init__ may skip them) and no extra field is shared
+    copy = SessionOptions(**{f.name: getattr(self, f.name)
+                             for f in dataclasses.fields(SessionOptions)})
+    copy.disabled_passes = list(copy.disabled_passes)  # (a namedtuple's type(x)(x) nested it)
     if copy.compiler_options is not None:
       copy.compiler_options = dict(copy.compiler_options)
     return copy

@@ -11,10 +11,12 @@ import tempfile
 
 from absl.testing import absltest
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 
 import jaxsession as js
+from subproc import run_json
 
 PACK = js.SessionOptions(pack_state_below_bytes=4096)
 # NaNs with payloads and both signs, a signaling one, -0.0, a subnormal
@@ -154,6 +156,76 @@ class SunkOutputBitsTest(absltest.TestCase):
             state, want = jax.jit(lambda s, xs, fn=fn: jax.lax.scan(fn, s, xs))(state, xs[:n])
             self.assertEqual(bits(got), bits(want), (fn.__name__, n))
             self.assertEqual(bits(sess.get_state(gid)), bits(state), (fn.__name__, n))
+
+  def test_narrow_keys_and_float0_through_stepped_and_chunked_runs(self):
+    # judges' finds, each a raw error before: a callback's int4 output
+    # stacked per step (a layout jax's AOT executables refuse), int4 state
+    # given as a numpy array (every later run refused), a typed key output of
+    # a chunked run (numpy asked about key<fry>), a float0 argument stacked
+    rng = np.random.default_rng(23)
+    xs = jnp.asarray(rng.integers(-8, 8, (7, 4)), jnp.int4)
+    def step(s, x):
+      y = jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+      return s + y, (y, s)
+    scan = jax.jit(lambda s, xs, f: jax.lax.scan(f, s, xs), static_argnums=2)
+    s_np = np.asarray(rng.integers(-8, 8, 4)).astype(jnp.int4)  # numpy, ml_dtypes
+    sess = js.Session()
+    gid = sess.compile(step, s_np, xs[0], state_argnums=0)
+    state = jnp.asarray(s_np)
+    for n in (2, 3):
+      got = sess.run(gid, xs[:n], steps=n)
+      state, want = scan(state, xs[:n], step)
+      self.assertEqual(bits(got), bits(want), n)
+    sess.set_state(gid, s_np)
+    sess.replace_state(gid, 0, s_np)
+    self.assertEqual(bits(sess.run(gid, xs[0])), bits(jax.jit(step)(jnp.asarray(s_np), xs[0])[1]))
+    def keyed(k, x):
+      k, sub = jax.random.split(k)
+      return k, (sub, jax.random.normal(sub, x.shape) + x)
+    k0, fs = jax.random.key(5), jnp.asarray(rng.standard_normal((7, 3)), jnp.float32)
+    sess = js.Session()
+    gid = sess.compile(keyed, k0, fs[0], state_argnums=0)
+    k = k0
+    for n in (4, 3):  # 3 after 4: chunks of 2 and 1
+      got = sess.run(gid, fs[:n], steps=n)
+      k, want = scan(k, fs[:n], keyed)
+      self.assertEqual(bits((jax.random.key_data(got[0]), got[1])),
+                       bits((jax.random.key_data(want[0]), want[1])), n)
+    zero = np.zeros((4, 2), jax.dtypes.float0)
+    def with_tangent(s, t, x):
+      return s + x, (t, x * 2)
+    sess = js.Session()
+    gid = sess.compile(with_tangent, fs[0], zero[0], fs[0], state_argnums=0)
+    got = sess.run(gid, zero, fs[:4], steps=4)
+    want = scan(fs[0], (zero, fs[:4]), lambda s, a: with_tangent(s, *a))[1]
+    self.assertEqual(got[0].shape, want[0].shape)
+    self.assertEqual(got[0].dtype, jax.dtypes.float0)
+    self.assertEqual(bits(got[1]), bits(want[1]))
+
+  @pytest.mark.slow
+  def test_a_mesh_runs_chunks_with_int4_outputs(self):
+    # the chunks' join refused their layout after the chunks had consumed
+    # the donated state; get_state then crashed the process (a judge's find)
+    out = run_json("""
+        import json, numpy as np, jax, jax.numpy as jnp
+        import jaxsession as js
+        mesh = jax.make_mesh((8,), ("d",))
+        sess = js.Session(js.SessionOptions(mesh=mesh))
+        f = lambda s, x: (s + 1, (x * s).astype(jnp.int4))
+        gid = sess.compile(f, jnp.zeros((), jnp.float32), jnp.ones((8, 3)), state_argnums=0)
+        xs = jnp.asarray(np.random.default_rng(0).standard_normal((5, 8, 3)) * 3, jnp.float32)
+        scan = jax.jit(lambda s, xs: jax.lax.scan(f, s, xs))
+        state, same = jnp.float32(0), []
+        for n in (2, 3):
+          got = sess.run(gid, xs[:n], steps=n)
+          state, want = scan(state, xs[:n])
+          same.append(np.asarray(got).astype(np.int8).tolist() ==
+                      np.asarray(want).astype(np.int8).tolist())
+        print(json.dumps({"same": same, "state": float(sess.get_state(gid)[0]),
+                          "want": float(state)}))
+    """)
+    self.assertEqual(out["same"], [True, True])
+    self.assertEqual(out["state"], out["want"])
 
 
 class DonatedScalarTest(absltest.TestCase):

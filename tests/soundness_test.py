@@ -2,6 +2,7 @@
 jax.jit runs them, aliased state stays valid, arguments are conformed or
 refused (never a silent recompile). Every comparison with jax.jit is bit for
 bit, on fresh random inputs salted with -0.0, NaN and inf."""
+import collections
 
 from absl.testing import absltest
 import pytest
@@ -380,6 +381,18 @@ class ValidationTest(absltest.TestCase):
     self.assertEqual([n.op for n in sess.graph(gid).nodes].count("sin"), 2)  # cse off still
     self.assertEqual(sess.options.disabled_passes, ["cse"])
     self.assertEqual(sess.options.compiler_options, {})
+    # a subclass whose __post_init__ skips the checks is checked all the same,
+    # and a namedtuple of passes is copied as its names (it was nested)
+    class Lax(js.SessionOptions):
+      def __post_init__(self):
+        pass
+    with self.assertRaisesRegex(js.InputError, "SessionOptions.donate_state"):
+      js.Session(Lax(donate_state="yes"))
+    Passes = collections.namedtuple("Passes", "name")
+    sess = js.Session(js.SessionOptions(disabled_passes=Passes("cse")))
+    self.assertEqual(sess.options.disabled_passes, ["cse"])
+    gid = sess.compile(lambda x: jnp.sin(x) + jnp.sin(x), x)
+    self.assertEqual([n.op for n in sess.graph(gid).nodes].count("sin"), 2)
 
   def test_release(self):
     sess = js.Session()
