@@ -137,6 +137,7 @@ def drain(ref):
   checkpointer = ref()
   if checkpointer is None:
     return
+  checkpointer.closing = True  # saves asked from now on are refused: the wait ends
   try:
     checkpointer.until_written(everything=True)
   except RuntimeError as exc:  # its writer thread died

