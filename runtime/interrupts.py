@@ -39,7 +39,9 @@ thread's compile of the same program) go through `wait_for`, critical too: a
 Ctrl-C ends the wait at its next look and is raised there, never inside the
 Condition's own Python, where it left a lock or a queue's count wrong.
 
-What it covers: SIGINT, with a Python-level handler (Python's default one,
+What it covers: SIGINT, and SIGTERM / SIGHUP where the user installed a
+Python handler (lent for the call as SIGINT's is; their defaults end the
+process, as SIGKILL does, and are left alone), with a Python-level handler (Python's default one,
 or the user's, whenever it was installed: one installed after the Session
 was compiled let one Ctrl-C consume the donated state when the handler was
 wrapped once at compile, a break-it find). One a run's host callback
@@ -49,8 +51,9 @@ not wrapped. Presses that reach CPython before its handler could run merge
 into one call of it, as under jax.jit.
 A SIGINT whose KeyboardInterrupt CPython ignores (raised inside a gc
 callback, a __del__ or a weakref callback) is sent again (`_Unraisable`).
-Other signals, and SIGINT handlers set to SIG_IGN/SIG_DFL or installed in C,
-are left alone. A run of the main thread that never returns (a callback that
+Other signals, and handlers set to SIG_IGN/SIG_DFL or installed in C, are
+left alone; a handler of another signal a host callback installs is not
+wrapped (`rewrap` looks at SIGINT's). A run of the main thread that never returns (a callback that
 blocks forever) cannot be interrupted by Ctrl-C: its state would be lost.
 """
 import _signal
@@ -179,24 +182,47 @@ def install():
 def lend():
   """The first step of every critical function, before it takes a lock
   (Runner.call looks first whether ours over the default is the one
-  installed, and calls this only where it is not): in the main thread,
-  where the SIGINT handler is a Python callable of the user's, ours -
-  deferring to it - takes its place until `leave` (or give_back) puts it
-  back; Python's default one is replaced for good (`install`). Whether it
-  lent: a critical function inside another finds ours and lends nothing.
-  A Ctrl-C before it is raised by the user's handler where nothing was
-  done yet."""
+  installed and no handler of the user's is on another signal, and calls
+  this only where one is): in the main thread, where the SIGINT handler is
+  a Python callable of the user's, ours - deferring to it - takes its place
+  until `leave` (or give_back) puts it back; Python's default one is
+  replaced for good (`install`). So does a Python handler of the user's for
+  SIGTERM or SIGHUP (`OTHER`: a preemption handler that saves, or calls
+  sys.exit, inside a run waited for good on the run's slot lock, or left
+  the state's donated buffers consumed: a judge's finds). Whether it lent:
+  a critical function inside another finds ours and lends nothing. A signal
+  before it reaches the user's handler where nothing was done yet."""
   if _thread.get_ident() != _MAIN:
     return False
+  others = [(signum, h) for signum, h in ((n, getsignal(n)) for n in OTHER) if _lendable(h)]
   current = getsignal(SIGINT)
-  if type(current) is _Deferring or not callable(current) or _does_nothing(current):
-    return False
+  sigint = _lendable(current) and current is not DEFAULT
   if current is DEFAULT:
     install()
+  if not (sigint or others):
     return False
   lent_by[0] = sys._getframe(1)  # pylint: disable=protected-access
-  _lend(current)
+  for signum, handler in others:
+    wrapper = _Deferring(handler)
+    _signal.signal(signum, wrapper)
+    lent_other[signum] = (wrapper, handler)
+  if sigint:
+    _lend(current)
   return True
+
+
+def _lendable(handler):
+  """A Python handler of the user's (not ours, SIG_DFL/SIG_IGN or asyncio's)."""
+  return type(handler) is not _Deferring and callable(handler) and not _does_nothing(handler)
+
+
+def other_handlers():
+  """Whether a Python handler of the user's is installed for a signal of
+  OTHER (Runner.call's look, beside SIGINT's: two getsignal calls a run)."""
+  for signum in OTHER:
+    if _lendable(getsignal(signum)):
+      return True
+  return False
 
 
 def _lend(current):
@@ -227,10 +253,19 @@ def give_back():
   wrapper, current = lent
   if wrapper is not None and getsignal(SIGINT) is wrapper:
     _signal.signal(SIGINT, current)
+  for signum, (wrapper, current) in list(lent_other.items()):
+    if getsignal(signum) is wrapper:
+      _signal.signal(signum, current)
+    del lent_other[signum]
   lent[0] = lent[1] = lent_by[0] = None
 
 
 lent_by = [None]  # the frame of the critical call that gives the lend back (lend's, rewrap's)
+# the signals besides SIGINT whose Python handlers a run defers (lend); their
+# defaults (SIG_DFL: the process ends) are left alone, as SIGKILL
+OTHER = tuple(getattr(_signal, name) for name in ("SIGTERM", "SIGHUP")
+              if hasattr(_signal, name))
+lent_other = {}  # signum -> (ours, the user's handler) while lent
 
 
 def rewrap():
