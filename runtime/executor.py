@@ -362,12 +362,14 @@ def call_path(program, layout, lock, where="run", user_code=False):
 
   getsignal, sigint, ours, lend, give_back, lent_by = (interrupts.getsignal, interrupts.SIGINT,
       interrupts.ours, interrupts.lend, interrupts.give_back, interrupts.lent_by)
-  other_handlers = interrupts.other_handlers
+  term, hup = (interrupts.OTHER * 2)[:2]  # (a platform with one of them looks twice)
 
   @interrupts.critical  # a Ctrl-C waits for the commit and the unlock
   def call(args):
     # ours for the user's SIGINT handler, before the lock (interrupts.lend)
-    lending = (getsignal(sigint) is not ours[0] or other_handlers()) and lend()
+    # (a Python handler on SIGTERM / SIGHUP is lent too: the defaults are ints)
+    lending = (getsignal(sigint) is not ours[0] or callable(getsignal(term))
+               or callable(getsignal(hup))) and lend()
     try:
       if not acquire(False):  # a lock's acquire/release: ~0.2 µs less a run than `with`
         refuse_reentry(lock, where)  # (a callback of this thread's run: never acquired)

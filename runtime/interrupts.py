@@ -216,15 +216,6 @@ def _lendable(handler):
   return type(handler) is not _Deferring and callable(handler) and not _does_nothing(handler)
 
 
-def other_handlers():
-  """Whether a Python handler of the user's is installed for a signal of
-  OTHER (Runner.call's look, beside SIGINT's: two getsignal calls a run)."""
-  for signum in OTHER:
-    if _lendable(getsignal(signum)):
-      return True
-  return False
-
-
 def _lend(current):
   if _last[0] is current:
     wrapper = _last[1]
