@@ -39,9 +39,7 @@ thread's compile of the same program) go through `wait_for`, critical too: a
 Ctrl-C ends the wait at its next look and is raised there, never inside the
 Condition's own Python, where it left a lock or a queue's count wrong.
 
-What it covers: SIGINT, and SIGTERM / SIGHUP where the user installed a
-Python handler (lent for the call as SIGINT's is; their defaults end the
-process, as SIGKILL does, and are left alone), with a Python-level handler (Python's default one,
+What it covers: SIGINT, with a Python-level handler (Python's default one,
 or the user's, whenever it was installed: one installed after the Session
 was compiled let one Ctrl-C consume the donated state when the handler was
 wrapped once at compile, a break-it find). One a run's host callback
@@ -51,10 +49,12 @@ not wrapped. Presses that reach CPython before its handler could run merge
 into one call of it, as under jax.jit.
 A SIGINT whose KeyboardInterrupt CPython ignores (raised inside a gc
 callback, a __del__ or a weakref callback) is sent again (`_Unraisable`).
-Other signals, and handlers set to SIG_IGN/SIG_DFL or installed in C, are
-left alone; a handler of another signal a host callback installs is not
-wrapped (`rewrap` looks at SIGINT's). A run of the main thread that never returns (a callback that
-blocks forever) cannot be interrupted by Ctrl-C: its state would be lost.
+SIGTERM and SIGHUP with a Python handler of the user's are lent for the call
+as SIGINT's is (`OTHER`); their defaults end the process, as SIGKILL does, and
+a handler of theirs a host callback installs is not wrapped (`rewrap` looks
+at SIGINT's). Other signals, and handlers set to SIG_IGN/SIG_DFL or installed
+in C, are left alone. A run of the main thread that never returns (a callback
+that blocks forever) cannot be interrupted by Ctrl-C: its state would be lost.
 """
 import _signal
 import _thread
