@@ -23,6 +23,7 @@ import jaxsession as js  # noqa: E402
 
 flags.DEFINE_integer("requests", 200, "requests per trial")
 flags.DEFINE_integer("repeats", 3, "trials (medians reported)")
+flags.DEFINE_integer("warmup_rounds", 1, "discarded rounds of every contender first")
 FLAGS = flags.FLAGS
 F, H = 64, 256
 
@@ -98,8 +99,9 @@ def main(argv):
   }
   names = list(contenders)
   results = {name: [] for name in contenders}
-  for name in names:  # a discarded round: jax's and XLA's first-use costs
-    contenders[name]()
+  for _ in range(FLAGS.warmup_rounds):  # discarded: jax's and XLA's first-use costs
+    for name in names:
+      contenders[name]()
   for k in range(FLAGS.repeats):  # the order rotated, so no one always goes first
     for name in names[k % len(names):] + names[:k % len(names)]:
       results[name].append(contenders[name]())

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 # benchmark -> flags small enough for a few seconds each on a 2-core CPU
 TINY = {
-    "buckets": ["--requests", "10", "--repeats", "1"],
+    "buckets": ["--requests", "10", "--repeats", "1", "--warmup_rounds", "0"],
     "compile": ["--programs", "200", "--trials", "1", "--big_trials", "1",
                 "--chain_programs", "200", "--chain_trials", "1", "--where_chain_layers", "20",
                 "--where_chain_trials", "1", "--weak_state_leaves", "10",
@@ -31,7 +31,7 @@ TINY = {
     "passes": ["--sizes", "200", "--repeats", "1"],
     "profiler": ["--repeats", "1", "--calls", "20", "--callback_calls", "10"],
     "release": ["--cycles", "10", "--warmup", "2"],
-    "state": ["--state_repeats", "1", "--state_calls", "3"],
+    "state": ["--state_repeats", "1", "--state_calls", "3", "--leaf_bytes", "256"],
     "workflows": ["--wf_repeats", "1", "--big_mib", "16", "--save_mib", "16", "--wf_steps", "20"],
 }
 

@@ -401,14 +401,14 @@ directory, how = sys.argv[1], sys.argv[2]
 w = np.float32([0.5, -0.0, 7.0])
 step = lambda w: (w * 2.0, jnp.sum(w))
 if how == "churn":  # sessions that saved, dropped: their writer threads end
-  for k in range(6):
+  for k in range(3):
     sess = js.Session()
     gid = sess.compile(step, w, state_argnums=0)
     sess.run(gid)
     sess.save(gid, os.path.join(directory, str(k)), 1)
     sess.wait_until_saved()
     del sess
-  time.sleep(2.5)  # past the writers' idle end (checkpoints.IDLE_EXIT_S)
+  time.sleep(1.8)  # past the writers' idle end (checkpoints.IDLE_EXIT_S)
   print(json.dumps({"writers": sum(t.name == "jaxsession-checkpoints"
                                    for t in threading.enumerate())}))
 elif how == "daemon":  # a daemon thread saving on as the main thread returns
@@ -455,7 +455,7 @@ class LifecycleTest(absltest.TestCase):
       proc = self.run_child(tmp, "churn")
       self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
       self.assertEqual(json.loads(proc.stdout.splitlines()[-1]), {"writers": 0})
-      for k in range(6):  # every one written
+      for k in range(3):  # every one written
         self.assertEqual(js.checkpoint_steps.complete_steps(os.path.join(tmp, str(k))), [1])
 
   def test_a_daemon_thread_saving_on_lets_the_exit_end(self):

@@ -389,12 +389,12 @@ class OtherSignalsTest(absltest.TestCase):  # slow: three subprocesses
 
   def test_an_exiting_handler_keeps_the_state(self):
     for sig in ("SIGTERM", "SIGHUP"):
-      out = run_json(TERM_CHILD, devices=1, args=(sig, "exit", "60"), timeout=300)
+      out = run_json(TERM_CHILD, devices=1, args=(sig, "exit", "40"), timeout=300)
       self.assertEqual(out["bad"], [], sig)
 
   def test_a_handler_that_saves_neither_hangs_nor_saves_a_torn_state(self):
-    out = run_json(TERM_CHILD, devices=1, args=("SIGTERM", "save", "25"), timeout=300)
-    self.assertEqual(out, {"bad": [], "saved": 25})
+    out = run_json(TERM_CHILD, devices=1, args=("SIGTERM", "save", "15"), timeout=300)
+    self.assertEqual(out, {"bad": [], "saved": 15})
 
 
 class InterruptTest(absltest.TestCase):  # slow: seven subprocesses, ~30-130 s here
