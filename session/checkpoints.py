@@ -78,9 +78,8 @@ def _alive(worker):
 
 
 def _forget_in_child():
-  """In a child of os.fork: the parent's pending writes are the parent's
-  (its writer thread is not in the child, which said it had died, a judge's
-  find); the child's checkpointers start empty."""
+  """A forked child leaves the parent's writes to the parent (it said the
+  writer thread had died: a judge's find): its checkpointers start empty."""
   for checkpointer in list(_LIVE):
     checkpointer.reset()
 
@@ -118,9 +117,8 @@ class Checkpointer:
 
   def _work(self):
     """Writes what is queued; ends once idle for IDLE_EXIT_S (a thread per
-    Session that ever saved stayed blocked for good, its Session with it: a
-    judge's find). A save queues its write and starts a writer where there is
-    none under _lock, where this one decides to end."""
+    Session that ever saved stayed for good: a judge's find). A save queues
+    its write and starts a writer under _lock, where this one decides to end."""
     writer_thread.background_priority()
     while True:
       try:
