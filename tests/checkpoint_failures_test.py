@@ -548,7 +548,7 @@ class SignalExitInsideOrbaxTest(absltest.TestCase):
   lost (a judge's find): the exit is raised as it was asked."""
 
   def test_a_wrapped_system_exit_is_raised_with_its_code(self):
-    from jaxsession import checkpoints  # pylint: disable=import-outside-toplevel
+    from jaxsession import checkpoint_read  # pylint: disable=import-outside-toplevel
     try:
       try:
         raise SystemExit(3)
@@ -556,6 +556,6 @@ class SignalExitInsideOrbaxTest(absltest.TestCase):
         raise RuntimeError("tensorstore read failed") from inner
     except RuntimeError as wrapped:
       with self.assertRaises(SystemExit) as raised:
-        checkpoints._raise_interrupt(wrapped)  # pylint: disable=protected-access
+        checkpoint_read.raise_interrupt(wrapped)
     self.assertEqual(raised.exception.code, 3)
-    checkpoints._raise_interrupt(ValueError("a real read error"))  # (returns: raised by its caller)
+    checkpoint_read.raise_interrupt(ValueError("a real read error"))  # (returns: raised by its caller)
