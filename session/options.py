@@ -1,5 +1,6 @@
 """SessionOptions: the knobs of a Session."""
 import dataclasses
+import types
 from typing import Any, Dict, Optional, Sequence
 
 import jax
@@ -137,7 +138,7 @@ class SessionOptions:
     if self.first_bucket_bytes is not None and self.allreduce_bucket_bytes is None:
       raise InputError("SessionOptions.first_bucket_bytes needs allreduce_bucket_bytes")
     if self.compiler_options is not None and (
-        not isinstance(self.compiler_options, dict)
+        not isinstance(self.compiler_options, (dict, types.MappingProxyType))
         or not all(isinstance(k, str) for k in self.compiler_options)):
       raise InputError("SessionOptions.compiler_options must be a dict of XLA option "
                        f"names (str) to values, got {self.compiler_options!r}")
@@ -151,10 +152,31 @@ class SessionOptions:
     # subclass's __post_init__ may skip them) and no extra field is shared
     copy = SessionOptions(**{f.name: getattr(self, f.name)
                              for f in dataclasses.fields(SessionOptions)})
-    copy.disabled_passes = list(copy.disabled_passes)  # (a namedtuple's type(x)(x) nested it)
+    copy.disabled_passes = tuple(copy.disabled_passes)  # (a namedtuple's type(x)(x) nested it)
     if copy.compiler_options is not None:
-      copy.compiler_options = dict(copy.compiler_options)
+      copy.compiler_options = types.MappingProxyType(dict(copy.compiler_options))
+    object.__setattr__(copy, "_sealed", True)
     return copy
+
+  def __setattr__(self, name, value):
+    # a Session's own copy is read-only: its graphs were compiled with it,
+    # and a field set on it later would go unchecked
+    if getattr(self, "_sealed", False):
+      raise InputError(
+          f"SessionOptions.{name}: a Session's options are read-only once it is made; "
+          f"make a new Session with dataclasses.replace(sess.options, {name}=...)")
+    object.__setattr__(self, name, value)
+
+  def __delattr__(self, name):
+    if getattr(self, "_sealed", False):
+      raise InputError(f"SessionOptions.{name}: a Session's options are read-only")
+    object.__delattr__(self, name)
+
+  def __getstate__(self):  # a copy or an unpickled object is the caller's own, not sealed
+    state = dict(self.__dict__)
+    if state.pop("_sealed", False) and state.get("compiler_options") is not None:
+      state["compiler_options"] = dict(state["compiler_options"])
+    return state
 
 
 def check_disabled_passes(names):

@@ -3,6 +3,9 @@ jax.jit runs them, aliased state stays valid, arguments are conformed or
 refused (never a silent recompile). Every comparison with jax.jit is bit for
 bit, on fresh random inputs salted with -0.0, NaN and inf."""
 import collections
+import copy
+import dataclasses
+import pickle
 
 from absl.testing import absltest
 import pytest
@@ -379,8 +382,24 @@ class ValidationTest(absltest.TestCase):
     gid = sess.compile(lambda s, x: (s + x, jnp.sin(x) + jnp.sin(x)), x, x, state_argnums=0)
     self.assertGreater(sess.report(gid).memory.donated_bytes, 0)
     self.assertEqual([n.op for n in sess.graph(gid).nodes].count("sin"), 2)  # cse off still
-    self.assertEqual(sess.options.disabled_passes, ["cse"])
-    self.assertEqual(sess.options.compiler_options, {})
+    self.assertEqual(sess.options.disabled_passes, ("cse",))
+    self.assertEqual(dict(sess.options.compiler_options), {})
+    # the session's copy is read-only (a field set on it went unchecked and
+    # changed the next compile); a copy of it or dataclasses.replace is the
+    # caller's own again
+    for name, value in (("donate_state", "yes"), ("fold_limit_bytes", 4)):
+      with self.assertRaisesRegex(js.InputError, f"SessionOptions.{name}: .*read-only"):
+        setattr(sess.options, name, value)
+    with self.assertRaises(TypeError):
+      sess.options.compiler_options["xla_cpu_enable_fast_math"] = True
+    with self.assertRaises(AttributeError):
+      sess.options.disabled_passes.append("dce")
+    self.assertTrue(sess.options.donate_state)
+    for mine in (dataclasses.replace(sess.options, donate_state=False),
+                 copy.copy(sess.options), copy.deepcopy(sess.options),
+                 pickle.loads(pickle.dumps(sess.options))):
+      mine.verify_graphs = False
+      self.assertEqual(js.Session(mine).options.verify_graphs, False)
     # a subclass whose __post_init__ skips the checks is checked all the same,
     # and a namedtuple of passes is copied as its names (it was nested)
     class Lax(js.SessionOptions):
@@ -390,7 +409,7 @@ class ValidationTest(absltest.TestCase):
       js.Session(Lax(donate_state="yes"))
     Passes = collections.namedtuple("Passes", "name")
     sess = js.Session(js.SessionOptions(disabled_passes=Passes("cse")))
-    self.assertEqual(sess.options.disabled_passes, ["cse"])
+    self.assertEqual(sess.options.disabled_passes, ("cse",))
     gid = sess.compile(lambda x: jnp.sin(x) + jnp.sin(x), x)
     self.assertEqual([n.op for n in sess.graph(gid).nodes].count("sin"), 2)
 
