@@ -50,9 +50,8 @@ into one call of it, as under jax.jit.
 A SIGINT whose KeyboardInterrupt CPython ignores (raised inside a gc
 callback, a __del__ or a weakref callback) is sent again (`_Unraisable`).
 SIGTERM and SIGHUP with a Python handler of the user's are lent for the call
-as SIGINT's is (`OTHER`); their defaults end the process, as SIGKILL does, and
-a handler of theirs a host callback installs is not wrapped (`rewrap` looks
-at SIGINT's). Other signals, and handlers set to SIG_IGN/SIG_DFL or installed
+as SIGINT's is (`OTHER`), also one a host callback installs (`rewrap`); their
+defaults end the process, as SIGKILL does. Other signals, and handlers set to SIG_IGN/SIG_DFL or installed
 in C, are left alone. A run of the main thread that never returns (a callback
 that blocks forever) cannot be interrupted by Ctrl-C: its state would be lost.
 """
@@ -270,7 +269,9 @@ def rewrap():
   if _thread.get_ident() != _MAIN:
     return
   current = getsignal(SIGINT)
-  if type(current) is _Deferring or not callable(current) or _does_nothing(current):
+  others = [(signum, h) for signum, h in ((n, getsignal(n)) for n in OTHER) if _lendable(h)]
+  if not others and (type(current) is _Deferring or not callable(current)
+                     or _does_nothing(current)):
     return
   owner, frame = None, sys._getframe(1)  # pylint: disable=protected-access
   while frame is not None:  # the outermost critical call: it gives back
@@ -279,12 +280,16 @@ def rewrap():
     frame = frame.f_back
   if owner is None:
     return  # no critical call runs: nothing to defer
+  if lent[0] is None and not lent_other:
+    lent_by[0] = owner
+  for signum, handler in others:  # the one the callback installed is put back
+    wrapper = _Deferring(handler)
+    _signal.signal(signum, wrapper)
+    lent_other[signum] = (wrapper, handler)
   if current is DEFAULT:
     install()
-    return
-  if lent[0] is None:
-    lent_by[0] = owner
-  _lend(current)
+  elif _lendable(current):
+    _lend(current)
 
 
 def owed_by_caller():
