@@ -194,16 +194,16 @@ def layout(options, platform, name, dyn_nums, dyn_args, dyn_flats, in_specs, sta
                                   sharding.data_parallel)
   targets = [[sharding.check_axes(mesh, s, f"{where}: {arg_name}") for s in row]
              for row, arg_name in zip(arg_specs, arg_names)]
-  for kind, flats, nums in (("run argument", dyn_flats, dyn_nums),
-                            ("state argument", state_flats, state_nums)):
-    for i, f in zip(nums, flats):
-      for path, aval in zip(f.paths, f.avals):
-        if sub_byte(aval.dtype):
-          raise InputError(
-              f"{where}: {kind} at position {i} path {path or '(root)'} is "
-              f"{aval_str(aval)}: a dtype narrower than a byte is not supported under a "
-              "mesh (jax's ahead-of-time executables refuse such arrays laid out over "
-              "devices, where jax.jit takes them); widen it (int8) for the session")
+  narrow = [f"{kind} at position {i} path {path or '(root)'} is {aval_str(aval)}"
+            for kind, flats, nums in (("run argument", dyn_flats, dyn_nums),
+                                      ("state argument", state_flats, state_nums))
+            for i, f in zip(nums, flats)
+            for path, aval in zip(f.paths, f.avals) if sub_byte(aval.dtype)]
+  if narrow:  # every one named: widening the first alone met the next refusal
+    raise InputError(
+        f"{where}: {'; '.join(narrow)}: a dtype narrower than a byte is not supported under a "
+        "mesh (jax's ahead-of-time executables refuse such arrays laid out over "
+        "devices, where jax.jit takes them); widen it (int8) for the session")
   state, state_notes = _state_layout(where, mesh, state_flats, state_nums, state_specs,
                                      source_slots)
   local = jax.process_count() > 1 and any(not t.is_fully_addressable for row in targets

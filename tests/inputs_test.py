@@ -276,11 +276,16 @@ got = sess.run(gid, x)
 want = jax.jit(step)(other, x)[1]
 mesh = js.Session(js.SessionOptions(mesh=Mesh(np.array(jax.devices()), ("data",))))
 print(json.dumps([bool(np.array_equal(np.asarray(got), np.asarray(want))),
-                  err(lambda: mesh.compile(step, q, x, state_argnums=0))]))
+                  err(lambda: mesh.compile(step, q, x, state_argnums=0)),
+                  err(lambda: mesh.compile(lambda s, r: (s + r, r), q, q, state_argnums=0))]))
 """, devices=2)
     self.assertTrue(out[0])
     self.assertEqual(out[1][0], "InputError")
     self.assertIn("narrower than a byte is not supported under a mesh", out[1][1])
+    # every narrow leaf named at once (the run argument's alone was named)
+    self.assertEqual(out[2][0], "InputError")
+    for where in ("run argument", "at position 1", "state argument at position 0"):
+      self.assertIn(where, out[2][1])
 
 
 class TracerTest(absltest.TestCase):
