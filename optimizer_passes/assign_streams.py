@@ -1,7 +1,6 @@
-"""assign_streams (AssignStream): the queue of every partition and node, the
-launch order of the partitions (adjacent ones of one place merged), which
-host partitions overlap device work, and the sync flag of each transfer
-(runtime/streams.py).
+"""assign_streams (AssignStream): the queue of every partition and node,
+which host partitions overlap device work, and the sync flag of each transfer
+(runtime/streams.py). The partitions' launch order is partition_nodes'.
 
 Needs partition_nodes before it.
 """

@@ -1,15 +1,18 @@
 """partition_nodes (HardwareOptimize): splits the placed nodes into partitions
-(runtime/partition.py: maximal runs of one place, and what crosses each
-boundary) and writes them on the graph (`graph.partitions`).
+and puts them in launch order (runtime/partition.py: maximal runs of one
+place, each device partition as early as its inputs allow, adjacent ones of
+one place merged, and what crosses each boundary), and writes them on the
+graph (`graph.partitions`, graph.nodes in their order).
 
 With `SessionOptions(partition_or_error=True)` a graph that needs more than
-one device partition is a PartitionError naming each host node and its rule.
-Needs place_nodes, the final node order and insert_transfers before it.
+one device partition, so launched, is a PartitionError naming each host node
+and its rule. Needs place_nodes, the final node order and insert_transfers
+before it.
 """
 from jaxsession.errors import PartitionError
 from jaxsession.graph.op_properties import is_transfer
 from jaxsession.optimizer_passes.base import Pass, PassResult
-from jaxsession.optimizer_passes.placement import placement_reason
+from jaxsession.runtime.partition import placement_reason
 from jaxsession.runtime import partition
 
 

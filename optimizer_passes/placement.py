@@ -174,7 +174,3 @@ def _refuse_host_work_under_mesh(graph, decided, mesh, host_callbacks):
            "run between the executables" if single_process and not host_callbacks else "")
         + ".")
 
-
-def placement_reason(node):
-  """The rule that placed `node` on the host (its note), or None."""
-  return next((note for note in node.notes if note.startswith("placed on host")), None)

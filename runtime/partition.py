@@ -1,8 +1,20 @@
-"""Partitioning: split the placed node list into runs that execute together.
+"""Partitioning: split the placed node list into runs that execute together,
+in the order they are launched.
 
 Proposes partitions in one step (maximal runs of nodes with the same place, in
-execution order) and then computes what crosses each boundary. Each partition
-remembers why it was split off, for the report and the dump.
+execution order), puts them in launch order and computes what crosses each
+boundary. Each partition remembers why it was split off, for the report and
+the dump.
+
+The launch order: XLA dispatch is asynchronous - launching an executable
+returns at once and the device works while Python goes on - so every device
+partition goes as early as its inputs allow, before a host partition it does
+not depend on (a host partition that reads nothing from it then runs while the
+device works: runtime/streams.py). Partitions of one place that end up
+adjacent are merged (one executable fewer). Decided here, in HardwareOptimize,
+so that `partition_or_error` and every later stage see the final partitions
+(AssignStream merged them after the check had counted the unmerged ones: a
+review's find).
 """
 import dataclasses
 from typing import List, Optional
@@ -58,6 +70,14 @@ def propose_partitions(graph):
   return partitions
 
 
+HOST_NOTE = "placed on host"  # how placement (optimizer_passes/placement.py) starts its notes
+
+
+def placement_reason(node):
+  """The rule that placed `node` on the host (its note), or None."""
+  return next((note for note in node.notes if note.startswith(HOST_NOTE)), None)
+
+
 def reason_for(part, previous):
   """Why `part` starts where it does: the node that opens it (the first that
   is not a transfer), its op, source line and the placement rule."""
@@ -66,8 +86,8 @@ def reason_for(part, previous):
   where = f" at {node.source}" if node.source else ""
   if previous is None:
     return f"first partition, opened by node {node.id} '{node.label}'{where}"
-  why = next((note for note in node.notes if note.startswith("placed on host")),
-             "every node runs on the device unless a placement rule moves it")
+  why = (placement_reason(node)
+         or "every node runs on the device unless a placement rule moves it")
   return (f"placement changes {previous.place} -> {part.place} at node {node.id} "
           f"'{node.label}'{where}: {why}")
 
@@ -108,5 +128,53 @@ def divisor_witnesses(part, part_of, graph_outs):
       v.id in graph_outs or any(part_of[u.id] != part.index for u in v.users))]
 
 
+def producers(partitions):
+  """partition index -> indices of the partitions it reads from."""
+  part_of = partition_index(partitions)
+  return {part.index: {part_of[v.producer.id] for v in part.inputs
+                       if v.producer is not None and part_of[v.producer.id] != part.index}
+          for part in partitions}
+
+
+def launch_order(partitions):
+  """Partitions in launch order: the lowest ready device partition first,
+  else the lowest ready host partition."""
+  deps = producers(partitions)
+  done, order = set(), []
+  pending = list(partitions)
+  while pending:
+    ready = [p for p in pending if deps[p.index] <= done]
+    device = [p for p in ready if p.place == "device"]
+    chosen = (device or ready)[0]
+    order.append(chosen)
+    done.add(chosen.index)
+    pending.remove(chosen)
+  return order
+
+
+def merge_adjacent(graph, order):
+  """Partitions in launch order, adjacent ones of one place merged, each
+  with its reason restated for its new position."""
+  merged, moved = [], []
+  for position, part in enumerate(order):
+    if merged and merged[-1].place == part.place:
+      merged[-1].nodes.extend(part.nodes)
+      moved[-1] += f"; merged with {part.place} partition #{part.index} (launch order)"
+    else:
+      merged.append(part)
+      moved.append("; launched ahead of host partition(s) it does not read from"
+                   if part.index > position else "")
+  for i, part in enumerate(merged):
+    part.index = i
+    part.reason = reason_for(part, merged[i - 1] if i else None) + moved[i]
+  return compute_boundaries(graph, merged)
+
+
 def partition_graph(graph):
-  return compute_boundaries(graph, propose_partitions(graph))
+  """The graph's partitions in launch order; graph.nodes follows it."""
+  parts = compute_boundaries(graph, propose_partitions(graph))
+  order = launch_order(parts)
+  if [p.index for p in order] != list(range(len(order))):
+    parts = merge_adjacent(graph, order)
+    graph.nodes = [n for p in parts for n in p.nodes]
+  return parts

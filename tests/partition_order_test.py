@@ -262,6 +262,21 @@ class ReorderTest(absltest.TestCase):
     self.assert_user_order_within_partitions(gid)
     self.assert_topological(gid)
 
+  def test_partition_or_error_counts_the_partitions_as_launched(self):
+    # with the reorder off, the launch order still runs both device runs as
+    # one executable ahead of the host op: partition_or_error counted the
+    # unmerged runs and raised (a review's find); the dump shows the schedule
+    def fn(x):
+      return jnp.sin(x), host(np.tanh, x), jnp.cos(x) * 3.0
+    x = _x(self.rng)
+    for disabled in ((), ("reorder_for_partitions",)):
+      sess = js.Session(js.SessionOptions(partition_or_error=True, disabled_passes=disabled))
+      gid = sess.compile(fn, x)
+      self.assertEqual([p.place for p in sess.report(gid).partitions], ["device", "host"])
+      for got, want in zip(sess.run(gid, x), jax.jit(fn)(x)):
+        np.testing.assert_array_equal(got, want)
+      self.assertIn(f"schedule: {sess.report(gid).schedule}", sess.graph(gid).dump())
+
   def test_interleaved_chains_collapse(self):
     def fn(x, y):
       d1 = jnp.sin(x)

@@ -14,7 +14,7 @@ from jaxsession.runtime.profiler import Profiler
 from jaxsession.graph.ir import Literal, aval_bytes
 from jaxsession.kernels import register_kernel, unregister_kernel
 from jaxsession.optimizer_passes.base import Pass, PassResult
-from jaxsession.optimizer_passes.placement import placement_reason
+from jaxsession.runtime.partition import placement_reason
 
 from exact import assert_same_bits
 from host_ops import RNG, _cb, _f32, _host_affine

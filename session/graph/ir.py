@@ -396,9 +396,8 @@ class KernelGraph:
     """The graph as text: inputs, one node a line with every decision, outputs."""
     lines = [f"graph {self.name} ({len(self.nodes)} nodes)"]
     if self.mesh is not None:
-      lines.append(f"  mesh {dict(self.mesh.shape)} ({self.mesh.devices.size} devices); "
-                   "values marked @P(...) carry that sharding, XLA's SPMD partitioner "
-                   "propagates the rest")
+      lines.append(f"  mesh {dict(self.mesh.shape)} ({self.mesh.devices.size} devices); values "
+                   "marked @P(...) carry that sharding, XLA's SPMD partitioner propagates the rest")
     for value in self.inputs:
       comment = "; ".join(t for t in (value.name, value.note) if t)
       lines.append(f"  {value.kind:5s} {value}: {aval_str(value.aval)}{sharded(value)}"
@@ -431,6 +430,8 @@ class KernelGraph:
     if self.removed:
       lines.append("removed by the passes:")
       lines.extend(f"  {name}: {text}" for name, text in self.removed)
+    if self.schedule is not None:  # reorder_for_partitions' decision
+      lines.append(f"schedule: {self.schedule}")
     if self.partitions is not None:
       lines.append("partitions:")
       lines.extend(f"  {p.describe()}" for p in self.partitions)
@@ -566,8 +567,7 @@ def _expected_avals(node):
 
 
 def mesh_of(aval):
-  """The abstract mesh an aval is laid out on under explicit sharding; None
-  for an aval on no mesh."""
+  """The abstract mesh an aval is laid out on (explicit sharding), or None."""
   mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
   return None if mesh is None or getattr(mesh, "empty", True) else mesh
 
