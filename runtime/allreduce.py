@@ -103,7 +103,7 @@ class Scatter:
 @dataclasses.dataclass
 class AllReducePlan:
   """The buckets and reduce-scatters of one graph, and the reductions left to GSPMD."""
-  mesh_axis: str
+  mesh_axis: Optional[str]  # None: no plan (`left` says why)
   devices: int
   bucket_bytes: int
   first_bucket_bytes: int
@@ -113,6 +113,8 @@ class AllReducePlan:
 
   def describe(self):
     """Lines for dumps and reports."""
+    if self.mesh_axis is None:
+      return ["all-reduce plan: none"] + ["  left to GSPMD: " + why for why in self.left]
     lines = [f"all-reduce plan over mesh axis {self.mesh_axis!r} ({self.devices} devices): "
              f"{len(self.buckets)} bucket(s), limit {self.bucket_bytes} B "
              f"(first {self.first_bucket_bytes} B), {len(self.scatters)} reduce-scatter(s)"]
@@ -130,8 +132,27 @@ def _short(names, limit=6):
 
 # -- where the rows are ---------------------------------------------------------------
 def _row_axis_name(graph):
-  """The mesh axis the batch rows are split over: the mesh's first axis."""
-  return graph.mesh.axis_names[0]
+  """(the mesh axis the batch rows are split over, None) - the one the run
+  arguments' leading axes are split on (by default in_specs, the mesh's
+  first; it was taken to be that one always, and a plan of rows split over
+  another found nothing, silently: a review's find) - or (None, why not)."""
+  axes = []
+  for value in graph.inputs:
+    spec = getattr(value.sharding, "spec", None)
+    if value.kind != "input" or not getattr(value.aval, "shape", ()) or not spec \
+        or spec[0] is None:
+      continue
+    names = tuple(spec[0]) if isinstance(spec[0], tuple) else (spec[0],)
+    if len(names) != 1:
+      return None, (f"run argument {value.name or value} splits its rows over mesh axes {names} at "
+                    "once: the plan sums over one axis")
+    if names[0] not in axes:
+      axes.append(names[0])
+  if not axes:
+    return None, "no run argument is split on its leading axis: there are no rows to sum"
+  if len(axes) > 1:
+    return None, f"the run arguments split their rows over mesh axes {axes}: the plan sums over one"
+  return axes[0], None
 
 
 def _splits_rows(sharding, axis_name):
@@ -505,10 +526,13 @@ def plan_allreduce(graph, options):
   if any(n.op in (PARTIAL_OP, BUCKET_OP, SCATTER_OP) for n in graph.nodes):
     return False  # planned already
   first = getattr(options, "first_bucket_bytes", None) or limit
-  axis_name = _row_axis_name(graph)
-  devices = int(graph.mesh.shape[axis_name])
+  axis_name, why_not = _row_axis_name(graph)
+  devices = int(graph.mesh.shape[axis_name]) if axis_name is not None else 0
   plan = AllReducePlan(axis_name, devices, int(limit), int(first))
   graph.allreduce_plan = plan
+  if axis_name is None:
+    plan.left.append(why_not)
+    return False
   if devices == 1:
     plan.left.append(f"mesh axis {axis_name!r} has one device: nothing to all-reduce")
     return False
@@ -516,6 +540,7 @@ def plan_allreduce(graph, options):
   plan.left.extend(_left_to_gspmd(graph, facts))
   if not points:
     logging.info("all-reduce plan of %s: no sum over the sharded rows", graph.name)
+    plan.left.append(f"no sum over the rows split over mesh axis {axis_name!r}")
     return False
   readers = _readers(graph, deps, len(points))
   scatters = scatter_targets(points, readers, axis_name, devices)
