@@ -129,13 +129,14 @@ def live_ranges(graph, partitions):
 
 
 def bytes_live_after(graph, platform):
-  """Per partition: the device bytes the memory plan holds after it (values
-  made by it or before and read after it, graph inputs and outputs), from
-  the plan's live ranges; [] before AllocateMemory."""
+  """Per partition: the bytes one device holds after it by the memory plan
+  (values made by it or before and read after it, graph inputs and outputs;
+  under a mesh one shard of each, as the plan counts them), from the plan's
+  live ranges; [] before AllocateMemory."""
   plan = graph.memory
   if plan is None or not graph.partitions:
     return []
-  sizes = {v.id: aval_bytes(v.aval) for v in graph.values() if device_resident(v, platform)}
+  sizes = device_sizes(graph, platform)
   return [sum(size for vid, size in sizes.items()
               if plan.live_ranges[vid][0] <= part.index < plan.live_ranges[vid][1])
           for part in graph.partitions]

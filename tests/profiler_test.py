@@ -12,6 +12,7 @@ from absl.testing import absltest
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxsession as js
 from jaxsession.errors import HostOpError
@@ -19,6 +20,7 @@ from jaxsession.runtime import profiler as profiler_lib
 from jaxsession.runtime.profiler import Profiler
 
 from exact import assert_same_bits
+from subproc import run_json
 
 RNG = np.random.default_rng(8)
 
@@ -185,6 +187,35 @@ class RecordsTest(absltest.TestCase):
     gid = sess.compile(chain, x)
     sess.run(gid, x)
     self.assertEqual({p.live_bytes for p in quiet.partitions()}, {None})
+
+  @pytest.mark.slow
+  def test_memory_samples_under_a_mesh_count_one_device(self):
+    # the plan's bytes after a partition, as one device holds them (a shard
+    # of each sharded value, as report.memory counts): the whole arrays were
+    # summed (a review's find), 141312 B on 4 devices as on one
+    out = run_json("""
+import json, numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh
+import jaxsession as js
+rng = np.random.default_rng(8)
+w = jnp.asarray(rng.standard_normal((256, 64)), jnp.float32)
+x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
+step = lambda w, x: (w * 0.5 + 1.0, jnp.tanh(x @ w))
+got = {}
+for name, opts in (("one", {}), ("mesh", {"mesh": Mesh(np.array(jax.devices()), ("data",))})):
+  sess = js.Session(js.SessionOptions(enable_profiling=True, **opts))
+  gid = sess.compile(step, w, x, state_argnums=0, **({"state_specs": "zero"} if opts else {}))
+  sess.run(gid, x)
+  got[name] = [p.live_bytes for p in sess.profiler.partitions()]
+print(json.dumps(got))
+""", devices=4)
+    (one,), (mesh,) = out["one"], out["mesh"]
+    # one device: w (64 KiB) and its update, x (8 KiB), the output (2 KiB)
+    self.assertEqual(one, 2 * 65536 + 8192 + 2048)
+    # a device of 4: a quarter of w ("zero") and of x (its rows, the default
+    # in_specs); the values XLA's partitioner lays out (w's update, the
+    # output) at their whole size, as the plan counts them (report.memory)
+    self.assertEqual(mesh, 65536 // 4 + 8192 // 4 + 65536 + 2048)
 
   def test_failed_run_is_recorded_and_raises_as_before(self):
     def boom(a):
