@@ -11,6 +11,7 @@ before it.
 """
 from jaxsession.errors import PartitionError
 from jaxsession.graph.op_properties import is_transfer
+from jaxsession.graph.text import node_where
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.runtime.partition import placement_reason
 from jaxsession.runtime import partition
@@ -28,7 +29,7 @@ class PartitionNodes(Pass):
       raise PartitionError(
           f"graph {graph.name} needs {len(device)} device partitions "
           f"(partition_or_error is set); {len(host)} node(s) run on the host:\n"
-          + "\n".join(f"  node {n.id} '{n.op}'{' at ' + n.source if n.source else ''}: "
+          + "\n".join(f"  {node_where(n)}: "
                       f"{placement_reason(n)}" for n in host)
           + "\npartitions:\n" + "\n".join(f"  {p.describe()}" for p in parts))
     graph.partitions = parts

@@ -19,6 +19,7 @@ plan_allreduce, a user pass) gets its kernel here, by SelectKernel's own rule.
 """
 from jaxsession.errors import PartitionError
 from jaxsession.graph.ir import Literal
+from jaxsession.graph.text import node_where
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.select_kernels import choose_kernels
@@ -115,7 +116,7 @@ class PlaceNodes(Pass):
       raise PartitionError(
           f"graph {graph.name}: place_all_on_device is set but {len(decided)} node(s) "
           "would run on the host:\n" + "\n".join(
-              f"  node {n.id} '{n.op}'{' at ' + n.source if n.source else ''}: {reason}"
+              f"  {node_where(n)}: {reason}"
               for n, _, reason in decided.values())
           + "\n(host_callbacks=False keeps callbacks inside the executables)")
     changed = False
@@ -167,7 +168,7 @@ def _refuse_host_work_under_mesh(graph, decided, mesh, host_callbacks):
     raise PartitionError(
         f"graph {graph.name}: host work under this mesh is not supported ({where}), and "
         f"{len(nodes)} node(s) would need it:\n" +
-        "\n".join(f"  node {n.id} '{n.op}'{' at ' + n.source if n.source else ''}: {reason}"
+        "\n".join(f"  {node_where(n)}: {reason}"
                    for n, reason in nodes.values())
         + "\nMove the host work out of the compiled function (before or after run)"
         + (", or set SessionOptions(host_callbacks=True) so that top-level pure_callbacks "

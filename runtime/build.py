@@ -42,8 +42,8 @@ def shape_struct(aval, sharding=None):
                               weak_type=getattr(aval, "weak_type", False))
 
 
-def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
-               compiler_options=None, out_shardings=None, rewrite=None):
+def compile_fn(fn, arg_structs, donate_argnums=(), compiler_options=None, out_shardings=None,
+               rewrite=None):
   """jit + lower + compile, ahead of time, for exactly these argument types.
   Its call checks the argument types before it runs or consumes anything.
   `out_shardings` (a prefix of fn's outputs, None where XLA chooses): the
@@ -52,12 +52,8 @@ def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
   jax.jit with the same out_shardings: tests/spmd_test.py, ZeRO-1).
   `rewrite(closed_jaxpr, out_tree)` (runtime/horizontal.py's Rewrite), when
   given, sees fn as traced and returns the function to trace in its place,
-  or None to lower fn's trace as it is.
-
-  With `cache` (a compile_cache.ExecutableCache or RecordingCache) and `key`
-  (the graph's fingerprint and which of its executables this is), the
-  executable is looked up under `key` + the argument types + the donation
-  before anything is traced, and stored after a compile."""
+  or None to lower fn's trace as it is. (Through the compile cache:
+  `compile_recorded`.)"""
   def traced(f):
     jitted = real_jit(f, donate_argnums=donate_argnums) if out_shardings is None else \
         real_jit(f, donate_argnums=donate_argnums, out_shardings=out_shardings)
@@ -71,11 +67,7 @@ def compile_fn(fn, arg_structs, donate_argnums=(), cache=None, key=None,
         replacement.__name__ = replacement.__qualname__ = getattr(fn, "__name__", "step")
         step = traced(replacement)
     return step.lower().compile(compiler_options=compiler_options or None)
-  if cache is None or key is None:
-    return compile_now()
-  exe, _ = cache.get_or_compile(executable_key(key, arg_structs, donate_argnums),
-                                compile_now)
-  return exe
+  return compile_now()
 
 
 def named(fn, name):
@@ -107,7 +99,11 @@ def compile_recorded(fn, recorder, arg_structs, donate_argnums=(), cache=None, k
   keeps calling the callbacks it was compiled with, so the recorder is cached
   with it: on a hit, this returns the recorder that executable writes to,
   which the runner must read instead of its own. `notes`: what `rewrite`
-  (compile_fn's) wrote on its `notes`, cached alike."""
+  (compile_fn's) wrote on its `notes`, cached alike. With `cache` (a
+  compile_cache.ExecutableCache or RecordingCache) and `key` (the graph's
+  fingerprint and which of its executables this is), it is looked up under
+  `key` + the argument types + the donation before anything is traced, and
+  stored after a compile."""
   def compile_now():
     exe = compile_fn(fn, arg_structs, donate_argnums, compiler_options=compiler_options,
                      out_shardings=out_shardings, rewrite=rewrite)

@@ -15,12 +15,12 @@ from jax.extend import core as jcore
 from jaxsession.errors import HostOpError
 from jaxsession.graph.ir import Node
 from jaxsession.graph.op_properties import primitive_props
+from jaxsession.graph.text import node_where
 from jaxsession.runtime import interrupts
 from jaxsession.runtime.state import done_running, running_user_code
 
 
-def where(node):
-  return f"node {node.id} '{node.op}'" + (f" at {node.source}" if node.source else "")
+where = node_where  # (graph/text.py)
 
 
 class ErrorRecorder:

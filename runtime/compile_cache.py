@@ -6,7 +6,8 @@ not pay XLA again. Executables are keyed by runtime/fingerprint.py's
 `executable_key` of each one's arguments:
 
     fp = fingerprint(graph, spec.avals, options_key(options), platform)
-    exe = build.compile_fn(fn, structs, donate, cache=executables, key=(fp, "partition", 0))
+    exe, recorder, notes = build.compile_recorded(fn, recorder, structs, donate,
+                                                  cache=executables, key=(fp, "partition", 0))
 
 `ExecutableCache` is the in-memory store (LRU, thread-safe, one compile per
 key, entries pinned by the live graphs that use them); `RecordingCache` wraps

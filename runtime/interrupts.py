@@ -8,7 +8,8 @@ acquires - and a KeyboardInterrupt there would leave the slots holding
 consumed buffers ("Array has been deleted") or a lock held forever.
 
 So the functions that hold slot locks are marked `critical` (Runner.call,
-Session.get_state, set_state, release): marking only records the function's
+and state.holding, through which Session.get_state, set_state, release and
+the checkpoints take them): marking only records the function's
 code object, it wraps nothing. Each begins with `lend()` and ends with
 `leave()`: in the main thread (Python runs signal handlers there only),
 ours takes the place of a SIGINT handler of the user's for the call, and

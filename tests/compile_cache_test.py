@@ -330,16 +330,16 @@ class BuildWithCacheTest(absltest.TestCase):
   """compile_fn, single_program and build_program through the cache, as the
   Session's Build will use them."""
 
-  def test_compile_fn_keys_on_arg_types_and_donation(self):
+  def test_compile_recorded_keys_on_arg_types_and_donation(self):
     cache = ExecutableCache(8)
     structs = [jax.ShapeDtypeStruct((4,), jnp.float32)]
-    a = build.compile_fn(jnp.sin, structs, cache=cache, key="sin")
-    b = build.compile_fn(jnp.sin, structs, cache=cache, key="sin")
+    compiled = lambda *args, **kw: build.compile_recorded(jnp.sin, None, *args, **kw)[0]
+    a = compiled(structs, cache=cache, key="sin")
+    b = compiled(structs, cache=cache, key="sin")
     self.assertIs(a, b)
-    build.compile_fn(jnp.sin, structs, (0,), cache=cache, key="sin")
-    build.compile_fn(jnp.sin, [jax.ShapeDtypeStruct((4,), jnp.float32, weak_type=True)],
-                     cache=cache, key="sin")
-    build.compile_fn(jnp.sin, structs)  # no cache: not counted
+    compiled(structs, (0,), cache=cache, key="sin")
+    compiled([jax.ShapeDtypeStruct((4,), jnp.float32, weak_type=True)], cache=cache, key="sin")
+    compiled(structs)  # no cache: not counted
     self.assertEqual(cache.cache_info()[:3], (1, 3, 3))
 
   def _single(self, fn, x, cache):

@@ -5,23 +5,20 @@ wrong, or None. A check of a stage holds after it and after every later
 pass, unless a later stage's own passes remake that decision."""
 from jaxsession.graph.ir import Literal
 from jaxsession.graph.op_properties import facts
-
-
-def _node_text(node):
-  return f"node {node.id} '{node.op}'" + (f" at {node.source}" if node.source else "")
+from jaxsession.graph.text import node_where
 
 
 def _every_node_has_a_kernel(graph):
   node = next((n for n in graph.nodes if n.kernel is None), None)
-  return node and f"{_node_text(node)} has no kernel"
+  return node and f"{node_where(node)} has no kernel"
 
 
 def _every_node_has_a_place(graph):
   for node in graph.nodes:
     if node.place not in ("device", "host"):
-      return f"{_node_text(node)} has no place (place={node.place!r})"
+      return f"{node_where(node)} has no place (place={node.place!r})"
     if node.kernel is not None and (node.kernel.backend == "host") != (node.place == "host"):
-      return (f"{_node_text(node)} is placed on the {node.place} with kernel "
+      return (f"{node_where(node)} is placed on the {node.place} with kernel "
               f"{node.kernel.name} ({node.kernel.backend})")
   return None
 
@@ -52,7 +49,7 @@ def _transfers_at_every_edge(graph):
       if home is homes:
         home = homes[value] = _home(value)
       if home is not None and home != want:
-        return (f"{_node_text(node)} on the {node.place} reads {value}, which lives on the "
+        return (f"{node_where(node)} on the {node.place} reads {value}, which lives on the "
                 f"{home}, without a transfer")
   for i, (_, new) in enumerate(graph.state_updates()):
     if not isinstance(new, Literal) and _home(new) == "host":
@@ -67,7 +64,7 @@ def _partitions_cover_the_nodes(graph):
   if len(members) != len(graph.nodes) or any(a is not b for a, b in zip(members, graph.nodes)):
     missing = next((n for n in graph.nodes if all(n is not m for m in members)), None)
     return ("the partitions are not the node list in order"
-            + (f": {_node_text(missing)} is in none" if missing is not None else ""))
+            + (f": {node_where(missing)} is in none" if missing is not None else ""))
   part = next((p for p in graph.partitions if any(n.place != p.place for n in p.nodes)), None)
   return part and f"partition #{part.index} ({part.place}) holds a node of another place"
 
@@ -75,11 +72,11 @@ def _partitions_cover_the_nodes(graph):
 def _every_node_has_a_stream(graph):
   node = next((n for n in graph.nodes if n.stream is None), None)
   if node is not None:
-    return f"{_node_text(node)} has no stream"
+    return f"{node_where(node)} has no stream"
   for part in graph.partitions or ():
     node = next((n for n in part.nodes if n.stream != part.stream), None)
     if node is not None:
-      return (f"{_node_text(node)} has stream {node.stream}, its partition "
+      return (f"{node_where(node)} has stream {node.stream}, its partition "
               f"#{part.index} {part.stream}")
   return None
 

@@ -4,6 +4,11 @@ by the user's function, fixed layouts, long values cut."""
 from jaxsession.graph.op_properties import sub_jaxprs
 
 
+def node_where(node):
+  """`node 12 'add' at file.py:3 (fn)`: how errors, notes and checks name a node."""
+  return f"node {node.id} '{node.op}'" + (f" at {node.source}" if node.source else "")
+
+
 def sharded(value):
   """` @P('data')`-style text for a value whose sharding is fixed, else ''."""
   sharding = value.sharding
