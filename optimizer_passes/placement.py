@@ -19,13 +19,11 @@ plan_allreduce, a user pass) gets its kernel here, by SelectKernel's own rule.
 """
 from jaxsession.errors import PartitionError
 from jaxsession.graph.ir import Literal
+from jaxsession.graph.op_properties import facts
 from jaxsession.graph.text import node_where
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes.base import Pass, PassResult
 from jaxsession.optimizer_passes.select_kernels import choose_kernels
-
-
-_CALLBACKS = ("pure_callback", "io_callback", "debug_callback")
 
 
 def _host_kernel(node):
@@ -130,7 +128,8 @@ class PlaceNodes(Pass):
       elif node.kernel is not None and node.kernel.backend == "host":
         raise PartitionError(f"node {node.id} '{node.op}' has only a host kernel but "
                              "has effects: it cannot move off the device")
-      elif node.op in _CALLBACKS:  # said: it moved nothing in report.transfers (a judge)
+      elif facts(node.op).props.user_code:  # a callback (debug_print included: the table's)
+        # said: it moved nothing in report.transfers (a judge)
         note = ("callback kept inside the executable (" + (
             "host_callbacks=False" if node.op == "pure_callback" else
             "its effects keep it in order there") + "): XLA hands its operands to the host "

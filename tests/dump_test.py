@@ -213,10 +213,11 @@ class DumpTextTest(absltest.TestCase):
 
     def f(x):
       jax.debug.callback(seen.append, x)
+      jax.debug.print("x[0] {}", x[0])  # debug_print: said nothing (a review's find)
       y = jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x * 2)
       return y + 1
-    for host_callbacks, kept in ((False, ("pure_callback", "debug_callback")),
-                                 (True, ("debug_callback",))):
+    for host_callbacks, kept in ((False, ("pure_callback", "debug_callback", "debug_print")),
+                                 (True, ("debug_callback", "debug_print"))):
       sess = js.Session(js.SessionOptions(host_callbacks=host_callbacks))
       gid = sess.compile(f, x)
       text = sess.graph(gid).dump()
