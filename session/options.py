@@ -13,7 +13,8 @@ class SessionOptions:
   """Options for every graph a Session compiles.
 
   save_graphs: a folder; each compile writes its graph before the pipeline,
-    after every pass that changed it (`NNN_<stage>_<pass>.ir`) and the final
+    after every pass that changed it (`NNN_<stage>_<pass>.ir`), as built
+    (`NNN_Build.ir`: the memory plan with XLA's figures) and the final
     execution order, into a subfolder of its own, `<graph id>_<name>` (the
     id in 4 digits, the name sanitized and cut to 64 characters; `-2`, `-3`
     appended where a folder of that name exists). A dump that cannot be

@@ -274,7 +274,8 @@ class Session:
                                                 key, hooks)
     build_seconds = time.perf_counter() - build_start
 
-    if dumper:
+    if dumper:  # the graph as built: its memory plan with each executable's own figures
+      dumper.write_graph("Build", graph)
       dumper.write_execution_order(graph)
     report = CompileReport(
         graph_name=name, passes=list(ctx.records),
