@@ -11,7 +11,7 @@ from jax import tree_util
 from jax.extend import core as jcore
 
 
-_DEFAULTS = {"f": np.float64, "i": np.int64, "c": np.complex128}
+DEFAULTS = {"f": np.float64, "i": np.int64, "c": np.complex128}  # canonicalized: the default of a kind
 _KINDS = (("f", np.floating), ("i", np.integer), ("c", np.complexfloating))  # bf16: kind 'V'
 
 
@@ -26,7 +26,7 @@ def python_scalar_traces_other(wrapped, state, dyn_args, i, treedef, leaves, j, 
   kind = next((k for k, t in _KINDS if jax.numpy.issubdtype(aval.dtype, t)), None)
   if kind is None:
     return False
-  default = jax.dtypes.canonicalize_dtype(_DEFAULTS[kind])
+  default = jax.dtypes.canonicalize_dtype(DEFAULTS[kind])
   if np.dtype(aval.dtype) == default:
     return False  # the weak flip above asked already
   as_python = list(leaves)
@@ -63,7 +63,7 @@ def _scalar_uses(jaxpr, scalar, dtype, integer, labels=None):
   program adds its rounding). A value returned keeps its dtype: another
   program. Bodies (a scan's, a nested jit's) are followed with the labels
   of what they are given (`labels`: var -> label, `scalar` None)."""
-  default = np.dtype(jax.dtypes.canonicalize_dtype(_DEFAULTS["i" if integer else "f"])) \
+  default = np.dtype(jax.dtypes.canonicalize_dtype(DEFAULTS["i" if integer else "f"])) \
       if scalar is None else np.dtype(scalar.aval.dtype)
   labels = dict(labels or {}) if scalar is None else {scalar: "S"}
 
@@ -95,6 +95,20 @@ def _scalar_uses(jaxpr, scalar, dtype, integer, labels=None):
   return out
 
 
+def arithmetic_terms(jaxpr):
+  """What a jaxpr computes, without its weak-type bookkeeping: each equation's
+  primitive and input and output types, sub-jaxprs included; converts that
+  change only the weak type are left out. (tracing.arithmetic digests it.)"""
+  out = []
+  for eqn in jaxpr.eqns:
+    ins = tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.invars)
+    outs = tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars)
+    if eqn.primitive.name == "convert_element_type" and ins == outs:
+      continue
+    out.append((eqn.primitive.name, ins, outs, tuple(map(arithmetic_terms, bodies(eqn)))))
+  return tuple(out)
+
+
 def bodies(eqn):
   """The sub-jaxprs an equation's params hold (bodies, branches), as Jaxprs."""
   return [p.jaxpr if hasattr(p, "jaxpr") else p
@@ -118,6 +132,6 @@ def _body_uses(eqn, body, given, dtype, integer):
   elif n == len(given) - 1 and eqn.primitive.name == "cond":
     fed = given[1:]
   else:
-    return _arithmetic(body)
+    return arithmetic_terms(body)  # (a raw NameError here: a lint's find)
   return tuple(_scalar_uses(body, None, dtype, integer,
                             {v: g for v, g in zip(body.invars, fed) if g}))

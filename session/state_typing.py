@@ -34,7 +34,7 @@ def _struct(x):
                               sharding=sharding)
 
 
-GONE = -2  # other_step's answer where the graph's function is gone
+GONE = tracing.GONE  # other_step's answer where the graph's function is gone
 
 
 class GraphTyping:
@@ -76,20 +76,12 @@ class GraphTyping:
     return step
 
   def _trace(self, flips):
-    state = list(self.state)
-    for (k, j), weak in flips.items():
-      leaves, treedef = tree_util.tree_flatten(state[k])
-      leaves[j] = jax.ShapeDtypeStruct(leaves[j].shape, leaves[j].dtype, weak_type=weak,
-                                       sharding=leaves[j].sharding)
-      state[k] = tree_util.tree_unflatten(treedef, leaves)
-    try:
-      traced, (out, _) = jax.make_jaxpr(self.wrapped, return_shape=True)(tuple(state), *self.dyn)
-      if tracing.arithmetic(traced.jaxpr) != self.base:
-        return 1
-    except tracing.FunctionGone:
-      return GONE
-    except Exception:  # pylint: disable=broad-except
-      return 1  # jax.jit's trace would raise (strict promotion): another program too
+    state = [tracing.with_weak(arg, [(j, weak) for (at, j), weak in flips.items() if at == k],
+                               keep_sharding=True) for k, arg in enumerate(self.state)]
+    answer, shapes = tracing.retrace(self.wrapped, state, self.dyn, self.base)
+    if answer is not tracing.SAME:  # (a trace that raises: another program too)
+      return GONE if answer is tracing.GONE else 1
+    out = shapes[0]
     if not self.updates:
       return 0
     try:
@@ -129,14 +121,14 @@ def refusal_error(place, weak, step, together=""):
 
 def why(step, together=""):
   """What a refused weak type changes (refused's `step`)."""
-  if step == 1:
+  if step is GONE:
+    text = ("whether that changes the program cannot be checked: the graph's function, a "
+            "method of an object since collected, cannot be traced again")
+  elif step == 1:
     text = "here the weak type changes the program (jax.jit would compile another one)"
   elif step > 1:
     text = (f"jax.jit would compute other arithmetic from the {_nth(step)} run after it on "
             "(the weak types each step returns hand the change on)")
-  elif step == GONE:
-    text = ("whether that changes the program cannot be checked: the graph's function, a "
-            "method of an object since collected, cannot be traced again")
   else:
     text = (f"the weak types its steps return still change after {tracing.MAX_TRACED_STEPS} "
             "steps, so jax.jit's later programs are not vouched for")

@@ -20,7 +20,8 @@ from jaxsession.jax_api import AbstractRef
 from jaxsession.inputs import check_aval, example_place, leaf_aval, paths_of, weak_type_error
 from jaxsession.runtime import static_leaves
 from jaxsession.runtime.state import tree_difference
-from jaxsession.narrow_scalars import bodies as _bodies, python_scalar_traces_other
+from jaxsession.narrow_scalars import (DEFAULTS, arithmetic_terms as _arithmetic,
+                                       bodies as _bodies, python_scalar_traces_other)
 
 
 def note_traced_numbers(exc, name, state_nums, state_args):
@@ -348,13 +349,10 @@ def follow_steps(wrapped, base, typed, out, dyn_args, seen):
       return None
     seen.add(returned)
     typed = [tree_util.tree_map(_typed_as, x, y) for x, y in zip(typed, out)]
-    try:
-      traced, (out, _) = jax.make_jaxpr(wrapped, return_shape=True)(tuple(typed), *dyn_args)
-      other = arithmetic(traced.jaxpr) != base
-    except Exception:  # pylint: disable=broad-except
-      other = True
-    if other:
+    answer, shapes = retrace(wrapped, typed, dyn_args, base)
+    if answer is not SAME:
       return step, traced_with, returned
+    out = shapes[0]
     traced_with = returned
   raise StillChanging()
 
@@ -385,29 +383,41 @@ def _retyped_error(name, state_nums, state_args, before, now, step):
       "jnp.asarray(x, dtype)).")
 
 
-def _arithmetic(jaxpr):
-  """What a jaxpr computes, without its weak-type bookkeeping: each equation's
-  primitive and input and output types, sub-jaxprs included; converts that
-  change only the weak type are left out."""
-  out = []
-  for eqn in jaxpr.eqns:
-    ins = tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.invars)
-    outs = tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars)
-    if eqn.primitive.name == "convert_element_type" and ins == outs:
-      continue
-    out.append((eqn.primitive.name, ins, outs, tuple(map(_arithmetic, _bodies(eqn)))))
-  return tuple(out)
+SAME, OTHER, GONE = "same program", "other program", "function gone"  # retrace's answers
 
 
-def _traces_other(trace, base):
-  """Whether trace() gives other arithmetic than `base`. A trace that raises
-  (under jax.numpy_dtype_promotion('strict'), a weak scalar made strong
-  cannot promote) is another program too: jax.jit would raise there."""
+def retrace(wrapped, state, dyn_args, base):
+  """(answer, output shapes): the graph's function traced again on types
+  (no user code runs on values) - the one way the weak-type checks ask
+  (weak_sensitive, follow_steps, state_typing.py, weak_outputs.py) - and
+  compared with `base` (arithmetic's digest; None: not compared). SAME with
+  the outputs' ShapeDtypeStructs, weak types included; OTHER where it
+  computes other arithmetic, or raises (under
+  jax.numpy_dtype_promotion('strict') a weak scalar made strong cannot
+  promote: jax.jit's trace would raise there); GONE where the function
+  cannot be traced again (FunctionGone: a method of an object since
+  collected)."""
   try:
-    traced = trace()
+    traced, out = jax.make_jaxpr(wrapped, return_shape=True)(tuple(state), *dyn_args)
+  except FunctionGone:
+    return GONE, None
   except Exception:  # pylint: disable=broad-except
-    return True
-  return arithmetic(traced.jaxpr) != base
+    return OTHER, None
+  if base is not None and arithmetic(traced.jaxpr) != base:
+    return OTHER, None
+  return SAME, out
+
+
+def with_weak(tree, flips, keep_sharding=False):
+  """`tree` with leaf j made a ShapeDtypeStruct of weak type w, for each
+  (j, w) in `flips` (its layout kept with `keep_sharding`: under a mesh the
+  trace reads it)."""
+  leaves, treedef = tree_util.tree_flatten(tree)
+  for j, weak in flips:
+    aval = leaf_aval(leaves[j], type_only=True)
+    sharding = getattr(leaves[j], "sharding", None) if keep_sharding else None
+    leaves[j] = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak, sharding=sharding)
+  return tree_util.tree_unflatten(treedef, leaves)
 
 
 def arithmetic(jaxpr):
@@ -425,10 +435,8 @@ def _dtypes_of(jaxpr, found):
   for eqn in jaxpr.eqns:
     for v in (*eqn.invars, *eqn.outvars):
       found.add(getattr(v.aval, "dtype", None))
-    for value in eqn.params.values():
-      for p in (value if isinstance(value, (tuple, list)) else (value,)):
-        if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-          _dtypes_of(p.jaxpr if hasattr(p, "jaxpr") else p, found)
+    for body in _bodies(eqn):
+      _dtypes_of(body, found)
   return found
 
 
@@ -458,8 +466,7 @@ def weak_type_is_moot(jaxpr):
     d = np.dtype(d)
   except TypeError:  # extended dtypes (PRNG keys)
     return False
-  defaults = {"f": np.float64, "i": np.int64, "c": np.complex128}
-  return d.kind in defaults and d == jax.dtypes.canonicalize_dtype(defaults[d.kind])
+  return d.kind in DEFAULTS and d == jax.dtypes.canonicalize_dtype(DEFAULTS[d.kind])
 
 
 _KEYED = threading.local()  # keyed_by_weak_types: set while such a caller compiles
@@ -511,11 +518,9 @@ def weak_sensitive(wrapped, closed, state_args, dyn_args, fast=True):
       aval = leaf_aval(leaf, type_only=True)
       if not jax.numpy.issubdtype(aval.dtype, jax.numpy.number):
         continue
-      flipped = list(leaves)
-      flipped[j] = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
       args = list(dyn_args)
-      args[i] = tree_util.tree_unflatten(treedef, flipped)
-      if _traces_other(lambda args=args: jax.make_jaxpr(wrapped)(state, *args), base) or \
+      args[i] = with_weak(arg, [(j, not aval.weak_type)])
+      if retrace(wrapped, state, args, base)[0] is not SAME or \
           python_scalar_traces_other(wrapped, state, dyn_args, i, treedef, leaves, j, aval):
         found.append((i, j, bool(aval.weak_type)))
   return found

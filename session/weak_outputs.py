@@ -67,24 +67,14 @@ class WeakOutputs:
   def out_flags(self, pattern):
     """The output weak types jax.jit gives for the watched leaves' weak `pattern`."""
     if pattern not in self.flags:
-      dyn = list(self.dyn_structs)
-      for (i, j), weak in zip(self.watched, pattern):
-        leaves, treedef = tree_util.tree_flatten(dyn[i])
-        leaves[j] = jax.ShapeDtypeStruct(leaves[j].shape, leaves[j].dtype, weak_type=weak)
-        dyn[i] = tree_util.tree_unflatten(treedef, leaves)
-      try:
-        with settings.restored(self.settings):  # (a run's setting would answer otherwise,
-          traced, (_, rest) = jax.make_jaxpr(self.wrapped, return_shape=True)(  # for good)
-              self.state_structs, *dyn)
-        if self.base is not None and tracing.arithmetic(traced.jaxpr) != self.base:
-          flags = OTHER  # the scalars' weak types together change the program
-        else:
-          flags = tuple(bool(getattr(a, "weak_type", False))
-                        for a in tree_util.tree_leaves(rest))
-      except tracing.FunctionGone:  # nothing can be checked: refused
-        flags = GONE
-      except Exception:  # pylint: disable=broad-except
-        flags = None  # it does not trace so: the outputs stay as compiled
+      dyn = [tracing.with_weak(arg, [(j, weak) for (at, j), weak in zip(self.watched, pattern)
+                                     if at == i]) for i, arg in enumerate(self.dyn_structs)]
+      with settings.restored(self.settings):  # (a run's setting would answer otherwise, for good)
+        answer, shapes = tracing.retrace(self.wrapped, self.state_structs, dyn, self.base)
+      # OTHER: the scalars' weak types together change the program (or it
+      # does not trace so: jax.jit would raise); GONE: nothing can be checked
+      flags = answer if answer is not tracing.SAME else tuple(
+          bool(getattr(a, "weak_type", False)) for a in tree_util.tree_leaves(shapes[1]))
       self.flags[pattern] = flags
     return self.flags[pattern]
 
@@ -129,7 +119,7 @@ class WeakOutputs:
       if want is OTHER and self.refusal(pattern) is not None:  # before anything runs
         raise self.refusal(pattern)
       out = call(args)
-      if want is None or want is OTHER:
+      if want is OTHER:
         return out
       leaves, treedef = tree_util.tree_flatten(out)
       if len(leaves) != len(want):
@@ -138,8 +128,7 @@ class WeakOutputs:
     return run
 
 
-OTHER = "other program"  # out_flags's answer where the pattern changes the arithmetic
-GONE = "function gone"  # ... where the function cannot be traced again
+OTHER, GONE = tracing.OTHER, tracing.GONE  # out_flags's answers (tracing.retrace's)
 
 
 def _numeric_scalar(aval):

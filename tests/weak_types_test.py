@@ -265,7 +265,10 @@ class NarrowScalarArgumentTest(absltest.TestCase):
              # a while whose cond and body take one const each: told apart
              (lambda x, s: jax.lax.while_loop(lambda c: c[0] < (x[0] > 5).astype(int) + 2,
                                               lambda c: (c[0] + 1, c[1] * s), (0, x))[1],
-              (xb, jnp.bfloat16(1)), 0.1, True)]
+              (xb, jnp.bfloat16(1)), 0.1, True),
+             # a scatter's update body, of other arity than its operands: a raw
+             # NameError at compile (a lint's find)
+             (lambda x, s: x.at[jnp.array([1, 0])].add(s) * s, (xb, jnp.bfloat16(1)), 0.1, True)]
     for fn, examples, scalar, exact in cases:
       sess = js.Session()
       gid = sess.compile(fn, *examples)
