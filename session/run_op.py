@@ -29,7 +29,7 @@ import numpy as np
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import gc_pause, pipeline
+from jaxsession import gc_pause
 from jaxsession.graph import importer, settings
 from jaxsession.errors import InputError, KernelSelectError
 from jaxsession.inputs import leaf_aval
