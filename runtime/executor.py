@@ -22,7 +22,8 @@ from jax import tree_util
 
 from jaxsession.graph import settings
 from jaxsession.graph.ir import Literal
-from jaxsession.graph.lowering import graph_consts, kernel_fn, lower_nodes, read_literal
+from jaxsession.graph.lowering import (graph_consts, interpret, kernel_fn, lower_nodes,
+                                       read_literal)
 from jaxsession.jax_api import ARRAY, placed
 from jaxsession.runtime import (bitwise, callbacks, codegen, debug_flags, horizontal, interrupts,
                                 sharding)
@@ -448,21 +449,20 @@ def eager_program(graph, spec, rest_tree, layout, steps=None, leading=None):
   # whatever it raises a HostOpError naming the node); the others eagerly
   hosts = {id(node): host_op(node) for node in graph.nodes if node.place == "host"}
 
+  def call(node, args):
+    host = hosts.get(id(node))
+    if host is None:
+      return kernel_fn(node)(node, *args)
+    try:
+      return host[0](*args)
+    except Exception as exc:
+      raise host[1](exc) from exc
+
   def one_step(leaves, user):
     env = dict(consts)
     env.update(zip(in_ids, [*leaves, *user]))
     read = lambda v: read_literal(v) if isinstance(v, Literal) else env[v.id]  # noqa: E731
-    for node in graph.nodes:
-      args = [read(v) for v in node.inputs]
-      host = hosts.get(id(node))
-      if host is None:
-        outs = kernel_fn(node)(node, *args)
-      else:
-        try:
-          outs = host[0](*args)
-        except Exception as exc:
-          raise host[1](exc) from exc
-      env.update(zip([o.id for o in node.outputs], outs))
+    interpret(graph.nodes, env, call)
     # a host result (a transfer to the device is the value itself here) placed
     # as the plan's transfer places it: kept as numpy, an x64 graph's float64
     # new state was narrowed where it was next read with x64 off (a break-it find)

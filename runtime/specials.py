@@ -6,7 +6,7 @@ import jax
 
 from jaxsession.errors import HostOpError, InputError
 from jaxsession.graph.ir import Literal
-from jaxsession.graph.lowering import graph_consts, kernel_fn, read_literal
+from jaxsession.graph.lowering import graph_consts, interpret, kernel_fn
 from jaxsession.runtime import callbacks, debug_flags
 from jaxsession.runtime.build import SPECIAL_VALUE
 
@@ -87,6 +87,14 @@ def special(message, what):
   return error
 
 
+class _Found(Exception):
+  """The replay's stop: `node` made a value of `kind`."""
+
+  def __init__(self, node, kind):
+    super().__init__(kind)
+    self.node, self.kind = node, kind
+
+
 def _replay(graph, state, user, kinds):
   """One step of the graph op by op, each node's outputs checked for the
   `kinds` ('nan', 'inf') the flags were on for - by the replay itself, not
@@ -95,12 +103,12 @@ def _replay(graph, state, user, kinds):
   state leaves)."""
   env = dict(graph_consts(graph))
   env.update(zip([v.id for v in graph.inputs if v.kind != "const"], state + user))
-  for node in graph.nodes:
-    ins = [read_literal(v) if isinstance(v, Literal) else env[v.id] for v in node.inputs]
+
+  def call(node, ins):
     try:
       outs = jax.block_until_ready(kernel_fn(node)(node, *ins))
     except (FloatingPointError, SPECIAL_VALUE):  # jax's checks, if still on
-      return (node, kinds[0] if kinds else "nan"), state
+      raise _Found(node, kinds[0] if kinds else "nan") from None
     except Exception as exc:
       # a callback raising as it runs again: its error, as jax.jit's
       # de-optimized call raises it
@@ -112,8 +120,12 @@ def _replay(graph, state, user, kinds):
     for out in outs:
       kind = debug_flags.special_in(out, kinds)
       if kind is not None:
-        return (node, kind), state
-    env.update(zip([o.id for o in node.outputs], outs))
+        raise _Found(node, kind)
+    return outs
+  try:
+    interpret(graph.nodes, env, call)
+  except _Found as found:
+    return (found.node, found.kind), state
   updates = dict((s.id, new) for s, new in graph.state_updates())
   new = [updates.get(s.id, s) for s in graph.inputs_of_kind("state")]
   return None, [v.value if isinstance(v, Literal) else env[v.id] for v in new]

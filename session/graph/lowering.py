@@ -100,33 +100,29 @@ def lower_nodes(nodes, in_values, out_values, consts=None):
   in_ids = [v.id for v in in_values]
   bound = dict(consts or {})
   frees = liveness.of_nodes(nodes, out_values).frees()
-  fns = [kernel_fn(n) for n in nodes]
   # a node traced on an explicit-sharding mesh binds under that mesh: an inlined
   # nested jit (jax.random's samplers) may run on another mesh than its caller
-  meshes = [node_mesh(n) for n in nodes]
+  kernels = {id(n): (kernel_fn(n), node_mesh(n)) for n in nodes}
 
-  def read(env, value):
-    return read_literal(value) if isinstance(value, Literal) else env[value.id]
+  def call(node, ins):
+    fn, mesh = kernels[id(node)]
+    try:
+      if mesh is None:
+        outs = fn(node, *ins)
+      else:
+        with jax.sharding.use_abstract_mesh(mesh):
+          outs = fn(node, *ins)
+    except Exception as exc:  # raised while the executable is traced, at compile
+      name = node.kernel.name if node.kernel is not None else "xla:bind"
+      raise KernelSelectError(f"kernel {name} of node {node.id} '{node.op}' raised "
+                              f"{type(exc).__name__}: {exc}") from exc
+    check_kernel_outputs(node, outs)
+    return outs
 
   def run_nodes(*arrays):
     env = dict(bound)
     env.update(zip(in_ids, arrays))
-    for node, fn, free, mesh in zip(nodes, fns, frees, meshes):
-      try:
-        if mesh is None:
-          outs = fn(node, *[read(env, v) for v in node.inputs])
-        else:
-          with jax.sharding.use_abstract_mesh(mesh):
-            outs = fn(node, *[read(env, v) for v in node.inputs])
-      except Exception as exc:  # raised while the executable is traced, at compile
-        name = node.kernel.name if node.kernel is not None else "xla:bind"
-        raise KernelSelectError(f"kernel {name} of node {node.id} '{node.op}' raised "
-                                f"{type(exc).__name__}: {exc}") from exc
-      check_kernel_outputs(node, outs)
-      for value, out in zip(node.outputs, outs):
-        env[value.id] = out
-      for vid in free:
-        del env[vid]
+    interpret(nodes, env, call, frees)
     return [literal_output(v) if isinstance(v, Literal) else
             typed(env[v.id], v.aval) if v.id in weak_consts else env[v.id] for v in out_values]
 
@@ -136,6 +132,23 @@ def lower_nodes(nodes, in_values, out_values, consts=None):
   weak_consts = {v.id for v in out_values if not isinstance(v, Literal) and v.id in bound
                  and getattr(v.aval, "weak_type", False)}
   return run_nodes
+
+
+def interpret(nodes, env, call, frees=None):
+  """The one loop over a node list: each node's inputs read from `env`
+  (value id -> array; a Literal as a kernel reads it), `call(node, inputs)`
+  its outputs, written back to `env`, and the values of `frees[pos]`
+  forgotten after the node at `pos`. Traced by lower_nodes; run on values by
+  the op-by-op run under jax.disable_jit (executor.eager_program) and the
+  debug flags' replay (specials.py)."""
+  for pos, node in enumerate(nodes):
+    outs = call(node, [read_literal(v) if isinstance(v, Literal) else env[v.id]
+                       for v in node.inputs])
+    env.update(zip([o.id for o in node.outputs], outs))
+    if frees is not None:
+      for vid in frees[pos]:
+        del env[vid]
+  return env
 
 
 _PY_SCALARS = (bool, int, float, complex)
