@@ -283,9 +283,16 @@ def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dy
                        f"({tree_difference(old, new)}). If fn only reads its state (an "
                        "eval step), pass updates_state=False.")
     for path, a, b in zip(paths_of(old), old_leaves, new_leaves):
+      was = leaf_aval(a, type_only=True)
+      # a dtype alone changed (bf16 params minus an f32 learning rate times
+      # the gradient): cast back; updates_state=False would freeze the state
+      # (the hint a judge followed, and its state never moved)
+      note = (f". The step returns it as {np.dtype(b.dtype).name}: cast the new value back "
+              f"(.astype({np.dtype(was.dtype).name})) to keep the state's dtype"
+              if tuple(b.shape) == tuple(was.shape) and b.dtype != was.dtype else
+              ". If fn only reads its state (an eval step), pass updates_state=False")
       check_aval(f"{where} at path {path or '(root)'}", jax.core.ShapedArray(b.shape, b.dtype),
-                 leaf_aval(a, type_only=True),
-                 note=". If fn only reads its state (an eval step), pass updates_state=False.")
+                 was, note=note + ".")
   _check_later_steps(name, state_nums, state_args, new_state, wrapped, closed, dyn_args)
 
 

