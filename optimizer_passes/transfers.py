@@ -22,17 +22,6 @@ from jaxsession.graph.ir import Literal
 from jaxsession.kernels import registry
 from jaxsession.optimizer_passes.base import Pass, PassResult
 
-def value_place(value):
-  """Where a value lives: its producer's place; graph inputs and state on the
-  device; constants everywhere (None: both sides read them for free)."""
-  if value.producer is not None:
-    if op_properties.is_transfer(value.producer.op, "h2d"):  # even a host-placed one
-      # makes a device value
-      return "device"
-    return value.producer.place
-  return None if value.kind == "const" else "device"
-
-
 def _transfer(graph, op, value, place, caused_by, note, platform):
   node = graph.make_node(op, None, {"caused_by": caused_by.id}, [value], [value.aval])
   node.place = place
@@ -53,7 +42,7 @@ class InsertTransfers(Pass):
     for value in list(graph.values()):
       if isinstance(value, Literal):
         continue
-      home = value_place(value)
+      home = op_properties.home(value)
       if home is None or (value.producer is not None and op_properties.is_transfer(value.producer.op)):
         continue  # a transfer's result is on the side its readers are
       other = "host" if home == "device" else "device"

@@ -111,12 +111,9 @@ def device_resident(value, platform):
   """Whether `value` occupies device memory: graph inputs and state, and what
   device nodes make; host values do not - except on the CPU platform, where a
   transfer to the host hands over the very same buffer."""
-  if value.producer is None:
-    return value.kind != "const"  # consts are embedded in the executables
-  transfer = op_properties.facts(value.producer.op).transfer
-  if transfer == "d2h":
+  if value.producer is not None and op_properties.is_transfer(value.producer.op, "d2h"):
     return platform == "cpu"
-  return value.producer.place == "device" or transfer == "h2d"
+  return op_properties.home(value) == "device"  # (consts are embedded in the executables)
 
 
 def live_ranges(graph, partitions):

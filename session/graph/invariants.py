@@ -4,7 +4,7 @@ partitions, streams, the memory plan), each as a check that returns what is
 wrong, or None. A check of a stage holds after it and after every later
 pass, unless a later stage's own passes remake that decision."""
 from jaxsession.graph.ir import Literal
-from jaxsession.graph.op_properties import facts
+from jaxsession.graph.op_properties import facts, home as home_of
 from jaxsession.graph.text import node_where
 
 
@@ -28,17 +28,8 @@ def _transfer(op):
   return facts(op).transfer
 
 
-def _home(value):
-  """Where a value lives: its producer's place (a transfer's result: the side
-  it copies to); graph inputs and state on the device; constants anywhere."""
-  if value.producer is None:
-    return None if value.kind == "const" else "device"
-  kind = _transfer(value.producer.op)
-  return value.producer.place if kind is None else "host" if kind == "d2h" else "device"
-
-
 def _transfers_at_every_edge(graph):
-  homes = {}  # value -> _home(value): each value is read by several nodes
+  homes = {}  # value -> home_of(value): each value is read by several nodes
   for node in graph.nodes:
     kind = _transfer(node.op)  # a transfer reads from the side it copies from
     want = node.place if kind is None else "device" if kind == "d2h" else "host"
@@ -47,12 +38,12 @@ def _transfers_at_every_edge(graph):
         continue
       home = homes.get(value, homes)
       if home is homes:
-        home = homes[value] = _home(value)
+        home = homes[value] = home_of(value)
       if home is not None and home != want:
         return (f"{node_where(node)} on the {node.place} reads {value}, which lives on the "
                 f"{home}, without a transfer")
   for i, (_, new) in enumerate(graph.state_updates()):
-    if not isinstance(new, Literal) and _home(new) == "host":
+    if not isinstance(new, Literal) and home_of(new) == "host":
       return f"the new value {new} of state {i} lives on the host, without a transfer"
   return None
 

@@ -361,6 +361,17 @@ def is_transfer(op, kind=None):
   return transfer is not None and (kind is None or transfer == kind)
 
 
+def home(value):
+  """Where a Value lives: its producer's place (a transfer's result: the side
+  it copies to); graph inputs and state on the device; None for a constant
+  (read on either side for free). The one answer of insert_transfers, the
+  graph's invariants and the memory plan's device_resident."""
+  if value.producer is None:
+    return None if value.kind == "const" else "device"
+  kind = facts(value.producer.op).transfer
+  return value.producer.place if kind is None else "host" if kind == "d2h" else "device"
+
+
 def transfer_op(kind):
   """The name of the op that moves a value `kind` ("d2h" or "h2d")."""
   return next(name for name, f in OP_TABLE.items() if f.transfer == kind)
