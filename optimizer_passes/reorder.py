@@ -141,19 +141,9 @@ def sink_host_outputs(order, graph):
 def order_peak(graph, nodes):
   """Planned peak of live bytes for `nodes` in this order (inputs live
   throughout, a value from its producer to its last reader)."""
-  size = {out.id: aval_bytes(out.aval) for node in nodes for out in node.outputs}
   last = liveness.of_nodes(nodes, graph.outputs).last
-  end = len(nodes)
-  live = sum(aval_bytes(v.aval) for v in graph.inputs)
-  peak = live
-  frees = [0] * (end + 1)
-  for pos, node in enumerate(nodes):
-    for out in node.outputs:
-      live += size[out.id]
-      frees[last[out.id]] += size[out.id]
-    peak = max(peak, live)
-    live -= frees[pos]
-  return peak
+  return sum(aval_bytes(v.aval) for v in graph.inputs) + liveness.peak_bytes(
+      nodes, last, lambda out: aval_bytes(out.aval))
 
 
 def best_order(graph, slack_bytes=0):

@@ -155,18 +155,8 @@ def estimate(part, sizes):
     return args + outs
   exported = {v.id for v in part.outputs}
   last = liveness.of_nodes(part.nodes).last
-  live = peak = 0
-  dies = collections.defaultdict(int)
-  for pos, node in enumerate(part.nodes):
-    for out in node.outputs:
-      if out.id not in exported:
-        size = sizes.get(out.id)
-        size = value_bytes(out) if size is None else size
-        live += size
-        dies[last[out.id]] += size
-    peak = max(peak, live)
-    live -= dies[pos]
-  return args + outs + peak
+  size_of = lambda out: sizes[out.id] if out.id in sizes else value_bytes(out)  # noqa: E731
+  return args + outs + liveness.peak_bytes(part.nodes, last, size_of, exported)
 
 
 def value_bytes(value):

@@ -14,9 +14,10 @@ returns a `Liveness`:
 Who reads it, at which granularity, computed once where:
   * per node, over one partition's nodes (keep: its outputs): lowering frees a
     traced value after its last reader (Build, once per partition); the memory
-    plan's estimate of a partition (AllocateMemory, once per partition);
+    plan's estimate of a partition (AllocateMemory, once per partition: `peak_bytes`);
   * per node, over a whole candidate order (keep: the graph outputs): reorder
-    compares the peaks of its candidate orders (HardwareOptimize, once per order);
+    compares the peaks of its candidate orders (HardwareOptimize, once per
+    order: `peak_bytes`);
   * per partition (`of_partitions`: graph inputs from -1, graph inputs and
     outputs to `end`): the memory plan's live ranges, computed once in
     AllocateMemory and stored on the plan, where donation, `memory.refine` and
@@ -51,6 +52,25 @@ class Liveness:
   def live_after(self, step):
     """The ids made at or before `step` and read after it."""
     return [vid for vid, last in self.last.items() if self.made[vid] <= step < last]
+
+
+def peak_bytes(nodes, last, size_of, skip=frozenset()):
+  """The most bytes live at once, walking `nodes` in order: each output from
+  its node to its last reader (`last`: value id -> position, a node list's
+  Liveness.last), sized by `size_of(value)`; the ids in `skip` not counted.
+  Reorder's peak of a candidate order and the memory plan's estimate of a
+  partition both add what lives throughout to it."""
+  live = peak = 0
+  dies = [0] * (len(nodes) + 1)
+  for pos, node in enumerate(nodes):
+    for out in node.outputs:
+      if out.id not in skip:
+        size = size_of(out)
+        live += size
+        dies[last[out.id]] += size
+    peak = max(peak, live)
+    live -= dies[pos]
+  return peak
 
 
 def analyze(steps, keep=()):
