@@ -25,16 +25,13 @@ import numpy as np
 from absl import logging
 from jax import tree_util
 
-from jaxsession import inputs, tracing
+from jaxsession import inputs, pipeline, tracing
 from jaxsession.errors import InputError, SessionError, UnknownGraphError
 from jaxsession.graph import importer, settings
 from jaxsession.graph.ir import Literal, aval_str
-from jaxsession.optimizer_passes.dce import DeadCodeElimination
-from jaxsession.optimizer_passes.simplify import Simplify
 from jaxsession.runtime import buckets as policy_lib, debug_flags, static_leaves
 from jaxsession.runtime.state import session_device, with_weak_type
 
-CLEANUPS = (Simplify(), DeadCodeElimination())  # run on each trace of fn (trace)
 
 
 class BucketedGraph:
@@ -164,11 +161,7 @@ class BucketedGraph:
                                   input_names=labels,
                                   host_callbacks=self.options.host_callbacks)
     graph.updates_state = self.updates
-    # Optimize's identities first (as the bucket's program has them): a dead
-    # case of a select is no dependence on the batch size - jnp's negative
-    # index normalisation of x[jnp.arange(B), labels] adds B there
-    for cleanup in CLEANUPS:
-      cleanup.run(graph, None)
+    pipeline.clean_probe(graph)  # Optimize's identities, as the bucket's program has them
     return graph, dyn_args
 
   def executable(self, size):

@@ -9,8 +9,9 @@ and come last in it: a user pass (`register_pass`) runs before them, so the
 nodes it makes are decided by the ordinary passes that follow. After every
 stage `KernelGraph.verify` checks what the stages so far decided
 (optimizer_passes.base.GraphOptimizer). `run_pipeline` is the one way the
-stages are run (Session.compile); Build is not a graph pass - it turns the
-final graph into executables (runtime.build).
+stages are run (Session.compile; `clean_probe` runs two of Optimize's passes
+on a trace that is analysed, never compiled); Build is not a graph pass - it
+turns the final graph into executables (runtime.build).
 """
 from jaxsession import gc_pause
 from jaxsession.optimizer_passes.adam_fusion import FuseAdam
@@ -72,6 +73,9 @@ PIPELINE = {
     ),
 }
 FIXED_POINT = ("Optimize",)
+# Optimize's identities, alone and in this order, on a trace that is analysed
+# and never compiled (`clean_probe`)
+PROBE_CLEANUPS = ("simplify", "dce")
 STAGES = (*PIPELINE, "Build")
 GRAPH_STAGES = tuple(PIPELINE)  # Build makes executables, not graph changes
 _USER_PASSES = []  # (stage, pass, before, after), in registration order
@@ -131,6 +135,16 @@ def graph_optimizer(disabled=()):
   return GraphOptimizer([PassManager(stage, stages[stage], fixed_point=stage in FIXED_POINT,
                                      holds=GRAPH_STAGES[:i])
                          for i, stage in enumerate(GRAPH_STAGES)], disabled)
+
+
+def clean_probe(graph):
+  """PROBE_CLEANUPS on a traced graph that is analysed, not compiled (the
+  buckets' padding analysis, session/bucketed.py: a dead case of a select is
+  no dependence on the batch size - jnp's negative index normalisation of
+  x[jnp.arange(B), labels] adds B there), as the compile's Optimize has them."""
+  passes = {p.name: p for p in PIPELINE["Optimize"]}
+  for name in PROBE_CLEANUPS:
+    passes[name].run(graph, None)
 
 
 def run_pipeline(graph, ctx):
