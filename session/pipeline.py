@@ -11,7 +11,7 @@ stage `KernelGraph.verify` checks what the stages so far decided
 (optimizer_passes.base.GraphOptimizer). `run_pipeline` is the one way the
 stages are run (Session.compile; `clean_probe` runs two of Optimize's passes
 on a trace that is analysed, never compiled); Build is not a graph pass - it
-turns the final graph into executables (runtime.build).
+turns the final graph into executables (session/build_stage.py).
 """
 from jaxsession import gc_pause
 from jaxsession.optimizer_passes.adam_fusion import FuseAdam

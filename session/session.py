@@ -10,8 +10,8 @@ import jax
 from jax import tree_util
 from jax.extend import core as jcore
 
-from jaxsession import (bucketed, checkpoints, gc_pause, inputs, jit_cache, own_device, pipeline,
-                        processes, spmd, state_values, tracing)
+from jaxsession import (bucketed, build_stage, checkpoints, gc_pause, inputs, jit_cache,
+                        own_device, pipeline, processes, spmd, state_values, tracing)
 from jaxsession.graph import importer, settings
 from jaxsession.argnums import _argnums, _graph_id, _replaced, _shared_slots, check_shared
 from jaxsession.errors import InputError, SessionError, UnknownGraphError
@@ -21,10 +21,9 @@ from jaxsession.optimizer_passes.base import PassContext
 from jaxsession.options import SessionOptions
 from jaxsession.report import CompileReport, PartitionInfo, count_kernels, list_transfers
 from jaxsession.run_op import OpRunner
-from jaxsession.runtime import (build, compile_cache, executor, fingerprint, interrupts,
-                                loop_sink, memory, static_leaves)
+from jaxsession.runtime import (compile_cache, fingerprint, interrupts, loop_sink, memory,
+                                static_leaves)
 from jaxsession.runtime.packing import SlotLeaf
-from jaxsession.runtime.state_layout import state_layout
 from jaxsession.runtime.profiler import Profiler
 from jaxsession.weak_outputs import WeakOutputs
 from jaxsession.state_typing import GraphTyping
@@ -270,8 +269,8 @@ class Session:
                                                         str(session_device())))
     build_start = time.perf_counter()
     hooks = self.profiler.graph_hooks(None, name, graph)  # bound to the id below
-    runner, make_sunk, make_eager = self._build(graph, spec, rest_tree, leaf_slots, cache,
-                                                key, hooks)
+    runner, make_sunk, make_eager = build_stage.build(graph, spec, rest_tree, leaf_slots,
+                                                      self.platform, cache, key, hooks)
     build_seconds = time.perf_counter() - build_start
 
     if dumper:  # the graph as built: its memory plan with each executable's own figures
@@ -301,40 +300,6 @@ class Session:
     self.profiler.record_compile(gid, name, ctx.records, build_seconds,
                                  report.compile_seconds)
     return gid
-
-  def _build(self, graph, spec, rest_tree, leaf_slots, cache=None, key=None, hooks=None):
-    """One executable per device partition, compiled ahead of time (no
-    warm-up: nothing of the user's runs here) with the graph's consts
-    embedded as jax.jit embeds a closure's; the Program, its Runner, and a
-    factory of the Runners of `run(..., steps=N)`. `hooks`: the profiler's,
-    which each op's function is wrapped in, once, here."""
-    interrupts.install()  # (the unraisable hook: again per compile, where it was replaced)
-    parts = graph.partitions
-    one = len(parts) <= 1 and all(p.place == "device" for p in parts)
-    layout = state_layout(graph, graph.memory, leaf_slots, one)
-    if one:
-      program = executor.single_program(graph, spec, rest_tree, layout, cache, key, hooks)
-      sunk = lambda steps, leading: loop_sink.sunk_program(  # noqa: E731
-          graph, spec, rest_tree, layout, steps, hooks, leading)
-    else:
-      program = executor.plan_program(graph, build.build_program(
-          graph, parts, graph.memory, spec, self.platform, cache, key, hooks), spec,
-          rest_tree, layout)
-      sunk = lambda steps, leading: loop_sink.stepped_program(  # noqa: E731
-          program, layout, spec, rest_tree, steps, leading, graph)
-    memory.refine(graph.memory, graph, parts, program.analyses, self.platform)
-    where = spec.where
-    user_code = any(p.may_fail for p in parts)  # callbacks (or host kernels) run in it
-    runner = functools.partial(executor.Runner, layout=layout, where=where,
-                               user_code=user_code)
-    eager = lambda steps, leading=None: runner(  # noqa: E731
-        executor.eager_program(graph, spec, rest_tree, layout, steps, leading))
-    def make_sunk(steps, leading, parts=None):  # parts: chunked_program's
-      if parts is None:
-        return runner(sunk(steps, leading))
-      return runner(loop_sink.chunked_program(parts, layout, spec, rest_tree, steps,
-                                              leading, graph))
-    return runner(program), make_sunk, eager
 
   def _bind_state(self, name, state_nums, state_flats, state_from, source, shared,
                   layouts=None):
