@@ -36,11 +36,14 @@ setup(
     # pytest-xdist: the suite runs on 2 worker processes (pytest.ini).
     # hypothesis, cloudpickle and portpicker: JAX's own test modules need them
     # (tests/jax_suite_test.py runs some of them routed through the session).
+    # pyflakes: tests/lint_test.py finds names used but never defined (a call
+    # of an undefined function raised a raw NameError at compile).
     # orbax-checkpoint: Session.save/restore write through it (the JAX field's
     # checkpoint library: atomic steps, keep-N, sharded arrays); imported only
     # when a checkpoint is saved or restored.
     extras_require={"checkpoint": ["orbax-checkpoint"],
                     "test": ["pytest>=7", "pytest-xdist", "flax", "optax", "hypothesis",
-                             "cloudpickle", "portpicker", "orbax-checkpoint", "equinox"]},
+                             "cloudpickle", "portpicker", "orbax-checkpoint", "equinox",
+                             "pyflakes"]},
     entry_points={"console_scripts": ["jaxsession=jaxsession.cli:run_main"]},
 )
