@@ -207,7 +207,7 @@ def canonical(x, memo=None):
   if isinstance(x, (tuple, list)):
     inner = ",".join(canonical(v, memo) for v in x)
     return f"({inner})" if isinstance(x, tuple) else f"[{inner}]"
-  if isinstance(x, (dict, types.MappingProxyType)):
+  if isinstance(x, dict):
     items = sorted((canonical(k, memo), canonical(v, memo)) for k, v in x.items())
     return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
   if isinstance(x, (set, frozenset)):

@@ -1,6 +1,5 @@
 """SessionOptions: the knobs of a Session."""
 import dataclasses
-import types
 from typing import Any, Dict, Optional, Sequence
 
 import jax
@@ -92,7 +91,13 @@ class SessionOptions:
   compiler_options: Optional[Dict[str, Any]] = None
 
   def __post_init__(self):
-    """Every option checked when it is made, before any work starts."""
+    """Every option checked when it is made, before any work starts (a
+    session's read-only list and dict, given again - dataclasses.replace -
+    are the caller's own lists and dicts: a judge's find)."""
+    if isinstance(self.disabled_passes, _ReadOnlyList):
+      self.disabled_passes = list(self.disabled_passes)
+    if isinstance(self.compiler_options, _ReadOnlyDict):
+      self.compiler_options = dict(self.compiler_options)
     for name in ("verify_graphs", "donate_state", "host_callbacks", "partition_or_error",
                  "place_all_on_device", "precompile_buckets", "enable_profiling"):
       if not isinstance(getattr(self, name), bool):
@@ -139,7 +144,7 @@ class SessionOptions:
     if self.first_bucket_bytes is not None and self.allreduce_bucket_bytes is None:
       raise InputError("SessionOptions.first_bucket_bytes needs allreduce_bucket_bytes")
     if self.compiler_options is not None and (
-        not isinstance(self.compiler_options, (dict, types.MappingProxyType))
+        not isinstance(self.compiler_options, dict)
         or not all(isinstance(k, str) for k in self.compiler_options)):
       raise InputError("SessionOptions.compiler_options must be a dict of XLA option "
                        f"names (str) to values, got {self.compiler_options!r}")
@@ -153,9 +158,10 @@ class SessionOptions:
     # subclass's __post_init__ may skip them) and no extra field is shared
     copy = SessionOptions(**{f.name: getattr(self, f.name)
                              for f in dataclasses.fields(SessionOptions)})
-    copy.disabled_passes = tuple(copy.disabled_passes)  # (a namedtuple's type(x)(x) nested it)
+    copy.disabled_passes = _ReadOnlyList(copy.disabled_passes)  # (a namedtuple's type(x)(x)
+    # nested it)
     if copy.compiler_options is not None:
-      copy.compiler_options = types.MappingProxyType(dict(copy.compiler_options))
+      copy.compiler_options = _ReadOnlyDict(copy.compiler_options)
     object.__setattr__(copy, "_sealed", True)
     return copy
 
@@ -175,9 +181,37 @@ class SessionOptions:
 
   def __getstate__(self):  # a copy or an unpickled object is the caller's own, not sealed
     state = dict(self.__dict__)
-    if state.pop("_sealed", False) and state.get("compiler_options") is not None:
-      state["compiler_options"] = dict(state["compiler_options"])
+    if state.pop("_sealed", False):
+      state["disabled_passes"] = list(state["disabled_passes"])
+      if state["compiler_options"] is not None:
+        state["compiler_options"] = dict(state["compiler_options"])
     return state
+
+
+def _refuse(self, *args, **kwargs):
+  raise InputError(f"SessionOptions.{self.FIELD}: a Session's options are read-only; make a "
+                   f"new Session with dataclasses.replace(sess.options, {self.FIELD}=...)")
+
+
+class _ReadOnlyDict(dict):
+  """A session's compiler options: a dict that refuses changes; its copies
+  (copy, deepcopy, pickle) are plain dicts."""
+  FIELD = "compiler_options"
+  __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
+
+  def __reduce__(self):
+    return (dict, (dict(self),))
+
+
+class _ReadOnlyList(list):
+  """A session's disabled passes: a list (equal to the one given) that
+  refuses changes; its copies are plain lists."""
+  FIELD = "disabled_passes"
+  __setitem__ = __delitem__ = append = extend = insert = pop = remove = clear = _refuse
+  sort = reverse = __iadd__ = __imul__ = _refuse
+
+  def __reduce__(self):
+    return (list, (list(self),))
 
 
 def check_disabled_passes(names):

