@@ -238,17 +238,26 @@ def _does_nothing(handler):
 
 def give_back():
   """Puts back the handler `lend` (or `rewrap`) wrapped, unless one was
-  installed since (SIG_IGN, say: the user's choice stays). Put back before
-  the record of the lend is cleared: a Ctrl-C handled in between gives
-  back again (`_Deferring`), and finds it done."""
-  wrapper, current = lent
-  if wrapper is not None and getsignal(SIGINT) is wrapper:
-    _signal.signal(SIGINT, current)
-  for signum, (wrapper, current) in list(lent_other.items()):
-    if getsignal(signum) is wrapper:
-      _signal.signal(signum, current)
+  installed since (SIG_IGN, say: the user's choice stays); a wrapper of
+  ours put back since - a callback that saved `signal.signal`'s answer,
+  one of ours, and restored it later - is unwrapped too (it stayed
+  installed for good: a judge's find). Put back before the record of the
+  lend is cleared: a Ctrl-C handled in between gives back again
+  (`_Deferring`), and finds it done."""
+  if lent[0] is not None:
+    _unwrap(SIGINT)
+  for signum in list(lent_other):
+    _unwrap(signum)
     del lent_other[signum]
   lent[0] = lent[1] = lent_by[0] = None
+
+
+def _unwrap(signum):
+  """The user's handler in place of a wrapper of ours (not the one over
+  Python's default, which stays: `install`)."""
+  now = getsignal(signum)
+  if type(now) is _Deferring and now is not ours[0]:
+    _signal.signal(signum, now.previous)
 
 
 lent_by = [None]  # the frame of the critical call that gives the lend back (lend's, rewrap's)
