@@ -33,4 +33,6 @@ class PartitionNodes(Pass):
                       f"{placement_reason(n)}" for n in host)
           + "\npartitions:\n" + "\n".join(f"  {p.describe()}" for p in parts))
     graph.partitions = parts
+    if graph.schedule is not None:
+      graph.schedule.launched = len(parts)
     return PassResult(len(parts) > 1)

