@@ -144,8 +144,8 @@ def _row_axis_name(graph):
       continue
     names = tuple(spec[0]) if isinstance(spec[0], tuple) else (spec[0],)
     if len(names) != 1:
-      return None, (f"run argument {value.name or value} splits its rows over mesh axes {names} at "
-                    "once: the plan sums over one axis")
+      return None, (f"fn's {value.name or value} (a run argument) splits its rows over mesh "
+                    f"axes {names} at once: the plan sums over one axis")
     if names[0] not in axes:
       axes.append(names[0])
   if not axes:

@@ -111,9 +111,11 @@ def static_paths(tree):
 def difference(expected, got):
   """What differs between two Static nodes, for tree_difference's message."""
   got_text, expected_text = repr(_Same(got.value)), repr(_Same(expected.value))
-  if got_text == expected_text:  # printed alike: say how they differ (a judge's find)
-    got_text += (f" (a {type(got.value).__name__} equal in print but not == the compiled "
-                 "one: another object, compared by identity)")
+  if type(got.value) is not type(expected.value):  # (printed alike, or not: judges' finds)
+    got_text += (f" (a {type(got.value).__name__}, where the compiled one is a "
+                 f"{type(expected.value).__name__})")
+  elif got_text == expected_text:
+    got_text += f" (a {type(got.value).__name__} printed alike but not == the compiled one)"
   return (f"the non-array leaf kept static is {got_text}, the state was compiled "
           f"for {expected_text} (another object would need another program: "
           "compile a graph with this object in its example, or set it inside the function - "

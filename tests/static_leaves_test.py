@@ -101,9 +101,16 @@ class EquinoxStateTest(absltest.TestCase):
     leaky = lambda: functools.partial(jax.nn.leaky_relu, negative_slope=0.1)  # noqa: E731
     g2 = sess.compile(_train_step, eqx.tree_at(lambda m: m.activation, model, leaky()),
                       opt_state, self.xs[0], self.ys[0], state_argnums=(0, 1))
-    with self.assertRaisesRegex(InputError, r"kept static is functools\.partial.*equal in print "
+    with self.assertRaisesRegex(InputError, r"kept static is functools\.partial.*printed alike "
                                 r"but not == the compiled one"):
       sess.set_state(g2, eqx.tree_at(lambda m: m.activation, model, leaky()), opt_state)
+    # one equal (==) but of another type: the types named
+    class Act(str):
+      pass
+    g3 = sess.compile(lambda m, x: (m, x), {"act": "relu", "w": jnp.ones(2)}, self.xs[0],
+                      state_argnums=0)
+    with self.assertRaisesRegex(InputError, r"\(a Act, where the compiled one is a str\)"):
+      sess.set_state(g3, {"act": Act("relu"), "w": jnp.ones(2)})
     array = eqx.tree_at(lambda m: m.activation, model, jnp.ones(2))
     with self.assertRaisesRegex(InputError, r"at \.activation: expected the non-array "):
       sess.replace_state(gid, 0, array)
