@@ -111,7 +111,9 @@ def _to_no_inf(node, arrays):
   """A convert of inf or NaN to a float type without inf (float4_e2m1fn,
   float8_e4m3fn...): XLA converts it one way compiled alone and another
   inside jax.jit's fused program (inf to float4: 6.0 and 0.0): left to XLA."""
-  if node.op != "convert_element_type" or "inf" in dtype_specials(node.outputs[0].aval.dtype):
+  out = node.outputs[0].aval.dtype
+  if node.op != "convert_element_type" or not jnp.issubdtype(out, jnp.floating) \
+      or "inf" in dtype_specials(out):
     return False
   return any(jnp.issubdtype(a.dtype, jnp.floating) and not np.isfinite(a.astype(np.float64)).all()
              for a in arrays)
