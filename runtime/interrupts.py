@@ -52,8 +52,8 @@ A SIGINT whose KeyboardInterrupt CPython ignores (raised inside a gc
 callback, a __del__ or a weakref callback) is sent again (`_Unraisable`).
 SIGTERM and SIGHUP with a Python handler of the user's are lent for the call
 as SIGINT's is (`OTHER`), also one a host callback installs (`rewrap`); their
-defaults end the process, as SIGKILL does. Other signals, and handlers set to SIG_IGN/SIG_DFL or installed
-in C, are left alone. A run of the main thread that never returns (a callback
+defaults end the process, as SIGKILL does. Other signals, and handlers set to
+SIG_IGN/SIG_DFL or installed in C, are left alone. A run of the main thread that never returns (a callback
 that blocks forever) cannot be interrupted by Ctrl-C: its state would be lost.
 """
 import _signal
@@ -290,15 +290,16 @@ def rewrap():
     frame = frame.f_back
   if owner is None:
     return  # no critical call runs: nothing to defer
-  if lent[0] is None and not lent_other:
-    lent_by[0] = owner
+  if current is DEFAULT:
+    install()
+  sigint = current is not DEFAULT and _lendable(current)
+  if (sigint or others) and lent[0] is None and not lent_other:
+    lent_by[0] = owner  # (only where something is lent)
   for signum, handler in others:  # the one the callback installed is put back
     wrapper = _Deferring(handler)
     _signal.signal(signum, wrapper)
     lent_other[signum] = (wrapper, handler)
-  if current is DEFAULT:
-    install()
-  elif _lendable(current):
+  if sigint:
     _lend(current)
 
 
