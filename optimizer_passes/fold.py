@@ -111,12 +111,19 @@ def _to_no_inf(node, arrays):
   """A convert of inf or NaN to a float type without inf (float4_e2m1fn,
   float8_e4m3fn...): XLA converts it one way compiled alone and another
   inside jax.jit's fused program (inf to float4: 6.0 and 0.0): left to XLA."""
-  out = node.outputs[0].aval.dtype
-  if node.op != "convert_element_type" or not jnp.issubdtype(out, jnp.floating) \
-      or "inf" in dtype_specials(out):
-    return False
-  return any(jnp.issubdtype(a.dtype, jnp.floating) and not np.isfinite(a.astype(np.float64)).all()
-             for a in arrays)
+  return _loses_inf(node) and not all(_finite(a) for a in arrays)
+
+
+def _loses_inf(node):
+  """Whether `node` converts to a float type that has no inf."""
+  to = node.outputs[0].aval.dtype if node.op == "convert_element_type" else None
+  return to is not None and jnp.issubdtype(to, jnp.floating) and "inf" not in dtype_specials(to)
+
+
+def _finite(array):
+  array = np.asarray(array)
+  return not jnp.issubdtype(array.dtype, jnp.floating) or bool(
+      np.isfinite(array.astype(np.float64)).all())
 
 
 IEEE_SPECIALS = frozenset(("inf", "nan"))
@@ -150,17 +157,16 @@ _COMBINED = {"pow": ("div", "log")}
 _MOVES = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "slice", "convert_element_type")
 
 
-def _readers(node):
-  """The nodes that read `node`'s outputs, through data movement and
-  converts (a reader XLA sees through them: a squeeze, a slice, a bfloat16
-  convert between a pow and its log were judges' finds)."""
+def _downstream(node):
+  """The nodes that read `node`'s outputs, and through data movement and
+  converts (_MOVES: a squeeze, a slice, a bfloat16 convert between a pow and
+  its log, judges' finds) the nodes that read those."""
   values, found = list(node.outputs), []
   while values:
     for user in values.pop().users:
+      found.append(user)
       if user.op in _MOVES:
         values.extend(user.outputs)
-      else:
-        found.append(user)
   return found
 
 
@@ -168,10 +174,9 @@ def _combined_by_reader(node):
   """Whether a reader of `node` is one XLA rewrites together with it
   (_COMBINED: a divisor or a log of a pow)."""
   readers = _COMBINED.get(node.op)
-  if not readers:
-    return False
-  return any(user.op in readers and (user.op != "div" or user.inputs[0].producer is not node)
-             for user in _readers(node))
+  return bool(readers) and any(
+      user.op in readers and (user.op != "div" or user.inputs[0].producer is not node)
+      for user in _downstream(node))
 
 
 def _feeds_no_inf(node, results):
@@ -179,19 +184,7 @@ def _feeds_no_inf(node, results):
   without inf (float4_e2m1fn, float8_e8m0fnu...): XLA's folder converts a
   literal inf otherwise than jax.jit's run-time convert (float4: 6.0 for 0.0,
   e8m0: NaN for inf), so the value stays a node (a judge's find)."""
-  if not any(jnp.issubdtype(r.dtype, jnp.floating) and not np.isfinite(
-      np.asarray(r, np.float64)).all() for r in map(np.asarray, results)):
-    return False
-  values = list(node.outputs)
-  while values:
-    for user in values.pop().users:
-      if user.op == "convert_element_type":
-        to = user.outputs[0].aval.dtype
-        if jnp.issubdtype(to, jnp.floating) and "inf" not in dtype_specials(to):
-          return True
-      if user.op in _MOVES:
-        values.extend(user.outputs)
-  return False
+  return not all(map(_finite, results)) and any(map(_loses_inf, _downstream(node)))
 
 
 def _memo_key(node, args):

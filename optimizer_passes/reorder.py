@@ -28,8 +28,8 @@ the report and the dump.
 Needs place_nodes before it.
 """
 import dataclasses
-from typing import Optional
 import heapq
+from typing import Optional
 
 from jaxsession.graph import liveness
 from jaxsession.graph.ir import Literal, aval_bytes

@@ -363,7 +363,7 @@ def call_path(program, layout, lock, where="run", user_code=False):
 
   getsignal, sigint, ours, lend, give_back, lent_by = (interrupts.getsignal, interrupts.SIGINT,
       interrupts.ours, interrupts.lend, interrupts.give_back, interrupts.lent_by)
-  term, hup = (interrupts.OTHER * 2)[:2]  # (a platform with one of them looks twice)
+  term, hup = interrupts.TERM, interrupts.HUP
 
   @interrupts.critical  # a Ctrl-C waits for the commit and the unlock
   def call(args):

@@ -266,6 +266,7 @@ lent_by = [None]  # the frame of the critical call that gives the lend back (len
 OTHER = tuple(getattr(_signal, name) for name in ("SIGTERM", "SIGHUP")
               if hasattr(_signal, name))
 lent_other = {}  # signum -> (ours, the user's handler) while lent
+TERM, HUP = (OTHER * 2)[:2]  # (a platform with one of them looks twice: Runner.call, rewrap)
 
 
 def rewrap():
@@ -279,10 +280,12 @@ def rewrap():
   if _thread.get_ident() != _MAIN:
     return
   current = getsignal(SIGINT)
-  others = [(signum, h) for signum, h in ((n, getsignal(n)) for n in OTHER) if _lendable(h)]
-  if not others and (type(current) is _Deferring or not callable(current)
-                     or _does_nothing(current)):
+  term, hup = getsignal(TERM), getsignal(HUP)  # (inlined: each host op pays this look)
+  if (type(current) is _Deferring or not callable(current) or _does_nothing(current)) and not (
+      type(term) is not _Deferring and callable(term)
+      or type(hup) is not _Deferring and callable(hup)):
     return
+  others = [(signum, h) for signum, h in ((n, getsignal(n)) for n in OTHER) if _lendable(h)]
   owner, frame = None, sys._getframe(1)  # pylint: disable=protected-access
   while frame is not None:  # the outermost critical call: it gives back
     if frame.f_code in _CRITICAL:
